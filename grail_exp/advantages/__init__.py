@@ -1,0 +1,34 @@
+"""Advantage schemes: how a sequence advantage A_i becomes token advantages  Â_{i,t} = sg(w_{i,t}) · A_i.
+
+The contract (design.md): a scheme receives a micro-batch (``SchemeBatch``) **and the live model**,
+and returns detached token weights ``w`` of shape (B, C) plus a dict of scalar diagnostics. GRPO
+returns ones. Adding a scheme = one file here that registers itself with ``@register_scheme`` +
+one YAML file in ``conf/advantage/`` + tests; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from grail_exp.advantages.base import (
+    SCHEMES,
+    AdvantageScheme,
+    SchemeBatch,
+    SchemeOutput,
+    build_scheme,
+    register_scheme,
+    scheme_config_class,
+)
+from grail_exp.advantages.group import group_advantages
+
+# Importing the scheme modules registers them.
+from grail_exp.advantages import grpo as _grpo  # noqa: E402,F401
+
+__all__ = [
+    "SCHEMES",
+    "AdvantageScheme",
+    "SchemeBatch",
+    "SchemeOutput",
+    "build_scheme",
+    "group_advantages",
+    "register_scheme",
+    "scheme_config_class",
+]

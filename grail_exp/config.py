@@ -1,0 +1,351 @@
+"""Structured configs (typed schemas for the Hydra tree in ``grail_exp/conf``) and validation.
+
+Every YAML file under ``conf/`` is merged into these dataclasses, so a misspelt key or a value of the
+wrong type fails at composition time, naming the key. ``validate`` then checks what types cannot
+express (ranges, cross-field constraints) *before* any model is loaded, and reports every problem at
+once, each with its full key.
+
+Each field carries a one-line comment: what it does, its default, and where it comes from
+(paper and section, or the TRL option it mirrors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work. The message names the key(s) and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- model
+@dataclass
+class BuildConfig:
+    """Shape of the embedded model built locally (only used when ``model.name_or_path`` is null)."""
+
+    architecture: str = "qwen3"  # qwen3 | llama: the transformers architecture to instantiate
+    tokenizer: str = "qwen"  # qwen (byte-level BPE, ChatML) | llama (metaspace BPE, byte fallback, header tokens)
+    vocab_size: int = 320  # BPE target size; digits stay single tokens regardless
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start of the embedded model (demo-notes: stop at a target accuracy, not a step count)."""
+
+    enabled: bool = True
+    lr: float = 3e-3
+    batch_size: int = 64
+    warmup_steps: int = 20
+    max_steps: int = 3000  # safety cap; the target is normally reached first
+    eval_every: int = 50
+    eval_problems: int = 128  # validation problems graded greedily at each check
+    target_accuracy: float = 0.35  # stop at the first check at or above this greedy accuracy
+
+
+@dataclass
+class ModelConfig:
+    """Policy model: a hub id / local directory, or (name_or_path: null) the embedded model."""
+
+    name: str = MISSING  # short name used in run names and tables
+    name_or_path: Optional[str] = None  # hub id or local HF directory; null -> build the embedded model
+    revision: Optional[str] = None  # hub revision (commit sha or tag); pin it for reproductions
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2; null = transformers default
+    trust_remote_code: bool = False  # never execute code from a model repo unless you say so
+    gradient_checkpointing: bool = False
+    # Prompting (how a problem becomes the model's input; recorded with every table)
+    prompt_style: str = "chat"  # chat: the tokenizer's chat template | plain: "Question: ...\nAnswer:" text
+    chat_template: Optional[str] = None  # Jinja override for tokenizers without a (suitable) template
+    chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})  # Qwen3 non-thinking mode
+    plain_template: str = "Question: {problem}\nAnswer:"  # prompt_style=plain (base models)
+    system_prompt: Optional[str] = None  # null = no system turn (as in the GRAIL paper)
+    strip_think: bool = False  # grade only the text after the last </think> (thinking models, e.g. R1-Distill)
+    # Embedded model only
+    build: Optional[BuildConfig] = None
+    warm_start: Optional[WarmStartConfig] = None
+
+
+# ---------------------------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    """Training prompts. ``name`` selects a dataset from the registry in ``grail_exp/data``."""
+
+    name: str = MISSING  # arithmetic (generated) | deepmath (trl-lib/DeepMath-103K)
+    instruction: str = ""  # appended to every problem; the paper uses " Please reason step by step, ..."
+    # arithmetic: difficulty knobs (see grail_exp/data/arithmetic.py)
+    min_steps: int = 2
+    max_steps: int = 3
+    max_operand: int = 99
+    operators: str = "+-"
+    allow_negative: bool = False
+    seed: int = 1234  # data seed: fixed validation/test splits, independent of the run seed
+    num_validation: int = 256
+    num_test: int = 256
+    # hub datasets
+    path: Optional[str] = None  # hub id or local dir/file for `datasets.load_dataset`
+    revision: Optional[str] = None
+    split: str = "train"
+    problem_field: str = "prompt"
+    answer_field: str = "solution"
+    shuffle_seed: int = 42  # the paper shuffles DeepMath with seed 42
+
+
+# ---------------------------------------------------------------------------------------------- rollout / eval
+@dataclass
+class RolloutConfig:
+    """Sampling of training rollouts (G completions per prompt)."""
+
+    engine: str = MISSING  # hf (transformers generate) | vllm
+    num_generations: int = 8  # G, group size (GRPO: DeepSeekMath §4.1; paper: 8)
+    max_completion_length: int = 64  # max new tokens; also the dr_grpo normaliser (paper: 4096)
+    temperature: float = 1.0  # paper: 1.0
+    top_p: float = 1.0  # paper: 1.0
+    top_k: int = 0  # 0 = off (paper: 50)
+    repetition_penalty: float = 1.0
+    generation_batch_size: int = 256  # completions per generate() call (memory knob only)
+
+
+@dataclass
+class EvalConfig:
+    """Sampling for evaluation, independent of training sampling (GRAIL paper §7.1: n=3, T=0.6, ...)."""
+
+    name: str = MISSING
+    n: int = 3  # samples per problem; pass@k is reported for every k <= n
+    temperature: float = 0.6  # 0 = greedy (then n must be 1)
+    top_p: float = 0.95
+    top_k: int = 20
+    max_tokens: int = 8192
+    batch_size: int = 256  # completions per generate() call
+    n_boot: int = 1000  # bootstrap resamples for confidence intervals
+    seed: int = 0  # sampling seed of the evaluation (independent of training)
+
+
+@dataclass
+class BenchmarkConfig:
+    """What to evaluate on: one or more registered benchmarks."""
+
+    name: str = MISSING
+    names: list = field(default_factory=list)  # registry names (see grail_exp/data/benchmarks.py)
+    limit: Optional[int] = None  # take the first N problems of each benchmark (smoke tests)
+
+
+# ---------------------------------------------------------------------------------------------- algorithm
+@dataclass
+class LossConfig:
+    """The GRPO objective (method spec §2). Defaults = the GRAIL paper's GRPO (spec §2.2)."""
+
+    # Advantage normalisation. group: (r - mean_g)/std_g (DeepSeekMath); batch: std over the whole batch;
+    # none: r - mean_g (Dr. GRPO, arXiv 2503.20783; the paper's `scale_rewards: false`).
+    scale_rewards: str = "none"
+    epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon (PPO)
+    epsilon_high: Optional[float] = 0.28  # upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher); null = epsilon
+    # grpo: per-sequence token mean, then mean (DeepSeekMath) | bnpo: token mean over the micro-batch |
+    # dr_grpo: token sum / (B * max_completion_length) (Dr. GRPO) | dapo: token sum / tokens in the global batch (DAPO)
+    loss_type: str = "dr_grpo"
+    beta: float = 0.0  # KL coefficient (k3 estimator); > 0 loads a frozen reference model (DeepSeekMath: 0.04)
+    num_iterations: int = 1  # mu: optimiser steps per rollout batch, with old log-probs (paper: 4)
+    mask_truncated_completions: bool = True  # completions without EOS add no loss (DAPO overlong filtering)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with a constant-with-warmup schedule (the paper: lr 1e-6, 20 warmup steps, clip 1.0)."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warmup from 0 (transformers' constant_with_warmup: step 0 has lr 0)
+    max_grad_norm: Optional[float] = 1.0  # null = no clipping
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop and hardware (Lightning Trainer)."""
+
+    name: str = MISSING
+    accelerator: str = "cpu"
+    devices: Any = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    max_steps: int = 200  # optimiser steps (each rollout batch gives loss.num_iterations of them)
+    prompts_per_step: int = 16  # prompts per rollout batch (x G completions); paper: 32 x 8 = 256
+    micro_batch_size: int = 64  # completions per forward/backward; gradient accumulation covers the rest
+    log_every: int = 1  # optimiser steps between metric logs
+    sample_table_every: int = 50  # optimiser steps between logged tables of sample completions (0 = off)
+    num_logged_samples: int = 8  # completions per sample table
+    eval_every: int = 0  # optimiser steps between in-training evaluations (0 = only at the end)
+    eval_before_training: bool = True  # evaluate the starting model too (gives the "before" column)
+    eval_at_end: bool = True
+    log_entropy: bool = True  # token entropy of the policy (costs a (B, T, V) softmax)
+    max_nonfinite_in_a_row: int = 3  # skipped non-finite steps tolerated in a row before aborting
+    num_threads: Optional[int] = None  # torch CPU threads; null = torch default
+    deterministic: bool = False
+
+
+@dataclass
+class RewardConfig:
+    """Grading: last \\boxed{} -> math-verify in killable worker processes (method spec §2.2)."""
+
+    num_workers: int = 2  # grading processes; 0 = grade in the main process (no hard timeout)
+    hard_timeout_s: float = 15.0  # wall-clock limit per answer; the worker is killed past it (counted)
+    parse_timeout: int = 5  # math-verify's own parse timeout (seconds), as in the reference
+    verify_timeout: int = 5  # math-verify's own verify timeout (seconds)
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking. MLflow by default (sqlite under results/; MLFLOW_TRACKING_URI wins)."""
+
+    name: str = MISSING  # mlflow | none
+    tracking_uri: Optional[str] = None  # null -> env MLFLOW_TRACKING_URI, else sqlite:///<results>/mlflow.db
+    experiment_name: str = "grail_exp"
+    run_name: Optional[str] = None  # null -> <model>-<advantage>-seed<seed>
+    artifact_location: Optional[str] = None  # null -> <results>/mlartifacts
+    tags: dict = field(default_factory=dict)
+
+
+@dataclass
+class PathsConfig:
+    root_dir: str = "."
+    results_dir: str = MISSING
+    cache_dir: str = MISSING
+    log_dir: str = MISSING
+    output_dir: str = MISSING
+
+
+@dataclass
+class RunConfig:
+    """Root schema: the config groups plus run-level keys."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    eval: EvalConfig = MISSING
+    benchmark: BenchmarkConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    advantage: Any = MISSING  # typed per scheme by the registry (grail_exp/advantages)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    task_name: str = "train"
+    seed: int = 42
+    optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
+    experiment: Any = None  # free-form notes set by experiment files
+    extras: dict = field(default_factory=dict)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def _check(errors: list[str], ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        errors.append(f"{key} = {value!r}: {why}")
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Reject impossible configurations before anything expensive happens.
+
+    Returns the config with ``advantage`` merged into its scheme's typed schema. Raises
+    ``ConfigError`` listing every problem, each with its full key.
+    """
+    from grail_exp.advantages import SCHEMES, scheme_config_class
+
+    e: list[str] = []
+    r, L, t, o, ev = cfg.rollout, cfg.loss, cfg.trainer, cfg.optim, cfg.eval
+    _check(e, r.engine in ("hf", "vllm"), "rollout.engine", r.engine, "must be one of: hf, vllm")
+    _check(e, r.num_generations >= 2, "rollout.num_generations", r.num_generations,
+           "must be >= 2 (the group mean is the baseline; one sample has no baseline)")
+    _check(e, r.max_completion_length > 0, "rollout.max_completion_length", r.max_completion_length, "must be > 0")
+    _check(e, r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0 (training samples)")
+    _check(e, 0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+    _check(e, r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 disables top-k)")
+    _check(e, r.generation_batch_size >= 1, "rollout.generation_batch_size", r.generation_batch_size, "must be >= 1")
+    _check(e, L.scale_rewards in ("group", "batch", "none"), "loss.scale_rewards", L.scale_rewards,
+           "must be one of: group, batch, none")
+    _check(e, L.epsilon >= 0, "loss.epsilon", L.epsilon, "must be >= 0")
+    _check(e, L.epsilon_high is None or L.epsilon_high >= 0, "loss.epsilon_high", L.epsilon_high,
+           "must be >= 0 or null")
+    _check(e, L.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), "loss.loss_type", L.loss_type,
+           "must be one of: grpo, bnpo, dr_grpo, dapo")
+    _check(e, L.beta >= 0, "loss.beta", L.beta, "must be >= 0")
+    _check(e, L.num_iterations >= 1, "loss.num_iterations", L.num_iterations, "must be >= 1")
+    _check(e, o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    _check(e, o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _check(e, o.max_grad_norm is None or o.max_grad_norm > 0, "optim.max_grad_norm", o.max_grad_norm,
+           "must be > 0 or null")
+    _check(e, t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
+    _check(e, t.prompts_per_step >= 1, "trainer.prompts_per_step", t.prompts_per_step, "must be >= 1")
+    _check(e, t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
+    _check(e, t.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, "must be >= 1")
+    _check(e, cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "must be >= 0")
+    _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
+    _check(e, t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0")
+    _check(e, ev.n >= 1, "eval.n", ev.n, "must be >= 1")
+    _check(e, ev.temperature >= 0, "eval.temperature", ev.temperature, "must be >= 0 (0 = greedy)")
+    _check(e, ev.temperature > 0 or ev.n == 1, "eval.n", ev.n, "greedy evaluation (eval.temperature=0) needs n=1")
+    _check(e, 0 < ev.top_p <= 1, "eval.top_p", ev.top_p, "must be in (0, 1]")
+    _check(e, ev.max_tokens > 0, "eval.max_tokens", ev.max_tokens, "must be > 0")
+    _check(e, cfg.benchmark.limit is None or cfg.benchmark.limit >= 1, "benchmark.limit", cfg.benchmark.limit,
+           "must be >= 1 or null")
+    _check(e, cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
+           "must be one of: float32, bfloat16, float16")
+    _check(e, cfg.model.prompt_style in ("chat", "plain"), "model.prompt_style", cfg.model.prompt_style,
+           "must be one of: chat, plain")
+    _check(e, cfg.logger.name in ("mlflow", "none"), "logger.name", cfg.logger.name, "must be one of: mlflow, none")
+    if cfg.model.name_or_path is None:
+        _check(e, cfg.model.build is not None, "model.build", None,
+               "model.name_or_path is null, so the embedded model is built, which needs model.build")
+
+    from grail_exp.data import BENCHMARKS, DATASETS
+
+    _check(e, cfg.data.name in DATASETS, "data.name", cfg.data.name, f"must be one of: {', '.join(sorted(DATASETS))}")
+    for b in cfg.benchmark.names:
+        _check(e, b in BENCHMARKS, "benchmark.names", b, f"unknown benchmark; valid: {', '.join(sorted(BENCHMARKS))}")
+
+    # Micro-batches must tile the rollout batch exactly, otherwise gradient accumulation is ill-defined.
+    completions = t.prompts_per_step * r.num_generations
+    if t.micro_batch_size >= 1 and completions % min(t.micro_batch_size, completions):
+        e.append(f"trainer.micro_batch_size = {t.micro_batch_size}: must divide trainer.prompts_per_step x "
+                 f"rollout.num_generations = {completions}")
+
+    # The advantage scheme: known name, then its own typed schema and checks.
+    adv = cfg.advantage
+    name = adv.get("name") if isinstance(adv, DictConfig) else None
+    if name not in SCHEMES:
+        e.append(f"advantage.name = {name!r}: unknown scheme; valid: {', '.join(sorted(SCHEMES))}")
+    else:
+        try:
+            typed = OmegaConf.merge(OmegaConf.structured(scheme_config_class(name)), adv)
+        except Exception as exc:  # omegaconf names the offending key
+            e.append(f"advantage: {exc}".split("\n    ")[0])
+        else:
+            e.extend(f"advantage.{msg}" for msg in SCHEMES[name].check_config(typed))
+            if not e:
+                with open_dict(cfg):
+                    cfg.advantage = typed
+    if e:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
+    return cfg
+
+
+def open_dict(cfg: DictConfig):
+    from omegaconf import open_dict as _open
+
+    return _open(cfg)

@@ -1,0 +1,126 @@
+"""Synthetic multi-step arithmetic word problems: the embedded default task.
+
+A problem is a left-to-right chain such as ``Compute 15+75-48.``; the reference solution writes one
+equation per step and ends in ``\\boxed{answer}``::
+
+    15+75=90. 90-48=42. \\boxed{42}
+
+Each step's result feeds the next, so an error in any intermediate step makes the final answer wrong.
+That is the property token-level credit assignment is about: the reward is one bit for the whole
+sequence, but only a few tokens (the wrong digit of one intermediate result) caused it.
+
+Splits are deterministic functions of ``(seed, split, index)``. The validation and test sets are fixed
+lists; the training stream is infinite and skips any problem that occurs in validation or test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+
+__all__ = ["ArithmeticProblem", "ArithmeticTask"]
+
+# Stable per-split salts: adding a split must never change the problems of another one.
+_SPLIT_SALT = {"train": 0, "validation": 1, "test": 2}
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """One problem: the question text, the step-by-step reference solution and the gold answer."""
+
+    question: str
+    solution: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Generator of arithmetic chains; every field is a difficulty knob from ``conf/data/arithmetic.yaml``."""
+
+    min_steps: int = 2
+    max_steps: int = 3
+    max_operand: int = 99
+    operators: str = "+-"
+    allow_negative: bool = False
+    question_template: str = "Compute {expr}."
+    seed: int = 1234
+    num_validation: int = 256
+    num_test: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_steps <= self.max_steps:
+            raise ValueError(f"data.min_steps ({self.min_steps}) must be in [1, data.max_steps={self.max_steps}]")
+        if self.max_operand < 1:
+            raise ValueError(f"data.max_operand must be >= 1, got {self.max_operand}")
+        if not self.operators or set(self.operators) - set("+-*"):
+            raise ValueError(f"data.operators must be a non-empty subset of '+-*', got {self.operators!r}")
+
+    # ------------------------------------------------------------------ generation
+    def _rng(self, split: str, index: int) -> random.Random:
+        # A string seed hashes deterministically (unlike hash() of a tuple across processes).
+        key = f"{self.seed}:{_SPLIT_SALT[split]}:{index}".encode()
+        return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+
+    def sample(self, rng: random.Random) -> ArithmeticProblem:
+        """Draw one problem; operations are evaluated left to right, as written in the solution."""
+        n_ops = rng.randint(self.min_steps, self.max_steps)
+        value = rng.randint(1, self.max_operand)
+        expr, steps = str(value), []
+        for _ in range(n_ops):
+            op = rng.choice(self.operators)
+            if op == "-" and not self.allow_negative:
+                if value == 0:
+                    op = "+"
+                operand = rng.randint(1, min(value, self.max_operand)) if op == "-" else rng.randint(1, self.max_operand)
+            elif op == "*":
+                operand = rng.randint(2, 9)  # keep products in a range a tiny model can learn
+            else:
+                operand = rng.randint(1, self.max_operand)
+            new = {"+": value + operand, "-": value - operand, "*": value * operand}[op]
+            steps.append(f"{value}{op}{operand}={new}.")
+            expr += f"{op}{operand}"
+            value = new
+        solution = " ".join(steps) + f" \\boxed{{{value}}}"
+        return ArithmeticProblem(self.question_template.format(expr=expr), solution, str(value))
+
+    # ------------------------------------------------------------------ splits
+    @lru_cache(maxsize=8)
+    def split(self, name: str) -> tuple[ArithmeticProblem, ...]:
+        """The fixed ``validation`` or ``test`` set (deduplicated, disjoint from each other)."""
+        if name not in ("validation", "test"):
+            raise ValueError(f"fixed splits are 'validation' and 'test', got {name!r}")
+        size = self.num_validation if name == "validation" else self.num_test
+        exclude = {p.question for p in self.split("validation")} if name == "test" else set()
+        out, seen, i = [], set(), 0
+        while len(out) < size:
+            p = self.sample(self._rng(name, i))
+            i += 1
+            if p.question not in seen and p.question not in exclude:
+                seen.add(p.question)
+                out.append(p)
+            if i > 50 * size + 1000:
+                raise ValueError(f"data: cannot draw {size} distinct {name} problems; widen the difficulty knobs")
+        return tuple(out)
+
+    @property
+    def _held_out(self) -> frozenset[str]:
+        return _held_out_questions(self)
+
+    def train_problem(self, index: int) -> ArithmeticProblem:
+        """The ``index``-th problem of the infinite training stream (held-out questions are skipped)."""
+        attempt = 0
+        while True:
+            p = self.sample(self._rng("train", index * 1000 + attempt))
+            if p.question not in self._held_out:
+                return p
+            attempt += 1
+
+    def train_problems(self, start: int, count: int) -> list[ArithmeticProblem]:
+        return [self.train_problem(i) for i in range(start, start + count)]
+
+
+@lru_cache(maxsize=8)
+def _held_out_questions(task: ArithmeticTask) -> frozenset[str]:
+    return frozenset(p.question for s in ("validation", "test") for p in task.split(s))

@@ -1,0 +1,35 @@
+"""User-facing errors: one clear message naming the thing and the fix, not a stack trace."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import contextmanager
+
+log = logging.getLogger("grail_exp")
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    from grail_exp.config import ConfigError
+    from grail_exp.models import ModelLoadError
+    from grail_exp.tracking import TrackingError
+
+    return (ConfigError, ModelLoadError, TrackingError, FileNotFoundError)
+
+
+@contextmanager
+def exit_on_user_error(code: int = 2):
+    """Turn a known user error into ``error: <message>`` on stderr and exit ``code``.
+
+    Anything else is a bug and keeps its traceback. Set ``GRAIL_EXP_TRACEBACK=1`` to see tracebacks of
+    user errors too.
+    """
+    import os
+
+    try:
+        yield
+    except user_error_types() as exc:
+        if os.environ.get("GRAIL_EXP_TRACEBACK"):
+            raise
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(code)

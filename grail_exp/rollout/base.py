@@ -1,0 +1,90 @@
+"""The rollout-engine protocol: what the trainer and the evaluator need from a generator.
+
+An engine turns tokenised prompts into ``n`` sampled completions each and reports, per completion,
+the token ids, the log-probabilities under the *sampling* distribution and whether it was cut off at
+the token budget. ``rollout=hf`` (transformers ``generate``) implements it on any device;
+``rollout=vllm`` implements the same protocol later, unchanged for its callers. Engines that keep their
+own copy of the weights (vLLM) refresh it in ``sync_weights`` after each optimiser step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64
+    repetition_penalty: float = 1.0
+
+
+@dataclass
+class Completion:
+    """One sampled completion, unpadded."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens, up to and including the stop token when there is one
+    logprobs: list[float] | None  # log-prob of each generated token under the sampling distribution
+    truncated: bool  # True when the token budget ran out before a stop token
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``len(prompts) * params.n`` completions, prompt-major: rows j*n … j*n+n-1 belong to prompt j."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from ``model``'s current parameters."""
+        ...
+
+
+@dataclass
+class RolloutBatch:
+    """Completions padded into tensors: prompts left-padded, completions right-padded."""
+
+    prompt_ids: torch.Tensor  # (N, P)
+    prompt_mask: torch.Tensor  # (N, P)
+    completion_ids: torch.Tensor  # (N, C)
+    completion_mask: torch.Tensor  # (N, C) 1 on generated tokens (stop token included)
+    sampling_logprobs: torch.Tensor | None  # (N, C), 0 on padding
+    is_truncated: torch.Tensor  # (N,) bool
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+
+def pad_completions(completions: list[Completion], pad_id: int) -> RolloutBatch:
+    """Pad a list of completions into a ``RolloutBatch`` (widths = the longest prompt / completion)."""
+    P = max(len(c.prompt_ids) for c in completions)
+    C = max(1, max(len(c.token_ids) for c in completions))
+    N = len(completions)
+    prompt_ids = torch.full((N, P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((N, P), dtype=torch.long)
+    completion_ids = torch.full((N, C), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((N, C), dtype=torch.long)
+    has_lp = all(c.logprobs is not None for c in completions)
+    logprobs = torch.zeros((N, C), dtype=torch.float32) if has_lp else None
+    for i, c in enumerate(completions):
+        if c.prompt_ids:
+            prompt_ids[i, P - len(c.prompt_ids):] = torch.tensor(c.prompt_ids)
+            prompt_mask[i, P - len(c.prompt_ids):] = 1
+        if c.token_ids:
+            completion_ids[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+            completion_mask[i, : len(c.token_ids)] = 1
+            if has_lp:
+                logprobs[i, : len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    truncated = torch.tensor([c.truncated for c in completions], dtype=torch.bool)
+    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs, truncated)

@@ -1,0 +1,173 @@
+"""``python -m grail_exp.run``: validate → build → train → evaluate → return the objective.
+
+    python -m grail_exp.run                                   # embedded default, a few minutes on a CPU
+    python -m grail_exp.run advantage=grpo trainer.max_steps=2
+    python -m grail_exp.run model=qwen3_8b trainer=gpu        # a hub model on a GPU node
+
+The return value is ``optimized_metric`` of the final evaluation (e.g. ``eval/arithmetic/acc``), so
+Hydra sweepers and Optuna can optimise it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from grail_exp.config import ConfigError, register_configs, validate
+
+log = logging.getLogger("grail_exp")
+register_configs()
+
+
+def default_run_name(cfg: DictConfig) -> str:
+    return cfg.logger.get("run_name") or f"{cfg.model.name}-{cfg.advantage.name}-seed{cfg.seed}"
+
+
+def train(cfg: DictConfig) -> dict:
+    """The whole job; returns the final metrics (flat dict) plus phase timings."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from grail_exp.advantages import build_scheme
+    from grail_exp.data import build_source
+    from grail_exp.embedded import read_build_report
+    from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
+    from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.module import GRPOModule
+    from grail_exp.rewards import MathVerifier
+    from grail_exp.rollout import build_engine
+    from grail_exp.tracking import build_tracker
+
+    phases: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    # Tracking first: an unreachable server fails before minutes of model building.
+    tracker = build_tracker(cfg, default_run_name(cfg))
+    status = "FAILED"
+    verifier = None
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        tracker.log_params({k: v for k, v in resolved.items() if k not in ("paths",)})
+        tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
+        tracker.set_tags({"model": cfg.model.name, "advantage": cfg.advantage.name, "seed": cfg.seed,
+                          "task_name": cfg.task_name, "output_dir": cfg.paths.output_dir})
+
+        model_path = resolve_model_path(cfg)
+        phases["model_build_s"] = time.perf_counter() - t0
+        report = read_build_report(model_path)
+        if report and report.get("warm_start"):
+            ws = report["warm_start"]
+            tracker.log_params({"warm_start.steps": ws["steps"], "warm_start.greedy_val_accuracy": ws["greedy_val_accuracy"],
+                                "warm_start.seconds": round(ws["seconds"], 1), "model.path": model_path})
+        tokenizer = load_tokenizer(model_path, cfg)
+        policy = load_causal_lm(model_path, cfg, trainable=True)
+        ref_model = load_causal_lm(model_path, cfg, trainable=False) if cfg.loss.beta > 0 else None
+        log.info("policy %s: %.2f M parameters", model_path, count_parameters(policy) / 1e6)
+
+        scheme = build_scheme(cfg.advantage, tokenizer)
+        engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
+        r = cfg.reward
+        verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s,
+                                parse_timeout=r.parse_timeout, verify_timeout=r.verify_timeout)
+        source = build_source(cfg.data)
+
+        results: dict[str, float] = {}
+        eval_tables: dict[str, str] = {}
+
+        def run_eval(tag: str, step: int) -> dict[str, float]:
+            t = time.perf_counter()
+            res = evaluate_benchmarks(policy, tokenizer, engine, verifier, cfg, desc=f"eval ({tag})")
+            log_eval_result(tracker, res, tag, step)
+            phases[f"eval_{tag}_s"] = phases.get(f"eval_{tag}_s", 0.0) + time.perf_counter() - t
+            eval_tables[tag] = res.table()
+            log.info("evaluation (%s, step %d):\n%s", tag, step, eval_tables[tag])
+            return res.flat_metrics()
+
+        if cfg.trainer.eval_before_training:
+            before = run_eval("before", 0)
+            results.update({k.replace("eval/", "eval_before/", 1): v for k, v in before.items()})
+
+        module = GRPOModule(cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model,
+                            evaluate_fn=lambda step: run_eval(f"step{step}", step))
+        rounds = -(-cfg.trainer.max_steps // cfg.loss.num_iterations)  # ceil: μ optimiser steps per rollout
+        trainer = L.Trainer(
+            accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, strategy=cfg.trainer.strategy,
+            precision=cfg.trainer.precision, max_steps=cfg.trainer.max_steps, max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+            deterministic=cfg.trainer.deterministic, default_root_dir=cfg.paths.output_dir,
+        )
+        t = time.perf_counter()
+        trainer.fit(module, train_dataloaders=DataLoader(range(rounds), batch_size=None, shuffle=False))
+        phases["train_s"] = time.perf_counter() - t
+        if module.last_metrics:
+            results.update({f"train/{k}": v for k, v in module.last_metrics.items()})
+
+        if cfg.trainer.eval_at_end:
+            results.update(run_eval("final", int(trainer.global_step)))
+        phases["total_s"] = time.perf_counter() - t0
+        tracker.log_metrics({f"phase/{k}": v for k, v in phases.items()}, step=int(trainer.global_step))
+        results.update({f"phase/{k}": v for k, v in phases.items()})
+        _write_summary(cfg, results, eval_tables, tracker)
+        status = "FINISHED"
+        return results
+    finally:
+        if verifier is not None:
+            verifier.close()
+        tracker.end(status)
+
+
+def _write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> None:
+    """``<run dir>/metrics.json`` and a readable before/after report on the console."""
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"run_id": getattr(tracker, "run_id", None), "metrics": results, "tables": tables}
+    (out / "metrics.json").write_text(json.dumps(payload, indent=2, default=float))
+    lines = [f"run directory: {out}"]
+    if getattr(tracker, "run_id", None):
+        lines.append(f"MLflow run: {tracker.run_id} ({cfg.logger.experiment_name})")
+    metric = cfg.optimized_metric
+    if metric and metric in results:
+        before = results.get(metric.replace("eval/", "eval_before/", 1))
+        msg = f"{metric}: {results[metric]:.3f}"
+        if before is not None:
+            msg += f" (before training: {before:.3f}, change {results[metric] - before:+.3f})"
+        lines.append(msg)
+    timing = ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in results.items() if k.startswith("phase/") and k.endswith("_s"))
+    lines.append(f"phases: {timing.replace('phase/', '')}")
+    print("\n".join(lines), flush=True)
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Validate, train, evaluate; return ``cfg.optimized_metric`` (None if unset)."""
+    validate(cfg)
+    results = train(cfg)
+    metric = cfg.get("optimized_metric")
+    if not metric:
+        return None
+    if metric not in results:
+        raise ConfigError(f"optimized_metric = {metric!r} was not produced by this run; available: "
+                          f"{', '.join(sorted(k for k in results if k.startswith('eval/')))}")
+    return float(results[metric])
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from grail_exp.errors import exit_on_user_error
+
+    with exit_on_user_error():
+        return run(cfg)
+
+
+if __name__ == "__main__":
+    main()

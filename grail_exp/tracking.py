@@ -1,0 +1,134 @@
+"""Experiment tracking: a thin layer over the MLflow client (runs, params, metrics, tables, artifacts).
+
+Where runs go: ``MLFLOW_TRACKING_URI`` if set, else ``logger.tracking_uri``, else a sqlite file
+``<results>/mlflow.db`` with artifacts under ``<results>/mlartifacts`` (browse with
+``mlflow ui --backend-store-uri sqlite:///results/mlflow.db``). MLflow 3.17 refuses the plain file
+store, hence sqlite. Each step's metrics go in one ``log_batch`` call (per-scalar calls cost ~6 ms each
+on sqlite).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class TrackingError(RuntimeError):
+    pass
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists are kept whole (as their string form)."""
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = d
+    return out
+
+
+class NullTracker:
+    """``logger=none``: everything is a no-op, so callers never branch on tracking."""
+
+    run_id: str | None = None
+
+    def log_params(self, params: dict) -> None: ...
+    def log_metrics(self, metrics: dict, step: int) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_dict(self, d: dict, artifact_file: str) -> None: ...
+    def log_table(self, df, artifact_file: str) -> None: ...
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
+    def set_tags(self, tags: dict) -> None: ...
+    def end(self, status: str = "FINISHED") -> None: ...
+
+
+class MlflowTracker(NullTracker):
+    def __init__(self, tracking_uri: str, experiment_name: str, run_name: str, artifact_location: str | None = None,
+                 tags: dict | None = None, run_id: str | None = None):
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self._mlflow = mlflow
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        try:
+            exp = self.client.get_experiment_by_name(experiment_name)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                experiment_name, artifact_location=artifact_location)
+            if run_id:  # resume: continue the same run
+                self.client.update_run(run_id, status="RUNNING")
+                self.run_id = run_id
+            else:
+                self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
+        except Exception as exc:  # unreachable server, locked/corrupt db, ...
+            raise TrackingError(
+                f"cannot use the MLflow tracking store {tracking_uri!r}: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}\n"
+                "Fix: start the server / check MLFLOW_TRACKING_URI, or run with logger=none."
+            ) from exc
+        self.experiment_id = exp_id
+
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k[:250], str(v)[:6000]) for k, v in flatten(params).items()]
+        for i in range(0, len(items), 100):  # log_batch accepts at most 100 params per call
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, step) for k, v in metrics.items()
+                 if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v))]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_dict(self, d: dict, artifact_file: str) -> None:
+        self.client.log_dict(self.run_id, d, artifact_file)
+
+    def log_table(self, df, artifact_file: str) -> None:
+        self.client.log_table(self.run_id, data=df, artifact_file=artifact_file)
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, path, artifact_path)
+
+    def set_tags(self, tags: dict) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def tracking_uri_for(cfg) -> str:
+    """MLFLOW_TRACKING_URI wins; then logger.tracking_uri; then sqlite under the results dir."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    if cfg.logger.get("tracking_uri"):
+        return cfg.logger.tracking_uri
+    results = Path(cfg.paths.results_dir).expanduser().resolve()
+    results.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{results / 'mlflow.db'}"
+
+
+def build_tracker(cfg, run_name: str, run_id: str | None = None) -> NullTracker:
+    if cfg.logger.name == "none":
+        return NullTracker()
+    uri = tracking_uri_for(cfg)
+    art = cfg.logger.get("artifact_location") or str(Path(cfg.paths.results_dir).expanduser().resolve() / "mlartifacts")
+    if "://" not in art and not art.startswith("file:"):
+        art = Path(art).resolve().as_uri()
+    return MlflowTracker(uri, cfg.logger.experiment_name, run_name, art, dict(cfg.logger.get("tags") or {}), run_id)

@@ -38,6 +38,7 @@ class BuildConfig:
     head_dim: int = 32
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
+    seed: int = 0  # init + warm-start seed; independent of the run seed so a seed sweep shares one start
 
 
 @dataclass
@@ -321,7 +322,7 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     # Micro-batches must tile the rollout batch exactly, otherwise gradient accumulation is ill-defined.
     completions = t.prompts_per_step * r.num_generations
-    if t.micro_batch_size >= 1 and completions % min(t.micro_batch_size, completions):
+    if completions >= 1 and t.micro_batch_size >= 1 and completions % min(t.micro_batch_size, completions):
         e.append(f"trainer.micro_batch_size = {t.micro_batch_size}: must divide trainer.prompts_per_step x "
                  f"rollout.num_generations = {completions}")
 

@@ -255,8 +255,8 @@ def warm_start(model, tokenizer, task: ArithmeticTask, ws: dict, chat_template_k
         bar.update(1)
         if step % ws["eval_every"] == 0:
             acc = greedy_accuracy(model, tokenizer, val, chat_template_kwargs, instruction)
-            history.append({"step": step, "loss": float(loss), "greedy_acc": acc, "seconds": time.time() - start})
-            bar.set_postfix(loss=f"{float(loss):.3f}", greedy_acc=f"{acc:.2f}")
+            history.append({"step": step, "loss": loss.item(), "greedy_acc": acc, "seconds": time.time() - start})
+            bar.set_postfix(loss=f"{loss.item():.3f}", greedy_acc=f"{acc:.2f}")
             if acc >= ws["target_accuracy"]:
                 break
     bar.close()
@@ -272,12 +272,12 @@ def cache_key(spec: dict) -> str:
 
 
 def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_template_kwargs: dict,
-                          instruction: str, cache_dir: str | os.PathLike, seed: int) -> Path:
+                          instruction: str, cache_dir: str | os.PathLike) -> Path:
     """Return the directory of the warm-started embedded model, building and caching it if needed."""
     from filelock import FileLock
 
     spec = {"build": build, "warm_start": warm, "task": asdict(task), "chat": chat_template_kwargs,
-            "instruction": instruction, "seed": seed}
+            "instruction": instruction}
     root = Path(cache_dir).expanduser() / "embedded"
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{build['architecture']}-{cache_key(spec)}"
@@ -289,6 +289,7 @@ def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_te
         log.info("building the embedded model (cached afterwards) at %s", target)
         t0 = time.time()
         tokenizer = build_tokenizer(build["tokenizer"], task, build["vocab_size"])
+        seed = build.get("seed", 0)
         model = build_model(build, tokenizer, seed)
         n_params = sum(p.numel() for p in model.parameters())
         report = warm_start(model, tokenizer, task, warm, chat_template_kwargs, instruction, seed) if warm["enabled"] else {}

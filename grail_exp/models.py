@@ -46,7 +46,6 @@ def resolve_model_path(cfg) -> str:
             chat_template_kwargs=OmegaConf.to_container(m.chat_template_kwargs, resolve=True) or {},
             instruction=cfg.data.instruction if cfg.data.name == "arithmetic" else "",
             cache_dir=cfg.paths.cache_dir,
-            seed=cfg.seed if m.get("seed_from_run", False) else 0,
         )
         return str(path)
     name = str(m.name_or_path)

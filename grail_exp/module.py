@@ -229,13 +229,12 @@ class GRPOModule(L.LightningModule):
                         iteration: int) -> dict[str, float]:
         cfg = self.cfg
         C = batch.completion_ids.shape[1]
-        sums: dict[str, float] = {}
-        n_mb = 0
+        sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch masked means
+        tokens_seen = 0.0
         t_scheme = 0.0
         t0 = time.perf_counter()
         loss_total = 0.0
         for s, e in batch.micro_batches(self.micro_batch_size):
-            n_mb += 1
             logits = completion_logits(self.policy, batch.input_ids[s:e], batch.attention_mask[s:e],
                                        batch.position_ids[s:e], C, cfg.rollout.temperature)
             logp = selective_log_softmax(logits, batch.completion_ids[s:e])  # (B, C)
@@ -271,9 +270,11 @@ class GRPOModule(L.LightningModule):
                     metrics["entropy"] = ((entropy_from_logits(logits.detach()) * mask).sum() / denom).item()
             for k, v in scheme_out.metrics.items():
                 metrics[f"{self.scheme.name}/{k}"] = float(v)
+            n_tok = float(mask.sum())
+            tokens_seen += n_tok
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-        avg = {k: v / n_mb for k, v in sums.items()}
+                sums[k] = sums.get(k, 0.0) + v * n_tok
+        avg = {k: v / tokens_seen for k, v in sums.items()} if tokens_seen else {}
         avg.pop("loss_tokens", None)
 
         grad_norm = self._grad_norm()

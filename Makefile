@@ -1,0 +1,36 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   - create .venv if missing, install, run the embedded default (python -m grail_exp.run)
+#   make test   - create .venv if missing, install, run the test suite (slow checks excluded)
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+ARGS   ?=
+
+.PHONY: demo test test-all install clean mlflow-ui
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	@# pip >= 23.3 honours underscore extras such as math-verify[antlr4_9_3]; torch is pinned to the CPU build
+	@echo "installing into $(VENV) (log: $(VENV)/pip.log) ..."
+	@$(PY) -m pip install -q --upgrade "pip>=24" > $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@$(PY) -m pip install -q -e ".[dev]" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@$(PY) -c "import grail_exp, torch, lightning, hydra, mlflow, math_verify; print('torch', torch.__version__)"
+	@rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m grail_exp.run $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "" $(ARGS)
+
+mlflow-ui: $(STAMP)
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///results/mlflow.db
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,66 @@
+"""Shared fixtures: composed configs with temp paths, and a tiny random model built in seconds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests must never write to a user's tracking server
+
+
+def compose(overrides: list[str] | None = None, tmp: Path | None = None, config_name: str = "config"):
+    """Compose the real config tree like `python -m grail_exp.run <overrides>` does, with temp paths."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grail_exp.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    paths = []
+    if tmp is not None:
+        paths = [f"paths.root_dir={tmp}", f"paths.output_dir={tmp}/run", f"paths.cache_dir={tmp}/cache"]
+    with initialize_config_module(config_module="grail_exp.conf", version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=paths + list(overrides or []))
+
+
+@pytest.fixture
+def compose_cfg(tmp_path):
+    return lambda overrides=None: compose(overrides, tmp_path)
+
+
+TINY_BUILD = dict(architecture="qwen3", tokenizer="qwen", vocab_size=320, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                  tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from grail_exp.data.arithmetic import ArithmeticTask
+    from grail_exp.embedded import build_tokenizer
+
+    return build_tokenizer("qwen", ArithmeticTask())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    """A randomly initialised (not warm-started) tiny Qwen3 saved as a Hugging Face directory."""
+    from grail_exp.embedded import build_model
+
+    d = tmp_path_factory.mktemp("tiny_model")
+    model = build_model(TINY_BUILD, tiny_tokenizer, seed=0)
+    model.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def tiny_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    return m.train()

@@ -18,7 +18,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 
 
 @contextmanager
-def exit_on_user_error(code: int = 2):
+def exit_on_user_error(code: int = 2, extra: tuple[type[BaseException], ...] = ()):
     """Turn a known user error into ``error: <message>`` on stderr and exit ``code``.
 
     Anything else is a bug and keeps its traceback. Set ``GRAIL_EXP_TRACEBACK=1`` to see tracebacks of
@@ -28,7 +28,7 @@ def exit_on_user_error(code: int = 2):
 
     try:
         yield
-    except user_error_types() as exc:
+    except user_error_types() + tuple(extra) as exc:
         if os.environ.get("GRAIL_EXP_TRACEBACK"):
             raise
         print(f"error: {exc}", file=sys.stderr, flush=True)

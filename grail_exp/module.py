@@ -100,6 +100,9 @@ class GRPOModule(L.LightningModule):
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
         self.last_metrics: dict[str, float] = {}
+        # Stochastic schemes (OAR-G's noise) draw from their own seeded stream: reproducible, and
+        # independent of the sampling RNG. Saved and restored with checkpoints.
+        self.scheme_generator = torch.Generator(device="cpu").manual_seed(int(cfg.seed) + 7919)
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
@@ -245,7 +248,8 @@ class GRPOModule(L.LightningModule):
                 input_ids=batch.input_ids[s:e], attention_mask=batch.attention_mask[s:e],
                 position_ids=batch.position_ids[s:e], prompt_length=batch.prompt_length,
                 completion_ids=batch.completion_ids[s:e], completion_mask=mask,
-                advantages=batch.advantages[s:e], rewards=batch.rewards[s:e], completion_texts=batch.texts[s:e]))
+                advantages=batch.advantages[s:e], rewards=batch.rewards[s:e], completion_texts=batch.texts[s:e],
+                sampling_temperature=cfg.rollout.temperature, generator=self.scheme_generator))
             t_scheme += time.perf_counter() - ts
             w = scheme_out.weights.detach().to(logp.dtype)
             token_adv = w * batch.advantages[s:e].unsqueeze(1)  # Â = sg(w)·A, (B, C)

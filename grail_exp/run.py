@@ -24,6 +24,9 @@ from grail_exp.config import ConfigError, register_configs, validate
 
 log = logging.getLogger("grail_exp")
 register_configs()
+# Lightning's INFO lines (GPU/TPU availability, tips) repeat through Hydra's root handler; keep warnings.
+for _name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 
 def default_run_name(cfg: DictConfig) -> str:

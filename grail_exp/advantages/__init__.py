@@ -20,7 +20,9 @@ from grail_exp.advantages.base import (
 from grail_exp.advantages.group import group_advantages
 
 # Importing the scheme modules registers them.
+from grail_exp.advantages import grail as _grail  # noqa: E402,F401
 from grail_exp.advantages import grpo as _grpo  # noqa: E402,F401
+from grail_exp.advantages import oar as _oar  # noqa: E402,F401
 
 __all__ = [
     "SCHEMES",

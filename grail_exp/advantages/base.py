@@ -27,6 +27,8 @@ class SchemeBatch:
     advantages: torch.Tensor  # (B,) sequence advantages A_i
     rewards: torch.Tensor  # (B,)
     completion_texts: list[str] | None = None  # decoded completions (special tokens skipped)
+    sampling_temperature: float = 1.0  # the rollout temperature (GRAIL's probe divides its logits by it)
+    generator: torch.Generator | None = None  # seeded RNG for stochastic schemes (OAR-G noise)
 
 
 @dataclass

@@ -1,0 +1,174 @@
+"""GRAIL: gradient×activation saliency of the answer, turned into token weights (arXiv 2606.04889).
+
+Method spec §4.1 with the reference's verified details (§11). Per micro-batch, with the live model:
+
+    E      = embed(ids)  (a detached leaf; or hidden_states[k] for leaf_source first / middle / last)
+    logp_t = log softmax( body(E)[window] · W_lm.detach()ᵀ / T_sal )[o_t]       window = P-1 … P+C-2
+    J      = − Σ_i Σ_{t ∈ answer(i)} logp_{i,t}                                  first complete \\boxed{}
+    g      = ∂J/∂E                                                              one backward, no .grad
+    s_t    = ‖ g_{t-1} ⊙ e_{t-1} ‖₂                                             the predicting position
+    ℓ_t    = log(s_t + 1e-8);  z_t = (ℓ_t − μ) / sqrt(var + 1e-8)              per row, population stats
+    w_t    = clip(w_mean + σ_w · z_t, w_min, w_max)
+
+then, in the reference's order (§11.4): rows without a box or excluded by ``symmetry`` → 1; × mask;
+overrides: content → w_max, marker / closing brace → w_mean, valid post-answer tokens → w_mean.
+The trainer uses Â = sg(w)·A.
+
+Reference quirks, reproduced by default, each with a switch (spec §12):
+- post-answer slots have exactly zero saliency (J cannot depend on them) and sit in the z-score
+  statistics at log(1e-8) (``zscore_post_answer: include`` | ``exclude``, §11.1);
+- the span comes from re-encoding decoded text (``span_mapping: reference`` | ``exact``, §11.3);
+- the probe and overrides use the first complete box, the reward the last (``box: first`` | ``last``, §11.5).
+
+``saliency_temperature`` divides the probe's logits (null = the sampling temperature, as the reference
+does; paper 1.0). A global scale of g cancels in the log-space z-score, so T matters only through the
+softmax: low T saturates confident answer tokens (p → 1 gives ∂logp/∂logit → 0), concentrating saliency
+on the positions that move *uncertain* answer tokens; high T flattens p, so every answer token pulls on
+the inputs like its raw logit gradient and the weights spread out. It is the knob the Optuna study tunes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from grail_exp.advantages.base import AdvantageScheme, SchemeBatch, SchemeOutput, register_scheme
+from grail_exp.advantages.probe import (
+    body_forward,
+    detached_head_logits,
+    embed,
+    masked_mean_std,
+    predicting_window,
+)
+from grail_exp.advantages.spans import answer_spans
+from grail_exp.loss import selective_log_softmax
+
+
+@dataclass
+class GrailConfig:
+    name: str = "grail"
+    # σ_w: spread of the log-saliency z-score mapping (paper 0.5). The reference raises at 0; here 0 is
+    # allowed and gives w = w_mean everywhere (the GRPO limit, used to test exact GRPO equivalence).
+    std: float = 0.5
+    mean: float = 1.0  # w_mean: neutral weight; also the marker / closing / post-answer override weight
+    w_min: float = 0.5  # lower clip (paper 0.5; GrailConfigV2 default 0.1)
+    w_max: float = 5.0  # upper clip; also the weight of boxed answer content tokens
+    leaf_source: str = "embeddings"  # embeddings | first | middle | last (hidden_states[1], [L//2], [L-1])
+    symmetry: str = "wrong"  # which rollouts are reweighted: wrong (A <= 0; paper) | correct (A > 0) | both
+    saliency_temperature: Optional[float] = None  # divides the probe logits; null = rollout.temperature
+    overrides: bool = True  # content -> w_max, marker/closing/post -> w_mean (reference: always on)
+    zscore_post_answer: str = "include"  # include (reference) | exclude: post-answer slots out of mu / sigma
+    span_mapping: str = "reference"  # reference (re-encode behind "a") | exact (live token offsets)
+    box: str = "first"  # first (reference: probe + overrides) | last (the box the reward grades)
+    skip_zero_advantage: bool = False  # skip the probe for A = 0 rows (their weights cannot change the loss)
+
+
+@register_scheme("grail", GrailConfig)
+class GrailScheme(AdvantageScheme):
+    @staticmethod
+    def check_config(cfg) -> list[str]:
+        e = []
+        if cfg.std < 0:
+            e.append(f"std = {cfg.std}: must be >= 0")
+        if not 0 < cfg.w_min <= cfg.w_max:
+            e.append(f"w_min = {cfg.w_min}: must satisfy 0 < w_min <= w_max (= {cfg.w_max})")
+        if cfg.mean <= 0:
+            e.append(f"mean = {cfg.mean}: must be > 0 (weights must keep the advantage's sign)")
+        for key, valid in (("leaf_source", ("embeddings", "first", "middle", "last")),
+                           ("symmetry", ("wrong", "correct", "both")),
+                           ("zscore_post_answer", ("include", "exclude")),
+                           ("span_mapping", ("reference", "exact")), ("box", ("first", "last"))):
+            if cfg[key] not in valid:
+                e.append(f"{key} = {cfg[key]!r}: must be one of {', '.join(valid)}")
+        if cfg.saliency_temperature is not None and cfg.saliency_temperature <= 0:
+            e.append(f"saliency_temperature = {cfg.saliency_temperature}: must be > 0 or null")
+        return e
+
+    def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
+        cfg = self.cfg
+        mask = batch.completion_mask.float()  # (B, C) loss mask (0 on padding and masked truncations)
+        B, C = batch.completion_ids.shape
+        P = batch.prompt_length
+        spans = answer_spans(batch.completion_ids, batch.completion_mask, self.tokenizer,
+                             span_mapping=cfg.span_mapping, box=cfg.box, texts=batch.completion_texts)
+        A = batch.advantages.float()
+        if cfg.symmetry == "wrong":
+            excluded = A > 0
+        elif cfg.symmetry == "correct":
+            excluded = A <= 0
+        else:
+            excluded = torch.zeros_like(A, dtype=torch.bool)
+        fallback = ~spans.has_box | excluded  # (B,)
+        probe_rows = ~fallback
+        if cfg.skip_zero_advantage:
+            probe_rows = probe_rows & (A != 0)
+
+        w = torch.ones(B, C, device=mask.device)
+        raw = torch.ones(B, C, device=mask.device)
+        if probe_rows.any():
+            idx = probe_rows.nonzero().squeeze(1)
+            sal = self.saliency(model, batch, spans.span, idx)  # (b, C)
+            stats_mask = mask[idx]
+            if cfg.zscore_post_answer == "exclude":
+                stats_mask = stats_mask * (~spans.post[idx]).float()
+            ell = torch.log(sal + 1e-8)
+            n = stats_mask.sum(1, keepdim=True).clamp(min=1.0)
+            mu = (ell * stats_mask).sum(1, keepdim=True) / n
+            var = (((ell - mu) ** 2) * stats_mask).sum(1, keepdim=True) / n
+            z = (ell - mu) / torch.sqrt(var + 1e-8)
+            raw[idx] = cfg.mean + cfg.std * z
+            w[idx] = raw[idx].clamp(cfg.w_min, cfg.w_max)
+        # Rows that fell back (or were skipped) keep w = 1; then the reference's order (§11.4):
+        w = w * mask
+        if cfg.overrides:
+            w = torch.where(spans.content, torch.full_like(w, cfg.w_max), w)
+            w = torch.where(spans.marker | spans.closing, torch.full_like(w, cfg.mean), w)
+            w = torch.where(spans.post & mask.bool(), torch.full_like(w, cfg.mean), w)
+
+        self.last_pre_clip = raw.detach()  # w_mean + σ_w·z before clipping (1 on rows without a probe)
+        return SchemeOutput(w.detach(), self._diagnostics(w, raw, mask, spans, fallback, probe_rows, A))
+
+    # -------------------------------------------------------------------------------------------
+    def saliency(self, model, batch: SchemeBatch, span_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """s = ‖g ⊙ a‖₂ over the hidden dimension at the predicting positions, for the given rows: (b, C)."""
+        cfg = self.cfg
+        P, C = batch.prompt_length, batch.completion_ids.shape[1]
+        ids, attn, pos = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows]
+        temperature = cfg.saliency_temperature or batch.sampling_temperature
+        leaf = embed(model, ids)
+        with torch.enable_grad():
+            out = body_forward(model, leaf, attn, pos, output_hidden_states=cfg.leaf_source != "embeddings")
+            if cfg.leaf_source != "embeddings":
+                hs = out.hidden_states  # (L+1) tensors: embeddings, then each layer's output
+                L = len(hs) - 1
+                leaf = hs[{"first": 1, "middle": L // 2, "last": L - 1}[cfg.leaf_source]]
+            logits = detached_head_logits(model, predicting_window(out.last_hidden_state, P, C)) / temperature
+            logp = selective_log_softmax(logits, batch.completion_ids[rows])  # in the logits' dtype, as the reference
+            J = -(logp * span_mask[rows].float()).sum()  # answer NLL summed over the micro-batch
+            (g,) = torch.autograd.grad(J, leaf)
+        g_w = predicting_window(g, P, C).float()
+        a_w = predicting_window(leaf.detach(), P, C).float()
+        return torch.linalg.vector_norm(g_w * a_w, dim=-1)  # (b, C)
+
+    def _diagnostics(self, w, raw, mask, spans, fallback, probe_rows, A) -> dict[str, float]:
+        cfg = self.cfg
+        valid = mask.bool()
+        w_mean, w_std = masked_mean_std(w, valid)
+        rew = valid & probe_rows.unsqueeze(1)
+        n_rew = rew.sum().clamp(min=1)
+        denom = mask.sum().clamp(min=1)
+        a_mean = A.abs().mean()
+        return {
+            "weight_mean": w_mean,
+            "weight_std": w_std,
+            "clip_low_frac": ((raw < cfg.w_min) & rew).sum().item() / n_rew.item(),
+            "clip_high_frac": ((raw > cfg.w_max) & rew).sum().item() / n_rew.item(),
+            "fallback_rate": fallback.float().mean().item(),
+            "answer_found_rate": spans.has_box.float().mean().item(),
+            "reweighted_rows": probe_rows.float().sum().item(),
+            # The reference's logged ratio (§11.12): token-weighted mean |w·A| over the row mean of |A|.
+            "advantages_scale_ratio": ((w * A.abs().unsqueeze(1) * mask).sum() / denom / a_mean).item()
+            if a_mean > 0 else 1.0,
+        }

@@ -1,0 +1,289 @@
+"""OAR: outcome-grounded advantage reshaping (arXiv 2601.07408), gradient (OAR-G) and perturbation (OAR-P).
+
+Token importance I_t measures how much token t moves the model's *outcome distribution* P_final; the
+Bi-Level reshaping (method spec §5.4) turns it into weights that suppress unimportant tokens, boost
+important ones and preserve the advantage mass:
+
+    Ī_t = log(1 + I_t);  Î_t = (Ī_t − min Ī) / (max Ī − min Ī);  τ_q = quantile_τ(Î)
+    ω_t = max(Î_t / τ_q, 0.1)                         if Î_t <  τ_q     (suppress, floor 0.1)
+    ω_t = 1 + β (Î_t − τ_q) / (1 − τ_q)                if Î_t >= τ_q     (boost, up to 1 + β)
+    w_t = ω_t · T / Σ_s ω_s                                             (mass preservation: mean 1)
+
+**OAR-G** (§5.3 / §5.6): one clean forward gives the teacher P0 = softmax(mean of the logits at the
+slots that predict the answer span); Gaussian noise (σ_n) on the embeddings, one noisy forward,
+J = KL(P0 ‖ P_noisy), one backward: I_t = |⟨∂J/∂e_t, e_t⟩|. At zero noise the KL sits at its minimum and
+its gradient is exactly 0, which is why the noise is needed (the score is second order in σ_n).
+
+``variant: grail_repo`` (default) is the re-implementation the GRAIL paper compares against (§5.6, §11.10):
+every valid completion token is scored, at the *predicting* position (the GRAIL shift), with the noisy
+embedding in the product; noise on the whole window; min–max denominator max − min + eps; the quantile is
+the order statistic ``sorted[int(T·τ)]``; ``log(1+s)`` in float32 (``log_compression: reference``; ``log1p``
+is the exact alternative, §11.9); rows without a box → 1. ``variant: original`` is the OAR authors' code
+(§5.3–§5.4): only the reasoning span (tokens before the box) is scored, at the token's own position, with
+the clean embedding in the product, noise on reasoning positions only, ``np.quantile`` interpolation, a
+range of 1 when all scores are equal, and the answer tokens keep weight 1.
+
+**OAR-P** (§5.2): I_t = KL(P_final ‖ P_final with token t replaced by PAD), one no-grad forward per
+scored token, batched in chunks of at most ``max_batch_tokens`` tokens. Same reshaping as ``original``.
+
+The noise comes from the trainer's seeded generator (the reference draws it from the global CUDA RNG,
+which is not reproducible across world sizes; a documented deviation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grail_exp.advantages.base import AdvantageScheme, SchemeBatch, SchemeOutput, register_scheme
+from grail_exp.advantages.probe import (
+    body_forward,
+    detached_head_logits,
+    masked_mean_std,
+    own_window,
+    predicting_window,
+)
+from grail_exp.advantages.spans import answer_spans
+
+SUPPRESS_FLOOR = 0.1  # both codebases floor suppressed tokens at 0.1
+
+
+@dataclass
+class OARGConfig:
+    name: str = "oar_g"
+    variant: str = "grail_repo"  # grail_repo (GRAIL's re-implementation, the paper's baseline) | original
+    tau: float = 0.4  # quantile level τ (GRAIL's config 0.4; the OAR README suggests 0.25)
+    beta: float = 2.0  # boost strength β (GRAIL's config 2.0; the OAR README suggests 1.0)
+    noise_std: float = 1e-3  # σ_n of the embedding noise
+    eps: float = 1e-12  # KL / min-max epsilon (oar_g_eps)
+    p_final: str = "answer_mean"  # answer_mean: softmax of the mean logits over the answer span slots
+    log_compression: str = "reference"  # reference: torch.log(1 + s) in float32 | log1p
+    span_mapping: str = "reference"
+    box: str = "first"
+
+
+@dataclass
+class OARPConfig:
+    name: str = "oar_p"
+    tau: float = 0.4
+    beta: float = 2.0
+    eps: float = 1e-12
+    p_final: str = "answer_mean"  # answer_mean | last (the slot predicting the first answer-content token) | answer_joint
+    log_compression: str = "log1p"
+    max_batch_tokens: int = 16384  # memory budget of one masked-copies forward: rows x sequence length
+    span_mapping: str = "reference"
+    box: str = "first"
+
+
+def _check_common(cfg, e: list[str]) -> None:
+    if not 0 <= cfg.tau < 1:
+        e.append(f"tau = {cfg.tau}: must be in [0, 1)")
+    if cfg.beta < 0:
+        e.append(f"beta = {cfg.beta}: must be >= 0")
+    if cfg.eps < 0:
+        e.append(f"eps = {cfg.eps}: must be >= 0")
+    if cfg.log_compression not in ("reference", "log1p"):
+        e.append(f"log_compression = {cfg.log_compression!r}: must be reference or log1p")
+    if cfg.span_mapping not in ("reference", "exact"):
+        e.append(f"span_mapping = {cfg.span_mapping!r}: must be reference or exact")
+    if cfg.box not in ("first", "last"):
+        e.append(f"box = {cfg.box!r}: must be first or last")
+
+
+# ----------------------------------------------------------------------------------------- Bi-Level reshaping
+def compress(scores: torch.Tensor, mode: str) -> torch.Tensor:
+    s = scores.float()
+    return torch.log(1 + s) if mode == "reference" else torch.log1p(s)
+
+
+def bilevel_grail_repo(scores: torch.Tensor, mask: torch.Tensor, tau: float, beta: float, eps: float,
+                       mode: str = "reference") -> torch.Tensor:
+    """GRAIL repo's reshaping over valid tokens (§11.10): (B, C) scores -> (B, C) weights, mean 1 per row."""
+    m = mask.bool()
+    s = compress(scores, mode)
+    mx = torch.where(m, s, torch.full_like(s, -1e9)).amax(1, keepdim=True)
+    mn = torch.where(m, s, torch.full_like(s, 1e9)).amin(1, keepdim=True)
+    hat = (s - mn) / (mx - mn + eps)
+    T = m.float().sum(1, keepdim=True)  # float32 count, as in the reference
+    idx = (T * torch.tensor(tau, dtype=torch.float32)).long().clamp(min=0)
+    idx = torch.minimum(idx, (T - 1).clamp(min=0).long())
+    srt = torch.where(m, hat, torch.full_like(hat, float("inf"))).sort(1).values
+    tq = srt.gather(1, idx)  # order statistic, not an interpolated quantile
+    omega = torch.where(hat < tq, torch.clamp(hat / (tq + eps), min=SUPPRESS_FLOOR),
+                        1 + beta * (hat - tq) / ((1 - tq) + eps))  # ties go to the boost branch
+    omega = omega * mask
+    return omega * T / (omega.sum(1, keepdim=True) + 1e-8)
+
+
+def bilevel_original(scores: torch.Tensor, mask: torch.Tensor, tau: float, beta: float,
+                     mode: str = "log1p") -> torch.Tensor:
+    """The OAR authors' reshaping per row over the scored tokens (§5.4): np.quantile, range 1 if flat, sum_to_L."""
+    w = torch.ones_like(scores, dtype=torch.float32)
+    for i in range(scores.shape[0]):
+        m = mask[i].bool()
+        L = int(m.sum())
+        if L == 0:
+            continue
+        s = compress(scores[i][m], mode)
+        rng = (s.max() - s.min()).item()
+        hat = (s - s.min()) / (rng if rng > 0 else 1.0)
+        tq = torch.quantile(hat.double(), tau).float()  # linear interpolation, like numpy's default
+        omega = torch.where(hat < tq, torch.clamp(hat / (tq + 1e-8), min=SUPPRESS_FLOOR),
+                            1 + beta * (hat - tq) / (1 - tq + 1e-8))
+        w[i, m] = omega * L / omega.sum()
+    return w
+
+
+# ----------------------------------------------------------------------------------------- outcome distribution
+def span_mean_logits(logits: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Mean of the (B, C, V) logits over the span slots: (B, V); rows without a span give zeros (uniform)."""
+    n = span.float().sum(1, keepdim=True).clamp(min=1.0)
+    return (logits * span.unsqueeze(-1).to(logits.dtype)).sum(1) / n
+
+
+def _reasoning_mask(spans, mask: torch.Tensor) -> torch.Tensor:
+    """Valid tokens strictly before the answer span (the original OAR 'reasoning' segment)."""
+    C = mask.shape[1]
+    pos = torch.arange(C, device=mask.device).unsqueeze(0)
+    first = torch.where(spans.span.any(1), spans.span.float().argmax(1), torch.full_like(spans.has_box, C, dtype=torch.long))
+    return mask.bool() & (pos < first.unsqueeze(1)) & spans.has_box.unsqueeze(1)
+
+
+@register_scheme("oar_g", OARGConfig)
+class OARGScheme(AdvantageScheme):
+    @staticmethod
+    def check_config(cfg) -> list[str]:
+        e: list[str] = []
+        _check_common(cfg, e)
+        if cfg.variant not in ("grail_repo", "original"):
+            e.append(f"variant = {cfg.variant!r}: must be grail_repo or original")
+        if cfg.noise_std < 0:
+            e.append(f"noise_std = {cfg.noise_std}: must be >= 0")
+        if cfg.p_final != "answer_mean":
+            e.append(f"p_final = {cfg.p_final!r}: OAR-G supports answer_mean")
+        return e
+
+    def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
+        cfg = self.cfg
+        mask = batch.completion_mask.float()
+        spans = answer_spans(batch.completion_ids, batch.completion_mask, self.tokenizer,
+                             span_mapping=cfg.span_mapping, box=cfg.box, texts=batch.completion_texts)
+        original = cfg.variant == "original"
+        scored = _reasoning_mask(spans, mask) if original else mask.bool()
+        scores = torch.zeros_like(mask)
+        rows = spans.has_box.nonzero().squeeze(1)
+        if rows.numel():
+            scores[rows] = self.importance(model, batch, spans.span, scored, rows)
+        if original:
+            w = bilevel_original(scores, scored, cfg.tau, cfg.beta, cfg.log_compression)
+            w = torch.where(scored, w, torch.ones_like(w)) * mask
+        else:
+            w = bilevel_grail_repo(scores, mask, cfg.tau, cfg.beta, cfg.eps, cfg.log_compression)
+            w = torch.where(spans.has_box.unsqueeze(1), w, torch.ones_like(w)) * mask
+        return SchemeOutput(w.detach(), _diagnostics(w, mask, scored, spans, scores))
+
+    def importance(self, model, batch: SchemeBatch, span: torch.Tensor, scored: torch.Tensor,
+                   rows: torch.Tensor) -> torch.Tensor:
+        """|⟨∂KL(P0‖P_noisy)/∂e, e⟩| per completion token for the given rows: (b, C)."""
+        cfg = self.cfg
+        P, C = batch.prompt_length, batch.completion_ids.shape[1]
+        ids, attn, pos = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows]
+        span_r = span[rows]
+        original = cfg.variant == "original"
+        window = own_window if original else (lambda x, P_: predicting_window(x, P_, C))
+        emb = model.get_input_embeddings()(ids).detach()
+        with torch.no_grad():  # teacher: clean forward, detached head, no temperature
+            h = body_forward(model, emb, attn, pos).last_hidden_state
+            p0 = torch.softmax(span_mean_logits(detached_head_logits(model, predicting_window(h, P, C)), span_r), -1)
+        noise_where = torch.zeros_like(emb[..., :1])
+        if original:
+            own_window(noise_where, P)[:] = scored[rows].unsqueeze(-1).to(emb.dtype)
+        else:
+            predicting_window(noise_where, P, C)[:] = 1.0
+        noise = torch.randn(emb.shape, generator=batch.generator, dtype=torch.float32).to(emb) * cfg.noise_std
+        noisy = (emb + noise * noise_where).requires_grad_(True)
+        with torch.enable_grad():
+            h = body_forward(model, noisy, attn, pos).last_hidden_state
+            logq = torch.log_softmax(span_mean_logits(detached_head_logits(model, predicting_window(h, P, C)), span_r), -1)
+            J = (p0 * (torch.log(p0 + cfg.eps) - logq)).sum()  # KL(P0 ‖ P_noisy), summed over rows with a box
+            (g,) = torch.autograd.grad(J, noisy)
+        act = emb if original else noisy.detach()
+        return (window(g, P).float() * window(act, P).float()).sum(-1).abs()
+
+
+@register_scheme("oar_p", OARPConfig)
+class OARPScheme(AdvantageScheme):
+    @staticmethod
+    def check_config(cfg) -> list[str]:
+        e: list[str] = []
+        _check_common(cfg, e)
+        if cfg.p_final not in ("answer_mean", "last", "answer_joint"):
+            e.append(f"p_final = {cfg.p_final!r}: must be answer_mean, last or answer_joint")
+        if cfg.max_batch_tokens < 1:
+            e.append(f"max_batch_tokens = {cfg.max_batch_tokens}: must be >= 1")
+        return e
+
+    def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
+        cfg = self.cfg
+        mask = batch.completion_mask.float()
+        spans = answer_spans(batch.completion_ids, batch.completion_mask, self.tokenizer,
+                             span_mapping=cfg.span_mapping, box=cfg.box, texts=batch.completion_texts)
+        scored = _reasoning_mask(spans, mask)
+        scores = self.importance(model, batch, spans, scored)
+        w = bilevel_original(scores, scored, cfg.tau, cfg.beta, cfg.log_compression)
+        w = torch.where(scored, w, torch.ones_like(w)) * mask
+        return SchemeOutput(w.detach(), _diagnostics(w, mask, scored, spans, scores))
+
+    def _outcome(self, model, ids, attn, pos, spans_row, P: int, C: int) -> torch.Tensor:
+        """P_final of each row of a batch of (masked) copies of one sequence: (n, V) log-probs, or (n,) for answer_joint."""
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=C + 1, use_cache=False).logits[:, :-1]
+        span, content = spans_row
+        if self.cfg.p_final == "answer_joint":
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1)
+            return (lp * span).sum(1) / span.sum().clamp(min=1)
+        if self.cfg.p_final == "last":
+            t = int(content.float().argmax()) if content.any() else int(span.float().argmax())
+            return torch.log_softmax(logits[:, t].float(), -1)
+        return torch.log_softmax(span_mean_logits(logits.float(), span.expand(logits.shape[0], -1)), -1)
+
+    @torch.no_grad()
+    def importance(self, model, batch: SchemeBatch, spans, scored: torch.Tensor) -> torch.Tensor:
+        """I_t = KL(P_final ‖ P_final^(t)), token t replaced by PAD; one forward per scored token, chunked."""
+        cfg = self.cfg
+        P, C = batch.prompt_length, batch.completion_ids.shape[1]
+        pad = self.tokenizer.pad_token_id
+        scores = torch.zeros(scored.shape, dtype=torch.float32, device=scored.device)
+        width = batch.input_ids.shape[1]
+        chunk = max(1, cfg.max_batch_tokens // width)
+        for i in scored.any(1).nonzero().squeeze(1).tolist():
+            ids, attn, pos = batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1], batch.position_ids[i:i + 1]
+            row_spans = (spans.span[i].float(), spans.content[i])
+            base = self._outcome(model, ids, attn, pos, row_spans, P, C)
+            positions = scored[i].nonzero().squeeze(1)
+            for s in range(0, positions.numel(), chunk):
+                ts = positions[s:s + chunk]
+                masked = ids.repeat(ts.numel(), 1)
+                masked[torch.arange(ts.numel()), P + ts] = pad
+                out = self._outcome(model, masked, attn.expand_as(masked), pos.expand_as(masked), row_spans, P, C)
+                if cfg.p_final == "answer_joint":
+                    scores[i, ts] = (base - out).float()  # drop in the answer log-likelihood
+                else:
+                    scores[i, ts] = (base.exp() * (base - out)).sum(-1).float()  # KL(P ‖ P^(t))
+        return scores.clamp(min=0)
+
+
+def _diagnostics(w, mask, scored, spans, scores) -> dict[str, float]:
+    valid = mask.bool()
+    w_mean, w_std = masked_mean_std(w, valid)
+    s_mean, _ = masked_mean_std(scores, scored.bool() & spans.has_box.unsqueeze(1))
+    sc = scored.bool()
+    return {
+        "weight_mean": w_mean,
+        "weight_std": w_std,
+        "scored_weight_mean": masked_mean_std(w, sc)[0],
+        "suppressed_frac": ((w < 1) & sc).sum().item() / max(1, sc.sum().item()),
+        "answer_found_rate": spans.has_box.float().mean().item(),
+        "fallback_rate": (~spans.has_box).float().mean().item(),
+        "score_mean": s_mean,
+    }

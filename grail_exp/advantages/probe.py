@@ -1,0 +1,58 @@
+"""Shared pieces of the gradient probes (GRAIL, OAR-G): a forward from a leaf, window logits, windows.
+
+Both reference implementations run the decoder body on detached embeddings (a fresh autograd leaf, so
+no parameter ``.grad`` is touched), project only the completion window with **detached** lm_head weights,
+and take ``torch.autograd.grad`` of a scalar probe with respect to the leaf (method spec §4.1, §5.8).
+
+The window: prompts are left-padded to P, completions right-padded to C, so input positions
+``P-1 … P+C-2`` are the ones that *predict* completion tokens ``0 … C-1`` (slot t reads the embedding of
+token t-1, or of the last prompt token for t = 0): ``x[:, P-1:P+C-1]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformer body of a causal LM (``model.model`` for Qwen3 / Llama)."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return body if body is not None else model.base_model
+
+
+def predicting_window(x: torch.Tensor, prompt_length: int, completion_length: int) -> torch.Tensor:
+    """(B, P+C, ...) -> (B, C, ...): the positions that predict the completion tokens."""
+    return x[:, prompt_length - 1:prompt_length + completion_length - 1]
+
+
+def own_window(x: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """(B, P+C, ...) -> (B, C, ...): the completion tokens' own positions (original OAR alignment)."""
+    return x[:, prompt_length:]
+
+
+def body_forward(model, inputs_embeds, attention_mask, position_ids, output_hidden_states: bool = False):
+    return decoder_body(model)(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False, output_hidden_states=output_hidden_states)
+
+
+def detached_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits from the lm_head with detached weight (and bias): gradients reach the hidden states only."""
+    head = model.get_output_embeddings()
+    logits = hidden @ head.weight.detach().T
+    bias = getattr(head, "bias", None)
+    if bias is not None and bias.numel():
+        logits = logits + bias.detach()
+    return logits
+
+
+def embed(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Input embeddings as a fresh leaf (detached, requires_grad)."""
+    return model.get_input_embeddings()(input_ids).detach().requires_grad_(True)
+
+
+def masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    m = mask.bool()
+    if not m.any():
+        return float("nan"), float("nan")
+    v = x[m].float()
+    return v.mean().item(), (v.std(unbiased=False).item() if v.numel() > 1 else 0.0)

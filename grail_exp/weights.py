@@ -1,0 +1,130 @@
+"""``python -m grail_exp.weights``: inspect the token weights a scheme gives to given rollouts.
+
+    python -m grail_exp.weights advantage=grail model.name_or_path=<HF dir> input=rows.jsonl output=w.json html=w.html
+
+Every given completion token counts as generated and valid (mask 1), as for a completion that ended with
+its EOS token. The computation runs in float32 on CPU unless ``dtype`` / ``device`` say otherwise, through
+the same scheme code as training (``SchemeBatch`` built the same way: prompts left-padded, completions
+right-padded, positions from the attention mask), so the weights match the training path's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("grail_exp.weights")
+
+
+class InputError(ValueError):
+    pass
+
+
+def read_rows(path: str | Path, tokenizer) -> list[dict]:
+    """Rows with ``prompt_ids``, ``completion_ids`` and ``advantage``; errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input={str(path)!r}: no such file (a JSONL of rollouts)")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(r, dict):
+            raise InputError(f"{path}:{lineno}: each line must be a JSON object")
+        if "prompt_ids" not in r and "prompt" in r:
+            r["prompt_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+        if "completion_ids" not in r and "completion" in r:
+            r["completion_ids"] = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
+        for key in ("prompt_ids", "completion_ids"):
+            v = r.get(key)
+            if not isinstance(v, list) or not v or not all(isinstance(t, int) for t in v):
+                raise InputError(f"{path}:{lineno}: '{key}' (or its text form) must be a non-empty list of token ids")
+            if max(v) >= len(tokenizer) or min(v) < 0:
+                raise InputError(f"{path}:{lineno}: '{key}' has ids outside the vocabulary (size {len(tokenizer)})")
+        if not isinstance(r.get("advantage"), (int, float)):
+            raise InputError(f"{path}:{lineno}: 'advantage' must be a number")
+        rows.append(r)
+    if not rows:
+        raise InputError(f"{path}: no rows")
+    return rows
+
+
+def scheme_batch(rows: list[dict], pad_id: int, device, sampling_temperature: float, generator=None):
+    """The ``SchemeBatch`` of the given rows, laid out exactly like a training micro-batch."""
+    from grail_exp.advantages import SchemeBatch
+    from grail_exp.module import position_ids_from_mask
+    from grail_exp.rollout import Completion, pad_completions
+
+    rb = pad_completions([Completion(r["prompt_ids"], r["completion_ids"], None, False) for r in rows], pad_id)
+    attn = rb.attention_mask
+    adv = torch.tensor([float(r["advantage"]) for r in rows])
+    return SchemeBatch(
+        input_ids=rb.input_ids.to(device), attention_mask=attn.to(device),
+        position_ids=position_ids_from_mask(attn).to(device), prompt_length=rb.prompt_ids.shape[1],
+        completion_ids=rb.completion_ids.to(device), completion_mask=rb.completion_mask.float().to(device),
+        advantages=adv.to(device), rewards=(adv > 0).float().to(device),
+        sampling_temperature=sampling_temperature, generator=generator,
+    )
+
+
+def compute(cfg: DictConfig) -> list[dict]:
+    from grail_exp.advantages import build_scheme, scheme_config_class, SCHEMES
+    from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+    if cfg.advantage.name not in SCHEMES:
+        raise InputError(f"advantage={cfg.advantage.name!r}: valid schemes: {', '.join(sorted(SCHEMES))}")
+    adv_cfg = OmegaConf.merge(OmegaConf.structured(scheme_config_class(cfg.advantage.name)), cfg.advantage)
+    problems = SCHEMES[cfg.advantage.name].check_config(adv_cfg)
+    if problems:
+        raise InputError("invalid advantage config: " + "; ".join(f"advantage.{p}" for p in problems))
+    with_dtype = OmegaConf.merge(cfg, {"model": {"dtype": cfg.dtype}})
+    path = resolve_model_path(with_dtype)
+    tokenizer = load_tokenizer(path, with_dtype)
+    model = load_causal_lm(path, with_dtype, trainable=True).to(cfg.device)
+    rows = read_rows(cfg.input, tokenizer)
+    scheme = build_scheme(adv_cfg, tokenizer)
+    generator = torch.Generator(device="cpu").manual_seed(int(cfg.seed))
+    out = []
+    for s in range(0, len(rows), cfg.batch_size):
+        chunk = rows[s:s + cfg.batch_size]
+        batch = scheme_batch(chunk, tokenizer.pad_token_id, cfg.device, cfg.sampling_temperature, generator)
+        batch.completion_texts = tokenizer.batch_decode([r["completion_ids"] for r in chunk], skip_special_tokens=True)
+        w = scheme.weights(model, batch).weights.float().cpu()
+        for i, r in enumerate(chunk):
+            ids = r["completion_ids"]
+            out.append({
+                "completion_ids": ids,
+                "tokens": [tokenizer.decode([t]) for t in ids],
+                "weights": [round(float(x), 7) for x in w[i, : len(ids)]],
+                "advantage": float(r["advantage"]),
+            })
+    return out
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="weights")
+def main(cfg: DictConfig) -> None:
+    from grail_exp.errors import exit_on_user_error
+
+    with exit_on_user_error(extra=(InputError,)):
+        result = compute(cfg)
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output).write_text(json.dumps(result))
+        print(f"wrote {len(result)} rows of {cfg.advantage.name} weights to {cfg.output}")
+        if cfg.html:
+            from grail_exp.viz import weights_html
+
+            Path(cfg.html).write_text(weights_html(result, title=f"{cfg.advantage.name} token weights"))
+            print(f"heatmap: {cfg.html}")
+
+
+if __name__ == "__main__":
+    main()

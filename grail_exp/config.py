@@ -140,6 +140,8 @@ class BenchmarkConfig:
     name: str = MISSING
     names: list = field(default_factory=list)  # registry names (see grail_exp/data/benchmarks.py)
     limit: Optional[int] = None  # take the first N problems of each benchmark (smoke tests)
+    instruction: str = ""  # appended to each problem except arithmetic's (data.instruction); paper: spec §7.1
+    olympiad_gold: str = "first"  # OlympiadBench gold: first = final_answer[0] | str = str(list), paper eval (§11.14)
 
 
 # ---------------------------------------------------------------------------------------------- algorithm
@@ -250,8 +252,47 @@ class RunConfig:
     extras: dict = field(default_factory=dict)
 
 
+@dataclass
+class WeightsConfig:
+    """Schema of ``python -m grail_exp.weights`` (conf/weights.yaml)."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    advantage: Any = MISSING
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    input: str = MISSING  # JSONL rollouts
+    output: str = MISSING  # JSON weights
+    html: Optional[str] = None  # optional heatmap
+    device: str = "cpu"
+    dtype: str = "float32"
+    sampling_temperature: float = 1.0
+    seed: int = 0
+    batch_size: int = 64
+
+
+@dataclass
+class EvaluateConfig:
+    """Schema of ``python -m grail_exp.evaluate`` (conf/evaluate.yaml)."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING  # builds the embedded model; the arithmetic benchmark uses its knobs
+    benchmark: BenchmarkConfig = MISSING
+    eval: EvalConfig = MISSING
+    rollout: RolloutConfig = MISSING  # only `engine` is used: evaluation sampling comes from `eval`
+    logger: LoggerConfig = MISSING
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    task_name: str = "evaluate"
+    seed: int = 0
+    device: Optional[str] = None  # e.g. cuda; null = where the model loads (CPU)
+    optimized_metric: Optional[str] = "eval/avg/acc"
+
+
 def register_configs() -> None:
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(name="weights_schema", node=WeightsConfig)
+    cs.store(name="evaluate_schema", node=EvaluateConfig)
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -298,27 +339,11 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "must be >= 0")
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
     _check(e, t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0")
-    _check(e, ev.n >= 1, "eval.n", ev.n, "must be >= 1")
-    _check(e, ev.temperature >= 0, "eval.temperature", ev.temperature, "must be >= 0 (0 = greedy)")
-    _check(e, ev.temperature > 0 or ev.n == 1, "eval.n", ev.n, "greedy evaluation (eval.temperature=0) needs n=1")
-    _check(e, 0 < ev.top_p <= 1, "eval.top_p", ev.top_p, "must be in (0, 1]")
-    _check(e, ev.max_tokens > 0, "eval.max_tokens", ev.max_tokens, "must be > 0")
-    _check(e, cfg.benchmark.limit is None or cfg.benchmark.limit >= 1, "benchmark.limit", cfg.benchmark.limit,
-           "must be >= 1 or null")
-    _check(e, cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
-           "must be one of: float32, bfloat16, float16")
-    _check(e, cfg.model.prompt_style in ("chat", "plain"), "model.prompt_style", cfg.model.prompt_style,
-           "must be one of: chat, plain")
-    _check(e, cfg.logger.name in ("mlflow", "none"), "logger.name", cfg.logger.name, "must be one of: mlflow, none")
-    if cfg.model.name_or_path is None:
-        _check(e, cfg.model.build is not None, "model.build", None,
-               "model.name_or_path is null, so the embedded model is built, which needs model.build")
+    _check_eval_model_benchmark(cfg, e)
 
-    from grail_exp.data import BENCHMARKS, DATASETS
+    from grail_exp.data import DATASETS
 
     _check(e, cfg.data.name in DATASETS, "data.name", cfg.data.name, f"must be one of: {', '.join(sorted(DATASETS))}")
-    for b in cfg.benchmark.names:
-        _check(e, b in BENCHMARKS, "benchmark.names", b, f"unknown benchmark; valid: {', '.join(sorted(BENCHMARKS))}")
 
     # Micro-batches must tile the rollout batch exactly, otherwise gradient accumulation is ill-defined.
     completions = t.prompts_per_step * r.num_generations
@@ -341,6 +366,42 @@ def validate(cfg: DictConfig) -> DictConfig:
             if not e:
                 with open_dict(cfg):
                     cfg.advantage = typed
+    if e:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
+    return cfg
+
+
+def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
+    """Checks shared by training and ``grail_exp.evaluate``."""
+    from grail_exp.data import BENCHMARKS
+
+    ev = cfg.eval
+    _check(e, ev.n >= 1, "eval.n", ev.n, "must be >= 1")
+    _check(e, ev.temperature >= 0, "eval.temperature", ev.temperature, "must be >= 0 (0 = greedy)")
+    _check(e, ev.temperature > 0 or ev.n == 1, "eval.n", ev.n, "greedy evaluation (eval.temperature=0) needs n=1")
+    _check(e, 0 < ev.top_p <= 1, "eval.top_p", ev.top_p, "must be in (0, 1]")
+    _check(e, ev.max_tokens > 0, "eval.max_tokens", ev.max_tokens, "must be > 0")
+    _check(e, cfg.benchmark.limit is None or cfg.benchmark.limit >= 1, "benchmark.limit", cfg.benchmark.limit,
+           "must be >= 1 or null")
+    _check(e, cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
+           "must be one of: float32, bfloat16, float16")
+    _check(e, cfg.model.prompt_style in ("chat", "plain"), "model.prompt_style", cfg.model.prompt_style,
+           "must be one of: chat, plain")
+    _check(e, cfg.logger.name in ("mlflow", "none"), "logger.name", cfg.logger.name, "must be one of: mlflow, none")
+    if cfg.model.name_or_path is None:
+        _check(e, cfg.model.build is not None, "model.build", None,
+               "model.name_or_path is null, so the embedded model is built, which needs model.build")
+    _check(e, len(cfg.benchmark.names) > 0, "benchmark.names", list(cfg.benchmark.names), "must name a benchmark")
+    for b in cfg.benchmark.names:
+        _check(e, b in BENCHMARKS, "benchmark.names", b, f"unknown benchmark; valid: {', '.join(sorted(BENCHMARKS))}")
+
+
+def validate_eval(cfg: DictConfig) -> DictConfig:
+    """Validation for ``python -m grail_exp.evaluate`` (before any model is loaded)."""
+    e: list[str] = []
+    _check(e, cfg.rollout.engine in ("hf", "vllm"), "rollout.engine", cfg.rollout.engine, "must be one of: hf, vllm")
+    _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
+    _check_eval_model_benchmark(cfg, e)
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
     return cfg

@@ -1,28 +1,48 @@
 """Evaluation: sample n completions per benchmark problem, grade them, Pass@k tables with CIs.
 
-Used at the end of every ``run`` (and every ``trainer.eval_every`` steps) through ``evaluate_benchmarks``;
-the same code will back ``python -m grail_exp.evaluate`` for checkpoints and hub models.
+    python -m grail_exp.evaluate model=qwen3_8b benchmark=paper eval=paper
+    python -m grail_exp.evaluate model.name_or_path=outputs/train/runs/<run>/checkpoints/step-200 benchmark=paper
+
+The same ``evaluate_benchmarks`` runs at the end of every ``python -m grail_exp.run`` (and every
+``trainer.eval_every`` steps).
 
 Protocol (GRAIL paper, method spec §7.1): one user turn ``problem + instruction`` with the model's chat
-template; ``eval.n`` samples at ``eval.temperature`` / ``top_p`` / ``top_k``; the **last** ``\\boxed{}`` is
-graded with math-verify; acc@n (the paper's "accuracy"), unbiased pass@k for k = 1..n, maj@n,
-extraction failures, truncation rate, mean tokens — each with a percentile-bootstrap 95 % CI over problems.
+template (``enable_thinking: false`` for Qwen3); ``eval.n`` samples at ``eval.temperature`` / ``top_p`` /
+``top_k``; the **last** ``\\boxed{}`` is graded with math-verify; acc@n (the paper's "accuracy"), unbiased
+pass@k for k = 1..n, maj@n, extraction failures, truncation rate, mean tokens — each with a
+percentile-bootstrap 95 % CI over problems — per benchmark, plus the unweighted (paper) and
+problem-weighted averages.
+
+**Resumable.** Generation goes in fixed chunks of problems, each sampled from its own seed
+(``eval.seed``, benchmark, chunk index), and every finished chunk is appended to a JSONL cache keyed by
+the model, the exact prompts and the sampling settings. An interrupted evaluation continues where it
+stopped and produces exactly what an uninterrupted one would; a repeated one generates nothing.
+Grading is redone from the cached completions (it is cheap and its rules may change).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import hydra
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from grail_exp import metrics as M
+from grail_exp.config import register_configs
 from grail_exp.data import load_benchmark
-from grail_exp.data.prompting import encode_prompts
+from grail_exp.data.prompting import render_prompt
 from grail_exp.rewards import strip_think
-from grail_exp.rollout import SamplingParams
+from grail_exp.rollout import Completion, SamplingParams
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("grail_exp.evaluate")
+register_configs()
 
 
 @dataclass
@@ -30,9 +50,10 @@ class EvalResult:
     summaries: dict[str, dict]  # benchmark -> metrics.summarize_benchmark(...)
     average: dict | None  # metrics.average_over_benchmarks(...) when there are several benchmarks
     samples: list[dict] = field(default_factory=list)  # one row per sample
+    generated: int = 0  # completions generated in this call (0 when everything came from the cache)
 
     def flat_metrics(self, prefix: str = "eval") -> dict[str, float]:
-        """``eval/<benchmark>/acc``, ``eval/<benchmark>/pass@k``, ... (and ``eval/avg/...``) as floats."""
+        """``eval/<benchmark>/acc``, ``eval/<benchmark>/pass_at_k``, ... (and ``eval/avg/...``) as floats."""
         out: dict[str, float] = {}
         rows = dict(self.summaries)
         if self.average:
@@ -52,60 +73,245 @@ class EvalResult:
     def table(self) -> str:
         return M.format_table(self.summaries, self.average)
 
+    def summary_json(self) -> dict:
+        return M.to_jsonable({**self.summaries, "average_unweighted": (self.average or {}).get("unweighted"),
+                              "average_weighted": (self.average or {}).get("weighted")})
 
+
+# ----------------------------------------------------------------------------------------------- cache
+class CompletionCache:
+    """Append-only JSONL of finished generation chunks: ``{"chunk": i, "prompt_sha": [...], "completions": [...]}``."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.chunks: dict[int, dict] = {}
+        if path is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill mid-write: that chunk is redone
+                    continue
+                self.chunks[rec["chunk"]] = rec
+
+    def get(self, chunk: int, prompt_shas: list[str]) -> list[Completion] | None:
+        rec = self.chunks.get(chunk)
+        if rec is None or rec["prompt_sha"] != prompt_shas:
+            return None
+        return [Completion(c["p"], c["t"], None, c["x"]) for c in rec["completions"]]
+
+    def put(self, chunk: int, prompt_shas: list[str], completions: list[Completion]) -> None:
+        if self.path is None:
+            return
+        rec = {"chunk": chunk, "prompt_sha": prompt_shas,
+               "completions": [{"p": c.prompt_ids, "t": c.token_ids, "x": c.truncated} for c in completions]}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:  # one line per chunk, flushed: a kill loses at most this chunk
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.chunks[chunk] = rec
+
+
+def model_fingerprint(path: str, revision: str | None) -> str:
+    """Identity of a model for the cache: hub id + revision, or a local directory's weight files (name, size, mtime)."""
+    p = Path(path)
+    if not p.is_dir():
+        return f"hub:{path}@{revision}"
+    parts = [str(p.resolve())]
+    for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("config.json")):
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_size}:{int(st.st_mtime)}")
+    return "|".join(parts)
+
+
+def _sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
 def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: list[str] | None = None,
-                        desc: str = "eval") -> EvalResult:
-    """Evaluate ``model`` on ``cfg.benchmark.names`` with ``cfg.eval`` sampling."""
+                        desc: str = "eval", cache_dir: str | Path | None = None,
+                        model_key: str | None = None) -> EvalResult:
+    """Evaluate ``model`` on ``cfg.benchmark.names`` with ``cfg.eval`` sampling (optionally resumable)."""
     from tqdm.auto import tqdm
 
     ev = cfg.eval
     names = list(benchmarks or cfg.benchmark.names)
     params = SamplingParams(n=ev.n, temperature=ev.temperature, top_p=ev.top_p, top_k=ev.top_k,
                             max_new_tokens=ev.max_tokens)
-    summaries, samples = {}, []
-    per_call = max(1, ev.batch_size // ev.n)  # prompts per generate() call
+    summaries, samples, generated = {}, [], 0
+    per_call = max(1, ev.batch_size // ev.n)  # prompts per generate() call = one cached chunk
     for name in names:
         problems = load_benchmark(name, cfg)
         instruction = cfg.data.instruction if name == "arithmetic" else cfg.benchmark.get("instruction", "")
-        prompts = encode_prompts([p.question for p in problems], tokenizer, cfg.model, instruction)
-        completions = []
-        # A fixed evaluation seed, without disturbing the training RNG stream.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(ev.seed)
-            with tqdm(total=len(prompts), desc=f"{desc} {name}", unit="problem", dynamic_ncols=True, leave=False) as bar:
-                for s in range(0, len(prompts), per_call):
-                    completions.extend(engine.generate(prompts[s:s + per_call], params))
-                    bar.update(len(prompts[s:s + per_call]))
-        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        graded = verifier.score([strip_think(t) if cfg.model.strip_think else t for t in texts],
+        texts = [render_prompt(p.question, tokenizer, cfg.model, instruction) for p in problems]
+        prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        shas = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
+        cache = CompletionCache(None)
+        if cache_dir is not None:
+            key = _sha({"model": model_key, "benchmark": name, "sampling": OmegaConf.to_container(ev, resolve=True),
+                        "per_call": per_call})
+            cache = CompletionCache(Path(cache_dir) / f"{name}-{key}.jsonl")
+        completions: list[Completion] = []
+        with tqdm(total=len(prompts), desc=f"{desc} {name}", unit="problem", dynamic_ncols=True, leave=False) as bar:
+            for chunk, s in enumerate(range(0, len(prompts), per_call)):
+                chunk_shas = shas[s:s + per_call]
+                got = cache.get(chunk, chunk_shas)
+                if got is None:
+                    # Each chunk has its own seed: a resumed evaluation samples exactly what an uninterrupted
+                    # one would, and the training RNG stream is left untouched.
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(int(_sha([ev.seed, name, chunk]), 16) % (2**31))
+                        got = engine.generate(prompts[s:s + per_call], params)
+                    cache.put(chunk, chunk_shas, got)
+                    generated += len(got)
+                completions.extend(got)
+                bar.update(len(chunk_shas))
+        decoded = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        graded = verifier.score([strip_think(t) if cfg.model.strip_think else t for t in decoded],
                                 [p.answer for p in problems for _ in range(ev.n)])
         n = ev.n
-        correct = [[graded[i * n + j].correct for j in range(n)] for i in range(len(problems))]
-        answers = [[graded[i * n + j].extracted for j in range(n)] for i in range(len(problems))]
-        truncated = [[completions[i * n + j].truncated for j in range(n)] for i in range(len(problems))]
-        n_tokens = [[len(completions[i * n + j].token_ids) for j in range(n)] for i in range(len(problems))]
-        summaries[name] = M.summarize_benchmark(correct, answers=answers, truncated=truncated, n_tokens=n_tokens,
-                                                n_boot=ev.n_boot, seed=ev.seed)
+        grid = lambda f: [[f(i * n + j) for j in range(n)] for i in range(len(problems))]  # noqa: E731
+        summaries[name] = M.summarize_benchmark(
+            grid(lambda k: graded[k].correct), answers=grid(lambda k: graded[k].extracted),
+            truncated=grid(lambda k: completions[k].truncated), n_tokens=grid(lambda k: len(completions[k].token_ids)),
+            n_boot=ev.n_boot, seed=ev.seed)
         for i, p in enumerate(problems):
             for j in range(n):
-                g = graded[i * n + j]
-                samples.append({"benchmark": name, "problem_index": i, "sample_index": j,
-                                "completion": texts[i * n + j], "extracted": g.extracted, "gold": p.answer,
-                                "correct": bool(g.correct), "status": g.status,
-                                "truncated": bool(completions[i * n + j].truncated),
-                                "n_tokens": len(completions[i * n + j].token_ids)})
+                k, g = i * n + j, graded[i * n + j]
+                samples.append({"benchmark": name, "problem_index": i, "sample_index": j, "completion": decoded[k],
+                                "extracted": g.extracted, "gold": p.answer, "correct": bool(g.correct),
+                                "status": g.status, "truncated": bool(completions[k].truncated),
+                                "n_tokens": len(completions[k].token_ids)})
     average = M.average_over_benchmarks(summaries, n_boot=ev.n_boot, seed=ev.seed) if len(summaries) > 1 else None
-    return EvalResult(summaries, average, samples)
+    return EvalResult(summaries, average, samples, generated)
 
 
-def log_eval_result(tracker, result: EvalResult, tag: str, step: int) -> None:
-    """Metrics at ``step``, the Pass@k table (MLflow table + Markdown) and the per-sample rows."""
+def evaluation_params(cfg, tokenizer) -> dict:
+    """What a table depends on, recorded with every table: prompt template, chat kwargs, sampling, grading."""
+    example = render_prompt("{problem}", tokenizer, cfg.model, cfg.benchmark.get("instruction", "") or "")
+    return {
+        "eval.prompt_template": example,
+        "eval.prompt_style": cfg.model.prompt_style,
+        "eval.chat_template_kwargs": json.dumps(OmegaConf.to_container(cfg.model.chat_template_kwargs, resolve=True)),
+        "eval.strip_think": cfg.model.strip_think,
+        "eval.sampling": json.dumps(OmegaConf.to_container(cfg.eval, resolve=True)),
+        "eval.verifier": json.dumps(OmegaConf.to_container(cfg.reward, resolve=True)) + " math-verify last-boxed",
+        "eval.olympiad_gold": cfg.benchmark.get("olympiad_gold", "first"),
+        "eval.benchmarks": ",".join(cfg.benchmark.names),
+    }
+
+
+def pass_at_k_plot(result: EvalResult, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    rows = dict(result.summaries)
+    if result.average:
+        rows["average"] = result.average["unweighted"]
+    for name, s in rows.items():
+        ks = sorted(s["pass_at_k"])
+        v = [100 * s["pass_at_k"][k].value for k in ks]
+        lo = [100 * s["pass_at_k"][k].lo for k in ks]
+        hi = [100 * s["pass_at_k"][k].hi for k in ks]
+        ax.plot(ks, v, marker="o", label=name, lw=2.5 if name == "average" else 1.2)
+        ax.fill_between(ks, lo, hi, alpha=0.12)
+    ax.set_xlabel("k")
+    ax.set_ylabel("pass@k (%)")
+    ax.set_xticks(sorted({k for s in rows.values() for k in s["pass_at_k"]}))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def log_eval_result(tracker, result: EvalResult, tag: str, step: int, out_dir: str | Path | None = None) -> None:
+    """Metrics at ``step``, the Pass@k table (MLflow table + Markdown), summary, samples (parquet) and a plot."""
+    import tempfile
+
     import pandas as pd
 
-    tracker.log_metrics(result.flat_metrics(f"eval_{tag}" if tag != "final" else "eval"), step=step)
+    tracker.log_metrics(result.flat_metrics(f"eval_{tag}" if tag not in ("final", "eval") else "eval"), step=step)
     tracker.log_table(M.to_dataframe(result.summaries, result.average), artifact_file=f"eval/{tag}/pass_at_k.json")
     tracker.log_text(result.table(), artifact_file=f"eval/{tag}/pass_at_k.md")
-    tracker.log_dict(M.to_jsonable({"summaries": result.summaries, "average": result.average}),
-                     artifact_file=f"eval/{tag}/summary.json")
-    if result.samples:
-        tracker.log_table(pd.DataFrame(result.samples), artifact_file=f"eval/{tag}/samples.json")
+    tracker.log_dict(result.summary_json(), artifact_file=f"eval/{tag}/summary.json")
+    if getattr(tracker, "run_id", None) and result.samples:
+        with tempfile.TemporaryDirectory() as tmp:
+            pq = Path(tmp) / "samples.parquet"
+            pd.DataFrame(result.samples).to_parquet(pq, index=False)
+            tracker.log_artifact(str(pq), f"eval/{tag}")
+            tracker.log_artifact(str(pass_at_k_plot(result, Path(tmp) / "pass_at_k.png")), f"eval/{tag}")
+
+
+def write_run_files(result: EvalResult, out_dir: str | Path) -> None:
+    """``samples.jsonl`` and ``summary.json`` in the run directory: usable without MLflow."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "samples.jsonl", "w") as f:
+        for s in result.samples:
+            f.write(json.dumps({k: s[k] for k in ("benchmark", "problem_index", "sample_index", "completion",
+                                                   "extracted", "gold", "correct")}) + "\n")
+    (out / "summary.json").write_text(json.dumps(result.summary_json(), indent=2))
+    (out / "pass_at_k.md").write_text(result.table())
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def evaluate_job(cfg: DictConfig) -> EvalResult:
+    from grail_exp.config import validate_eval
+    from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.rewards import MathVerifier
+    from grail_exp.rollout import build_engine
+    from grail_exp.tracking import build_tracker
+
+    validate_eval(cfg)
+    run_name = cfg.logger.get("run_name") or f"eval-{cfg.model.name}-{cfg.benchmark.name}-{cfg.eval.name}"
+    tracker = build_tracker(cfg, run_name)
+    status, verifier = "FAILED", None
+    try:
+        path = resolve_model_path(cfg)
+        tokenizer = load_tokenizer(path, cfg)
+        model = load_causal_lm(path, cfg, trainable=False)
+        if cfg.get("device"):
+            model = model.to(cfg.device)
+        tracker.log_params({**evaluation_params(cfg, tokenizer), "model.name_or_path": path,
+                            "model.revision": cfg.model.revision, "benchmark.limit": cfg.benchmark.limit})
+        tracker.set_tags({"job": "evaluate", "model": cfg.model.name, "benchmark": cfg.benchmark.name})
+        engine = build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval.batch_size)
+        r = cfg.reward
+        verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s,
+                                parse_timeout=r.parse_timeout, verify_timeout=r.verify_timeout)
+        t = time.perf_counter()
+        result = evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, desc="eval",
+                                     cache_dir=Path(cfg.paths.cache_dir) / "evals",
+                                     model_key=model_fingerprint(path, cfg.model.revision))
+        write_run_files(result, cfg.paths.output_dir)
+        log_eval_result(tracker, result, "eval", 0)
+        tracker.log_metrics({"eval/seconds": time.perf_counter() - t, "eval/generated": result.generated}, step=0)
+        print(result.table())
+        print(f"run directory: {cfg.paths.output_dir} (samples.jsonl, summary.json)"
+              + (f"; MLflow run {tracker.run_id}" if getattr(tracker, "run_id", None) else ""))
+        status = "FINISHED"
+        return result
+    finally:
+        if verifier is not None:
+            verifier.close()
+        tracker.end(status)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
+def main(cfg: DictConfig) -> float | None:
+    from grail_exp.errors import exit_on_user_error
+
+    with exit_on_user_error():
+        result = evaluate_job(cfg)
+        metric = cfg.get("optimized_metric")
+        return result.flat_metrics().get(metric) if metric else None
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from grail_exp.config import register_configs
+
 log = logging.getLogger("grail_exp.weights")
+register_configs()
 
 
 class InputError(ValueError):

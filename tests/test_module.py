@@ -170,14 +170,32 @@ def test_fit_of_the_composed_default_config_logs_to_mlflow(compose_cfg, tmp_path
     exp = client.get_experiment_by_name("grail_exp")
     (r,) = client.search_runs([exp.experiment_id])
     assert r.info.status == "FINISHED"
-    assert r.data.params["loss.loss_type"] == "dr_grpo" and r.data.params["advantage.name"] == "grpo"
+    assert r.data.params["loss.loss_type"] == "dr_grpo" and r.data.params["advantage.name"] == "grail"
     history = client.get_metric_history(r.info.run_id, "reward/mean")
     assert [m.step for m in history] == [1, 2, 3]
     for key in ["loss", "grad_norm", "entropy", "clip_ratio/region_mean", "frac_reward_zero_std",
                 "completions/mean_length", "completions/truncated_rate", "timing/rollout_s", "timing/scoring_s",
-                "timing/update_s", "eval/arithmetic/acc", "eval/arithmetic/pass_at_2", "eval_before/arithmetic/acc"]:
+                "timing/update_s", "timing/scheme_s", "grail/weight_mean", "grail/advantages_scale_ratio",
+                "grail/fallback_rate", "grail/answer_found_rate", "eval/arithmetic/acc", "eval/arithmetic/pass_at_2", "eval_before/arithmetic/acc"]:
         assert key in r.data.metrics, key
     arts = {a.path for a in client.list_artifacts(r.info.run_id, "eval/final")}
     assert "eval/final/pass_at_k.json" in arts and "eval/final/pass_at_k.md" in arts
     assert {a.path for a in client.list_artifacts(r.info.run_id, "samples")} >= {"samples/step_000002.json"}
     assert (tmp_path / "run" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("scheme, diagnostic", [("grpo", "weights/mean"), ("oar_g", "oar_g/weight_mean"),
+                                                ("oar_p", "oar_p/weight_mean")])
+def test_short_run_per_scheme_logs_diagnostics(compose_cfg, tmp_path, scheme, diagnostic):
+    from mlflow.tracking import MlflowClient
+
+    from grail_exp.run import run
+
+    cfg = compose_cfg([f"advantage={scheme}", "trainer.max_steps=2", "trainer.prompts_per_step=2",
+                       "trainer.micro_batch_size=16", "model.warm_start.max_steps=20", "model.warm_start.eval_every=10",
+                       "benchmark.limit=4", "eval.n=2", "trainer.eval_before_training=false"])
+    run(cfg)
+    client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
+    (r,) = client.search_runs([client.get_experiment_by_name("grail_exp").experiment_id])
+    assert r.info.status == "FINISHED" and r.data.params["advantage.name"] == scheme
+    assert len(client.get_metric_history(r.info.run_id, diagnostic)) == 2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The embedded-default demo over 3 seeds: each seed builds its own warm start (model.build.seed) and
 # runs RL with the same run seed; writes results/demo_seeds.md from the jobs' metrics.json.
-#   bash sweeps/demo_seeds.sh [extra hydra overrides]
+#   bash sweeps/demo_seeds.sh [extra hydra overrides]      (OUT=results/x.md to choose the table file)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -9,4 +9,4 @@ STAMP=$(date +%Y-%m-%d_%H-%M-%S)
 DIR=outputs/demo_seeds/$STAMP
 $PY -m grail_exp.run -m seed=1,2,3 'model.build.seed=${seed}' task_name=demo_seeds \
     hydra.sweep.dir="$DIR" "$@"
-$PY -m grail_exp.report_demo "$DIR" results/demo_seeds.md
+$PY -m grail_exp.report_demo "$DIR" "${OUT:-results/demo_seeds.md}"

@@ -193,6 +193,9 @@ class TrainerConfig:
     eval_before_training: bool = True  # evaluate the starting model too (gives the "before" column)
     eval_at_end: bool = True
     log_entropy: bool = True  # token entropy of the policy (costs a (B, T, V) softmax)
+    checkpoint_every: int = 0  # optimiser steps between checkpoints (0 = only the final one)
+    keep_last_checkpoints: Optional[int] = 3  # prune older complete checkpoints; null = keep all
+    save_final_checkpoint: bool = True
     max_nonfinite_in_a_row: int = 3  # skipped non-finite steps tolerated in a row before aborting
     num_threads: Optional[int] = None  # torch CPU threads; null = torch default
     deterministic: bool = False
@@ -246,6 +249,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     task_name: str = "train"
+    resume: Optional[str] = None  # null | auto (latest complete checkpoint of this run dir) | <checkpoint dir>
     seed: int = 42
     optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
     experiment: Any = None  # free-form notes set by experiment files
@@ -335,6 +339,9 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
     _check(e, t.prompts_per_step >= 1, "trainer.prompts_per_step", t.prompts_per_step, "must be >= 1")
     _check(e, t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
+    _check(e, t.checkpoint_every >= 0, "trainer.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _check(e, t.keep_last_checkpoints is None or t.keep_last_checkpoints >= 1, "trainer.keep_last_checkpoints",
+           t.keep_last_checkpoints, "must be >= 1 or null")
     _check(e, t.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, "must be >= 1")
     _check(e, cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "must be >= 0")
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
@@ -344,6 +351,14 @@ def validate(cfg: DictConfig) -> DictConfig:
     from grail_exp.data import DATASETS
 
     _check(e, cfg.data.name in DATASETS, "data.name", cfg.data.name, f"must be one of: {', '.join(sorted(DATASETS))}")
+
+    m = cfg.get("optimized_metric")
+    if m:
+        parts = str(m).split("/")
+        ok = len(parts) == 3 and parts[0] == "eval" and parts[1] in [*cfg.benchmark.names, "avg", "avg_weighted"] and (
+            parts[2] in ("acc", "maj", "nulls", "truncation_rate", "mean_tokens") or parts[2].startswith("pass_at_"))
+        _check(e, ok, "optimized_metric", m, "must be eval/<benchmark|avg|avg_weighted>/<acc|maj|pass_at_k|...> "
+               f"for a benchmark in benchmark.names ({', '.join(cfg.benchmark.names)})")
 
     # Micro-batches must tile the rollout batch exactly, otherwise gradient accumulation is ill-defined.
     completions = t.prompts_per_step * r.num_generations

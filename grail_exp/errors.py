@@ -10,11 +10,18 @@ log = logging.getLogger("grail_exp")
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
+    from grail_exp.checkpoint import CheckpointError
     from grail_exp.config import ConfigError
     from grail_exp.models import ModelLoadError
+    from grail_exp.module import NonFiniteLossError
     from grail_exp.tracking import TrackingError
 
-    return (ConfigError, ModelLoadError, TrackingError, FileNotFoundError)
+    return (ConfigError, ModelLoadError, TrackingError, CheckpointError, NonFiniteLossError, FileNotFoundError,
+            DataError)
+
+
+class DataError(ValueError):
+    """Malformed input data (a dataset row, a benchmark file); the message names the file and line."""
 
 
 @contextmanager

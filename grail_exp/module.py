@@ -12,7 +12,8 @@
 
 Manual optimisation (``automatic_optimization = False``) because one Lightning "batch" (a rollout
 batch) yields μ optimiser steps, each over several micro-batches, exactly as TRL's GRPOTrainer with
-``steps_per_generation == gradient_accumulation_steps``. ``trainer.global_step`` counts optimiser steps.
+``steps_per_generation == gradient_accumulation_steps``. ``self.step`` counts optimiser steps (it survives
+resume, unlike Lightning's loop counters).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class Preempted(RuntimeError):
+    """Raised after SIGTERM once the current optimiser step is done and a checkpoint is written."""
 
 
 @dataclass
@@ -80,7 +85,7 @@ def completion_logits(model, input_ids, attention_mask, position_ids, completion
 
 class GRPOModule(L.LightningModule):
     def __init__(self, cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model=None,
-                 evaluate_fn=None):
+                 evaluate_fn=None, resume_state: dict | None = None):
         super().__init__()
         self.automatic_optimization = False
         self.cfg = cfg
@@ -93,6 +98,14 @@ class GRPOModule(L.LightningModule):
         self.verifier = verifier
         self.tracker = tracker
         self.evaluate_fn = evaluate_fn  # called every trainer.eval_every optimiser steps
+        self.checkpoint_fn = None  # position -> None; set by run.py
+        self.stop_requested = False  # set by the SIGTERM handler
+        # Resume: optimiser steps done so far, the checkpoint's state (loaded in on_train_start) and any
+        # half-used rollout batch (num_iterations > 1).
+        self.resume_state = resume_state
+        self.step = int(resume_state["step"]) if resume_state else 0
+        self.resume_buffer = resume_state.get("buffer") if resume_state else None
+        self.position = {"round": int(resume_state["round"]) if resume_state else 0, "buffer": self.resume_buffer}
         G = cfg.rollout.num_generations
         self.completions_per_step = cfg.trainer.prompts_per_step * G
         self.micro_batch_size = min(cfg.trainer.micro_batch_size, self.completions_per_step)
@@ -188,25 +201,33 @@ class GRPOModule(L.LightningModule):
         cfg = self.cfg
         timings: dict[str, float] = {}
         t_step = time.perf_counter()
-        batch, stats = self.make_batch(int(round_index), timings)
-
-        with _timer(timings, "old_logp"):
-            if cfg.loss.num_iterations > 1:
-                batch.old_logp = self._logps_no_grad(self.policy, batch)
-            if cfg.loss.beta > 0:
-                batch.ref_logp = self._logps_no_grad(self.ref_model, batch)
-        if getattr(self, "_sampling_logprobs", None) is not None and batch.old_logp is not None:
-            # Sampler-vs-trainer agreement: ~0 for the HF engine; the IS-correction signal for vLLM.
-            diff = (batch.old_logp - self._sampling_logprobs).abs()
-            stats["sampling/logp_abs_diff_mean"] = ((diff * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)).item()
+        round_index = int(round_index)
+        first_iteration = 0
+        if self.resume_buffer is not None and self.resume_buffer["round"] == round_index:
+            # Resumed mid-round: continue the saved rollout batch instead of sampling a new one.
+            batch, stats, first_iteration = self._unpack_buffer(self.resume_buffer)
+            self.resume_buffer = None
+        else:
+            batch, stats = self.make_batch(round_index, timings)
+            with _timer(timings, "old_logp"):
+                if cfg.loss.num_iterations > 1:
+                    batch.old_logp = self._logps_no_grad(self.policy, batch)
+                if cfg.loss.beta > 0:
+                    batch.ref_logp = self._logps_no_grad(self.ref_model, batch)
+            if getattr(self, "_sampling_logprobs", None) is not None and batch.old_logp is not None:
+                # Sampler-vs-trainer agreement: ~0 for the HF engine; the IS-correction signal for vLLM.
+                diff = (batch.old_logp - self._sampling_logprobs).abs()
+                stats["sampling/logp_abs_diff_mean"] = ((diff * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)).item()
         global_tokens = batch.loss_mask.sum().item()
         opt = self.optimizers()
         sched = self.lr_schedulers()
 
-        for iteration in range(cfg.loss.num_iterations):
-            if self.global_step >= cfg.trainer.max_steps:
+        for iteration in range(first_iteration, cfg.loss.num_iterations):
+            if self.step >= cfg.trainer.max_steps:
                 break
             step_metrics = self._optimizer_step(batch, opt, sched, global_tokens, timings, iteration)
+            self.step += 1
+            step = self.step
             step_metrics.update(stats)
             step_metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
             step_metrics["timing/step_s"] = time.perf_counter() - t_step
@@ -215,18 +236,73 @@ class GRPOModule(L.LightningModule):
                 step_metrics["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
             step_metrics["grading/timeouts_total"] = float(self.verifier.counters.get("timeout", 0))
             self.last_metrics = step_metrics
-            step = self.global_step
             if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
                 self.tracker.log_metrics(step_metrics, step=step)
             self.log_dict({"reward": stats["reward/mean"], "loss": step_metrics["loss"]},
                           prog_bar=True, logger=False, on_step=True, batch_size=1)
-            if cfg.trainer.sample_table_every and (step == 1 or step % cfg.trainer.sample_table_every == 0):
+            if cfg.trainer.sample_table_every and getattr(self, "_samples", None) \
+                    and (step == 1 or step % cfg.trainer.sample_table_every == 0):
                 self._log_sample_table(step)
             if self.evaluate_fn and cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 \
                     and step < cfg.trainer.max_steps:
                 self.evaluate_fn(step)
+            # The data position after this step: the same round (with its buffer) until its last iteration.
+            done_round = iteration == cfg.loss.num_iterations - 1
+            position = {"round": round_index + 1 if done_round else round_index,
+                        "buffer": None if done_round else self._pack_buffer(batch, stats, round_index, iteration + 1)}
+            self.position = position
+            every = cfg.trainer.checkpoint_every
+            if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
+                self.checkpoint_fn(position)
+            if self.stop_requested:
+                raise Preempted(f"stopped by signal after step {step}; checkpoint written")
             timings = {}
             t_step = time.perf_counter()
+
+    # ------------------------------------------------------------------ checkpoint state
+    def _pack_buffer(self, batch: TrainingBatch, stats: dict, round_index: int, next_iteration: int) -> dict:
+        tensors = {k: getattr(batch, k) for k in ("input_ids", "attention_mask", "position_ids", "completion_ids",
+                                                  "loss_mask", "advantages", "rewards", "old_logp", "ref_logp")}
+        return {"round": round_index, "next_iteration": next_iteration, "prompt_length": batch.prompt_length,
+                "texts": list(batch.texts), "stats": dict(stats),
+                "tensors": {k: v.detach().cpu() for k, v in tensors.items() if v is not None}}
+
+    def _unpack_buffer(self, buf: dict):
+        dev = self.policy.device
+        t = {k: v.to(dev) for k, v in buf["tensors"].items()}
+        batch = TrainingBatch(t["input_ids"], t["attention_mask"], t["position_ids"], buf["prompt_length"],
+                              t["completion_ids"], t["loss_mask"], t["advantages"], t["rewards"], buf["texts"],
+                              t.get("old_logp"), t.get("ref_logp"))
+        return batch, buf["stats"], buf["next_iteration"]
+
+    def state_for_checkpoint(self, position: dict) -> dict:
+        """Everything exact resume needs besides the weights (tensors and plain containers only)."""
+        from grail_exp.checkpoint import rng_state
+
+        return {
+            "step": self.step,
+            "round": position["round"],
+            "buffer": position["buffer"],
+            "optimizer": self.optimizers().optimizer.state_dict(),
+            "scheduler": self.lr_schedulers().state_dict(),
+            "rng": rng_state(),
+            "scheme_generator": self.scheme_generator.get_state(),
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "mlflow_run_id": getattr(self.tracker, "run_id", None),
+        }
+
+    def on_train_start(self) -> None:
+        if self.resume_state is None:
+            return
+        from grail_exp.checkpoint import set_rng_state
+
+        st = self.resume_state
+        self.optimizers().optimizer.load_state_dict(st["optimizer"])
+        self.lr_schedulers().load_state_dict(st["scheduler"])
+        set_rng_state(st["rng"])
+        self.scheme_generator.set_state(st["scheme_generator"])
+        self.nonfinite_total, self.nonfinite_in_a_row = st["nonfinite_total"], st["nonfinite_in_a_row"]
 
     def _optimizer_step(self, batch: TrainingBatch, opt, sched, global_tokens: float, timings: dict,
                         iteration: int) -> dict[str, float]:
@@ -293,7 +369,7 @@ class GRPOModule(L.LightningModule):
             self.nonfinite_in_a_row += 1
             self.nonfinite_total += 1
             log.warning("non-finite loss/gradient at step %d (loss=%s, grad_norm=%s): update skipped",
-                        self.global_step + 1, loss_total, grad_norm)
+                        self.step + 1, loss_total, grad_norm)
             limit = cfg.trainer.get("max_nonfinite_in_a_row", 3)
             if self.nonfinite_in_a_row >= limit:
                 raise NonFiniteLossError(

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import math
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -44,10 +47,12 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.embedded import read_build_report
     from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
     from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
-    from grail_exp.module import GRPOModule
+    from grail_exp.module import GRPOModule, Preempted
     from grail_exp.rewards import MathVerifier
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import build_tracker
+
+    from grail_exp.checkpoint import latest_checkpoint, load_training_state, resolve_resume, save_checkpoint
 
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -55,28 +60,38 @@ def train(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.trainer.num_threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    # Tracking first: an unreachable server fails before minutes of model building.
-    tracker = build_tracker(cfg, default_run_name(cfg))
+    # Resume first (cheap): its state names the MLflow run to continue.
+    ckpt_root = Path(cfg.paths.output_dir) / "checkpoints"
+    ckpt = resolve_resume(cfg.get("resume"), ckpt_root)
+    state = load_training_state(ckpt) if ckpt else None
+    # Tracking next: an unreachable server fails before minutes of model building.
+    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None)
     status = "FAILED"
     verifier = None
     try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        tracker.log_params({k: v for k, v in resolved.items() if k not in ("paths",)})
-        tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
-        tracker.set_tags({"model": cfg.model.name, "advantage": cfg.advantage.name, "seed": cfg.seed,
-                          "task_name": cfg.task_name, "output_dir": cfg.paths.output_dir})
+        if state is None:
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+            tracker.log_params({k: v for k, v in resolved.items() if k not in ("paths",)})
+            tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
+            tracker.set_tags({"model": cfg.model.name, "advantage": cfg.advantage.name, "seed": cfg.seed,
+                              "task_name": cfg.task_name, "output_dir": cfg.paths.output_dir})
+        else:
+            log.info("resuming from %s (step %d)", ckpt, state["step"])
+            tracker.set_tags({f"resumed_at_step_{state['step']}": str(ckpt)})
+            tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), f"config/resolved_resume_step{state['step']}.yaml")
 
         model_path = resolve_model_path(cfg)
         phases["model_build_s"] = time.perf_counter() - t0
         report = read_build_report(model_path)
-        if report and report.get("warm_start"):
+        if report and report.get("warm_start") and state is None:
             ws = report["warm_start"]
             tracker.log_params({"warm_start.steps": ws["steps"], "warm_start.greedy_val_accuracy": ws["greedy_val_accuracy"],
                                 "warm_start.seconds": round(ws["seconds"], 1), "model.path": model_path})
-        tokenizer = load_tokenizer(model_path, cfg)
-        policy = load_causal_lm(model_path, cfg, trainable=True)
+        policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
+        tokenizer = load_tokenizer(policy_path, cfg)
+        policy = load_causal_lm(policy_path, cfg, trainable=True)
         ref_model = load_causal_lm(model_path, cfg, trainable=False) if cfg.loss.beta > 0 else None
-        log.info("policy %s: %.2f M parameters", model_path, count_parameters(policy) / 1e6)
+        log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
 
         scheme = build_scheme(cfg.advantage, tokenizer)
         engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
@@ -97,37 +112,82 @@ def train(cfg: DictConfig) -> dict:
             log.info("evaluation (%s, step %d):\n%s", tag, step, eval_tables[tag])
             return res.flat_metrics()
 
-        if cfg.trainer.eval_before_training:
+        if cfg.trainer.eval_before_training and state is None:
             before = run_eval("before", 0)
             results.update({k.replace("eval/", "eval_before/", 1): v for k, v in before.items()})
 
         module = GRPOModule(cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model,
-                            evaluate_fn=lambda step: run_eval(f"step{step}", step))
+                            evaluate_fn=lambda step: run_eval(f"step{step}", step), resume_state=state)
+        saved_at = {int(state["step"])} if state else set()
+
+        def checkpoint(position: dict) -> None:
+            if module.step in saved_at:
+                return
+            path = save_checkpoint(ckpt_root, module.step, policy, tokenizer, module.state_for_checkpoint(position),
+                                   keep_last=cfg.trainer.keep_last_checkpoints)
+            saved_at.add(module.step)
+            log.info("checkpoint: %s", path)
+
+        module.checkpoint_fn = checkpoint
         rounds = -(-cfg.trainer.max_steps // cfg.loss.num_iterations)  # ceil: μ optimiser steps per rollout
+        start_round = int(state["round"]) if state else 0
         trainer = L.Trainer(
             accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, strategy=cfg.trainer.strategy,
-            precision=cfg.trainer.precision, max_steps=cfg.trainer.max_steps, max_epochs=1, logger=False,
+            precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
             enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
             deterministic=cfg.trainer.deterministic, default_root_dir=cfg.paths.output_dir,
         )
         t = time.perf_counter()
-        trainer.fit(module, train_dataloaders=DataLoader(range(rounds), batch_size=None, shuffle=False))
+        with _stop_on_sigterm(module):
+            trainer.fit(module, train_dataloaders=DataLoader(range(start_round, rounds), batch_size=None, shuffle=False))
         phases["train_s"] = time.perf_counter() - t
         if module.last_metrics:
             results.update({f"train/{k}": v for k, v in module.last_metrics.items()})
+        if cfg.trainer.save_final_checkpoint:
+            checkpoint(module.position)
 
         if cfg.trainer.eval_at_end:
-            results.update(run_eval("final", int(trainer.global_step)))
+            results.update(run_eval("final", module.step))
         phases["total_s"] = time.perf_counter() - t0
-        tracker.log_metrics({f"phase/{k}": v for k, v in phases.items()}, step=int(trainer.global_step))
+        tracker.log_metrics({f"phase/{k}": v for k, v in phases.items()}, step=module.step)
         results.update({f"phase/{k}": v for k, v in phases.items()})
+        results["train/steps"] = module.step
         _write_summary(cfg, results, eval_tables, tracker)
         status = "FINISHED"
         return results
+    except Preempted:
+        status = "KILLED"
+        raise
+    except BaseException:
+        import traceback
+
+        try:  # the traceback goes with the run: a failed sweep job is diagnosable from MLflow alone
+            tracker.log_text(traceback.format_exc(), "error/traceback.txt")
+        except Exception:
+            pass
+        raise
     finally:
         if verifier is not None:
             verifier.close()
         tracker.end(status)
+
+
+@contextmanager
+def _stop_on_sigterm(module):
+    """SIGTERM (what SLURM sends before preemption) finishes the current step, checkpoints and stops."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        log.warning("SIGTERM received: finishing the current optimiser step, then checkpointing")
+        module.stop_requested = True
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> None:
@@ -159,17 +219,39 @@ def run(cfg: DictConfig) -> float | None:
     if not metric:
         return None
     if metric not in results:
-        raise ConfigError(f"optimized_metric = {metric!r} was not produced by this run; available: "
-                          f"{', '.join(sorted(k for k in results if k.startswith('eval/')))}")
+        log.warning("optimized_metric %s was not produced (trainer.eval_at_end=%s): returning None",
+                    metric, cfg.trainer.eval_at_end)
+        return None
     return float(results[metric])
+
+
+def _is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from grail_exp.errors import exit_on_user_error
+    from grail_exp.module import Preempted
 
-    with exit_on_user_error():
-        return run(cfg)
+    if _is_multirun():
+        # Task wrapper: in a sweep one failed job is recorded (MLflow status FAILED + traceback artifact,
+        # logged by train()) and the sweep goes on; the objective of a failed job is NaN.
+        try:
+            return run(cfg)
+        except Exception as exc:
+            log.error("job failed (the sweep continues): %s: %s", type(exc).__name__, exc)
+            return math.nan
+    try:
+        with exit_on_user_error():
+            return run(cfg)
+    except Preempted as exc:
+        print(f"preempted: {exc}. Resume with: python -m grail_exp.run <same overrides> "
+              f"hydra.run.dir={cfg.paths.output_dir} resume=auto", file=sys.stderr, flush=True)
+        sys.exit(143)
 
 
 if __name__ == "__main__":

@@ -124,10 +124,29 @@ def tracking_uri_for(cfg) -> str:
     return f"sqlite:///{results / 'mlflow.db'}"
 
 
+def _check_reachable(uri: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, not after MLflow's minutes of HTTP retries, when a tracking server is down."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(uri)
+    if u.scheme not in ("http", "https"):
+        return
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((u.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        raise TrackingError(
+            f"MLflow tracking server {uri!r} is unreachable ({exc.strerror or exc}). Start it "
+            f"(mlflow server --backend-store-uri sqlite:///results/mlflow.db --port {port}), fix "
+            "MLFLOW_TRACKING_URI / logger.tracking_uri, or run with logger=none.") from exc
+
+
 def build_tracker(cfg, run_name: str, run_id: str | None = None) -> NullTracker:
     if cfg.logger.name == "none":
         return NullTracker()
     uri = tracking_uri_for(cfg)
+    _check_reachable(uri)
     art = cfg.logger.get("artifact_location") or str(Path(cfg.paths.results_dir).expanduser().resolve() / "mlartifacts")
     if "://" not in art and not art.startswith("file:"):
         art = Path(art).resolve().as_uri()

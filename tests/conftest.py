@@ -64,3 +64,31 @@ def tiny_model(tiny_model_dir):
 
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
     return m.train()
+
+
+@pytest.fixture(scope="session")
+def formatted_model_dir(tmp_path_factory):
+    """The embedded tiny model after a 100-step warm start: it writes '\\boxed{}' answers (mostly wrong)."""
+    from grail_exp.data.arithmetic import ArithmeticTask
+    from grail_exp.embedded import ensure_embedded_model
+
+    build = dict(TINY_BUILD, hidden_size=128, intermediate_size=384, head_dim=32, seed=0)
+    warm = dict(enabled=True, lr=3e-3, batch_size=32, warmup_steps=10, max_steps=100, eval_every=1000,
+                eval_problems=8, target_accuracy=1.0)
+    return ensure_embedded_model(build, warm, ArithmeticTask(), {"enable_thinking": False}, "",
+                                 tmp_path_factory.mktemp("cache"))
+
+
+class AlternatingVerifier:
+    """Deterministic stand-in for MathVerifier: every third completion is 'correct', so advantages are non-zero."""
+
+    def __init__(self, *args, **kwargs):
+        self.counters = {"timeout": 0}
+
+    def score(self, completions, golds):
+        from grail_exp.rewards import GradeResult
+
+        return [GradeResult(i % 3 == 0, "x", "ok") for i in range(len(completions))]
+
+    def close(self):
+        pass

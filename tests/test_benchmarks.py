@@ -216,13 +216,14 @@ def test_paper_suite_composes_and_validates(cfg):
     assert list(cfg.benchmark.names) == PAPER
     assert cfg.benchmark.instruction == INSTRUCTION and cfg.benchmark.limit is None
     assert cfg.benchmark.olympiad_gold == "first"
+    assert cfg.optimized_metric == "eval/avg/acc"  # the option sets a metric it produces (validate checks this)
 
 
 @pytest.mark.parametrize("name", PAPER)
 def test_single_benchmark_configs(name):
     c = validate(compose([f"benchmark={name}", "benchmark.limit=3"]))
     assert c.benchmark.name == name and list(c.benchmark.names) == [name]
-    assert c.benchmark.instruction == INSTRUCTION
+    assert c.benchmark.instruction == INSTRUCTION and c.optimized_metric == f"eval/{name}/acc"
     assert len(load_benchmark(name, c)) == 3
 
 

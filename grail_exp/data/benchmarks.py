@@ -19,14 +19,17 @@ parse("$pred$"))``. Rules:
 - ``minerva_math``: the last ``\\boxed{}`` of ``solution`` (the file has no answer field);
 - ``olympiadbench_200``: ``final_answer`` is a list of one string. ``benchmark.olympiad_gold=first``
   (default) uses ``final_answer[0]``; ``str`` uses ``str(final_answer)`` like the paper's evaluation
-  (method spec §11.14), which math-verify cannot parse for 54 of the 200 rows.
+  (method spec §11.14): e.g. ``"['$\\\\frac{a b}{2}$']"``, against which the right answer, boxed, verifies
+  in only 142 of the 200 rows (math-verify 0.9.0; the spec quotes 146).
 
 Every ``Problem.meta`` records ``benchmark``, ``index`` (0-based row = line number - 1), ``id`` (the file's
 own id, if any), ``gold_rule`` and ``free_form`` (the reason from ``FREE_FORM`` or None).
 
 ``FREE_FORM`` lists the rows whose gold answer does not even verify against itself when boxed
-(sentences, multi-part answers, notations math-verify does not parse). No completion can score on
-them; ``tests/test_benchmarks.py`` pins the list so that it stays exact.
+(``score(["\\boxed{" + gold + "}"], [gold])``): no completion can score on them.
+``tests/test_benchmarks.py`` pins the list so that it stays exact. Passing the self-check is necessary,
+not sufficient: CollegeMATH's sentence answers pass because math-verify pulls the same fragment out of
+both sides; against such a gold a right answer can be graded wrong (and a fragment right).
 """
 
 from __future__ import annotations

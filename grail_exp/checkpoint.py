@@ -1,0 +1,158 @@
+"""Checkpoints that a crash can never corrupt, and exact resume.
+
+Layout: ``<run dir>/checkpoints/step-<N>/``
+    config.json, model.safetensors, tokenizer files     the policy, loadable by transformers / vLLM / evaluate
+    training_state.pt                                    optimiser, scheduler, step, data position, RNG states,
+                                                         scheme generator, counters, MLflow run id
+    COMPLETE                                             written last
+
+A checkpoint is written into ``step-<N>.tmp-<pid>/``, flushed, and renamed into place: the rename is
+atomic, so a process killed mid-write leaves only a ``.tmp-*`` directory, which resume ignores (and the
+next save removes). ``training_state.pt`` holds only tensors and plain Python containers and is read with
+``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "training_state.pt"
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message names the path and the fix."""
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None) -> Path:
+    """Write ``root/step-<step>`` atomically; prune to the newest ``keep_last`` complete checkpoints."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("step-*.tmp-*"):  # left behind by a crash mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step-{step}"
+    tmp = root / f"step-{step}.tmp-{os.getpid()}"
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save(state, tmp / STATE_FILE)
+        _fault_injection_stall(step)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        (tmp / MARKER).write_text(str(step))
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. SIGTERM right after a periodic save)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointError(
+                f"no space left on the device writing checkpoint {final}: free disk space, lower "
+                f"trainer.keep_last_checkpoints, or point hydra.run.dir at a larger disk. "
+                f"The previous complete checkpoint is intact.") from exc
+        raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
+    if keep_last:
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fault_injection_stall(step: int) -> None:
+    """Test-only fault injection: ``GRAIL_EXP_FAULT=stall_checkpoint:<N>`` stalls mid-write of step N for a
+    minute, so that a test can SIGKILL the process while the checkpoint is half written."""
+    fault = os.environ.get("GRAIL_EXP_FAULT", "")
+    if fault == f"stall_checkpoint:{step}":
+        import time
+
+        log.warning("GRAIL_EXP_FAULT: stalling mid-write of checkpoint step %d", step)
+        time.sleep(60)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir() and (d / MARKER).exists() and (d / STATE_FILE).exists():
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found)]
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    ckpts = complete_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+def load_training_state(ckpt: Path) -> dict:
+    path = ckpt / STATE_FILE
+    if not path.exists():
+        raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {STATE_FILE})")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
+    """``resume``: null (fresh start), ``auto`` (latest complete checkpoint of this run dir, or a fresh start
+    if there is none) or a path to a checkpoint directory."""
+    if not resume:
+        return None
+    if resume == "auto":
+        ckpt = latest_checkpoint(checkpoint_root)
+        if ckpt is None:
+            log.info("resume=auto: no complete checkpoint under %s, starting fresh", checkpoint_root)
+        return ckpt
+    p = Path(resume).expanduser()
+    if not (p / MARKER).exists():
+        raise CheckpointError(f"resume={resume!r} is not a complete checkpoint directory (expected {p / MARKER}); "
+                              f"use resume=auto or a checkpoints/step-N directory")
+    return p

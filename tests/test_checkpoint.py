@@ -1,0 +1,204 @@
+"""Checkpointing, exact resume and fault tolerance (SIGKILL mid-write, SIGTERM, failing sweep jobs)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import AlternatingVerifier, compose
+from grail_exp.checkpoint import complete_checkpoints, load_training_state
+
+
+def _cfg(run_dir: Path, model_dir, extra=()):
+    return compose([f"model.name_or_path={model_dir}", f"paths.output_dir={run_dir}", "trainer.prompts_per_step=4",
+                    "trainer.micro_batch_size=16", "rollout.num_generations=4", "rollout.max_completion_length=40",
+                    "trainer.eval_at_end=false", "trainer.eval_before_training=false", "trainer.sample_table_every=0",
+                    *extra], run_dir.parent)
+
+
+def _state_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("scheme, mu, first_leg", [("grpo", 1, 2), ("grail", 1, 2), ("grail", 2, 1), ("oar_g", 1, 2)])
+def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir, monkeypatch, scheme, mu, first_leg):
+    """Bit-identical parameters and optimiser state; (grail, mu=2, 1) resumes mid-rollout-batch from the buffer."""
+    import grail_exp.rewards
+
+    from grail_exp.run import run
+
+    monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
+    common = [f"advantage={scheme}", f"loss.num_iterations={mu}", "logger=none"]
+    if scheme == "grail":
+        common.append("advantage.symmetry=both")
+    straight, split = tmp_path / "straight" / "run", tmp_path / "split" / "run"
+    run(_cfg(straight, formatted_model_dir, [*common, "trainer.max_steps=4"]))
+    run(_cfg(split, formatted_model_dir, [*common, f"trainer.max_steps={first_leg}"]))
+    run(_cfg(split, formatted_model_dir, [*common, "trainer.max_steps=4", "resume=auto"]))
+
+    a, b = straight / "checkpoints" / "step-4", split / "checkpoints" / "step-4"
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = load_training_state(a), load_training_state(b)
+    assert _state_equal(sa["optimizer"], sb["optimizer"]) and _state_equal(sa["scheduler"], sb["scheduler"])
+    assert sa["step"] == sb["step"] == 4 and sa["round"] == sb["round"]
+    assert _state_equal(sa["rng"]["torch"], sb["rng"]["torch"])
+    start = load_file(Path(formatted_model_dir) / "model.safetensors")
+    assert any(not torch.equal(start[k], wa[k]) for k in wa)  # training really changed the weights
+
+
+def test_checkpoint_is_a_loadable_hf_model_and_state_is_weights_only(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grail_exp.run import run
+
+    run_dir = tmp_path / "r" / "run"
+    run(_cfg(run_dir, tiny_model_dir, ["logger=none", "trainer.max_steps=3", "trainer.checkpoint_every=1",
+                                       "trainer.keep_last_checkpoints=2", "loss.mask_truncated_completions=false"]))
+    ckpts = complete_checkpoints(run_dir / "checkpoints")
+    assert [c.name for c in ckpts] == ["step-2", "step-3"]  # keep_last pruning
+    AutoModelForCausalLM.from_pretrained(ckpts[-1], use_safetensors=True)
+    AutoTokenizer.from_pretrained(ckpts[-1])
+    torch.load(ckpts[-1] / "training_state.pt", weights_only=True)  # no pickled code
+    assert not list((run_dir / "checkpoints").glob("*.tmp-*"))
+
+
+def _run_cli(args, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "grail_exp.run", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}, **kw)
+
+
+def _cli_args(run_dir, model_dir, tmp_path, extra=()):
+    return [f"model.name_or_path={model_dir}", f"hydra.run.dir={run_dir}", f"paths.root_dir={tmp_path}",
+            "trainer.prompts_per_step=2", "trainer.micro_batch_size=8", "rollout.num_generations=4",
+            "rollout.max_completion_length=16", "trainer.eval_before_training=false", "benchmark.limit=4", "eval.n=2",
+            "advantage=grpo", "loss.mask_truncated_completions=false", *extra]
+
+
+def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    args = _cli_args(run_dir, tiny_model_dir, tmp_path, ["trainer.max_steps=3", "trainer.checkpoint_every=1"])
+    proc = _run_cli(args, env={"GRAIL_EXP_FAULT": "stall_checkpoint:2"})
+    deadline = time.time() + 150
+    while not list((run_dir / "checkpoints").glob("step-2.tmp-*")):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline, "the stalled checkpoint never appeared"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert [c.name for c in complete_checkpoints(run_dir / "checkpoints")] == ["step-1"]
+
+    proc = _run_cli(args + ["resume=auto"])
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "resuming from" in out and "step-1" in out
+    assert [c.name for c in complete_checkpoints(run_dir / "checkpoints")][-1] == "step-3"
+    assert not list((run_dir / "checkpoints").glob("*.tmp-*"))
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("grail_exp").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the same MLflow run continued
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
+    assert steps[-1] == 3 and 1 in steps
+
+
+def test_sigterm_writes_a_checkpoint_before_exit(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    proc = _run_cli(_cli_args(run_dir, tiny_model_dir, tmp_path, ["trainer.max_steps=500", "trainer.log_every=1"]))
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path / "results" / "mlflow.db"
+    deadline = time.time() + 150
+    c, runs = None, []
+    while True:  # wait until training is under way (a step has been logged)
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(1.0)
+        if not db.exists():
+            continue
+        try:  # the job creates the database concurrently: reading it too early can race its migration
+            c = MlflowClient(f"sqlite:///{db}")
+            exp = c.get_experiment_by_name("grail_exp")
+            runs = c.search_runs([exp.experiment_id]) if exp else []
+            if runs and c.get_metric_history(runs[0].info.run_id, "loss"):
+                break
+        except Exception:
+            continue
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert "resume=auto" in out
+    ckpts = complete_checkpoints(run_dir / "checkpoints")
+    assert len(ckpts) == 1 and load_training_state(ckpts[0])["step"] >= 1
+    assert c.get_run(runs[0].info.run_id).info.status == "KILLED"
+
+
+def test_sweep_continues_past_a_failing_job(tmp_path, tiny_model_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "grail_exp.run", "-m", f"model.name_or_path={tiny_model_dir},{tmp_path}/no_such_model",
+         f"paths.root_dir={tmp_path}", "trainer.max_steps=1", "trainer.prompts_per_step=2", "trainer.micro_batch_size=8",
+         "rollout.num_generations=4", "rollout.max_completion_length=8", "trainer.eval_before_training=false",
+         "benchmark.limit=2", "eval.n=2", "advantage=grpo", "loss.mask_truncated_completions=false"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("grail_exp").experiment_id])
+    by_path = {r.data.params.get("model.name_or_path"): r for r in runs}
+    assert by_path[str(tiny_model_dir)].info.status == "FINISHED"
+    failed = by_path[f"{tmp_path}/no_such_model"]
+    assert failed.info.status == "FAILED"
+    tb = client.download_artifacts(failed.info.run_id, "error/traceback.txt", str(tmp_path))
+    assert "ModelLoadError" in Path(tb).read_text()
+
+
+def test_disk_full_on_checkpoint_is_one_clear_error_and_leaves_no_partial_checkpoint(tmp_path, tiny_model, tiny_tokenizer,
+                                                                                     monkeypatch):
+    import errno
+
+    from grail_exp.checkpoint import CheckpointError, save_checkpoint
+
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, 1, tiny_model, tiny_tokenizer, {"step": 1})
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointError, match="no space left"):
+        save_checkpoint(root, 2, tiny_model, tiny_tokenizer, {"step": 2})
+    assert [c.name for c in complete_checkpoints(root)] == ["step-1"] and not list(root.glob("*.tmp-*"))
+
+
+def test_unreachable_tracking_server_fails_fast(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}"],
+                          env={**os.environ, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "unreachable" in proc.stderr and "logger=none" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_model_dir_is_one_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}", "logger=none",
+                           f"model.name_or_path={tmp_path}/nope"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no Hugging Face model there" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_resume_from_a_non_checkpoint_is_one_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}", "logger=none",
+                           f"resume={tmp_path}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr

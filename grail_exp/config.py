@@ -406,6 +406,8 @@ def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
     if cfg.model.name_or_path is None:
         _check(e, cfg.model.build is not None, "model.build", None,
                "model.name_or_path is null, so the embedded model is built, which needs model.build")
+    _check(e, cfg.benchmark.get("olympiad_gold", "first") in ("first", "str"), "benchmark.olympiad_gold",
+           cfg.benchmark.get("olympiad_gold"), "must be first (final_answer[0]) or str (the paper's str(final_answer))")
     _check(e, len(cfg.benchmark.names) > 0, "benchmark.names", list(cfg.benchmark.names), "must name a benchmark")
     for b in cfg.benchmark.names:
         _check(e, b in BENCHMARKS, "benchmark.names", b, f"unknown benchmark; valid: {', '.join(sorted(BENCHMARKS))}")

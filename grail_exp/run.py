@@ -27,9 +27,13 @@ from grail_exp.config import ConfigError, register_configs, validate
 
 log = logging.getLogger("grail_exp")
 register_configs()
-# Lightning's INFO lines (GPU/TPU availability, tips) repeat through Hydra's root handler; keep warnings.
-for _name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-    logging.getLogger(_name).setLevel(logging.WARNING)
+
+
+def _quiet_lightning() -> None:
+    """Lightning's INFO lines (GPU/TPU availability, tips) repeat through Hydra's root handler; keep warnings.
+    Call after importing lightning: its import sets its loggers to INFO."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def default_run_name(cfg: DictConfig) -> str:
@@ -52,7 +56,9 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import build_tracker
 
-    from grail_exp.checkpoint import latest_checkpoint, load_training_state, resolve_resume, save_checkpoint
+    from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint
+
+    _quiet_lightning()
 
     phases: dict[str, float] = {}
     t0 = time.perf_counter()

@@ -57,6 +57,13 @@ class AdvantageScheme:
     def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
         raise NotImplementedError
 
+    def spans(self, batch: SchemeBatch):
+        """The answer-span token masks of the batch, with this scheme's ``span_mapping`` and ``box`` switches."""
+        from grail_exp.advantages.spans import answer_spans
+
+        return answer_spans(batch.completion_ids, batch.completion_mask, self.tokenizer,
+                            span_mapping=self.cfg.span_mapping, box=self.cfg.box, texts=batch.completion_texts)
+
 
 def register_scheme(name: str, config_class: type) -> Callable[[type[AdvantageScheme]], type[AdvantageScheme]]:
     """Class decorator: ``@register_scheme("grail", GrailConfig)``."""

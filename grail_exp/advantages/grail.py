@@ -42,7 +42,6 @@ from grail_exp.advantages.probe import (
     masked_mean_std,
     predicting_window,
 )
-from grail_exp.advantages.spans import answer_spans
 from grail_exp.loss import selective_log_softmax
 
 
@@ -91,8 +90,7 @@ class GrailScheme(AdvantageScheme):
         mask = batch.completion_mask.float()  # (B, C) loss mask (0 on padding and masked truncations)
         B, C = batch.completion_ids.shape
         P = batch.prompt_length
-        spans = answer_spans(batch.completion_ids, batch.completion_mask, self.tokenizer,
-                             span_mapping=cfg.span_mapping, box=cfg.box, texts=batch.completion_texts)
+        spans = self.spans(batch)
         A = batch.advantages.float()
         if cfg.symmetry == "wrong":
             excluded = A > 0

@@ -44,7 +44,6 @@ from grail_exp.advantages.probe import (
     own_window,
     predicting_window,
 )
-from grail_exp.advantages.spans import answer_spans
 
 SUPPRESS_FLOOR = 0.1  # both codebases floor suppressed tokens at 0.1
 
@@ -167,8 +166,7 @@ class OARGScheme(AdvantageScheme):
     def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
         cfg = self.cfg
         mask = batch.completion_mask.float()
-        spans = answer_spans(batch.completion_ids, batch.completion_mask, self.tokenizer,
-                             span_mapping=cfg.span_mapping, box=cfg.box, texts=batch.completion_texts)
+        spans = self.spans(batch)
         original = cfg.variant == "original"
         scored = _reasoning_mask(spans, mask) if original else mask.bool()
         scores = torch.zeros_like(mask)
@@ -227,8 +225,7 @@ class OARPScheme(AdvantageScheme):
     def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
         cfg = self.cfg
         mask = batch.completion_mask.float()
-        spans = answer_spans(batch.completion_ids, batch.completion_mask, self.tokenizer,
-                             span_mapping=cfg.span_mapping, box=cfg.box, texts=batch.completion_texts)
+        spans = self.spans(batch)
         scored = _reasoning_mask(spans, mask)
         scores = self.importance(model, batch, spans, scored)
         w = bilevel_original(scores, scored, cfg.tau, cfg.beta, cfg.log_compression)

@@ -24,8 +24,18 @@ def test_every_group_option_composes_and_validates(compose_cfg, group):
 
 
 def test_every_experiment_composes(compose_cfg):
-    for opt in options("experiment"):
+    experiments = sorted(str(p.relative_to(CONF / "experiment").with_suffix("")) for p in (CONF / "experiment").rglob("*.yaml"))
+    assert experiments, "no experiment files"
+    for opt in experiments:
         validate(compose_cfg([f"experiment={opt}"]))
+
+
+def test_paper_recipe_reproduces_the_reference_prompt_bytes(compose_cfg):
+    cfg = validate(compose_cfg(["experiment=paper/qwen3_4b_grail"]))
+    assert cfg.data.instruction.endswith("within \x08oxed{}.")  # the reference's backspace (spec §11.13)
+    assert cfg.benchmark.olympiad_gold == "str" and cfg.loss.num_iterations == 4 and cfg.optim.lr == 1e-6
+    assert cfg.model.name_or_path == "Qwen/Qwen3-4B" and cfg.advantage.symmetry == "wrong"
+    assert cfg.optimized_metric == "eval/avg/acc"
 
 
 def test_debug_fast_composes(compose_cfg):

@@ -4,7 +4,7 @@
 (one entry each), so evaluation code never special-cases a benchmark.
 
 The paper's six sets (GRAIL paper, method spec §7.1) are vendored byte for byte in
-``grail_exp/data/benchmarks/`` (see ``MANIFEST.md`` there: provenance, sha256, fields). Each entry in
+``grail_exp/data/benchmark_files/`` (see ``MANIFEST.md`` there: provenance, sha256, fields). Each entry in
 ``PAPER_BENCHMARKS`` says which file it reads, which field holds the problem, how the gold answer is
 obtained (``gold_rule``) and how many rows the file must have; a wrong count or a malformed row is an
 error naming the file (and the line). Parsed files are cached per path, so repeated loads are cheap.
@@ -45,7 +45,7 @@ from grail_exp.data.sources import Problem, arithmetic_task
 
 BENCHMARKS: dict[str, Callable[[Any], list[Problem]]] = {}
 
-DATA_DIR = Path(__file__).with_name("benchmarks")  # the vendored JSONL files and MANIFEST.md
+DATA_DIR = Path(__file__).with_name("benchmark_files")  # the vendored JSONL files and MANIFEST.md
 
 OLYMPIAD_GOLD_RULES = ("first", "str")  # benchmark.olympiad_gold: final_answer[0] | str(final_answer)
 

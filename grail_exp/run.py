@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from grail_exp.config import ConfigError, register_configs, validate
 
 log = logging.getLogger("grail_exp")
 register_configs()
+# Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; harmless, and noise in every run's output.
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 def _quiet_lightning() -> None:

@@ -56,8 +56,12 @@ class MlflowTracker(NullTracker):
 
         self._mlflow = mlflow
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        with _sqlite_init_lock(tracking_uri):
+            self._start(MlflowClient, tracking_uri, experiment_name, run_name, artifact_location, tags, run_id)
+
+    def _start(self, MlflowClient, tracking_uri, experiment_name, run_name, artifact_location, tags, run_id):
         try:
+            self.client = MlflowClient(tracking_uri=tracking_uri)
             exp = self.client.get_experiment_by_name(experiment_name)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
                 experiment_name, artifact_location=artifact_location)
@@ -110,6 +114,18 @@ class MlflowTracker(NullTracker):
 
     def end(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+
+def _sqlite_init_lock(uri: str):
+    """Serialise the first use of a sqlite store: parallel sweep jobs creating it at once race on its schema
+    migration (seen in testing). A no-op for servers."""
+    from contextlib import nullcontext
+
+    if not uri.startswith("sqlite:///"):
+        return nullcontext()
+    from filelock import FileLock
+
+    return FileLock(uri[len("sqlite:///"):] + ".lock", timeout=120)
 
 
 def tracking_uri_for(cfg) -> str:

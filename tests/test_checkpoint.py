@@ -202,3 +202,18 @@ def test_resume_from_a_non_checkpoint_is_one_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}", "logger=none",
                            f"resume={tmp_path}"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr
+
+
+def test_parallel_jobs_can_create_one_sqlite_store_at_once(tmp_path):
+    """Parallel sweep jobs (e.g. submitit_local) initialising the same fresh sqlite store must not race."""
+    code = ("import sys; from grail_exp.tracking import MlflowTracker; "
+            f"t = MlflowTracker('sqlite:///{tmp_path}/mlflow.db', 'exp', sys.argv[1], '{tmp_path.as_uri()}/art'); "
+            "t.log_metrics({'x': 1.0}, step=1); t.end()")
+    procs = [subprocess.Popen([sys.executable, "-c", code, f"job{i}"], stderr=subprocess.PIPE, text=True)
+             for i in range(3)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errs
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert len(c.search_runs([c.get_experiment_by_name("exp").experiment_id])) == 3

@@ -121,3 +121,21 @@ def test_cli_invalid_value_is_one_clear_message(tmp_path):
     assert proc.returncode == 2
     assert "rollout.num_generations = 1" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_two_steps_leaves_an_mlflow_run_with_params_metrics_and_eval_table(tmp_path):
+    """`python -m grail_exp.run trainer.max_steps=2` (warm start shortened so the test stays fast)."""
+    from mlflow.tracking import MlflowClient
+
+    proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "trainer.max_steps=2", f"paths.root_dir={tmp_path}",
+                           f"paths.cache_dir={tmp_path}/cache", "model.warm_start.max_steps=20",
+                           "model.warm_start.eval_every=10", "benchmark.limit=8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("grail_exp").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["trainer.max_steps"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+    assert "eval/arithmetic/acc" in run.data.metrics
+    assert "eval/final/pass_at_k.json" in {a.path for a in client.list_artifacts(run.info.run_id, "eval/final")}
+    assert "eval/arithmetic/acc" in proc.stdout

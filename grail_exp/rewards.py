@@ -120,13 +120,12 @@ def _balanced_boxes(text: str, pos: int):
             stack.append(m.start())
 
 
-def extract_last_boxed(text: str) -> str | None:
-    """Content of the last balanced ``\\boxed{...}`` in ``text``, or None.
+def find_last_boxed_span(text: str) -> tuple[int, int] | None:
+    """Span ``[start, end)`` of the last balanced ``\\boxed{...}``, marker and closing brace included.
 
-    Among all ``\\boxed{`` occurrences whose braces balance, returns the
-    content of the one that starts last (nested braces are kept; an
-    unterminated box is skipped). ``\\boxed {`` and ``\\fbox`` are not
-    recognised. Linear time.
+    Among all ``\\boxed{`` occurrences whose braces balance, the one that starts last (nested braces
+    are kept; an unterminated box is skipped). ``\\boxed {`` and ``\\fbox`` are not recognised.
+    Linear time.
     """
     last = text.rfind(_BOX_OPEN)
     if last < 0:
@@ -134,13 +133,19 @@ def extract_last_boxed(text: str) -> str | None:
     # Common case: the last box is balanced; only the tail is scanned.
     close = _matching_close(text, last + _BOX_LEN - 1)
     if close >= 0:
-        return text[last + _BOX_LEN : close]
+        return last, close + 1
     # The last box is unterminated: one linear pass over all boxes.
     best: tuple[int, int] | None = None
     for start, close in _balanced_boxes(text, text.find(_BOX_OPEN)):
         if best is None or start > best[0]:
             best = (start, close)
-    return None if best is None else text[best[0] + _BOX_LEN : best[1]]
+    return None if best is None else (best[0], best[1] + 1)
+
+
+def extract_last_boxed(text: str) -> str | None:
+    """Content of the last balanced ``\\boxed{...}`` in ``text`` (the answer the reward grades), or None."""
+    span = find_last_boxed_span(text)
+    return None if span is None else text[span[0] + _BOX_LEN : span[1] - 1]
 
 
 def find_first_boxed_span(text: str) -> tuple[int, int] | None:

@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grail_exp.config import register_configs
+from grail_exp.data.jsonl import iter_jsonl_objects
 
 log = logging.getLogger("grail_exp.weights")
 register_configs()
@@ -34,15 +35,7 @@ def read_rows(path: str | Path, tokenizer) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"input={str(path)!r}: no such file (a JSONL of rollouts)")
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-        if not isinstance(r, dict):
-            raise InputError(f"{path}:{lineno}: each line must be a JSON object")
+    for lineno, r in iter_jsonl_objects(path, InputError):
         if "prompt_ids" not in r and "prompt" in r:
             r["prompt_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
         if "completion_ids" not in r and "completion" in r:

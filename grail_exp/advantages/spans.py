@@ -99,13 +99,7 @@ from typing import Callable
 
 import torch
 
-from grail_exp.rewards import (
-    _BOX_LEN,
-    _BOX_OPEN,
-    _balanced_boxes,
-    _matching_close,
-    find_first_boxed_span,
-)
+from grail_exp.rewards import _BOX_LEN, _BOX_OPEN, find_first_boxed_span, find_last_boxed_span
 
 __all__ = ["AnswerSpans", "answer_spans", "find_last_boxed_span", "SPAN_MAPPINGS", "BOX_MODES"]
 
@@ -113,25 +107,6 @@ SPAN_MAPPINGS = ("reference", "exact")
 BOX_MODES = ("first", "last")
 
 _FFFD = "\ufffd"
-
-
-def find_last_boxed_span(text: str) -> tuple[int, int] | None:
-    """Span ``[start, end)`` of the last balanced ``\\boxed{...}``, marker and closing brace included.
-
-    The same box ``extract_last_boxed`` grades (same brace counting: the balanced box with the
-    largest start; unterminated boxes skipped; nested boxes count). Linear time.
-    """
-    last = text.rfind(_BOX_OPEN)
-    if last < 0:
-        return None
-    close = _matching_close(text, last + _BOX_LEN - 1)
-    if close >= 0:
-        return last, close + 1
-    best: tuple[int, int] | None = None
-    for start, close in _balanced_boxes(text, text.find(_BOX_OPEN)):
-        if best is None or start > best[0]:
-            best = (start, close)
-    return None if best is None else (best[0], best[1] + 1)
 
 
 _FINDERS: dict[str, Callable[[str], tuple[int, int] | None]] = {

@@ -35,12 +35,12 @@ both sides; against such a gold a right answer can be graded wrong (and a fragme
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from grail_exp.data.jsonl import iter_jsonl_objects
 from grail_exp.data.sources import Problem, arithmetic_task
 
 BENCHMARKS: dict[str, Callable[[Any], list[Problem]]] = {}
@@ -89,17 +89,8 @@ def read_jsonl(path: str) -> tuple[dict, ...]:
 
     Raises ``BenchmarkDataError`` naming the file and line for a line that is not a JSON object.
     """
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BenchmarkDataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(row, dict):
-                raise BenchmarkDataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return tuple(rows)
+    # Blank lines are errors here: a row's index must stay its line number - 1.
+    return tuple(row for _, row in iter_jsonl_objects(path, BenchmarkDataError, skip_blank=False))
 
 
 # ---------------------------------------------------------------------------------------------- gold rules

@@ -35,6 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grail_exp import metrics as M
+from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
 from grail_exp.data import load_benchmark
 from grail_exp.data.prompting import render_prompt
@@ -303,7 +304,7 @@ def evaluate_job(cfg: DictConfig) -> EvalResult:
         tracker.end(status)
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")
 def main(cfg: DictConfig) -> float | None:
     from grail_exp.errors import exit_on_user_error
 

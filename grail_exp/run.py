@@ -24,6 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, register_configs, validate
 
 log = logging.getLogger("grail_exp")
@@ -241,7 +242,7 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from grail_exp.errors import exit_on_user_error
     from grail_exp.module import Preempted

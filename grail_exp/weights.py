@@ -18,6 +18,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
 from grail_exp.data.jsonl import iter_jsonl_objects
 
@@ -106,7 +107,7 @@ def compute(cfg: DictConfig) -> list[dict]:
     return out
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="weights")
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="weights")
 def main(cfg: DictConfig) -> None:
     from grail_exp.errors import exit_on_user_error
 

@@ -14,7 +14,9 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests must never write to a user'
 def compose(overrides: list[str] | None = None, tmp: Path | None = None, config_name: str = "config"):
     """Compose the real config tree like `python -m grail_exp.run <overrides>` does, with temp paths."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
+    from hydra import initialize_config_dir
+
+    from grail_exp.conf_path import CONFIG_DIR
     from hydra.core.global_hydra import GlobalHydra
 
     from grail_exp.config import register_configs
@@ -24,7 +26,7 @@ def compose(overrides: list[str] | None = None, tmp: Path | None = None, config_
     paths = []
     if tmp is not None:
         paths = [f"paths.root_dir={tmp}", f"paths.output_dir={tmp}/run", f"paths.cache_dir={tmp}/cache"]
-    with initialize_config_module(config_module="grail_exp.conf", version_base="1.3"):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=paths + list(overrides or []))
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from grail_exp.config import ConfigError, validate
 
-CONF = Path(__file__).parents[1] / "grail_exp" / "conf"
+CONF = Path(__file__).parents[1] / "conf"
 
 
 def options(group: str) -> list[str]:

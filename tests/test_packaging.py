@@ -1,0 +1,66 @@
+"""The config tree lives at the top-level ``conf/`` and still works from any directory and from a wheel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_subpackage_is_listed_in_pyproject():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "grail_exp").rglob("__init__.py")}
+    assert found - listed == set(), "add these packages to [tool.setuptools] packages in pyproject.toml"
+    assert "grail_exp.conf" in listed
+
+
+def test_config_tree_is_the_top_level_conf():
+    from grail_exp.conf_path import CONFIG_DIR
+
+    assert Path(CONFIG_DIR) == ROOT / "conf"
+    assert not (ROOT / "grail_exp" / "conf").exists(), "the config tree moved to <repo>/conf"
+
+
+def _job_config(cwd: Path, env: dict) -> str:
+    out = subprocess.run([sys.executable, "-m", "grail_exp.run", "--cfg", "job", "advantage=grpo"], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_run_composes_from_another_directory(tmp_path):
+    text = _job_config(tmp_path, dict(os.environ))
+    assert "name: grpo" in text
+
+
+def test_run_composes_from_an_installed_wheel(tmp_path):
+    """Build the wheel, unpack it, and compose `python -m grail_exp.run` from it (not from the checkout)."""
+    wheel_dir = tmp_path / "wheel"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(wheel_dir), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = wheel_dir.glob("grail_exp-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "grail_exp/conf/config.yaml" in names and "grail_exp/conf/experiment/paper/qwen3_4b_grail.yaml" in names
+    assert any(n.startswith("grail_exp/data/benchmark_files/") and n.endswith(".jsonl") for n in names)
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    where = subprocess.run([sys.executable, "-c", "import grail_exp.conf_path as c; print(c.CONFIG_DIR)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert where.stdout.strip() == str(site / "grail_exp" / "conf"), where.stderr
+    assert "name: grpo" in _job_config(tmp_path, env)
+
+
+@pytest.mark.parametrize("entry", ["grail_exp.evaluate", "grail_exp.weights"])
+def test_other_entry_points_find_the_tree(tmp_path, entry):
+    out = subprocess.run([sys.executable, "-m", entry, "--cfg", "job"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -142,7 +142,7 @@ class GRPOModule(L.LightningModule):
             self.engine.sync_weights(self.policy)
             completions = self.engine.generate(prompts, SamplingParams(
                 n=r.num_generations, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty))
+                max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty, logprobs=True))
         rb = pad_completions(completions, self.tokenizer.pad_token_id)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
 

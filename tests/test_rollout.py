@@ -1,5 +1,9 @@
 """The HF rollout engine: shapes, stop tokens, truncation flags, sampling log-probs."""
 
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from grail_exp.loss import selective_log_softmax
@@ -17,7 +21,7 @@ def test_generate_layout_and_truncation(tiny_model, tiny_tokenizer):
     engine = build_engine("hf", tiny_model, tiny_tokenizer)
     prompts = _prompts(tiny_tokenizer)
     torch.manual_seed(0)
-    out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=12))
+    out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, logprobs=True))
     assert len(out) == 12
     stops = {tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id}
     for i, c in enumerate(out):
@@ -30,11 +34,14 @@ def test_generate_layout_and_truncation(tiny_model, tiny_tokenizer):
     assert tiny_model.training  # engine restores the mode
 
 
-def test_sampling_logprobs_match_trainer_forward(tiny_model, tiny_tokenizer):
-    """Sampler-vs-trainer log-probs agree (same positions, temperature-scaled logits)."""
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 0.9)])
+def test_sampling_logprobs_match_trainer_forward(tiny_model, tiny_tokenizer, top_k, top_p):
+    """Sampler-vs-trainer log-probs agree (same positions, temperature-scaled logits), also under top-k / top-p:
+    the engine reports the untruncated log softmax(z/T), the distribution the trainer computes."""
     engine = build_engine("hf", tiny_model, tiny_tokenizer)
     torch.manual_seed(1)
-    out = engine.generate(_prompts(tiny_tokenizer), SamplingParams(n=2, temperature=0.7, max_new_tokens=10))
+    out = engine.generate(_prompts(tiny_tokenizer), SamplingParams(n=2, temperature=0.7, max_new_tokens=10,
+                                                                   top_k=top_k, top_p=top_p, logprobs=True))
     rb = pad_completions(out, tiny_tokenizer.pad_token_id)
     attn = rb.attention_mask
     with torch.no_grad():
@@ -43,6 +50,48 @@ def test_sampling_logprobs_match_trainer_forward(tiny_model, tiny_tokenizer):
     logp = selective_log_softmax(logits, rb.completion_ids)
     m = rb.completion_mask.bool()
     assert torch.allclose(logp[m], rb.sampling_logprobs[m], atol=1e-4)
+
+
+def test_no_logprobs_unless_asked(tiny_model, tiny_tokenizer):
+    engine = build_engine("hf", tiny_model, tiny_tokenizer)
+    out = engine.generate(_prompts(tiny_tokenizer, 1), SamplingParams(n=2, temperature=1.0, max_new_tokens=6))
+    assert all(c.logprobs is None for c in out)
+
+
+_PEAK_SCRIPT = r"""
+import resource, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from grail_exp.rollout.base import SamplingParams
+from grail_exp.rollout.hf import HFRolloutEngine
+torch.manual_seed(0); torch.set_num_threads(1)
+V = 151936
+cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, max_position_embeddings=512)
+model = Qwen3ForCausalLM(cfg).eval()
+class Tok: eos_token_id = V - 1; pad_token_id = V - 2
+engine = HFRolloutEngine(model, Tok(), batch_size=64)
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+for tokens in (8, 64):
+    out = engine.generate([[1, 2, 3, 4]] * 2, SamplingParams(n=16, max_new_tokens=tokens, top_k=50, logprobs=True))
+    assert all(len(c.logprobs) == len(c.token_ids) for c in out)
+    print(tokens, peak())
+"""
+
+
+def test_generation_memory_does_not_grow_with_vocab_times_length():
+    """32 completions at V = 151,936: keeping every step's float32 scores (what ``output_scores`` did) would add
+    1.2 GB between 8 and 64 generated tokens; the engine keeps one step's (N, V) log-softmax (19 MB). Peak RSS is
+    read in a fresh process with a fixed malloc mmap threshold: glibc's adaptive threshold otherwise serves the
+    freed 19 MB blocks from a fragmenting heap and the high-water mark measures the allocator, not our tensors."""
+    import os
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576")
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peaks = dict(line.split() for line in out.stdout.strip().splitlines())
+    growth_mb = float(peaks["64"]) - float(peaks["8"])
+    all_scores_mb = 32 * (64 - 8) * 151936 * 4 / 2**20
+    assert growth_mb < 100, f"peak RSS grew {growth_mb:.0f} MB from 8 to 64 tokens (all scores: {all_scores_mb:.0f} MB)"
 
 
 def test_greedy_is_deterministic(tiny_model, tiny_tokenizer):
@@ -66,7 +115,5 @@ def test_pad_completions_layout():
 
 
 def test_vllm_engine_is_a_clear_error(tiny_model, tiny_tokenizer):
-    import pytest
-
     with pytest.raises(NotImplementedError, match="rollout=hf"):
         build_engine("vllm", tiny_model, tiny_tokenizer)

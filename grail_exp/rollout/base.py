@@ -23,6 +23,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 64
     repetition_penalty: float = 1.0
+    # Return log π(sampled token) under the temperature-scaled, *untruncated* distribution log softmax(z / T): the
+    # quantity the trainer computes, so sampler-vs-trainer diagnostics and IS ratios compare like with like
+    # (top-k / top-p only restrict which tokens can be drawn). Training asks for them; evaluation never does.
+    logprobs: bool = False
 
 
 @dataclass
@@ -31,7 +35,7 @@ class Completion:
 
     prompt_ids: list[int]
     token_ids: list[int]  # generated tokens, up to and including the stop token when there is one
-    logprobs: list[float] | None  # log-prob of each generated token under the sampling distribution
+    logprobs: list[float] | None  # log softmax(z/T)[token] of each generated token (None unless asked for)
     truncated: bool  # True when the token budget ran out before a stop token
 
 

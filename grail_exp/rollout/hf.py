@@ -1,9 +1,13 @@
 """``rollout=hf``: sampling with transformers ``generate`` (KV cache) on the policy itself.
 
-Shares the policy's weights, so ``sync_weights`` has nothing to do. Log-probs are taken from the
-*processed* scores (after temperature / top-k / top-p), i.e. the distribution the token was actually
-drawn from. The model's own ``generation_config`` is ignored on purpose: every sampling knob comes
-from our config, so a checkpoint's defaults (Qwen3 ships T=0.6, top_k=20) never leak in.
+Shares the policy's weights, so ``sync_weights`` has nothing to do. The model's own ``generation_config``
+is ignored on purpose: every sampling knob comes from our config, so a checkpoint's defaults (Qwen3 ships
+T=0.6, top_k=20) never leak in.
+
+Memory: ``generate`` is never asked for ``output_scores`` (one float32 (N, V) tensor per generated token:
+~640 GB for 256 completions × 4,096 tokens at Qwen3's 151,936-token vocabulary). When log-probs are asked
+for (``SamplingParams.logprobs``), a logits processor keeps one step's (N, V) log-softmax alive, picks the
+sampled token's entry at the next step and drops the rest: O(N·V + N·C) memory instead of O(N·V·C).
 """
 
 from __future__ import annotations
@@ -13,17 +17,43 @@ import torch
 from grail_exp.rollout.base import Completion, SamplingParams
 
 
+class SampledTokenLogprobs:
+    """A logits processor recording log softmax(z / T)[sampled token] per step, never more than one (N, V) step.
+
+    transformers runs custom processors after its own (repetition penalty, ...) and *before* the sampling
+    warpers (temperature, top-k, top-p), so ``scores`` here are the untruncated logits. The token drawn from
+    them is only known at the next call (the last column of ``input_ids``); the last step is picked by
+    ``finish`` from the returned sequences.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature if temperature > 0 else 1.0  # greedy: the model's own distribution
+        self.pending: torch.Tensor | None = None  # (N, V) log-probs of the step whose token is not known yet
+        self.picked: list[torch.Tensor] = []  # (N,) per generated step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.picked.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """(N, C) log-probs of the generated tokens, given the last generated column."""
+        if self.pending is not None:
+            self.picked.append(self.pending.gather(1, last_tokens.unsqueeze(1).to(self.pending.device)).squeeze(1))
+            self.pending = None
+        return torch.stack(self.picked, dim=1)
+
+
 class HFRolloutEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256, stop_token_ids: list[int] | None = None,
-                 return_logprobs: bool = True):
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256, stop_token_ids: list[int] | None = None):
         self.model = model
         self.tokenizer = tokenizer
-        self.batch_size = batch_size  # completions per generate() call
+        self.batch_size = batch_size  # completions per generate() call (the memory knob)
         stops = stop_token_ids or [tokenizer.eos_token_id]
         if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stops:
             stops = [*stops, tokenizer.pad_token_id]  # a completion that emits the pad token has ended too
         self.stop_token_ids = stops
-        self.return_logprobs = return_logprobs
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model  # same object: generation always sees the live weights
@@ -44,7 +74,6 @@ class HFRolloutEngine:
             eos_token_id=self.stop_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
             return_dict_in_generate=True,
-            output_scores=self.return_logprobs,
         )
         was_training = self.model.training
         self.model.eval()
@@ -60,6 +89,8 @@ class HFRolloutEngine:
         return out
 
     def _generate_chunk(self, chunk, params, gen_cfg, device) -> list[Completion]:
+        from transformers import LogitsProcessorList
+
         pad = self.tokenizer.pad_token_id
         P = max(len(p) for p in chunk)
         ids = torch.full((len(chunk), P), pad, dtype=torch.long)
@@ -67,12 +98,12 @@ class HFRolloutEngine:
         for i, p in enumerate(chunk):
             ids[i, P - len(p):] = torch.tensor(p)
             attn[i, P - len(p):] = 1
-        res = self.model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=gen_cfg)
-        seqs = res.sequences[:, P:].cpu()  # (len(chunk)*n, C)
-        logprobs = None
-        if self.return_logprobs and res.scores:
-            scores = torch.stack(res.scores, dim=1).float()  # (N, C, V) processed scores
-            logprobs = torch.log_softmax(scores, dim=-1).gather(-1, seqs.unsqueeze(-1).to(scores.device)).squeeze(-1).cpu()
+        recorder = SampledTokenLogprobs(params.temperature) if params.logprobs else None
+        res = self.model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=gen_cfg,
+                                  logits_processor=LogitsProcessorList([recorder]) if recorder else None)
+        seqs = res.sequences[:, P:]  # (len(chunk)*n, C)
+        logprobs = recorder.finish(seqs[:, -1]).cpu() if recorder and seqs.shape[1] else None
+        seqs = seqs.cpu()
         stops = torch.tensor(self.stop_token_ids)
         completions = []
         for r in range(seqs.shape[0]):

@@ -54,6 +54,7 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.data import build_source
     from grail_exp.embedded import read_build_report
     from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
+    from grail_exp.loss import build_terms
     from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.module import GRPOModule, Preempted
     from grail_exp.rewards import MathVerifier
@@ -100,10 +101,12 @@ def train(cfg: DictConfig) -> dict:
         policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
         tokenizer = load_tokenizer(policy_path, cfg)
         policy = load_causal_lm(policy_path, cfg, trainable=True)
-        ref_model = load_causal_lm(model_path, cfg, trainable=False) if cfg.loss.beta > 0 else None
+        terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
+        needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms)
+        ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
         log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
 
-        scheme = build_scheme(cfg.advantage, tokenizer)
+        scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
         engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
         r = cfg.reward
         verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s,
@@ -127,7 +130,7 @@ def train(cfg: DictConfig) -> dict:
             results.update({k.replace("eval/", "eval_before/", 1): v for k, v in before.items()})
 
         module = GRPOModule(cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model,
-                            evaluate_fn=lambda step: run_eval(f"step{step}", step), resume_state=state)
+                            evaluate_fn=lambda step: run_eval(f"step{step}", step), resume_state=state, terms=terms)
         saved_at = {int(state["step"])} if state else set()
 
         def checkpoint(position: dict) -> None:

@@ -229,6 +229,10 @@ class TrainerConfig:
     num_threads: Optional[int] = None  # torch CPU threads; null = torch default
     deterministic: bool = False
     num_nodes: int = 1  # data-parallel nodes (world size = devices x num_nodes)
+    process_group_backend: Optional[str] = None  # null = nccl on GPU, gloo on CPU
+    sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (default) | SHARD_GRAD_OP | ...
+    zero_stage: Optional[int] = None  # trainer=deepspeed_*: ZeRO stage (2 = the paper's)
+    offload_optimizer: bool = False  # trainer=deepspeed_*: fp32 masters + Adam state in CPU memory (8B on one GPU)
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/loss/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
@@ -351,7 +355,8 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     e: list[str] = []
     r, L, t, o, ev = cfg.rollout, cfg.loss, cfg.trainer, cfg.optim, cfg.eval
-    _check(e, r.engine in ("hf", "vllm"), "rollout.engine", r.engine, "must be one of: hf, vllm")
+    _check(e, r.engine in ("hf", "vllm") or ":" in str(r.engine), "rollout.engine", r.engine,
+           "must be one of: hf, vllm, or a plug-in 'package.module:ClassName'")
     _check(e, r.num_generations >= 2, "rollout.num_generations", r.num_generations,
            "must be >= 2 (the group mean is the baseline; one sample has no baseline)")
     _check(e, r.max_completion_length > 0, "rollout.max_completion_length", r.max_completion_length, "must be > 0")

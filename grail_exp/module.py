@@ -217,6 +217,10 @@ class GRPOModule(L.LightningModule):
     def accumulation_steps(self) -> int:
         return self.local_completions // self.micro_batch_size
 
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
     def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             torch.distributed.all_reduce(x)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import math
 import signal
 import sys
@@ -59,7 +60,8 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.module import GRPOModule, Preempted
     from grail_exp.rewards import MathVerifier
     from grail_exp.rollout import build_engine
-    from grail_exp.tracking import build_tracker
+    from grail_exp.distributed import build_strategy, launch_rank
+    from grail_exp.tracking import NullTracker, build_tracker
 
     from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint
 
@@ -75,8 +77,13 @@ def train(cfg: DictConfig) -> dict:
     ckpt_root = Path(cfg.paths.output_dir) / "checkpoints"
     ckpt = resolve_resume(cfg.get("resume"), ckpt_root)
     state = load_training_state(ckpt) if ckpt else None
+    # Data parallelism: every rank runs this function (Lightning re-launches the command, or torchrun / srun did);
+    # only rank 0 tracks, evaluates and writes files. Children of Lightning's launcher learn their rank from it.
+    rank = launch_rank()
+    os.environ["GRAIL_EXP_DEVICES_PER_NODE"] = str(cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else 1)
     # Tracking next: an unreachable server fails before minutes of model building.
-    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None)
+    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
+        if rank == 0 else NullTracker()
     status = "FAILED"
     verifier = None
     try:
@@ -125,7 +132,7 @@ def train(cfg: DictConfig) -> dict:
             log.info("evaluation (%s, step %d):\n%s", tag, step, eval_tables[tag])
             return res.flat_metrics()
 
-        if cfg.trainer.eval_before_training and state is None:
+        if cfg.trainer.eval_before_training and state is None and rank == 0:
             before = run_eval("before", 0)
             results.update({k.replace("eval/", "eval_before/", 1): v for k, v in before.items()})
 
@@ -136,19 +143,23 @@ def train(cfg: DictConfig) -> dict:
         def checkpoint(position: dict) -> None:
             if module.step in saved_at:
                 return
-            path = save_checkpoint(ckpt_root, module.step, policy, tokenizer, module.state_for_checkpoint(position),
-                                   keep_last=cfg.trainer.keep_last_checkpoints)
+            state_now = module.state_for_checkpoint(position)  # every rank: gathers the ranks' RNG / buffers
             saved_at.add(module.step)
-            log.info("checkpoint: %s", path)
+            if module.rank == 0:
+                path = save_checkpoint(ckpt_root, module.step, policy, tokenizer, state_now,
+                                       keep_last=cfg.trainer.keep_last_checkpoints)
+                log.info("checkpoint: %s", path)
+            module.barrier()
 
         module.checkpoint_fn = checkpoint
         rounds = -(-cfg.trainer.max_steps // cfg.loss.num_iterations)  # ceil: μ optimiser steps per rollout
         start_round = int(state["round"]) if state else 0
         trainer = L.Trainer(
-            accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, strategy=cfg.trainer.strategy,
-            precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
+            accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
+            strategy=build_strategy(cfg), precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
             enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
             deterministic=cfg.trainer.deterministic, default_root_dir=cfg.paths.output_dir,
+            use_distributed_sampler=False,  # every rank walks the same rounds; the module splits the prompts
         )
         t = time.perf_counter()
         with _stop_on_sigterm(module):
@@ -159,13 +170,15 @@ def train(cfg: DictConfig) -> dict:
         if cfg.trainer.save_final_checkpoint:
             checkpoint(module.position)
 
-        if cfg.trainer.eval_at_end:
+        rank = module.rank  # the process group exists now
+        if cfg.trainer.eval_at_end and rank == 0:
             results.update(run_eval("final", module.step))
         phases["total_s"] = time.perf_counter() - t0
         tracker.log_metrics({f"phase/{k}": v for k, v in phases.items()}, step=module.step)
         results.update({f"phase/{k}": v for k, v in phases.items()})
         results["train/steps"] = module.step
-        _write_summary(cfg, results, eval_tables, tracker)
+        if rank == 0:
+            _write_summary(cfg, results, eval_tables, tracker)
         status = "FINISHED"
         return results
     except Preempted:

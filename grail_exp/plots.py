@@ -83,6 +83,8 @@ def plot_training_curves(groups: Mapping[str, Sequence[Mapping[str, tuple]]], pa
     if not present:
         return None
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     cols = min(3, len(present))
     rows = math.ceil(len(present) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
@@ -96,6 +98,7 @@ def plot_training_curves(groups: Mapping[str, Sequence[Mapping[str, tuple]]], pa
                 ax.fill_between(steps, mean - sd, mean + sd, color=line.get_color(), alpha=0.15, lw=0)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(present):]:
@@ -207,7 +210,8 @@ def entropy_bins(df, bins: int = 10, require_answer: bool = True, skip_zero_adva
                                    n_tokens=("weight", "size")).reset_index())
 
 
-def plot_positional_profile(frames: Mapping[str, Any], path: str | Path, bins: int = 20, title: str = "") -> Path | None:
+def plot_positional_profile(frames: Mapping[str, Any], path: str | Path, bins: int = 20,
+                            title: str = "") -> Path | None:
     """One panel per label (e.g. scheme): mean w by relative pre-answer position, correct vs wrong rollouts."""
     profiles = {label: positional_profile(df, bins) for label, df in frames.items() if df is not None}
     profiles = {k: v for k, v in profiles.items() if len(v)}
@@ -235,8 +239,8 @@ def plot_positional_profile(frames: Mapping[str, Any], path: str | Path, bins: i
 
 
 def plot_weight_vs_entropy(frames: Mapping[str, Any], path: str | Path, title: str = "") -> Path | None:
-    """One panel per label: hexbin of (entropy, w) over pre-answer tokens (log colour scale) and the mean w per
-    entropy decile."""
+    """One panel per label: hexbin of (entropy, w) over pre-answer tokens (token counts, log colour scale) and
+    the mean w per entropy decile."""
     data = {label: _pre_answer_tokens(df) for label, df in frames.items() if df is not None}
     data = {k: v for k, v in data.items() if len(v)}
     if not data:
@@ -244,7 +248,10 @@ def plot_weight_vs_entropy(frames: Mapping[str, Any], path: str | Path, title: s
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(data), figsize=(4.2 * len(data), 3.2), squeeze=False, sharey=True)
     for ax, (label, pre) in zip(axes.flat, data.items()):
-        ax.hexbin(pre["entropy"], pre["weight"], gridsize=30, bins="log", cmap="Greys", mincnt=1)
+        hb = ax.hexbin(pre["entropy"], pre["weight"], gridsize=30, bins="log", cmap="viridis", mincnt=1)
+        cb = fig.colorbar(hb, ax=ax, pad=0.01)
+        cb.set_label("tokens", fontsize=7)
+        cb.ax.tick_params(labelsize=6)
         deciles = entropy_bins(frames[label])
         ax.plot(deciles["entropy_mean"], deciles["mean_weight"], color="tab:orange", marker="o", ms=3,
                 label="mean per entropy decile")

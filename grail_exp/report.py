@@ -212,13 +212,13 @@ def search_runs(client, cfg: DictConfig) -> list:
     for name in names:
         exp = client.get_experiment_by_name(name)
         if exp is None:
-            raise ConfigError(f"runs.experiment_names: no MLflow experiment {name!r} at {client.tracking_uri}")
+            raise ConfigError(f"runs.experiment_names: no MLflow experiment {name!r} in this tracking store")
         exp_ids.append(exp.experiment_id)
     clauses = [f"tags.`{k}` = '{v}'" for k, v in dict(sel.tags).items()]
     if sel.parent_run_id:
         clauses.append(f"tags.`mlflow.parentRunId` = '{sel.parent_run_id}'")
     if sel.filter:
-        clauses.append(f"({sel.filter})" if " or " in sel.filter.lower() else sel.filter)
+        clauses.append(sel.filter)  # MLflow filters have no OR: plain conjunction
     runs, token = [], None
     while True:
         page = client.search_runs(exp_ids, " and ".join(clauses), max_results=1000, page_token=token)
@@ -366,8 +366,9 @@ class Row:
 class MetricTable:
     spec: str
     label: str
-    columns: list[str]  # benchmarks + avg
+    columns: list[str]  # benchmarks (+ avg when there are several)
     rows: list[Row]
+    notes: list[str] = field(default_factory=list)  # footnotes on the whole table
 
 
 def _seed_key(s: str):
@@ -395,16 +396,25 @@ def build_tables(arms: dict, row_notes: dict, cfg: DictConfig, notes: Notes) -> 
         # per arm, per seed: {benchmark: (idx, values, n)}
         values = {arm: {seed: per_problem_values(rec.samples, spec) for seed, rec in seeds.items()}
                   for arm, seeds in arms.items()}
-        found = sorted({b for per_seed in values.values() for v in per_seed.values() for b in v},
+        found = sorted({str(b) for seeds in arms.values() for rec in seeds.values() for b in rec.samples["benchmark"]},
                        key=lambda b: (PAPER_ORDER.index(b) if b in PAPER_ORDER else len(PAPER_ORDER), b))
         benches = list(cfg.benchmarks or found)
         ns = {v[b][2] for per_seed in values.values() for v in per_seed.values() for b in v if b in benches}
         label = metric_label(spec, ns)
+        table_notes = []
         if len(ns) > 1:
-            notes.mark(f"{label}: runs sampled different numbers of answers per problem ({sorted(ns)})")
+            table_notes.append(notes.mark(f"{label}: runs sampled different numbers of answers per problem "
+                                          f"({sorted(ns)})"))
+        kind, k = parse_metric(spec)
+        if kind == "pass" and k is not None and any(
+                rec.samples.groupby(["benchmark", "problem_index"]).size().min() < k
+                for seeds in arms.values() for rec in seeds.values()):
+            table_notes.append(notes.mark(f"{label}: needs at least {k} samples per problem; benchmarks of runs "
+                                          f"with fewer count as missing"))
         rows = [_row(model, scheme, arms, values, row_notes, benches, cfg, notes)
                 for model in models for scheme in schemes]
-        tables.append(MetricTable(spec, label, benches + [AVG], rows))
+        # one benchmark: its column already is the average
+        tables.append(MetricTable(spec, label, benches + ([AVG] if len(benches) > 1 else []), rows, table_notes))
     return tables
 
 
@@ -434,7 +444,8 @@ def _row(model, scheme, arms, values, row_notes, benches, cfg, notes) -> Row:
     cells = {}
     for b in benches:
         cells[b] = _bench_cell(b, mine, theirs, seeds, paired, is_base, model, scheme, cfg, notes)
-    cells[AVG] = _avg_cell(benches, mine, theirs, seeds, paired, is_base, model, scheme, cfg, notes)
+    if len(benches) > 1:
+        cells[AVG] = _avg_cell(benches, mine, theirs, seeds, paired, is_base, model, scheme, cfg, notes)
     return Row(model, scheme, is_base, seeds, paired if not is_base else seeds, list(dict.fromkeys(rnotes)), cells)
 
 
@@ -464,6 +475,8 @@ def _bench_cell(b, mine, theirs, seeds, paired, is_base, model, scheme, cfg, not
 
 def _avg_cell(benches, mine, theirs, seeds, paired, is_base, model, scheme, cfg, notes) -> Cell:
     cell = Cell()
+    if not benches:
+        return cell
     complete = [s for s in seeds if all(b in mine[s] for b in benches)]
     if not complete:
         if seeds:
@@ -574,7 +587,7 @@ def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, he
     mark = lambda n: f"<sup>{n}</sup>"  # noqa: E731
     out = [header, ""]
     for t in tables:
-        out += [f"### {t.label} (%)", ""]
+        out += [f"### {t.label} (%)" + "".join(mark(n) for n in t.notes), ""]
         head = ["model", "scheme", "seeds"] + t.columns
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "|".join(["---", "---", "--:"] + ["--:"] * len(t.columns)) + "|")
@@ -588,6 +601,9 @@ def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, he
         out.append("|---|---|---|--:|--:|--:|--:|--:|--:|")
         for r in t.rows:
             if r.baseline:
+                continue
+            if not r.seeds:  # no runs at all: one line, not one per column
+                out.append(f"| {r.model} | {r.scheme} | all | {DASH} | | | | | |")
                 continue
             for c in t.columns:
                 d = r.cells[c].delta
@@ -635,7 +651,8 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
     for t in tables:
         lab = latex_escape(t.label)
         out += [r"\begin{table}[t]", r"\centering", r"\small",
-                rf"\caption{{{lab} (\%) per model and scheme; in parentheses $\Delta$ vs "
+                rf"\caption{{{lab}{''.join(mark(n) for n in t.notes)} (\%) per model and scheme; "
+                rf"in parentheses $\Delta$ vs "
                 rf"{latex_escape(cfg.baseline)} in points, * $p<{alpha}$.}}",
                 r"\begin{tabular}{ll" + "r" * (1 + len(t.columns)) + "}", r"\toprule",
                 " & ".join(["Model", "Scheme", "Seeds"] + [latex_escape(c) for c in t.columns]) + r" \\",
@@ -671,8 +688,8 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
         for r in t.rows:
             if r.baseline:
                 continue
-            for c in t.columns:
-                d = r.cells[c].delta
+            for c in (t.columns if r.seeds else ["all"]):
+                d = r.cells[c].delta if r.seeds else None
                 head = [latex_escape(r.model), latex_escape(r.scheme), latex_escape(c)]
                 if d is None:
                     out.append(" & ".join(head + ["---", "", "", "", "", ""]) + r" \\")
@@ -698,7 +715,7 @@ def to_json(tables: list[MetricTable], notes: Notes, runs: dict, cfg: DictConfig
     return {
         "baseline": cfg.baseline, "average": cfg.average,
         "stats": OmegaConf.to_container(cfg.stats, resolve=True),
-        "tables": [{"metric": t.spec, "label": t.label, "columns": t.columns,
+        "tables": [{"metric": t.spec, "label": t.label, "columns": t.columns, "notes": t.notes,
                     "rows": [{"model": r.model, "scheme": r.scheme, "baseline": r.baseline, "seeds": r.seeds,
                               "paired_seeds": r.paired_seeds, "notes": r.notes,
                               "cells": {c: cell(r.cells[c]) for c in t.columns}} for r in t.rows]}
@@ -715,9 +732,10 @@ def report_plots(client, arms: dict, tables: list[MetricTable], cfg: DictConfig,
     from grail_exp import plots as P
 
     made: list[Path] = []
-    models = list(dict.fromkeys(m for m, _ in arms))
-    for model in models:
-        schemes = {s: seeds for (m, s), seeds in arms.items() if m == model and seeds}
+    rows = tables[0].rows  # the table's order: models, then baseline first
+    for model in dict.fromkeys(r.model for r in rows):
+        schemes = {r.scheme: arms[(model, r.scheme)] for r in rows
+                   if r.model == model and arms.get((model, r.scheme))}
         if not schemes:
             continue
         tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
@@ -783,7 +801,7 @@ def build_report(cfg: DictConfig) -> dict:
 
     from mlflow.tracking import MlflowClient
 
-    from grail_exp.tracking import build_tracker, tracking_uri_for
+    from grail_exp.tracking import build_tracker, tracking_uri_for, training_view_url
 
     uri = tracking_uri_for(cfg)
     client = MlflowClient(tracking_uri=uri)
@@ -827,8 +845,11 @@ def build_report(cfg: DictConfig) -> dict:
     run_id = _log_report(cfg, client, paths, plot_paths, tables, build_tracker)
     print(md)
     print(f"written: {', '.join(str(p) for p in paths.values())}"
-          + (f" and {len(plot_paths)} plots in {out / (cfg.output.name + '_plots')}" if plot_paths else "")
-          + (f"; MLflow run {run_id}" if run_id else ""))
+          + (f" and {len(plot_paths)} plots in {out / (cfg.output.name + '_plots')}" if plot_paths else ""))
+    if run_id:
+        exp_id = client.get_run(run_id).info.experiment_id
+        print(f"MLflow run {run_id}: {training_view_url(uri, exp_id, run_id)}"
+              + ("" if uri.startswith("http") else f" (after: mlflow ui --backend-store-uri {uri})"))
     return {"paths": paths, "plots": plot_paths, "payload": payload, "markdown": md, "latex": tex,
             "mlflow_run_id": run_id}
 
@@ -856,7 +877,8 @@ def _log_report(cfg, client, paths, plot_paths, tables, build_tracker) -> Option
                 for c in t.columns:
                     d = r.cells[c].delta
                     if d is not None:
-                        key = re.sub(r"[^\w\-./ ]", "_", f"delta/{t.label.replace('@', '_at_')}/{r.model}/{r.scheme}/{c}")
+                        name = f"delta/{t.label.replace('@', '_at_')}/{r.model}/{r.scheme}/{c}"
+                        key = re.sub(r"[^\w\-./ ]", "_", name)  # characters MLflow accepts in metric keys
                         metrics[key] = d.delta
         tracker.log_metrics(metrics, step=0)
     for p in paths.values():

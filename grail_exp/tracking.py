@@ -17,11 +17,22 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# The MLflow UI (3.x) opens an experiment in its GenAI view ("Evaluations", "Traces") unless this experiment tag
-# says otherwise; "custom_model_development" is the model-training view (runs, metrics, charts). Key and value as
-# the MLflow 3.17 UI writes them when a user switches the experiment type.
+# The experiment's kind as the MLflow 3.x UI writes it when a user picks "Machine learning" for an experiment
+# ("custom_model_development"; the other choice is "genai_development"). UIs that choose the view per experiment
+# read it. The 3.17 UI no longer does: it opens every experiment in the view of a per-browser switch
+# ("GenAI | Model training" in the sidebar, remembered in the browser, GenAI by default) unless the URL carries
+# ?workflowType=machine_learning; see training_view_url (checked with headless-browser screenshots).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_EXPERIMENT_KIND = "custom_model_development"
+
+
+def training_view_url(tracking_uri: str, experiment_id: str, run_id: str | None = None,
+                      ui: str = "http://127.0.0.1:5000") -> str:
+    """Link that opens an experiment (or run) in the MLflow UI's model-training view. For a server store the UI is
+    the server itself; for a sqlite store, the ``mlflow ui`` started on it (``ui``)."""
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else ui
+    path = f"#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{base}/{path}?workflowType=machine_learning"
 
 
 class TrackingError(RuntimeError):

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import compose
@@ -24,6 +25,18 @@ def _correct(scheme: str, seed: int, bench: str) -> np.ndarray:
     p = {"grpo": 0.5, "grail": 0.75, "oar_g": 0.25}[scheme]
     base = rng.random((BENCH[bench], N))  # common random numbers: the same uniforms for every scheme
     return base < p
+
+
+def _weight_table() -> pd.DataFrame:
+    """Two rollouts (one wrong, one correct) in the weights/step_*.parquet format of the training module."""
+    rows = []
+    for row, (correct, adv) in enumerate(((False, -0.5), (True, 0.5))):
+        regions = ["pre"] * 8 + ["answer"] * 2
+        for t, region in enumerate(regions):
+            w = (2.0 if t in (0, 7) else 0.7) if region == "pre" and not correct else 1.0
+            rows.append({"step": 2, "row": row, "correct": correct, "advantage": adv, "position": t,
+                         "length": len(regions), "region": region, "weight": w, "entropy": 0.1 * t})
+    return pd.DataFrame(rows)
 
 
 def _samples(scheme: str, seed: int, benches=BENCH) -> pd.DataFrame:
@@ -75,6 +88,17 @@ def store(tmp_path_factory):
     arm("tiny", "oar_g", 1)
     arm("tiny", "oar_g", 2, status="RUNNING", samples=None)  # not finished
     arm("tiny_llama", "grpo", 1)
+    # training curves and a weight table for the report's plots
+    weights = _weight_table()
+    for (model, scheme, seed, _), rid in ids.items():
+        for step in range(3):
+            client.log_batch(rid, metrics=[Metric(k, v * (1 + step + seed), 0, step) for k, v in
+                                           {"reward/mean": 0.1, "accuracy": 0.1, "entropy": 0.2}.items()])
+        stage = tmp_path / "staging" / rid / "weights"
+        stage.mkdir(parents=True)
+        weights.assign(weight=weights.weight * (1.5 if scheme == "grail" else 1.0)).to_parquet(
+            stage / "step_000002.parquet")
+        client.log_artifact(rid, str(stage / "step_000002.parquet"), "weights")
     client.set_terminated(parent)
     return {"uri": uri, "client": client, "parent": parent, "ids": ids, "tmp": tmp_path}
 
@@ -233,6 +257,11 @@ def test_missing_benchmark_and_problem_mismatch_are_footnoted():
     d2 = _correct("grail", 2, "math500")[:3].mean(1) - _correct("grpo", 2, "math500")[:3].mean(1)
     assert math.delta.delta == pytest.approx(np.mean([d1.mean(), d2.mean()]))
 
+    # pass@4 from 3 samples per problem is undefined: every cell is missing and the table says why
+    (p4,) = build_tables(arms, {}, _with(cfg, metrics=["pass@4"]), notes)
+    assert all(c.value is None for r in p4.rows for c in r.cells.values())
+    assert p4.notes and "at least 4 samples" in notes.texts[_idx(p4.notes[0])]
+
 
 def _with(cfg, **kw):
     from omegaconf import OmegaConf
@@ -268,3 +297,54 @@ def test_bad_config_names_every_key():
     msg = str(e.value)
     assert "metrics: 'accuracy'" in msg and "pass@2" not in msg.replace("pass@<k>", "")
     assert "average = 'median'" in msg and "log_to = parent needs runs.parent_run_id" in msg
+
+
+def test_report_plots(store):
+    from grail_exp.report import build_report
+
+    out = build_report(_cfg(store, "plots.enabled=true", "log_to=parent", "output.name=plotted", "models=[tiny]",
+                            "plots.curves=[accuracy,entropy]"))
+    names = {p.name for p in out["plots"]}
+    assert names == {f"tiny_{k}.png" for k in ("training_curves", "pass_at_k", "weights_positional_profile",
+                                                "weights_vs_entropy")}
+    for p in out["plots"]:
+        assert p.read_bytes()[:4] == b"\x89PNG"
+    arts = {a.path for a in store["client"].list_artifacts(store["parent"], "report/plots")}
+    assert "report/plots/tiny_weights_positional_profile.png" in arts
+
+
+def test_log_training_plots_and_experiment_kind(store):
+    from grail_exp.plots import log_training_plots
+    from grail_exp.tracking import EXPERIMENT_KIND_TAG, MlflowTracker
+
+    c, tmp = store["client"], store["tmp"]
+    # the store's experiment was made without a kind: a tracker using it marks it as a training experiment
+    tracker = MlflowTracker(store["uri"], "grail_exp", "end-of-run", (tmp / "art").as_uri())
+    assert c.get_experiment(tracker.experiment_id).tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+    # a kind chosen by hand is kept
+    other = c.create_experiment("genai", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    MlflowTracker(store["uri"], "genai", "x", (tmp / "art").as_uri()).end()
+    assert c.get_experiment(other).tags[EXPERIMENT_KIND_TAG] == "genai_development"
+
+    for step in range(4):
+        tracker.log_metrics({"reward/mean": 0.1 * step, "accuracy": 0.1 * step, "entropy": 1 - 0.1 * step}, step)
+    stage = tmp / "stage-end" / "weights"
+    stage.mkdir(parents=True)
+    _weight_table().to_parquet(stage / "step_000002.parquet")
+    tracker.log_artifact(str(stage / "step_000002.parquet"), "weights")
+    logged = log_training_plots(tracker, label="grail")  # weights read back from the run's own artifacts
+    assert set(logged) == {"plots/training_curves.png", "plots/weights_positional_profile.png",
+                           "plots/weights_vs_entropy.png"}
+    assert {a.path for a in c.list_artifacts(tracker.run_id, "plots")} == set(logged)
+    # from a run directory instead, and with no weight tables at all: only what exists is plotted
+    assert "plots/weights_vs_entropy.png" in log_training_plots(tracker, tmp / "stage-end")
+    tracker.end()
+    assert log_training_plots(type("T", (), {"run_id": None})()) == []
+
+
+def test_training_view_url():
+    from grail_exp.tracking import training_view_url
+
+    assert training_view_url("sqlite:///x.db", "3") == "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning"
+    assert training_view_url("http://host:8080/", "3", "abc") == (
+        "http://host:8080/#/experiments/3/runs/abc?workflowType=machine_learning")

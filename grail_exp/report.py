@@ -643,6 +643,11 @@ def latex_escape(text: str) -> str:
     return "".join(_LATEX_ESCAPES.get(ch, ch) for ch in str(text))
 
 
+def _tex_pct(x: Optional[float], signed: bool = False) -> str:
+    """Like _pct, with a typographic minus and --- for missing."""
+    return _pct(x, signed).replace("-", "$-$").replace(DASH, "---")
+
+
 def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title: str) -> str:
     """booktabs tables (``\\usepackage{booktabs}``): the main table per metric and its Δ table."""
     alpha = cfg.stats.alpha
@@ -665,13 +670,13 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
                 if cell.value is None:
                     txt = "---"
                 else:
-                    txt = _pct(cell.value)
+                    txt = _tex_pct(cell.value)
                     if not r.baseline:
                         if cell.delta is None:
                             txt += r"\,{\scriptsize($\Delta$ ---)}"
                         else:
                             star = "*" if cell.delta.p_value < alpha else ""
-                            txt += rf"\,{{\scriptsize({_pct(cell.delta.delta, True)}{star})}}"
+                            txt += rf"\,{{\scriptsize({_tex_pct(cell.delta.delta, True)}{star})}}"
                 cells.append(txt + "".join(mark(n) for n in cell.notes))
             model = latex_escape(r.model) if r.model != last_model else ""
             last_model = r.model
@@ -695,9 +700,10 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
                     out.append(" & ".join(head + ["---", "", "", "", "", ""]) + r" \\")
                     continue
                 sd = rf" $\pm$ {100 * d.seed_sd:.1f}" if d.seed_sd is not None else ""
-                out.append(" & ".join(head + [_pct(d.delta, True), f"[{_pct(d.lo, True)}, {_pct(d.hi, True)}]",
-                                              _pct(d.seed_mean, True) + sd, latex_escape(_p(d.p_value)),
-                                              str(d.n_seeds), str(d.n_problems)]) + r" \\")
+                ci = f"[{_tex_pct(d.lo, True)}, {_tex_pct(d.hi, True)}]"
+                out.append(" & ".join(head + [_tex_pct(d.delta, True), ci, _tex_pct(d.seed_mean, True) + sd,
+                                              latex_escape(_p(d.p_value)), str(d.n_seeds), str(d.n_problems)])
+                           + r" \\")
         out += [r"\bottomrule", r"\end{tabular}", r"\end{table}", ""]
     if notes.texts:
         out.append(r"% Notes:")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -228,6 +229,13 @@ def test_markdown_and_latex_are_well_formed(store):
     assert "—" in out["markdown"] and "(2 paired)" in out["markdown"]
     assert out["paths"]["latex"].read_text() == out["latex"]
     assert "---" in out["latex"] and r"\toprule" in out["latex"]
+    if shutil.which("pdflatex"):  # compile it where LaTeX is installed
+        doc = out["paths"]["latex"].with_name("doc.tex")
+        doc.write_text("\\documentclass{article}\\usepackage[utf8]{inputenc}\\usepackage{booktabs}\n"
+                       f"\\begin{{document}}\\input{{{out['paths']['latex']}}}\\end{{document}}\n")
+        done = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name], cwd=doc.parent,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout[-2000:]
     arts = {a.path for a in store["client"].list_artifacts(store["parent"], "report")}
     assert "report/report.md" in arts  # log_to=parent
 
@@ -345,6 +353,7 @@ def test_log_training_plots_and_experiment_kind(store):
 def test_training_view_url():
     from grail_exp.tracking import training_view_url
 
-    assert training_view_url("sqlite:///x.db", "3") == "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning"
+    assert training_view_url("sqlite:///x.db", "3") == (
+        "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning")
     assert training_view_url("http://host:8080/", "3", "abc") == (
         "http://host:8080/#/experiments/3/runs/abc?workflowType=machine_learning")

@@ -18,8 +18,8 @@ benchmarks (unweighted, as the GRAIL paper averages its six benchmarks; or weigh
 is evaluated on every problem), so a replicate resamples both independently, the "pigeonhole" bootstrap for crossed
 designs (Owen 2007, "The pigeonhole bootstrap", Ann. Appl. Stat. 1(2)): S seeds drawn with replacement (only when
 S > 1; one draw shared by all benchmarks, since a seed is one trained model), and, independently for each
-benchmark (stratified), n_b problems drawn with replacement. With multiplicity counts c_s and k_{b,i} the
-replicate is Σ_b w_b · (cᵀ D_b k_b) / (S n_b). The interval is the percentile interval of the replicates (Efron &
+benchmark (stratified), n_b problems drawn with replacement; the replicate is Σ_b w_b times the mean of D_b
+over the drawn (seed, problem) pairs. The interval is the percentile interval of the replicates (Efron &
 Tibshirani 1993, ch. 13). It covers problem sampling, the evaluation's sampling noise (inside each v) and, with
 several seeds, the training-seed spread; with one seed it says nothing about training noise.
 
@@ -111,9 +111,9 @@ def paired_bootstrap(diffs: Mapping[str, np.ndarray], n_boot: int = 10_000, alph
     reps = np.zeros(n_boot)
     for wb, m in zip(w, mats):
         n_b = m.shape[1]
-        prob_counts = rng.multinomial(n_b, np.full(n_b, 1.0 / n_b), size=n_boot)  # (R, n_b)
-        # cᵀ D k per replicate: (R,S)·(S,n) -> (R,n), then rowwise dot with k.
-        reps += wb * np.einsum("rn,rn->r", seed_counts @ m, prob_counts) / (n_seeds * n_b)
+        per_problem = seed_counts @ m / n_seeds  # (R, n_b): each problem's mean over the drawn seeds
+        drawn = rng.integers(0, n_b, size=(n_boot, n_b))  # (R, n_b): problems drawn with replacement
+        reps += wb * np.take_along_axis(per_problem, drawn, axis=1).mean(axis=1)
     lo, hi = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
     return BootstrapResult(paired_delta(d, average), float(lo), float(hi), reps)
 

@@ -289,7 +289,8 @@ def test_cli_runs(store, tmp_path):
     done = subprocess.run([sys.executable, "-m", "grail_exp.report", f"logger.tracking_uri={store['uri']}",
                            f"paths.root_dir={tmp_path}", f"output.dir={tmp_path}/cli", "output.name=table",
                            "stats.n_boot=200", "plots.enabled=false", "+runs.tags.model=tiny", "log_to=none",
-                           f"hydra.run.dir={tmp_path}/hydra"], capture_output=True, text=True, timeout=300)
+                           f"hydra.run.dir={tmp_path}/hydra"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)  # from another directory: the entry point finds conf/report.yaml
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| tiny | grail" in done.stdout
     assert json.loads((tmp_path / "cli" / "table.json").read_text())["baseline"] == "grpo"

@@ -356,8 +356,8 @@ class GRPOModule(L.LightningModule):
 
     def _estimator_extras(self, spec, completions, texts, variant_infos) -> dict:
         """What the estimator's ``needs`` asks for (grail_exp/estimators/__init__.py lists the names)."""
-        available = {"completion_texts": lambda: texts, "completion_token_ids": lambda: [c.token_ids for c in completions],
-                     "tokenizer": lambda: self.tokenizer, "verifier": lambda: self.verifier,
+        available = {"completion_texts": lambda: texts,
+                     "completion_token_ids": lambda: [c.token_ids for c in completions], "tokenizer": lambda: self.tokenizer, "verifier": lambda: self.verifier,
                      "rollout_variants": lambda: variant_infos or [None] * len(texts)}
         return {k: available[k]() for k in spec.needs if k in available}
 

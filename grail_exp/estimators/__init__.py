@@ -100,5 +100,6 @@ def group_zero_std(rewards: torch.Tensor, G: int) -> torch.Tensor:
 from grail_exp.estimators import grpo as _grpo  # noqa: E402,F401
 from grail_exp.estimators import scrl as _scrl  # noqa: E402,F401
 
-__all__ = ["ESTIMATORS", "EstimatorConfig", "EstimatorInput", "EstimatorOutput", "PromptVariant", "estimate", "group_zero_std",
+__all__ = ["ESTIMATORS", "EstimatorConfig", "EstimatorInput", "EstimatorOutput", "PromptVariant", "estimate",
+           "group_zero_std",
            "register_estimator"]

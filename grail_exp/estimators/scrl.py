@@ -44,8 +44,8 @@ DEFAULT_PROMPT = "Solve the subproblems in order; put the answer to subproblem j
 @dataclass
 class SCRLConfig:
     name: str = "scrl"
-    curriculum_rollouts: Optional[int] = None  # G_c curriculum rollouts per problem; null = G/2 (paper); the rest are original
-    progress_correction: bool = True  # R⁽ʲ⁾ = r⁽ʲ⁾·[j ≤ k] (paper §3.2); false = raw per-span rewards ("w/o correction" ablation)
+    curriculum_rollouts: Optional[int] = None  # G_c per problem; null = G/2 (paper); the rest answer x itself
+    progress_correction: bool = True  # R⁽ʲ⁾ = r⁽ʲ⁾·[j ≤ k] (paper §3.2); false = raw span rewards (ablation)
     normalize_std: bool = True  # divide by the per-position std (paper §3.3); false = mean-centred only
     span_tokens: str = "tagged"  # tagged: <pj>answer</pj> tokens carry A⁽ʲ⁾ | content: only the answer's tokens
     verify: str = "math_verify"  # math_verify: the run's verifier on each span's answer | exact: stripped string equality
@@ -74,7 +74,8 @@ def _check_run(est, cfg) -> list[str]:
     Gc = curriculum_count(est, G)
     Go = G - Gc
     if not 0 <= Gc <= G:
-        e.append(f"estimator.curriculum_rollouts = {est.curriculum_rollouts}: must be in [0, rollout.num_generations={G}]")
+        e.append(f"estimator.curriculum_rollouts = {est.curriculum_rollouts}: must be in "
+                 f"[0, rollout.num_generations={G}]")
     elif Gc == 1 or Go == 1:
         e.append(f"estimator.curriculum_rollouts = {Gc} of rollout.num_generations = {G}: each half (curriculum "
                  f"{Gc}, original {Go}) needs 0 or >= 2 rollouts (a lone rollout has no baseline)")

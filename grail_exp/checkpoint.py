@@ -36,6 +36,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message names the path and the fix."""
 
 
+# Plain data classes of this package that a training state may hold (e.g. a scheme's prepared state inside a
+# half-used rollout batch). ``torch.load(weights_only=True)`` rebuilds only these, never arbitrary objects.
+SAFE_TYPES: list[type] = []
+
+
+def checkpointable(cls: type) -> type:
+    """Class decorator: allow instances of this (plain, tensor-holding) data class in training states."""
+    SAFE_TYPES.append(cls)
+    return cls
+
+
 def rng_state() -> dict:
     np_state = np.random.get_state()
     return {
@@ -68,7 +79,8 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None) -> Path:
+def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None,
+                    state_dict: dict | None = None) -> Path:
     """Write ``root/step-<step>`` atomically; prune to the newest ``keep_last`` complete checkpoints."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob("step-*.tmp-*"):  # left behind by a crash mid-write
@@ -76,7 +88,10 @@ def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_l
     final = root / f"step-{step}"
     tmp = root / f"step-{step}.tmp-{os.getpid()}"
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if state_dict is not None:  # a sharded model's gathered weights
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save(state, tmp / STATE_FILE)
         _fault_injection_stall(step)
@@ -136,7 +151,8 @@ def load_training_state(ckpt: Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {STATE_FILE})")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(SAFE_TYPES):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
 

@@ -23,11 +23,12 @@ Three modes, chosen by config (the same names for the training reward and for ev
 ``math_verify``
     No box search of ours: math-verify's own extraction runs over the whole completion, configured as
     TRL's ``accuracy_reward`` (huggingface/trl ``trl/rewards/accuracy_rewards.py``): LaTeX only, boxed
-    matched first, no anchor-free extraction, ``first_match``. It reads every ``\\boxed{}`` of the
-    completion as one answer, so ``\\boxed{2}, \\boxed{3}`` is the set {2, 3} (a list answer), and an
-    intermediate ``\\boxed{4}`` before the final ``\\boxed{5}`` also gives {4, 5}; it reads ``$5$`` without a
-    box; it does not read ``\\boxed {5}`` (a space) or ``\\fbox{5}`` (math-verify 0.9.0, measured in
-    ``results/extraction_modes.md``). The gold is parsed as in the other modes (``$gold$``).
+    matched first, no anchor-free extraction, ``first_match``. Measured (math-verify 0.9.0,
+    ``python -m grail_exp.bench_extraction`` -> ``results/extraction_modes.md``): it reads several boxes as one
+    list answer (``\\boxed{2}, \\boxed{3}`` is ``2,3``), and inside ``$...$`` after an anchor such as
+    "the answer is" it also reads ``\\boxed {5}`` (a space), ``\\fbox{5}`` and an unboxed ``$5$``; in bare text
+    (no ``$``, no anchor) it reads none of those three. An earlier ``\\boxed{4}`` before the final
+    ``\\boxed{5}`` gives 5. The gold is parsed as in the other modes (``$gold$``).
 
 Box extraction runs in the calling process (pure string work, linear time); ``math_verify`` sends the
 whole completion to the grading worker, under the same hard timeout (``rewards.MathVerifier``).

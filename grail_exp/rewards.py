@@ -232,13 +232,15 @@ def _whole_completion_config():
     """math-verify's extraction over a whole completion, configured as TRL's ``accuracy_reward``.
 
     huggingface/trl ``trl/rewards/accuracy_rewards.py``: LaTeX only, ``\\boxed{}`` tried first
-    (``boxed_match_priority=0``), no anchor-free extraction, unit normalisation, ``first_match``.
+    (``boxed_match_priority=0``), no anchor-free extraction, ``first_match``, and its normalisation (no repair of
+    malformed operators, so ``\\frac43`` is not read as 4/3: "we require the answer in correct latex").
     """
     from latex2sympy2_extended import NormalizationConfig
     from math_verify import LatexExtractionConfig
 
-    return [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
-                                  try_extract_without_anchor=False)]
+    norm = NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True, equations=True, boxed="all",
+                               units=True)
+    return [LatexExtractionConfig(normalization_config=norm, boxed_match_priority=0, try_extract_without_anchor=False)]
 
 
 def _grade_with_status(

@@ -238,6 +238,9 @@ def _whole_completion_config():
     from latex2sympy2_extended import NormalizationConfig
     from math_verify import LatexExtractionConfig
 
+    # equations=True (TRL's) still shortens "a = b = c" to "c", but latex2sympy2_extended logs a deprecation
+    # warning on every parse with it: its logger is quietened to errors (it logs nothing else).
+    logging.getLogger("latex2sympy2_extended.math_normalization").setLevel(logging.ERROR)
     norm = NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True, equations=True, boxed="all",
                                units=True)
     return [LatexExtractionConfig(normalization_config=norm, boxed_match_priority=0, try_extract_without_anchor=False)]

@@ -113,6 +113,11 @@ class DataConfig:
     answer_field: str = "solution"
     shuffle_seed: int = 42  # the paper shuffles DeepMath with seed 42
     num_subproblems: Optional[int] = None  # scrl_jsonl: K subproblems required per line (paper: 4); null = any
+    # Prompt order of hub datasets. shuffled: one datasets.shuffle(shuffle_seed), then cycled (default) |
+    # reference: the GRAIL reference's stream, i.e. that shuffle, then TRL's RepeatSampler permutation
+    # torch.randperm(n, generator seeded sampler_seed) per epoch of floor(n / P) * P prompts (P = prompts_per_step).
+    order: str = "shuffled"
+    sampler_seed: Optional[int] = None  # order=reference: the permutation's seed; null = the run seed, as the reference
 
 
 # ---------------------------------------------------------------------------------------------- rollout / eval
@@ -177,6 +182,10 @@ class BenchmarkConfig:
     limit: Optional[int] = None  # take the first N problems of each benchmark (smoke tests)
     instruction: str = ""  # appended to each problem except arithmetic's (data.instruction); paper: spec §7.1
     olympiad_gold: str = "first"  # OlympiadBench gold: first = final_answer[0] | str = str(list), paper eval (§11.14)
+    # Which answer is graded (grail_exp/extraction.py). last_balanced: the balanced \boxed{} that starts last
+    # (default) | paper: the reference evaluation's extract_boxed_inner, empty samples out of the denominator,
+    # tokens averaged over extracted samples | math_verify: math-verify's own extraction over the whole completion.
+    extraction: str = "last_balanced"
 
 
 # ---------------------------------------------------------------------------------------------- algorithm
@@ -260,6 +269,10 @@ class RewardConfig:
     hard_timeout_s: float = 15.0  # wall-clock limit per answer; the worker is killed past it (counted)
     parse_timeout: int = 5  # math-verify's own parse timeout (seconds), as in the reference
     verify_timeout: int = 5  # math-verify's own verify timeout (seconds)
+    # Which answer the reward grades (grail_exp/extraction.py). last_balanced: the balanced \boxed{} that starts
+    # last (default) | paper: the reference reward's regex (last non-nested box, stripped) | math_verify:
+    # math-verify's own extraction over the whole completion (TRL accuracy_reward's settings).
+    extraction: str = "last_balanced"
 
 
 @dataclass
@@ -435,7 +448,12 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, t.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, "must be >= 1")
     _check(e, cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "must be >= 0")
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
+    _check_extraction(e, cfg.reward, "reward.extraction")
     _check(e, t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0")
+    order = cfg.data.get("order", "shuffled")
+    _check(e, order in ("shuffled", "reference"), "data.order", order, "must be one of: shuffled, reference")
+    _check(e, order == "shuffled" or cfg.data.name != "arithmetic", "data.order", order,
+           "reference is the order of a hub dataset (data=deepmath); the arithmetic stream is generated")
     _check_eval_model_benchmark(cfg, e)
 
     from grail_exp.data import DATASETS
@@ -521,8 +539,16 @@ def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
     _check(e, cfg.benchmark.get("olympiad_gold", "first") in ("first", "str"), "benchmark.olympiad_gold",
            cfg.benchmark.get("olympiad_gold"), "must be first (final_answer[0]) or str (the paper's str(final_answer))")
     _check(e, len(cfg.benchmark.names) > 0, "benchmark.names", list(cfg.benchmark.names), "must name a benchmark")
+    _check_extraction(e, cfg.benchmark, "benchmark.extraction")
     for b in cfg.benchmark.names:
         _check(e, b in BENCHMARKS, "benchmark.names", b, f"unknown benchmark; valid: {', '.join(sorted(BENCHMARKS))}")
+
+
+def _check_extraction(e: list[str], node, key: str) -> None:
+    from grail_exp.extraction import MODES
+
+    mode = node.get("extraction", "last_balanced")
+    _check(e, mode in MODES, key, mode, f"must be one of: {', '.join(MODES)}")
 
 
 def validate_eval(cfg: DictConfig) -> DictConfig:

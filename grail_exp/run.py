@@ -55,6 +55,7 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.data import build_source
     from grail_exp.embedded import read_build_report
     from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
+    from grail_exp.extraction import reward_rule
     from grail_exp.loss import build_terms
     from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.module import GRPOModule, Preempted
@@ -119,8 +120,9 @@ def train(cfg: DictConfig) -> dict:
         engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
         r = cfg.reward
         verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s,
-                                parse_timeout=r.parse_timeout, verify_timeout=r.verify_timeout)
-        source = build_source(cfg.data)
+                                parse_timeout=r.parse_timeout, verify_timeout=r.verify_timeout,
+                                extraction=reward_rule(r.extraction))  # evaluation passes benchmark.extraction
+        source = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
 
         results: dict[str, float] = {}
         eval_tables: dict[str, str] = {}

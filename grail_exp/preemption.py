@@ -1,7 +1,7 @@
 """Stop signals of a training job, and handing a preempted submitit job back to submitit for its requeue.
 
-Kept apart from ``grail_exp.launchers`` so that ``grail_exp.run`` works without the submitit plugin installed
-(the ``slurm`` extra). See ``grail_exp/launchers.py`` for the whole requeue sequence.
+Kept apart from ``hydra_plugins.grail_exp_launchers`` so that ``grail_exp.run`` works without the submitit plugin installed
+(the ``slurm`` extra). See ``hydra_plugins/grail_exp_launchers`` for the whole requeue sequence.
 """
 
 from __future__ import annotations
@@ -37,3 +37,11 @@ def hand_back_to_submitit() -> bool:
     log.warning("checkpoint written; asking submitit to requeue this job")
     signal.raise_signal(sig)
     return True
+
+
+def with_resume_auto(overrides: list[str]) -> list[str]:
+    """A job's overrides with any ``resume=...`` replaced by ``resume=auto`` (what a requeued job runs with)."""
+    def key(o: str) -> str:
+        return o.split("=", 1)[0].lstrip("+~")
+
+    return [o for o in overrides if key(o) != "resume"] + ["resume=auto"]

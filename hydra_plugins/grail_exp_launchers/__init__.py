@@ -1,10 +1,13 @@
-"""Submitit launchers that requeue a preempted or timed-out job with ``resume=auto``.
+"""Submitit launchers that requeue a preempted or timed-out job with ``resume=auto`` (a Hydra plugin).
+
+Hydra instantiates launchers only from the ``hydra_plugins`` namespace package, hence this location (listed
+in pyproject's packages, so a wheel carries it). Configs: conf/hydra/launcher/submitit_{slurm,local}.yaml.
 
 ``hydra/launcher=submitit_slurm`` (or ``submitit_local``) runs each multirun job through submitit. Before the
 time limit (``signal_delay_s`` seconds) and on preemption, SLURM sends the job ``USR2`` (submitit's
 preemption signal; ``SUBMITIT_PREEMPT_SIGNAL`` changes it). What happens then:
 
-1. ``grail_exp.run`` catches the signal during training (``stop_signals``), finishes the current optimiser
+1. ``grail_exp.run`` catches the signal during training (``preemption.stop_signals``), finishes the current optimiser
    step, writes a checkpoint into the job's run directory and raises ``Preempted``;
 2. the sweep task wrapper hands the signal back to submitit (``preemption.hand_back_to_submitit``), whose handler calls
    the launcher's ``checkpoint`` below and requeues the job (``scontrol requeue``; locally, exit code 144
@@ -24,17 +27,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
+from grail_exp.preemption import with_resume_auto
 
 log = logging.getLogger(__name__)
 
-
-def with_resume_auto(overrides: list[str]) -> list[str]:
-    """The job's overrides with any ``resume=...`` replaced by ``resume=auto``."""
-    def key(o: str) -> str:
-        return o.split("=", 1)[0].lstrip("+~")
-
-    return [o for o in overrides if key(o) != "resume"] + ["resume=auto"]
+try:  # the `slurm` extra; without it Hydra's plugin scan must still import this module
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
+except ImportError:  # pragma: no cover - exercised only without hydra-submitit-launcher
+    LocalLauncher = SlurmLauncher = None
 
 
 class _ResumeOnRequeue:
@@ -47,9 +47,9 @@ class _ResumeOnRequeue:
         return super().checkpoint(overrides, *args, **kwargs)  # type: ignore[misc]
 
 
-class ResumingSlurmLauncher(_ResumeOnRequeue, SlurmLauncher):
-    pass
+if SlurmLauncher is not None:
+    class ResumingSlurmLauncher(_ResumeOnRequeue, SlurmLauncher):
+        pass
 
-
-class ResumingLocalLauncher(_ResumeOnRequeue, LocalLauncher):
-    pass
+    class ResumingLocalLauncher(_ResumeOnRequeue, LocalLauncher):
+        pass

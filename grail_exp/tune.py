@@ -20,6 +20,8 @@ worker died stops sending heartbeats, is marked FAIL once its heartbeat is ``tun
 re-queued with the same values (``tune.retry_stale_trials``); the retry reuses the dead trial's run directory
 with ``resume=auto``, so with ``trainer.checkpoint_every`` it continues from its last checkpoint. The budget
 ``tune.n_trials`` counts finished (COMPLETE or PRUNED) trials of the study, over all workers and restarts.
+A worker stopped by SIGTERM (or, as a submitit job, by SLURM's USR2 before its time limit) lets the running trial
+checkpoint, leaves it RUNNING and exits 143 (submitit requeues it): the trial is then retried from that checkpoint.
 
 MLflow: one parent run per study (its id is a study attribute, so restarts and other workers reuse it), one
 child run per trial with tags ``optuna.study_name``, ``optuna.trial_number``, ``optuna.state`` (COMPLETE,
@@ -313,6 +315,8 @@ class _StudyRuns:
             run_id = run.info.run_id
         client.set_tag(run_id, "optuna.trial_number", str(number))
         client.set_tag(run_id, "optuna.state", state)
+        if "optuna.retry_of" in tags:  # a retry that resumed the dead trial's run: say which trial that was
+            client.set_tag(run_id, "optuna.retry_of", tags["optuna.retry_of"])
         if value is not None and math.isfinite(value):
             client.log_metric(run_id, "optuna/value", float(value))
         if error is not None:
@@ -364,6 +368,8 @@ def optimize(cfg: DictConfig) -> dict:
     import optuna
     from optuna.trial import TrialState
 
+    from grail_exp.module import Preempted
+    from grail_exp.preemption import hand_back_to_submitit
     from grail_exp.run import run
 
     # The heartbeat / retry API and multivariate TPE are "experimental" in Optuna 5: stable enough for us, and
@@ -416,6 +422,8 @@ def optimize(cfg: DictConfig) -> dict:
         tags = {"grail_exp.role": "trial", "optuna.study_name": settings.study_name,
                 "optuna.trial_number": str(trial.number), "optuna.trial_dir": trial_dir,
                 "optuna.params": _trial_overrides(values)}
+        if retry_of is not None:
+            tags["optuna.retry_of"] = str(retry_of)
         trial.set_user_attr("run_dir", trial_dir)
         log.info("trial %d%s: %s", trial.number, f" (retry of {retry_of})" if retry_of is not None else "",
                  _trial_overrides(values))
@@ -429,8 +437,9 @@ def optimize(cfg: DictConfig) -> dict:
             tcfg.logger.tags = {**(OmegaConf.to_container(tcfg.logger.tags) or {}), **tags}
             if settings.seed_per_trial:
                 tcfg.seed = int(base.seed) + (retry_of if retry_of is not None else trial.number)
-            if retry_of is not None:
-                tcfg.resume = "auto"  # continue the dead trial's last checkpoint, if it wrote one
+            # A retry continues the dead trial's last checkpoint, if it wrote one; a new trial always starts fresh
+            # (even when this worker was itself requeued with resume=auto).
+            tcfg.resume = "auto" if retry_of is not None else None
 
         def on_eval(step: int, metrics: dict) -> None:
             if metric in metrics and math.isfinite(metrics[metric]):
@@ -442,6 +451,11 @@ def optimize(cfg: DictConfig) -> dict:
             value = run(tcfg, on_eval=on_eval)
             if value is None or not math.isfinite(value):
                 raise RuntimeError(f"the run did not produce a finite {metric} (got {value})")
+        except Preempted:
+            # SIGTERM (or submitit's USR2): the run has checkpointed. Leave the trial RUNNING, so that it goes
+            # stale and is re-queued with resume=auto when the study restarts (or submitit requeues this worker).
+            hand_back_to_submitit()  # in a submitit job this requeues the worker and exits here
+            raise SystemExit(143)
         except _Pruned as exc:
             runs.finish_trial(trial_dir, trial.number, "PRUNED", None, None, name, tags)
             log.info("trial %d %s", trial.number, exc)

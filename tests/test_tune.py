@@ -243,3 +243,52 @@ def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_pa
     assert parent.info.status == "FINISHED"
     assert float(parent.data.params["best.advantage.saliency_temperature"]) == study.best_params["advantage.saliency_temperature"]
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "tune")} >= {"tune/best.yaml", "tune/trials.csv"}
+
+
+@pytest.mark.slow
+def test_sigterm_on_a_worker_checkpoints_the_trial_and_the_restart_continues_it(tmp_path, tiny_model_dir):
+    """SIGTERM mid-trial: the trial checkpoints and stays RUNNING (exit 143); the restarted study retries it with
+    resume=auto from that checkpoint, into the same MLflow run."""
+    from mlflow.tracking import MlflowClient
+    from optuna.trial import TrialState
+
+    from grail_exp.tune import optimize
+
+    args = [f"model.name_or_path={tiny_model_dir}", "trainer.max_steps=30", "trainer.eval_every=0",
+            "trainer.prompts_per_step=2", "trainer.micro_batch_size=8", "rollout.num_generations=4",
+            "rollout.max_completion_length=8", "benchmark.limit=2", "eval.n=2", "eval.max_tokens=8",
+            "reward.num_workers=0", "loss.mask_truncated_completions=false", "tune.n_trials=1",
+            "tune.pruner.name=none", "tune.heartbeat_interval_s=1", "tune.grace_period_s=2"]
+    proc = subprocess.Popen([sys.executable, "-m", "grail_exp.tune", f"paths.root_dir={tmp_path}",
+                             f"hydra.run.dir={tmp_path}/tune_run", *args], stdout=(tmp_path / "w1.log").open("w"),
+                            stderr=subprocess.STDOUT)
+    db, deadline = tmp_path / "results" / "mlflow.db", time.time() + 300
+    while True:  # until the trial has logged two optimiser steps
+        assert proc.poll() is None, (tmp_path / "w1.log").read_text()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.5)
+        try:
+            client = MlflowClient(f"sqlite:///{db}")
+            exp = client.get_experiment_by_name("grail_exp").experiment_id
+            trial_runs = client.search_runs([exp], "tags.`grail_exp.role` = 'trial'")
+            if trial_runs and len(client.get_metric_history(trial_runs[0].info.run_id, "loss")) >= 2:
+                break
+        except Exception:
+            continue
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143, (tmp_path / "w1.log").read_text()[-3000:]
+    storage = f"sqlite:///{tmp_path}/results/optuna.db"
+    (t0,) = optuna.load_study(study_name="saliency_temperature", storage=storage).trials
+    assert t0.state == TrialState.RUNNING  # left for the restart
+    time.sleep(3)  # > grace period
+
+    summary = optimize(_tune_cfg(tmp_path, args))
+    study = optuna.load_study(study_name="saliency_temperature", storage=storage)
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert study.trials[1].system_attrs["failed_trial"] == 0 and summary["best_trial"] == 1
+    (run,) = client.search_runs([exp], "tags.`grail_exp.role` = 'trial'")  # one run: the trial continued
+    assert run.info.status == "FINISHED" and run.data.tags["optuna.retry_of"] == "0"
+    assert run.data.tags["optuna.trial_number"] == "1" and run.data.tags["optuna.state"] == "COMPLETE"
+    stopped = [int(k.rsplit("_", 1)[1]) for k in run.data.tags if k.startswith("resumed_at_step_")]
+    assert len(stopped) == 1 and 2 <= stopped[0] < 30
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 31))

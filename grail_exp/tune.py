@@ -196,8 +196,11 @@ def _storage(settings, cfg: DictConfig):
     retry = (RetryHeartbeatStaleTrialCallback(max_retry=settings.retry_stale_trials, inherit_intermediate_values=True)
              if settings.retry_stale_trials > 0 else None)
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # several local workers
-    return RDBStorage(url, engine_kwargs=engine, heartbeat_interval=settings.heartbeat_interval_s,
-                      grace_period=settings.grace_period_s, heartbeat_stale_trial_callback=retry), url
+    from grail_exp.tracking import _sqlite_init_lock
+
+    with _sqlite_init_lock(url):  # workers creating a fresh sqlite study at once race on its schema
+        return RDBStorage(url, engine_kwargs=engine, heartbeat_interval=settings.heartbeat_interval_s,
+                          grace_period=settings.grace_period_s, heartbeat_stale_trial_callback=retry), url
 
 
 def _sampler(s, n_trials_so_far: int):
@@ -441,9 +444,12 @@ def optimize(cfg: DictConfig) -> dict:
             # (even when this worker was itself requeued with resume=auto).
             tcfg.resume = "auto" if retry_of is not None else None
 
+        inherited = set(frozen.intermediate_values)  # a retry carries the dead trial's reports
+
         def on_eval(step: int, metrics: dict) -> None:
             if metric in metrics and math.isfinite(metrics[metric]):
-                trial.report(float(metrics[metric]), step)
+                if step not in inherited:
+                    trial.report(float(metrics[metric]), step)
                 if trial.should_prune():
                     raise _Pruned(f"pruned at step {step}: {metric} = {metrics[metric]:.4f}")
 

@@ -140,15 +140,15 @@ EASY_TASK = ["data.min_steps=1", "data.max_steps=1", "data.max_operand=20", "dat
 
 @pytest.fixture(scope="module")
 def able_model_dir(tmp_path_factory):
-    """A 0.1 M-parameter model warm-started on one-step additions until greedy validation accuracy >= 20 %
-    (~150 SFT steps, ~40 s of CPU): RL needs some correct rollouts, else every advantage is 0, every trial trains
-    nothing, all trials tie and none can be pruned."""
+    """A 0.1 M-parameter model warm-started on one-step additions until greedy validation accuracy >= 12 %
+    (~75 SFT steps): RL needs some correct rollouts, else every advantage is 0, every trial trains nothing, all
+    trials tie and none can be pruned."""
     from grail_exp.data.arithmetic import ArithmeticTask
     from grail_exp.embedded import ensure_embedded_model
 
     task = ArithmeticTask(min_steps=1, max_steps=1, max_operand=20, operators="+", num_validation=64, num_test=64)
     warm = dict(enabled=True, lr=3e-3, batch_size=64, warmup_steps=10, max_steps=400, eval_every=25,
-                eval_problems=32, target_accuracy=0.2)
+                eval_problems=32, target_accuracy=0.12)
     return ensure_embedded_model(dict(TINY_BUILD, seed=0), warm, task, {"enable_thinking": False}, "",
                                  tmp_path_factory.mktemp("able_cache"))
 
@@ -187,10 +187,9 @@ def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_pa
         assert first.poll() is None, log_file.read_text()[-4000:]
         assert time.time() < deadline, "the first worker never got to its third trial"
         time.sleep(0.3)
-        try:
-            trials = optuna.load_study(study_name="saliency_temperature", storage=storage).trials
-        except Exception:  # the study or its tables do not exist yet
+        if "trials so far" not in log_file.read_text():  # reading earlier would race the worker creating the DB
             continue
+        trials = optuna.load_study(study_name="saliency_temperature", storage=storage).trials
         done = [t for t in trials if t.state.is_finished()]
         running = [t for t in trials if t.state == TrialState.RUNNING and t.intermediate_values]
         if len(done) >= 2 and running:

@@ -36,6 +36,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message names the path and the fix."""
 
 
+# Plain data classes of this package that a training state may hold (e.g. a scheme's prepared state inside a
+# half-used rollout batch). ``torch.load(weights_only=True)`` rebuilds only these, never arbitrary objects.
+SAFE_TYPES: list[type] = []
+
+
+def checkpointable(cls: type) -> type:
+    """Class decorator: allow instances of this (plain, tensor-holding) data class in training states."""
+    SAFE_TYPES.append(cls)
+    return cls
+
+
 def rng_state() -> dict:
     np_state = np.random.get_state()
     return {
@@ -136,7 +147,8 @@ def load_training_state(ckpt: Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {STATE_FILE})")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(SAFE_TYPES):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
 

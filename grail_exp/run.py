@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import math
 import signal
 import sys
@@ -57,11 +58,13 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
     from grail_exp.data import build_source
     from grail_exp.embedded import read_build_report
     from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
+    from grail_exp.loss import build_terms
     from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.module import GRPOModule, Preempted
     from grail_exp.rewards import MathVerifier
     from grail_exp.rollout import build_engine
-    from grail_exp.tracking import build_tracker
+    from grail_exp.distributed import build_strategy, launch_rank
+    from grail_exp.tracking import NullTracker, build_tracker
 
     from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint
     from grail_exp.errors import RunStopped
@@ -78,8 +81,13 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
     ckpt_root = Path(cfg.paths.output_dir) / "checkpoints"
     ckpt = resolve_resume(cfg.get("resume"), ckpt_root)
     state = load_training_state(ckpt) if ckpt else None
+    # Data parallelism: every rank runs this function (Lightning re-launches the command, or torchrun / srun did);
+    # only rank 0 tracks, evaluates and writes files. Children of Lightning's launcher learn their rank from it.
+    rank = launch_rank()
+    os.environ["GRAIL_EXP_DEVICES_PER_NODE"] = str(cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else 1)
     # Tracking next: an unreachable server fails before minutes of model building.
-    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None)
+    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
+        if rank == 0 else NullTracker()
     status = "FAILED"
     verifier = None
     try:
@@ -104,10 +112,12 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
         policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
         tokenizer = load_tokenizer(policy_path, cfg)
         policy = load_causal_lm(policy_path, cfg, trainable=True)
-        ref_model = load_causal_lm(model_path, cfg, trainable=False) if cfg.loss.beta > 0 else None
+        terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
+        needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms)
+        ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
         log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
 
-        scheme = build_scheme(cfg.advantage, tokenizer)
+        scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
         engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
         r = cfg.reward
         verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s,
@@ -126,7 +136,7 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
             log.info("evaluation (%s, step %d):\n%s", tag, step, eval_tables[tag])
             return res.flat_metrics()
 
-        if cfg.trainer.eval_before_training and state is None:
+        if cfg.trainer.eval_before_training and state is None and rank == 0:
             before = run_eval("before", 0)
             results.update({k.replace("eval/", "eval_before/", 1): v for k, v in before.items()})
 
@@ -136,25 +146,29 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
                 on_eval(step, metrics)
 
         module = GRPOModule(cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model,
-                            evaluate_fn=eval_during_training, resume_state=state)
+                            evaluate_fn=eval_during_training, resume_state=state, terms=terms)
         saved_at = {int(state["step"])} if state else set()
 
         def checkpoint(position: dict) -> None:
             if module.step in saved_at:
                 return
-            path = save_checkpoint(ckpt_root, module.step, policy, tokenizer, module.state_for_checkpoint(position),
-                                   keep_last=cfg.trainer.keep_last_checkpoints)
+            state_now = module.state_for_checkpoint(position)  # every rank: gathers the ranks' RNG / buffers
             saved_at.add(module.step)
-            log.info("checkpoint: %s", path)
+            if module.rank == 0:
+                path = save_checkpoint(ckpt_root, module.step, policy, tokenizer, state_now,
+                                       keep_last=cfg.trainer.keep_last_checkpoints)
+                log.info("checkpoint: %s", path)
+            module.barrier()
 
         module.checkpoint_fn = checkpoint
         rounds = -(-cfg.trainer.max_steps // cfg.loss.num_iterations)  # ceil: μ optimiser steps per rollout
         start_round = int(state["round"]) if state else 0
         trainer = L.Trainer(
-            accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, strategy=cfg.trainer.strategy,
-            precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
+            accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
+            strategy=build_strategy(cfg), precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
             enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
             deterministic=cfg.trainer.deterministic, default_root_dir=cfg.paths.output_dir,
+            use_distributed_sampler=False,  # every rank walks the same rounds; the module splits the prompts
         )
         t = time.perf_counter()
         with _stop_on_sigterm(module):
@@ -165,13 +179,15 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
         if cfg.trainer.save_final_checkpoint:
             checkpoint(module.position)
 
-        if cfg.trainer.eval_at_end:
+        rank = module.rank  # the process group exists now
+        if cfg.trainer.eval_at_end and rank == 0:
             results.update(run_eval("final", module.step))
         phases["total_s"] = time.perf_counter() - t0
         tracker.log_metrics({f"phase/{k}": v for k, v in phases.items()}, step=module.step)
         results.update({f"phase/{k}": v for k, v in phases.items()})
         results["train/steps"] = module.step
-        _write_summary(cfg, results, eval_tables, tracker)
+        if rank == 0:
+            _write_summary(cfg, results, eval_tables, tracker)
         status = "FINISHED"
         return results
     except (Preempted, RunStopped):

@@ -388,6 +388,13 @@ def optimize(cfg: DictConfig) -> dict:
         raise ConfigError("tune.metric: null and optimized_metric is null: nothing to optimise")
     check_selection_benchmarks(checked, metric)
     space = parse_search_space(settings.params, checked)
+    t = checked.trainer
+    if (t.devices if isinstance(t.devices, int) else len(t.devices)) * t.get("num_nodes", 1) != 1:
+        # Trials run inside this process; a data-parallel launcher would re-launch the tune command per rank, and a
+        # pruning decision taken on rank 0 would leave the other ranks waiting at their next all-reduce.
+        raise ConfigError(f"trainer.devices = {t.devices}, trainer.num_nodes = {t.get('num_nodes', 1)}: tuning runs "
+                          "single-process trials; run several workers on one study instead (tune.storage, -m "
+                          "tune.sampler.seed=0,1,...)")
     if not checked.trainer.eval_at_end:
         raise ConfigError("trainer.eval_at_end = false: the objective is the final evaluation; set it to true")
     if settings.pruner.name != "none" and not checked.trainer.eval_every:

@@ -79,7 +79,8 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None) -> Path:
+def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None,
+                    state_dict: dict | None = None) -> Path:
     """Write ``root/step-<step>`` atomically; prune to the newest ``keep_last`` complete checkpoints."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob("step-*.tmp-*"):  # left behind by a crash mid-write
@@ -87,7 +88,10 @@ def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_l
     final = root / f"step-{step}"
     tmp = root / f"step-{step}.tmp-{os.getpid()}"
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if state_dict is not None:  # a sharded model's gathered weights
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save(state, tmp / STATE_FILE)
         _fault_injection_stall(step)

@@ -347,6 +347,9 @@ def register_configs() -> None:
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="weights_schema", node=WeightsConfig)
     cs.store(name="evaluate_schema", node=EvaluateConfig)
+    from grail_exp.report import ReportConfig  # the report's schema lives beside its code (grail_exp/report.py)
+
+    cs.store(name="report_schema", node=ReportConfig)
 
 
 # ---------------------------------------------------------------------------------------------- validation

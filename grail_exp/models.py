@@ -165,3 +165,11 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def decoder_layer_classes(cfg) -> set:
+    """The decoder-layer classes of the model family (FSDP wraps each layer as its own shard unit)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    return {Qwen3DecoderLayer, LlamaDecoderLayer}

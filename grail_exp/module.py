@@ -193,6 +193,8 @@ class GRPOModule(L.LightningModule):
         # Stochastic schemes (OAR-G's noise) draw from their own seeded stream: reproducible, and
         # independent of the sampling RNG. Saved and restored with checkpoints.
         self.scheme_generator = torch.Generator(device="cpu").manual_seed(int(cfg.seed) + 7919)
+        self.fsdp = str(cfg.trainer.strategy) == "fsdp"
+        self.core = None  # trainer=fsdp: the sharded root unit running policy_forward (configure_model)
 
     # ------------------------------------------------------------------ distributed
     @property
@@ -233,11 +235,32 @@ class GRPOModule(L.LightningModule):
             if self.rank:
                 L.seed_everything(int(self.cfg.seed) + 1000 * self.rank, verbose=False)
 
+    def configure_model(self) -> None:
+        if self.fsdp and self.core is None:
+            from grail_exp.distributed import shard_policy
+
+            self.core = shard_policy(self.policy, self.cfg)
+
+    def forward_policy(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states=False):
+        """``policy_forward`` of the policy (through the FSDP root unit when sharded) or of another model."""
+        args = (input_ids, attention_mask, position_ids, completion_ids, self.cfg.rollout.temperature)
+        if self.core is not None and model is self.policy:
+            return self.core(*args, self.cfg.trainer.logprob_chunk_tokens, hidden_states)
+        return policy_forward(model, *args, chunk_tokens=self.cfg.trainer.logprob_chunk_tokens,
+                              hidden_states=hidden_states)
+
+    def full_parameters(self):
+        from grail_exp.distributed import full_parameters
+
+        return full_parameters(self.core)
+
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
         o = self.cfg.optim
         half = next(self.policy.parameters()).dtype in (torch.bfloat16, torch.float16)
         master = o.master_weights if o.master_weights is not None else half
+        if self.fsdp:
+            master = False  # FSDP's fp32 sharded parameters are the master weights
         # fp32 gradient accumulation hooks move gradients off the parameters during backward: fine on one
         # process; under data parallelism the all-reduce needs them on the parameters first.
         opt = build_optimizer(self.policy, o, master_weights=bool(master), accumulate_fp32=self.world_size == 1)
@@ -261,11 +284,12 @@ class GRPOModule(L.LightningModule):
 
         with _timer(timings, "rollout"):
             t = time.perf_counter()
-            self.engine.sync_weights(self.policy)
-            timings["weight_sync"] = time.perf_counter() - t
-            completions = self.engine.generate(prompts, SamplingParams(
-                n=r.num_generations, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty, logprobs=True))
+            with self.full_parameters():
+                self.engine.sync_weights(self.policy)
+                timings["weight_sync"] = time.perf_counter() - t
+                completions = self.engine.generate(prompts, SamplingParams(
+                    n=r.num_generations, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty, logprobs=True))
         rb = pad_completions(completions, self.tokenizer.pad_token_id)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
 
@@ -336,7 +360,7 @@ class GRPOModule(L.LightningModule):
     def prepare_batch(self, batch: TrainingBatch, timings: dict) -> None:
         """Once per rollout batch: the scheme's ``prepare`` on the whole batch, then (when the loss allows it) group the
         rows whose weights need the model into the first micro-batches, so the others skip the probe."""
-        with _timer(timings, "scheme_prepare"):
+        with _timer(timings, "scheme_prepare"), self.full_parameters():
             batch.prepared = self.scheme.prepare(self.policy, self.scheme_batch(batch))
             needs = None
             if self.cfg.loss.loss_type in SPLIT_INVARIANT:
@@ -352,9 +376,8 @@ class GRPOModule(L.LightningModule):
     def _logps_no_grad(self, model, batch: TrainingBatch) -> torch.Tensor:
         out = []
         for s, e in batch.micro_batches(self.micro_batch_size):
-            logp, _, _ = policy_forward(model, batch.input_ids[s:e], batch.attention_mask[s:e],
-                                        batch.position_ids[s:e], batch.completion_ids[s:e],
-                                        self.cfg.rollout.temperature, chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
+            logp, _, _ = self.forward_policy(model, batch.input_ids[s:e], batch.attention_mask[s:e],
+                                             batch.position_ids[s:e], batch.completion_ids[s:e])
             out.append(logp)
         return torch.cat(out)
 
@@ -474,6 +497,21 @@ class GRPOModule(L.LightningModule):
 
         return {"rng": rng_state(), "scheme_generator": self.scheme_generator.get_state(), "buffer": position["buffer"]}
 
+    def _optimizer_state(self) -> dict:
+        if self.fsdp:  # a collective: the full (unsharded) state, gathered to CPU
+            from grail_exp.distributed import full_optimizer_state
+
+            return full_optimizer_state(self.core, self.optimizers().optimizer)
+        return self.optimizers().optimizer.state_dict()
+
+    def model_state_for_checkpoint(self) -> dict | None:
+        """The policy's full state dict when it is sharded (a collective), else None (save_pretrained reads it)."""
+        if self.fsdp:
+            from grail_exp.distributed import full_state_dict
+
+            return full_state_dict(self.core)
+        return None
+
     def state_for_checkpoint(self, position: dict) -> dict:
         """Everything exact resume needs besides the weights (tensors and plain containers only); every rank's
         RNG streams and buffer are gathered into rank 0's file."""
@@ -487,7 +525,7 @@ class GRPOModule(L.LightningModule):
             "round": position["round"],
             "world_size": self.world_size,
             "ranks": ranks,
-            "optimizer": self.optimizers().optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
             "scheduler": self.lr_schedulers().state_dict(),
             "nonfinite_total": self.nonfinite_total,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
@@ -505,7 +543,12 @@ class GRPOModule(L.LightningModule):
         if saved_world != self.world_size:
             raise RuntimeError(f"the checkpoint was written by {saved_world} data-parallel ranks; resume with the "
                                f"same trainer.devices x trainer.num_nodes (now {self.world_size})")
-        self.optimizers().optimizer.load_state_dict(st["optimizer"])
+        if self.fsdp:
+            from grail_exp.distributed import load_full_optimizer_state
+
+            load_full_optimizer_state(self.core, self.optimizers().optimizer, st["optimizer"])
+        else:
+            self.optimizers().optimizer.load_state_dict(st["optimizer"])
         self.lr_schedulers().load_state_dict(st["scheduler"])
         mine = _rank_state(st, self.rank)
         set_rng_state(mine["rng"])
@@ -545,10 +588,9 @@ class GRPOModule(L.LightningModule):
                                      self.world_size)
         for s, e in batch.micro_batches(self.micro_batch_size):
             mask = batch.loss_mask[s:e]
-            logp, entropy, fwd = policy_forward(
+            logp, entropy, fwd = self.forward_policy(
                 self.policy, batch.input_ids[s:e], batch.attention_mask[s:e], batch.position_ids[s:e],
-                batch.completion_ids[s:e], cfg.rollout.temperature, chunk_tokens=cfg.trainer.logprob_chunk_tokens,
-                hidden_states=need_states)
+                batch.completion_ids[s:e], hidden_states=need_states)
 
             ts = time.perf_counter()
             w, scheme_metrics, fresh = self._weights(batch, s, e, iteration, fwd)
@@ -600,7 +642,7 @@ class GRPOModule(L.LightningModule):
         avg.pop("loss_tokens", None)
 
         params = self._sync_gradients(opt)
-        grad_norm = _grad_norm(params)
+        grad_norm = _grad_norm(params) if not self.fsdp else _sharded_grad_norm(params)
         finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
         if finite:
             self.nonfinite_in_a_row = 0
@@ -655,7 +697,7 @@ class GRPOModule(L.LightningModule):
         The loss normalisers already count every rank's rows (``world_size`` in the aggregation), so the sum is the
         gradient of one process on the whole batch."""
         params = grad_params(opt, self.policy)
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.fsdp:  # FSDP reduce-scatters gradients in its backward hooks
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1).float() for g in grads])
             torch.distributed.all_reduce(flat)
@@ -737,6 +779,12 @@ class GRPOModule(L.LightningModule):
 def _grad_norm(params: list[torch.Tensor]) -> float:
     norms = [p.grad.detach().float().norm(2) for p in params if p.grad is not None]
     return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+
+
+def _sharded_grad_norm(params: list[torch.Tensor]) -> float:
+    """The global gradient norm of DTensor (FSDP-sharded) gradients."""
+    norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def _rank_state(state: dict | None, rank: int | None = None) -> dict | None:

@@ -111,7 +111,9 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
                                 "warm_start.seconds": round(ws["seconds"], 1), "model.path": model_path})
         policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
         tokenizer = load_tokenizer(policy_path, cfg)
-        policy = load_causal_lm(policy_path, cfg, trainable=True)
+        # trainer=fsdp keeps fp32 sharded parameters (the master weights) and computes in model.dtype.
+        policy_cfg = OmegaConf.merge(cfg, {"model": {"dtype": "float32"}}) if cfg.trainer.strategy == "fsdp" else cfg
+        policy = load_causal_lm(policy_path, policy_cfg, trainable=True)
         terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
         needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms)
         ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
@@ -153,10 +155,11 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
             if module.step in saved_at:
                 return
             state_now = module.state_for_checkpoint(position)  # every rank: gathers the ranks' RNG / buffers
+            weights = module.model_state_for_checkpoint()  # trainer=fsdp: the full state dict (collective)
             saved_at.add(module.step)
             if module.rank == 0:
                 path = save_checkpoint(ckpt_root, module.step, policy, tokenizer, state_now,
-                                       keep_last=cfg.trainer.keep_last_checkpoints)
+                                       keep_last=cfg.trainer.keep_last_checkpoints, state_dict=weights)
                 log.info("checkpoint: %s", path)
             module.barrier()
 

@@ -49,6 +49,16 @@ def _weights(run_dir: Path, out: subprocess.CompletedProcess) -> dict:
     return load_file(path)
 
 
+def test_fsdp_two_ranks_equal_one_process(tmp_path, model_dir):
+    """trainer=fsdp (FSDP2 on gloo): sharded parameters, reduce-scattered gradients, the full checkpoint on rank 0."""
+    extra = ["advantage=grail", "advantage.symmetry=both", "loss.loss_type=dr_grpo"]
+    one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
+    w1 = _weights(one, _run(one, model_dir, extra))
+    w2 = _weights(two, _run(two, model_dir, [*extra, "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]))
+    assert w1.keys() == w2.keys()
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-6
+
+
 @pytest.mark.parametrize("scheme, loss_type", [
     ("grail", "dapo"), ("grpo", "dr_grpo"),
     pytest.param("grail", "dr_grpo", marks=pytest.mark.slow), pytest.param("grpo", "dapo", marks=pytest.mark.slow),
@@ -70,3 +80,21 @@ def test_two_ranks_equal_one_process(tmp_path, model_dir, scheme, loss_type):
 
     state = load_training_state(two.parent / "run" / "checkpoints" / "step-1")
     assert state["world_size"] == 2 and len(state["ranks"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_is_exact_per_rank(tmp_path, model_dir, strategy):
+    """2 ranks: 4 straight steps == 2 steps + resume=auto + 2 steps (optimizer state, both ranks' RNG streams)."""
+    common = ["advantage=grail", "advantage.symmetry=both", f"trainer={strategy}", "trainer.accelerator=cpu",
+              "trainer.devices=2", "optim.lr=1e-3", "optim.eps=1e-8", "loss.num_iterations=2"]
+    straight, split = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    out = _run(straight, model_dir, [*common, "trainer.max_steps=4"])
+    out1 = _run(split, model_dir, [*common, "trainer.max_steps=1"])
+    assert (split / "checkpoints" / "step-1").exists(), out1.stderr[-3000:]
+    out2 = _run(split, model_dir, [*common, "trainer.max_steps=4", "resume=auto"])
+    a = load_file(straight / "checkpoints" / "step-4" / "model.safetensors")
+    b_path = split / "checkpoints" / "step-4" / "model.safetensors"
+    assert b_path.exists(), out2.stderr[-3000:]
+    b = load_file(b_path)
+    assert all(torch.equal(a[k], b[k]) for k in a), out.stderr[-1000:]

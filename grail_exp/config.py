@@ -285,6 +285,9 @@ class LoggerConfig:
     run_name: Optional[str] = None  # null -> <model>-<advantage>-seed<seed>
     artifact_location: Optional[str] = None  # null -> <results>/mlartifacts
     tags: dict = field(default_factory=dict)
+    # MLflow parent run to nest this run under (mlflow.parentRunId); null = the multirun's parent, if any
+    # (grail_exp/sweep.py). Optuna trials set it to their study's parent run.
+    parent_run_id: Optional[str] = None
 
 
 @dataclass
@@ -318,6 +321,7 @@ class RunConfig:
     seed: int = 42
     optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
     experiment: Any = None  # free-form notes set by experiment files
+    tune: Any = None  # Optuna study settings of `python -m grail_exp.tune` (conf/tune.yaml; typed in grail_exp/tune.py)
     extras: dict = field(default_factory=dict)
 
 

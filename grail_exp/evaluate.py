@@ -156,7 +156,7 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
     per_call = max(1, ev.batch_size // ev.n)  # prompts per generate() call = one cached chunk
     for name in names:
         problems = load_benchmark(name, cfg)
-        instruction = cfg.data.instruction if name == "arithmetic" else cfg.benchmark.get("instruction", "")
+        instruction = cfg.data.instruction if name in ("arithmetic", "arithmetic_val") else cfg.benchmark.get("instruction", "")
         texts = [render_prompt(p.question, tokenizer, cfg.model, instruction) for p in problems]
         prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
         shas = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]

@@ -45,8 +45,11 @@ def default_run_name(cfg: DictConfig) -> str:
     return cfg.logger.get("run_name") or f"{cfg.model.name}-{cfg.advantage.name}-seed{cfg.seed}"
 
 
-def train(cfg: DictConfig) -> dict:
-    """The whole job; returns the final metrics (flat dict) plus phase timings."""
+def train(cfg: DictConfig, on_eval=None) -> dict:
+    """The whole job; returns the final metrics (flat dict) plus phase timings.
+
+    ``on_eval(step, metrics)`` is called after each in-training evaluation (every ``trainer.eval_every`` steps)
+    with its flat metrics; it may raise ``errors.RunStopped`` to end the run early (Optuna pruning)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -65,6 +68,7 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.tracking import NullTracker, build_tracker
 
     from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint
+    from grail_exp.errors import RunStopped
 
     _quiet_lightning()
 
@@ -140,8 +144,13 @@ def train(cfg: DictConfig) -> dict:
             before = run_eval("before", 0)
             results.update({k.replace("eval/", "eval_before/", 1): v for k, v in before.items()})
 
+        def eval_during_training(step: int) -> None:
+            metrics = run_eval(f"step{step}", step)
+            if on_eval is not None:
+                on_eval(step, metrics)
+
         module = GRPOModule(cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model,
-                            evaluate_fn=lambda step: run_eval(f"step{step}", step), resume_state=state, terms=terms)
+                            evaluate_fn=eval_during_training, resume_state=state, terms=terms)
         saved_at = {int(state["step"])} if state else set()
 
         def checkpoint(position: dict) -> None:
@@ -190,7 +199,7 @@ def train(cfg: DictConfig) -> dict:
             _write_summary(cfg, results, eval_tables, tracker)
         status = "FINISHED"
         return results
-    except Preempted:
+    except (Preempted, RunStopped):
         status = "KILLED"
         raise
     except BaseException:
@@ -209,20 +218,25 @@ def train(cfg: DictConfig) -> dict:
 
 @contextmanager
 def _stop_on_sigterm(module):
-    """SIGTERM (what SLURM sends before preemption) finishes the current step, checkpoints and stops."""
+    """SIGTERM (what SLURM sends before preemption), and submitit's USR2 in its jobs, finish the current step,
+    checkpoint and stop (grail_exp/preemption.py)."""
+    from grail_exp.preemption import stop_signals
+
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        log.warning("SIGTERM received: finishing the current optimiser step, then checkpointing")
+        log.warning("%s received: finishing the current optimiser step, then checkpointing",
+                    signal.Signals(signum).name)
         module.stop_requested = True
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in stop_signals()}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, h in previous.items():
+            signal.signal(sig, h)
 
 
 def _write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> None:
@@ -251,10 +265,10 @@ def _write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> Non
     print("\n".join(lines), flush=True)
 
 
-def run(cfg: DictConfig) -> float | None:
-    """Validate, train, evaluate; return ``cfg.optimized_metric`` (None if unset)."""
+def run(cfg: DictConfig, on_eval=None) -> float | None:
+    """Validate, train, evaluate; return ``cfg.optimized_metric`` (None if unset). ``on_eval``: see ``train``."""
     validate(cfg)
-    results = train(cfg)
+    results = train(cfg, on_eval=on_eval)
     metric = cfg.get("optimized_metric")
     if not metric:
         return None
@@ -282,6 +296,12 @@ def main(cfg: DictConfig) -> float | None:
         # logged by train()) and the sweep goes on; the objective of a failed job is NaN.
         try:
             return run(cfg)
+        except Preempted:
+            from grail_exp.preemption import hand_back_to_submitit
+
+            hand_back_to_submitit()  # in a submitit job: requeued with resume=auto; this process exits here
+            log.error("job preempted after its checkpoint; rerun it with resume=auto in %s", cfg.paths.output_dir)
+            return math.nan
         except Exception as exc:
             log.error("job failed (the sweep continues): %s: %s", type(exc).__name__, exc)
             return math.nan

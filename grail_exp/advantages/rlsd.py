@@ -188,11 +188,11 @@ class RlsdScheme(AdvantageScheme):
         if lam > 0.0 and rows.any():
             idx = rows.nonzero().squeeze(1)
             prepared = batch.prepared if isinstance(batch.prepared, dict) else {}
-            if "teacher_logp" in prepared:
+            if cfg.teacher == "frozen" and "teacher_logp" in prepared:
                 t = prepared["teacher_logp"][idx]
             else:
                 t = self._logps(self._teacher_model(model, batch.step), batch, idx, teacher=True)
-            if "student_logp" in prepared:
+            if cfg.student_logp == "rollout" and "student_logp" in prepared:
                 s = prepared["student_logp"][idx]
             elif forward is not None:
                 s = self._student_from_forward(batch, forward, idx)

@@ -53,3 +53,17 @@ def test_cli_on_the_embedded_default(tmp_path):
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "eval/arithmetic/acc" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("experiment", ["rlsd/official", "rlsd/cpu", "sdpg/qwen3_4b", "sdpg/cpu"])
+def test_recipes_compose_and_validate(experiment):
+    from grail_exp.config import validate
+
+    cfg = validate(compose([f"experiment={experiment}"]))
+    if experiment.startswith("rlsd"):
+        assert cfg.advantage.name == "rlsd" and cfg.advantage.lambda_decay_steps == 60
+        assert cfg.advantage.teacher == "frozen" and cfg.advantage.teacher_sync_every == 20
+    else:
+        assert cfg.advantage.name == "grpo" and set(cfg.loss.terms) == {"sdpg_opd", "sdpg_ref_kl"}
+        assert cfg.loss.terms.sdpg_opd.beta == cfg.loss.terms.sdpg_ref_kl.alpha == 1e-3
+        assert cfg.loss.terms.sdpg_opd.total_steps == cfg.trainer.max_steps  # interpolation

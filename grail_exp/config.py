@@ -53,6 +53,11 @@ class WarmStartConfig:
     eval_every: int = 50
     eval_problems: int = 128  # validation problems graded greedily at each check
     target_accuracy: float = 0.35  # stop at the first check at or above this greedy accuracy
+    # SCRL (estimator=scrl sets these): a fraction of each SFT batch in the curriculum format, so the model answers
+    # both prompt formats (grail_exp/data/curriculum.py). 0 = off (the cache key then ignores these keys).
+    curriculum_fraction: float = 0.0
+    curriculum_prompt_template: Optional[str] = None  # t_K(x) as in estimator.prompt_template
+    curriculum_subproblem_template: Optional[str] = None  # as estimator.subproblem_template
 
 
 @dataclass
@@ -107,6 +112,7 @@ class DataConfig:
     problem_field: str = "prompt"
     answer_field: str = "solution"
     shuffle_seed: int = 42  # the paper shuffles DeepMath with seed 42
+    num_subproblems: Optional[int] = None  # scrl_jsonl: K subproblems required per line (paper: 4); null = any
 
 
 # ---------------------------------------------------------------------------------------------- rollout / eval
@@ -474,6 +480,7 @@ def validate(cfg: DictConfig) -> DictConfig:
             e.append(f"estimator: {exc}".split("\n    ")[0])
         else:
             e.extend(f"estimator.{msg}" for msg in (spec.check(typed_est) if spec.check else []))
+            e.extend(spec.check_run(typed_est, cfg) if spec.check_run else [])
             with open_dict(cfg):
                 cfg.estimator = typed_est
 

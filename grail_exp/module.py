@@ -39,12 +39,13 @@ from grail_exp.advantages import SchemeBatch
 from grail_exp.advantages.base import PolicyForward, slice_prepared
 from grail_exp.advantages.probe import decoder_body, predicting_window
 from grail_exp.data.prompting import encode_prompts
-from grail_exp.estimators import EstimatorInput, estimate
+from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
 from grail_exp.loss import TermContext, is_weights, linear_logprob, policy_loss, selective_log_softmax
 from grail_exp.loss.aggregation import AggregationContext, AGGREGATIONS
 from grail_exp.optim import build_optimizer, grad_params
 from grail_exp.rewards import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
+from grail_exp.rollout.variants import sample_variants
 
 log = logging.getLogger(__name__)
 
@@ -280,16 +281,26 @@ class GRPOModule(L.LightningModule):
         P = P_total // self.world_size
         first = round_index * P_total + self.rank * P  # this rank's slice of the step's prompts
         problems = [self.source[i] for i in range(first, first + P)]
-        prompts = encode_prompts([p.question for p in problems], self.tokenizer, cfg.model, cfg.data.instruction)
+        spec = ESTIMATORS[cfg.estimator.name]
+        # Estimators that sample from several prompts per problem (SCRL) plan them; the others get G of the problem.
+        plan = spec.prompt_variants(cfg.estimator, problems, r.num_generations, cfg.data) \
+            if spec.prompt_variants else None
+        if plan is None:
+            prompts = encode_prompts([p.question for p in problems], self.tokenizer, cfg.model, cfg.data.instruction)
 
         with _timer(timings, "rollout"):
             t = time.perf_counter()
             with self.full_parameters():
                 self.engine.sync_weights(self.policy)
                 timings["weight_sync"] = time.perf_counter() - t
-                completions = self.engine.generate(prompts, SamplingParams(
+                params = SamplingParams(
                     n=r.num_generations, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                    max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty, logprobs=True))
+                    max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty, logprobs=True)
+                if plan is None:
+                    completions, variant_infos = self.engine.generate(prompts, params), None
+                else:
+                    completions, variant_infos = sample_variants(self.engine, self.tokenizer, cfg.model,
+                                                                 cfg.data.instruction, plan, params)
         rb = pad_completions(completions, self.tokenizer.pad_token_id)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
 
@@ -302,7 +313,11 @@ class GRPOModule(L.LightningModule):
         if cfg.loss.mask_truncated_completions:
             loss_mask = loss_mask * (~rb.is_truncated).float().unsqueeze(1)
         est = estimate(cfg.estimator, EstimatorInput(rewards, r.num_generations, loss_mask,
-                                                     scale_rewards=cfg.loss.scale_rewards))
+                                                     scale_rewards=cfg.loss.scale_rewards,
+                                                     extras=self._estimator_extras(spec, completions, texts,
+                                                                                   variant_infos)))
+        if est.rewards is not None:  # e.g. SCRL: a curriculum row's reward is its subproblem progress
+            rewards = est.rewards.float()
         seq_adv = est.sequence_advantages
         attn = rb.attention_mask
         dev = self.policy.device
@@ -338,6 +353,13 @@ class GRPOModule(L.LightningModule):
         self._samples = [(problems[i // r.num_generations], texts[i], graded[i], rewards[i].item(),
                           seq_adv[i].item()) for i in range(len(texts))]
         return batch, stats
+
+    def _estimator_extras(self, spec, completions, texts, variant_infos) -> dict:
+        """What the estimator's ``needs`` asks for (grail_exp/estimators/__init__.py lists the names)."""
+        available = {"completion_texts": lambda: texts,
+                     "completion_token_ids": lambda: [c.token_ids for c in completions], "tokenizer": lambda: self.tokenizer, "verifier": lambda: self.verifier,
+                     "rollout_variants": lambda: variant_infos or [None] * len(texts)}
+        return {k: available[k]() for k in spec.needs if k in available}
 
     def scheme_batch(self, batch: TrainingBatch, s: int | None = None, e: int | None = None) -> SchemeBatch:
         """The scheme's view of rows s:e (all rows when None), with the rollout-batch context."""

@@ -181,6 +181,10 @@ def train(cfg: DictConfig) -> dict:
         results.update({f"phase/{k}": v for k, v in phases.items()})
         results["train/steps"] = module.step
         if rank == 0:
+            from grail_exp.plots import log_training_plots
+
+            # Training curves + weight plots (from <run dir>/weights) under plots/ of the run; never fatal.
+            log_training_plots(tracker, Path(cfg.paths.output_dir), label=cfg.advantage.name)
             _write_summary(cfg, results, eval_tables, tracker)
         status = "FINISHED"
         return results
@@ -228,6 +232,11 @@ def _write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> Non
     lines = [f"run directory: {out}"]
     if getattr(tracker, "run_id", None):
         lines.append(f"MLflow run: {tracker.run_id} ({cfg.logger.experiment_name})")
+        experiment_id = getattr(tracker, "experiment_id", None)
+        if experiment_id is not None:
+            from grail_exp.tracking import training_view_url
+
+            lines.append(f"MLflow view: {training_view_url(tracker.tracking_uri, experiment_id, tracker.run_id)}")
     metric = cfg.optimized_metric
     if metric and metric in results:
         before = results.get(metric.replace("eval/", "eval_before/", 1))

@@ -407,6 +407,15 @@ def validate(cfg: DictConfig) -> DictConfig:
            f"must be one of: {', '.join(sorted(KL_ESTIMATORS))}")
     for term in (L.get("terms") or {}):
         _check(e, term in LOSS_TERMS, f"loss.terms.{term}", term, f"unknown loss term; valid: {', '.join(sorted(LOSS_TERMS)) or 'none registered'}")
+        if term in LOSS_TERMS and L.terms[term] is not None:  # the term's typed schema, then its own checks
+            from grail_exp.loss.terms import typed_term_config
+
+            try:
+                typed_term = typed_term_config(LOSS_TERMS[term], L.terms[term])
+            except Exception as exc:  # noqa: BLE001 - wrong key / type: report it with the others
+                e.append(f"loss.terms.{term}: {exc}".split("\n    ")[0])
+            else:
+                e.extend(f"loss.terms.{term}.{msg}" for msg in LOSS_TERMS[term].check_config(typed_term))
     ic = r.is_correction
     _check(e, ic.mode in IS_MODES, "rollout.is_correction.mode", ic.mode, f"must be one of: {', '.join(IS_MODES)}")
     _check(e, ic.clip_max > 0, "rollout.is_correction.clip_max", ic.clip_max, "must be > 0")

@@ -196,6 +196,10 @@ class TrainerConfig:
     checkpoint_every: int = 0  # optimiser steps between checkpoints (0 = only the final one)
     keep_last_checkpoints: Optional[int] = 3  # prune older complete checkpoints; null = keep all
     save_final_checkpoint: bool = True
+    # Optimiser steps between weights-only trajectory saves <run dir>/trajectory/step-<N>/ (HF dir, no optimiser
+    # state, never pruned), plus step-0 (the starting weights) and the last step; 0 = off. The input of
+    # `python -m grail_exp.extrapolate` (RELEX, arXiv 2605.21468, fits every-step checkpoints: 1)
+    save_weights_only_every: int = 0
     max_nonfinite_in_a_row: int = 3  # skipped non-finite steps tolerated in a row before aborting
     num_threads: Optional[int] = None  # torch CPU threads; null = torch default
     deterministic: bool = False
@@ -340,6 +344,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, t.prompts_per_step >= 1, "trainer.prompts_per_step", t.prompts_per_step, "must be >= 1")
     _check(e, t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
     _check(e, t.checkpoint_every >= 0, "trainer.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _check(e, t.get("save_weights_only_every", 0) >= 0, "trainer.save_weights_only_every",
+           t.get("save_weights_only_every"), "must be >= 0 (0 = no trajectory)")
     _check(e, t.keep_last_checkpoints is None or t.keep_last_checkpoints >= 1, "trainer.keep_last_checkpoints",
            t.keep_last_checkpoints, "must be >= 1 or null")
     _check(e, t.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, "must be >= 1")

@@ -60,7 +60,7 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import build_tracker
 
-    from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint
+    from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint, save_weights
 
     _quiet_lightning()
 
@@ -139,6 +139,20 @@ def train(cfg: DictConfig) -> dict:
             log.info("checkpoint: %s", path)
 
         module.checkpoint_fn = checkpoint
+
+        # Weights-only trajectory (RELEX's input): θ_0 now, every k steps (module), and the last step.
+        traj_root = Path(cfg.paths.output_dir) / "trajectory"
+        traj_saved: set[int] = set()
+
+        def save_trajectory(step: int) -> None:
+            if step not in traj_saved:
+                save_weights(traj_root, step, policy, tokenizer)
+                traj_saved.add(step)
+
+        if cfg.trainer.save_weights_only_every:
+            module.weights_fn = save_trajectory
+            if state is None:
+                save_trajectory(0)
         rounds = -(-cfg.trainer.max_steps // cfg.loss.num_iterations)  # ceil: μ optimiser steps per rollout
         start_round = int(state["round"]) if state else 0
         trainer = L.Trainer(
@@ -155,6 +169,8 @@ def train(cfg: DictConfig) -> dict:
             results.update({f"train/{k}": v for k, v in module.last_metrics.items()})
         if cfg.trainer.save_final_checkpoint:
             checkpoint(module.position)
+        if cfg.trainer.save_weights_only_every:
+            save_trajectory(module.step)
 
         if cfg.trainer.eval_at_end:
             results.update(run_eval("final", module.step))

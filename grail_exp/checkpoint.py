@@ -101,16 +101,16 @@ def save_weights(root: Path, step: int, model, tokenizer) -> Path:
     return write_dir_atomically(root / f"step-{step}", write, what="trajectory checkpoint")
 
 
-def write_dir_atomically(final: Path, write, what: str = "checkpoint") -> Path:
+def write_dir_atomically(final: Path, write, what: str = "checkpoint", stale: str = "step-*.tmp-*") -> Path:
     """Fill ``<final>.tmp-<pid>/`` with ``write(tmp)``, fsync it, add the ``COMPLETE`` marker, rename into place.
 
-    A crash mid-write leaves only a ``.tmp-*`` directory (removed by the next write under the same parent);
-    an existing ``final`` is replaced. A full disk becomes a ``CheckpointError`` that names the fix.
+    A crash mid-write leaves only a ``.tmp-*`` directory; the next write removes those matching ``stale`` under
+    the same parent. An existing ``final`` is replaced. A full disk becomes a ``CheckpointError`` that names the fix.
     """
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob("*.tmp-*"):  # left behind by a crash mid-write
-        shutil.rmtree(stale, ignore_errors=True)
+    for left in root.glob(stale):  # left behind by a crash mid-write
+        shutil.rmtree(left, ignore_errors=True)
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
     try:
         write(tmp)

@@ -138,6 +138,21 @@ def solve(G: torch.Tensor, steps: torch.Tensor, rank: int, mode: str, target_ste
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """(offset of the data section, {name: {"dtype", "shape", "data_offsets"}}) of a safetensors file.
+
+    The format: an 8-byte little-endian header length N, N bytes of JSON, then the raw little-endian data.
+    """
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        raise ExtrapolateError(f"{path}: not a readable safetensors file ({exc})") from exc
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
 def weight_files(ckpt: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file of a Hugging Face directory (single file or sharded with an index)."""
     index = ckpt / "model.safetensors.index.json"
@@ -148,41 +163,53 @@ def weight_files(ckpt: Path) -> dict[str, Path]:
     if not files:
         raise ExtrapolateError(f"{ckpt}: no safetensors weights (expected model.safetensors or an index); "
                                f"save checkpoints with save_pretrained(safe_serialization=True)")
-    from safetensors import safe_open
-
-    out = {}
-    for f in files:
-        with safe_open(f, framework="pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
+    return {name: f for f in files for name in safetensors_header(f)[1]}
 
 
 class CheckpointReader:
-    """Reads one tensor, or a range of its rows, from one checkpoint; safetensors files stay memory-mapped."""
+    """Reads one tensor, or a range of its rows, from one checkpoint's safetensors files.
+
+    Plain positioned reads, not memory maps: a mapped file's touched pages count in the process's memory until
+    it is unmapped, so mapping T checkpoints would hold T copies of each tensor however it is chunked.
+    """
 
     def __init__(self, ckpt: Path):
         self.path = ckpt
         self.files = weight_files(ckpt)
-        self._handles: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
 
-    def _handle(self, name: str):
-        from safetensors import safe_open
-
+    def _entry(self, name: str) -> tuple[Path, int, dict]:
         f = self.files[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(f, framework="pt")
-        return self._handles[f]
+        if f not in self._headers:
+            self._headers[f] = safetensors_header(f)
+        start, header = self._headers[f]
+        if name not in header:
+            raise ExtrapolateError(f"{f}: no tensor {name} (the index names this file for it)")
+        return f, start, header[name]
 
     def header(self, name: str) -> tuple[list[int], str]:
-        sl = self._handle(name).get_slice(name)
-        return list(sl.get_shape()), sl.get_dtype()
+        entry = self._entry(name)[2]
+        return list(entry["shape"]), entry["dtype"]
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The whole tensor, or rows [a, b) of its first dimension (only those bytes are read)."""
-        h = self._handle(name)
-        if rows is None:
-            return h.get_tensor(name)
-        return h.get_slice(name)[rows[0]:rows[1]]
+        f, start, entry = self._entry(name)
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ExtrapolateError(f"{f}: tensor {name} has dtype {entry['dtype']}, which RELEX does not read")
+        shape = list(entry["shape"])
+        a, b = entry["data_offsets"]
+        if rows is not None:
+            row_bytes = math.prod(shape[1:]) * dtype.itemsize
+            a, b = a + rows[0] * row_bytes, a + rows[1] * row_bytes
+            shape = [rows[1] - rows[0], *shape[1:]]
+        out = torch.empty(math.prod(shape), dtype=dtype)
+        with open(f, "rb", buffering=0) as fh:
+            fh.seek(start + a)
+            got = fh.readinto(out.view(torch.uint8).numpy()) if out.numel() else 0
+        if got != b - a:
+            raise ExtrapolateError(f"{f}: tensor {name} is truncated (read {got} of {b - a} bytes)")
+        return out.view(shape)
 
 
 def list_trajectory(traj: Path) -> dict[int, Path]:
@@ -444,7 +471,9 @@ def extrapolate(cfg: DictConfig) -> dict:
     exclude = re.compile(cfg.exclude) if cfg.exclude else None
     dtype_of = {}
     for n in p.names:
-        stored = _SAFETENSORS_DTYPES.get(base.header(n)[1]) or base.read(n).dtype
+        stored = _SAFETENSORS_DTYPES.get(base.header(n)[1])
+        if stored is None:
+            raise ExtrapolateError(f"{p.base}: tensor {n} has dtype {base.header(n)[1]}, which RELEX does not read")
         dtype_of[n] = stored if cfg.dtype == "auto" or not stored.is_floating_point else DTYPES[cfg.dtype]
     sizes = [(n, math.prod(base.header(n)[0]) * dtype_of[n].itemsize) for n in p.names]
     log.info("RELEX %s: θ_0 %s, %d observed steps %s, target step %d, rank %d, %d tensors", cfg.mode, p.base,
@@ -459,12 +488,12 @@ def extrapolate(cfg: DictConfig) -> dict:
         with tqdm(total=total, desc=f"RELEX {cfg.mode}", unit="param", unit_scale=True, disable=not cfg.progress,
                   dynamic_ncols=True, leave=False) as bar:
             for n in p.names:
-                t = base.read(n)
-                if (exclude and exclude.search(n)) or not t.is_floating_point():
-                    writer.add(n, t.to(dtype_of[n]))  # kept at θ_0
+                if (exclude and exclude.search(n)) or not dtype_of[n].is_floating_point:
+                    t = base.read(n).to(dtype_of[n])  # kept at θ_0
+                    writer.add(n, t)
                     per_tensor.append({"name": n, "numel": t.numel(), "fitted": False})
-                else:
                     del t
+                else:
                     pred, fit = extrapolate_tensor(n, base, observed, steps, target, cfg, dtype_of[n], stats)
                     writer.add(n, pred)
                     per_tensor.append({"name": n, "numel": pred.numel(), "fitted": True,
@@ -479,8 +508,6 @@ def extrapolate(cfg: DictConfig) -> dict:
         (tmp / "relex.json").write_text(json.dumps({**report, "tensors": per_tensor}, indent=2))
 
     report: dict = {}
-    if out.exists() and cfg.overwrite:
-        shutil.rmtree(out)
     write_dir_atomically(out, write, what="RELEX output", stale=f"{out.name}.tmp-*")
     return report
 

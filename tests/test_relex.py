@@ -124,6 +124,17 @@ def test_fit_window_uses_only_the_last_checkpoints(tmp_path):
     assert torch.allclose(out[k], theta0[k] + 35 * D[k], atol=1e-9)  # 5 + 2·15
 
 
+def test_excluded_tensors_keep_theta0(tmp_path):
+    gen = torch.Generator().manual_seed(9)
+    theta0 = random_tensors(gen, SHAPES)
+    traj = trajectory(tmp_path, theta0, random_tensors(gen, SHAPES), lambda s: s, range(1, 4))
+    report = X.extrapolate(cfg_for(tmp_path, traj, "target_step=8", "exclude=norm"))
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(out["model.norm.weight"], theta0["model.norm.weight"])
+    assert not torch.equal(out["model.embed_tokens.weight"], theta0["model.embed_tokens.weight"])
+    assert report["tensors_kept_at_base"] == 1 and report["tensors_fitted"] == 2
+
+
 def test_reconstruct_with_full_rank_returns_the_checkpoint(tmp_path):
     gen = torch.Generator().manual_seed(4)
     theta0 = random_tensors(gen, SHAPES)
@@ -253,6 +264,8 @@ def test_bad_inputs_are_one_clear_error_each(tmp_path):
     assert "model.norm.weight: shape [7]" in err("mode=fit", "target_step=9", sub="z")
     X.extrapolate(cfg_for(tmp_path / "ok", traj, "target_step=20", "observe.max_step=5"))
     assert "exists and is not empty" in err("target_step=20", "observe.max_step=5", sub="ok")
+    X.extrapolate(cfg_for(tmp_path / "ok", traj, "target_step=20", "observe.max_step=5", "overwrite=true"))
+    assert not list((tmp_path / "ok").glob("*.tmp-*"))
 
 
 # ------------------------------------------------------------------------------------------- with the framework

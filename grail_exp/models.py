@@ -3,6 +3,10 @@
 ``model.name_or_path`` is a hub id (loaded with its pinned ``revision``) or a local Hugging Face
 directory; null builds (once, then cached) the embedded model of ``model.build``. Loading is safe by
 default: safetensors only, ``trust_remote_code=false`` unless the config says otherwise.
+
+``model.random_init=true`` builds the model's exact architecture with random weights, offline
+(``grail_exp/architectures.py``); ``model.tokenizer_name_or_path`` picks another tokenizer, e.g. a real
+one shipped by a package (``pkg:qwen3``, ``grail_exp/packaged_tokenizers.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ def _looks_local(name: str) -> bool:
 def resolve_model_path(cfg) -> str:
     """The directory or hub id to load; builds the embedded model when ``model.name_or_path`` is null."""
     m = cfg.model
+    if m.get("random_init"):
+        from grail_exp.architectures import ArchitectureError, materialize_random_init
+
+        try:
+            return str(materialize_random_init(m, _cache_dir(cfg)))
+        except ArchitectureError as exc:
+            raise ModelLoadError(str(exc)) from exc
     if m.name_or_path is None:
         from omegaconf import OmegaConf
 
@@ -69,14 +80,50 @@ def _hub_error(name: str, exc: Exception) -> ModelLoadError:
     )
 
 
+def _cache_dir(cfg) -> str:
+    paths = cfg.get("paths")
+    return str(paths.cache_dir) if paths is not None and paths.get("cache_dir") else "~/.cache/grail_exp"
+
+
+def resolve_tokenizer_path(path: str, cfg) -> tuple[str, bool]:
+    """(what to load, whether ``model.revision`` applies): ``model.tokenizer_name_or_path`` if set, else the
+    packaged tokenizer a random-init directory names, else the model's own ``path``."""
+    from grail_exp.architectures import read_marker
+    from grail_exp.packaged_tokenizers import PackagedTokenizerError, is_packaged, resolve
+
+    spec = cfg.model.get("tokenizer_name_or_path")
+    key = "model.tokenizer_name_or_path"
+    if spec is None:
+        marker = read_marker(path)
+        if marker is None:
+            return path, True
+        spec, key = marker.get("tokenizer"), f"the tokenizer of architecture {marker['architecture']!r}"
+        if not spec:
+            raise ModelLoadError(f"{path}: a random-init model with no tokenizer; set model.tokenizer_name_or_path")
+    if is_packaged(spec):
+        try:
+            return resolve(spec, _cache_dir(cfg), key), False
+        except PackagedTokenizerError as exc:
+            raise ModelLoadError(str(exc)) from exc
+    return str(spec), False
+
+
 def load_tokenizer(path: str, cfg):
     from transformers import AutoTokenizer
 
     m = cfg.model
+    tok_path, own = resolve_tokenizer_path(path, cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(path, revision=m.revision, trust_remote_code=m.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(tok_path, revision=m.revision if own else None,
+                                            trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise _hub_error(path, exc) from exc
+        raise _hub_error(tok_path, exc) from exc
+    if m.get("strip_think") and "</think>" not in tok.decode(tok.encode("</think>", add_special_tokens=False),
+                                                           skip_special_tokens=True):
+        # Completions are decoded with skip_special_tokens=True: a special </think> would vanish and
+        # strip_think would then grade the whole text, drafts included.
+        raise ModelLoadError(f"model.strip_think=true, but the tokenizer {tok_path!r} marks </think> as special, so "
+                             "decoding drops it; use a tokenizer where it is a plain added token")
     if tok.pad_token is None:  # Llama-3 tokenizers ship without one; pad with EOS (masked everywhere)
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -89,15 +136,20 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
     """The policy (``trainable=True``) or a frozen copy (reference model)."""
     from transformers import AutoModelForCausalLM
 
+    from grail_exp.architectures import build_random_model, read_marker
+
     m = cfg.model
-    kwargs = dict(revision=m.revision, dtype=DTYPES[m.dtype], trust_remote_code=m.trust_remote_code,
-                  use_safetensors=True)
-    if m.attn_implementation:
-        kwargs["attn_implementation"] = m.attn_implementation
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise _hub_error(path, exc) from exc
+    if read_marker(path) is not None:  # model.random_init: the architecture in `path`, seeded random weights
+        model = build_random_model(path, DTYPES[m.dtype], m.attn_implementation)
+    else:
+        kwargs = dict(revision=m.revision, dtype=DTYPES[m.dtype], trust_remote_code=m.trust_remote_code,
+                      use_safetensors=True)
+        if m.attn_implementation:
+            kwargs["attn_implementation"] = m.attn_implementation
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except (OSError, ValueError) as exc:
+            raise _hub_error(path, exc) from exc
     # Dropout makes log-prob ratios noisy and is off in the paper's recipe.
     for mod in model.modules():
         if isinstance(mod, torch.nn.Dropout):
@@ -113,3 +165,11 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def decoder_layer_classes(cfg) -> set:
+    """The decoder-layer classes of the model family (FSDP wraps each layer as its own shard unit)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    return {Qwen3DecoderLayer, LlamaDecoderLayer}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import math
 import signal
 import sys
@@ -54,11 +55,13 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.data import build_source
     from grail_exp.embedded import read_build_report
     from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
+    from grail_exp.loss import build_terms
     from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.module import GRPOModule, Preempted
     from grail_exp.rewards import MathVerifier
     from grail_exp.rollout import build_engine
-    from grail_exp.tracking import build_tracker
+    from grail_exp.distributed import build_strategy, launch_rank
+    from grail_exp.tracking import NullTracker, build_tracker
 
     from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint, save_weights
 
@@ -74,8 +77,13 @@ def train(cfg: DictConfig) -> dict:
     ckpt_root = Path(cfg.paths.output_dir) / "checkpoints"
     ckpt = resolve_resume(cfg.get("resume"), ckpt_root)
     state = load_training_state(ckpt) if ckpt else None
+    # Data parallelism: every rank runs this function (Lightning re-launches the command, or torchrun / srun did);
+    # only rank 0 tracks, evaluates and writes files. Children of Lightning's launcher learn their rank from it.
+    rank = launch_rank()
+    os.environ["GRAIL_EXP_DEVICES_PER_NODE"] = str(cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else 1)
     # Tracking next: an unreachable server fails before minutes of model building.
-    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None)
+    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
+        if rank == 0 else NullTracker()
     status = "FAILED"
     verifier = None
     try:
@@ -99,11 +107,15 @@ def train(cfg: DictConfig) -> dict:
                                 "warm_start.seconds": round(ws["seconds"], 1), "model.path": model_path})
         policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
         tokenizer = load_tokenizer(policy_path, cfg)
-        policy = load_causal_lm(policy_path, cfg, trainable=True)
-        ref_model = load_causal_lm(model_path, cfg, trainable=False) if cfg.loss.beta > 0 else None
+        # trainer=fsdp keeps fp32 sharded parameters (the master weights) and computes in model.dtype.
+        policy_cfg = OmegaConf.merge(cfg, {"model": {"dtype": "float32"}}) if cfg.trainer.strategy == "fsdp" else cfg
+        policy = load_causal_lm(policy_path, policy_cfg, trainable=True)
+        terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
+        needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms)
+        ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
         log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
 
-        scheme = build_scheme(cfg.advantage, tokenizer)
+        scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
         engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
         r = cfg.reward
         verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s,
@@ -122,21 +134,25 @@ def train(cfg: DictConfig) -> dict:
             log.info("evaluation (%s, step %d):\n%s", tag, step, eval_tables[tag])
             return res.flat_metrics()
 
-        if cfg.trainer.eval_before_training and state is None:
+        if cfg.trainer.eval_before_training and state is None and rank == 0:
             before = run_eval("before", 0)
             results.update({k.replace("eval/", "eval_before/", 1): v for k, v in before.items()})
 
         module = GRPOModule(cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model,
-                            evaluate_fn=lambda step: run_eval(f"step{step}", step), resume_state=state)
+                            evaluate_fn=lambda step: run_eval(f"step{step}", step), resume_state=state, terms=terms)
         saved_at = {int(state["step"])} if state else set()
 
         def checkpoint(position: dict) -> None:
             if module.step in saved_at:
                 return
-            path = save_checkpoint(ckpt_root, module.step, policy, tokenizer, module.state_for_checkpoint(position),
-                                   keep_last=cfg.trainer.keep_last_checkpoints)
+            state_now = module.state_for_checkpoint(position)  # every rank: gathers the ranks' RNG / buffers
+            weights = module.model_state_for_checkpoint()  # trainer=fsdp: the full state dict (collective)
             saved_at.add(module.step)
-            log.info("checkpoint: %s", path)
+            if module.rank == 0:
+                path = save_checkpoint(ckpt_root, module.step, policy, tokenizer, state_now,
+                                       keep_last=cfg.trainer.keep_last_checkpoints, state_dict=weights)
+                log.info("checkpoint: %s", path)
+            module.barrier()
 
         module.checkpoint_fn = checkpoint
 
@@ -145,21 +161,27 @@ def train(cfg: DictConfig) -> dict:
         traj_saved: set[int] = set()
 
         def save_trajectory(step: int) -> None:
-            if step not in traj_saved:
-                save_weights(traj_root, step, policy, tokenizer)
-                traj_saved.add(step)
+            if step in traj_saved:
+                return
+            weights = module.model_state_for_checkpoint()  # trainer=fsdp: the full state dict (collective)
+            traj_saved.add(step)
+            if module.rank == 0:
+                save_weights(traj_root, step, policy, tokenizer, state_dict=weights)
+            module.barrier()
 
         if cfg.trainer.save_weights_only_every:
             module.weights_fn = save_trajectory
-            if state is None:
-                save_trajectory(0)
+            if state is None and rank == 0:  # before fit: nothing is sharded and no process group exists yet
+                traj_saved.add(0)
+                save_weights(traj_root, 0, policy, tokenizer)
         rounds = -(-cfg.trainer.max_steps // cfg.loss.num_iterations)  # ceil: μ optimiser steps per rollout
         start_round = int(state["round"]) if state else 0
         trainer = L.Trainer(
-            accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, strategy=cfg.trainer.strategy,
-            precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
+            accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
+            strategy=build_strategy(cfg), precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
             enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
             deterministic=cfg.trainer.deterministic, default_root_dir=cfg.paths.output_dir,
+            use_distributed_sampler=False,  # every rank walks the same rounds; the module splits the prompts
         )
         t = time.perf_counter()
         with _stop_on_sigterm(module):
@@ -172,13 +194,15 @@ def train(cfg: DictConfig) -> dict:
         if cfg.trainer.save_weights_only_every:
             save_trajectory(module.step)
 
-        if cfg.trainer.eval_at_end:
+        rank = module.rank  # the process group exists now
+        if cfg.trainer.eval_at_end and rank == 0:
             results.update(run_eval("final", module.step))
         phases["total_s"] = time.perf_counter() - t0
         tracker.log_metrics({f"phase/{k}": v for k, v in phases.items()}, step=module.step)
         results.update({f"phase/{k}": v for k, v in phases.items()})
         results["train/steps"] = module.step
-        _write_summary(cfg, results, eval_tables, tracker)
+        if rank == 0:
+            _write_summary(cfg, results, eval_tables, tracker)
         status = "FINISHED"
         return results
     except Preempted:

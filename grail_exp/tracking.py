@@ -17,6 +17,23 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# The experiment's kind as the MLflow 3.x UI writes it when a user picks "Machine learning" for an experiment
+# ("custom_model_development"; the other choice is "genai_development"). UIs that choose the view per experiment
+# read it. The 3.17 UI no longer does: it opens every experiment in the view of a per-browser switch
+# ("GenAI | Model training" in the sidebar, remembered in the browser, GenAI by default) unless the URL carries
+# ?workflowType=machine_learning; see training_view_url (checked with headless-browser screenshots).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_EXPERIMENT_KIND = "custom_model_development"
+
+
+def training_view_url(tracking_uri: str, experiment_id: str, run_id: str | None = None,
+                      ui: str = "http://127.0.0.1:5000") -> str:
+    """Link that opens an experiment (or run) in the MLflow UI's model-training view. For a server store the UI is
+    the server itself; for a sqlite store, the ``mlflow ui`` started on it (``ui``)."""
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else ui
+    path = f"#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{base}/{path}?workflowType=machine_learning"
+
 
 class TrackingError(RuntimeError):
     pass
@@ -65,6 +82,7 @@ class MlflowTracker(NullTracker):
             exp = self.client.get_experiment_by_name(experiment_name)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
                 experiment_name, artifact_location=artifact_location)
+            mark_training_experiment(self.client, exp_id, exp.tags if exp else {})
             if run_id:  # resume: continue the same run
                 self.client.update_run(run_id, status="RUNNING")
                 self.run_id = run_id
@@ -114,6 +132,14 @@ class MlflowTracker(NullTracker):
 
     def end(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+
+def mark_training_experiment(client, experiment_id: str, tags: dict | None = None) -> None:
+    """Tag the experiment as a model-training one (see EXPERIMENT_KIND_TAG) unless it already has a kind:
+    a kind chosen by hand in the UI is kept."""
+    if (tags or {}).get(EXPERIMENT_KIND_TAG):
+        return
+    client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
 
 
 def _sqlite_init_lock(uri: str):

@@ -56,7 +56,9 @@ def read_rows(path: str | Path, tokenizer) -> list[dict]:
 
 
 def scheme_batch(rows: list[dict], pad_id: int, device, sampling_temperature: float, generator=None):
-    """The ``SchemeBatch`` of the given rows, laid out exactly like a training micro-batch."""
+    """The ``SchemeBatch`` of the given rows, laid out exactly like a training rollout batch, with its context:
+    groups (``group`` field, else rows with the same prompt), problems / gold answers (``problem`` / ``answer``
+    fields, for schemes that build teacher prompts) and rewards (``reward`` field, else A > 0)."""
     from grail_exp.advantages import SchemeBatch
     from grail_exp.module import position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
@@ -64,13 +66,40 @@ def scheme_batch(rows: list[dict], pad_id: int, device, sampling_temperature: fl
     rb = pad_completions([Completion(r["prompt_ids"], r["completion_ids"], None, False) for r in rows], pad_id)
     attn = rb.attention_mask
     adv = torch.tensor([float(r["advantage"]) for r in rows])
+    rewards = torch.tensor([float(r.get("reward", float(r["advantage"] > 0))) for r in rows])
+    keys = [r.get("group", tuple(r["prompt_ids"])) for r in rows]
+    first_seen = {k: i for i, k in reversed(list(enumerate(keys)))}
+    groups = sorted(set(first_seen.values()))
+    group_ids = torch.tensor([groups.index(first_seen[k]) for k in keys])
+    sizes = torch.bincount(group_ids)
     return SchemeBatch(
         input_ids=rb.input_ids.to(device), attention_mask=attn.to(device),
         position_ids=position_ids_from_mask(attn).to(device), prompt_length=rb.prompt_ids.shape[1],
         completion_ids=rb.completion_ids.to(device), completion_mask=rb.completion_mask.float().to(device),
-        advantages=adv.to(device), rewards=(adv > 0).float().to(device),
+        advantages=adv.to(device), rewards=rewards.to(device),
         sampling_temperature=sampling_temperature, generator=generator,
+        row_index=torch.arange(len(rows), device=device), group_ids=group_ids.to(device),
+        num_generations=int(sizes.max()) if bool((sizes == sizes.max()).all()) else None,
+        problems=[r.get("problem") for r in rows] if all("problem" in r for r in rows) else None,
+        gold_answers=[str(r["answer"]) for r in rows] if all("answer" in r for r in rows) else None,
+        prompt_ids=[list(r["prompt_ids"]) for r in rows],
     )
+
+
+def scheme_weights(scheme, model, batch, micro_batch_size: int) -> torch.Tensor:
+    """(N, C) weights of a whole rollout batch through the scheme contract, as the trainer drives it: ``prepare`` on
+    the whole batch, then ``weights`` per micro-batch with the prepared state sliced to its rows."""
+    from grail_exp.advantages.base import slice_prepared
+
+    prepared = scheme.prepare(model, batch)
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
+    n = batch.input_ids.shape[0]
+    for s in range(0, n, micro_batch_size):
+        idx = torch.arange(s, min(s + micro_batch_size, n), device=batch.input_ids.device)
+        mb = batch.rows(idx)
+        mb.prepared = slice_prepared(prepared, idx)
+        out[s:s + len(idx)] = scheme.weights(model, mb).weights.float().cpu()
+    return out
 
 
 def compute(cfg: DictConfig) -> list[dict]:
@@ -88,22 +117,20 @@ def compute(cfg: DictConfig) -> list[dict]:
     tokenizer = load_tokenizer(path, with_dtype)
     model = load_causal_lm(path, with_dtype, trainable=True).to(cfg.device)
     rows = read_rows(cfg.input, tokenizer)
-    scheme = build_scheme(adv_cfg, tokenizer)
+    scheme = build_scheme(adv_cfg, tokenizer, {"model": with_dtype.model, "seed": cfg.seed, "data": cfg.data})
     generator = torch.Generator(device="cpu").manual_seed(int(cfg.seed))
+    batch = scheme_batch(rows, tokenizer.pad_token_id, cfg.device, cfg.sampling_temperature, generator)
+    batch.completion_texts = tokenizer.batch_decode([r["completion_ids"] for r in rows], skip_special_tokens=True)
+    w = scheme_weights(scheme, model, batch, cfg.batch_size)
     out = []
-    for s in range(0, len(rows), cfg.batch_size):
-        chunk = rows[s:s + cfg.batch_size]
-        batch = scheme_batch(chunk, tokenizer.pad_token_id, cfg.device, cfg.sampling_temperature, generator)
-        batch.completion_texts = tokenizer.batch_decode([r["completion_ids"] for r in chunk], skip_special_tokens=True)
-        w = scheme.weights(model, batch).weights.float().cpu()
-        for i, r in enumerate(chunk):
-            ids = r["completion_ids"]
-            out.append({
-                "completion_ids": ids,
-                "tokens": [tokenizer.decode([t]) for t in ids],
-                "weights": [round(float(x), 7) for x in w[i, : len(ids)]],
-                "advantage": float(r["advantage"]),
-            })
+    for i, r in enumerate(rows):
+        ids = r["completion_ids"]
+        out.append({
+            "completion_ids": ids,
+            "tokens": [tokenizer.decode([t]) for t in ids],
+            "weights": [round(float(x), 7) for x in w[i, : len(ids)]],
+            "advantage": float(r["advantage"]),
+        })
     return out
 
 

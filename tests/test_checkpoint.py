@@ -54,7 +54,7 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir
     sa, sb = load_training_state(a), load_training_state(b)
     assert _state_equal(sa["optimizer"], sb["optimizer"]) and _state_equal(sa["scheduler"], sb["scheduler"])
     assert sa["step"] == sb["step"] == 4 and sa["round"] == sb["round"]
-    assert _state_equal(sa["rng"]["torch"], sb["rng"]["torch"])
+    assert _state_equal(sa["ranks"][0]["rng"]["torch"], sb["ranks"][0]["rng"]["torch"])
     start = load_file(Path(formatted_model_dir) / "model.safetensors")
     assert any(not torch.equal(start[k], wa[k]) for k in wa)  # training really changed the weights
 

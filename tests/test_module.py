@@ -114,12 +114,13 @@ def test_nonfinite_loss_is_skipped_then_aborts(compose_cfg, tiny_model_dir):
     before = [p.detach().clone() for p in module.policy.parameters()]
     real_weights = module.scheme.weights
 
-    def nan_weights(model, batch):  # inject a NaN into the token advantages
+    def nan_weights(model, batch, *forward):  # inject a NaN into the token advantages
         out = real_weights(model, batch)
         out.weights = out.weights * float("nan")
         return out
 
     module.scheme.weights = nan_weights
+    module.scheme.weights_from_forward = nan_weights
     _, metrics = _step(module)
     assert metrics["nonfinite_steps_total"] == 1 and math.isnan(metrics["loss"])
     assert all(torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))  # update skipped
@@ -175,7 +176,7 @@ def test_fit_of_the_composed_default_config_logs_to_mlflow(compose_cfg, tmp_path
     assert [m.step for m in history] == [1, 2, 3]
     for key in ["loss", "grad_norm", "entropy", "clip_ratio/region_mean", "frac_reward_zero_std",
                 "completions/mean_length", "completions/truncated_rate", "timing/rollout_s", "timing/scoring_s",
-                "timing/update_s", "timing/scheme_s", "grail/weight_mean", "grail/advantages_scale_ratio",
+                "timing/update_s", "timing/scheme_s", "grail/reweighted_rows", "grail/advantages_scale_ratio",
                 "grail/fallback_rate", "grail/answer_found_rate", "eval/arithmetic/acc", "eval/arithmetic/pass_at_2", "eval_before/arithmetic/acc"]:
         assert key in r.data.metrics, key
     arts = {a.path for a in client.list_artifacts(r.info.run_id, "eval/final")}

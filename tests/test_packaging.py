@@ -50,6 +50,7 @@ def test_run_composes_from_an_installed_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "grail_exp/conf/config.yaml" in names and "grail_exp/conf/experiment/paper/qwen3_4b_grail.yaml" in names
     assert any(n.startswith("grail_exp/data/benchmark_files/") and n.endswith(".jsonl") for n in names)
+    assert "grail_exp/data/architectures/qwen3_8b.json" in names  # model.random_init needs them in a wheel
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     env = dict(os.environ, PYTHONPATH=str(site))

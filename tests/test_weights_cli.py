@@ -16,15 +16,17 @@ def _training_rows(compose_cfg, model_dir, scheme_overrides):
     module = _build_module(cfg, model_dir)
     torch.manual_seed(0)
     batch, _ = module.make_batch(0, {})
+    module.prepare_batch(batch, {})
     captured = []
-    real = module.scheme.weights
+    real, real_fwd = module.scheme.weights, module.scheme.weights_from_forward
 
-    def spy(model, b):
-        out = real(model, b)
+    def spy(model, b, *forward):
+        out = (real_fwd if forward else real)(model, b, *forward)
         captured.append((b, out.weights.clone()))
         return out
 
     module.scheme.weights = spy
+    module.scheme.weights_from_forward = spy
     module.manual_backward = lambda loss: loss.backward()
     opt = torch.optim.SGD(module.policy.parameters(), lr=0.0)
 

@@ -19,7 +19,8 @@ from grail_exp.advantages.base import (
 )
 from grail_exp.advantages.group import group_advantages
 
-# Importing the scheme modules registers them.
+# Importing the scheme modules registers them (spans also registers its checkpointable prepared state).
+from grail_exp.advantages import spans as _spans  # noqa: E402,F401
 from grail_exp.advantages import grail as _grail  # noqa: E402,F401
 from grail_exp.advantages import grpo as _grpo  # noqa: E402,F401
 from grail_exp.advantages import oar as _oar  # noqa: E402,F401

@@ -1,21 +1,55 @@
-"""Registry and the scheme contract shared by every advantage scheme."""
+"""Registry and the scheme contract shared by every advantage scheme.
+
+A scheme turns a rollout batch into detached token weights w (B, C); the trainer forms Â = sg(w)·A. The
+trainer drives a scheme in three calls, all optional but the last:
+
+1. ``prepare(model, batch)`` once per rollout batch, with the **whole** rollout batch (complete groups of G
+   rollouts, rewards, advantages, gold answers, problem texts, the step counter), after the advantages and before
+   the μ updates. Batch-level schemes (DelTA's centroids, SHEAR's group distances) compute their weights here; the
+   answer spans that GRAIL / OAR need are found here once instead of at every micro-batch. The return value comes
+   back as ``batch.prepared`` (sliced to the micro-batch's rows by the trainer via ``SchemeBatch.prepared_rows``).
+2. ``weights_from_forward(model, batch, forward)`` per micro-batch when the scheme can reuse the policy forward
+   the trainer already runs for the loss (``forward``: the embeddings and hidden states of that forward, still in
+   the autograd graph). GRAIL takes the gradient of its answer NLL from this graph, OAR-G its clean teacher:
+   one forward fewer, the same numbers (tests compare with ``weights``). Return None to fall back to 3.
+3. ``weights(model, batch)`` per micro-batch: the straightforward implementation with its own forward passes.
+
+``config.recompute`` (every scheme): ``per_update`` (default; both references recompute the weights at every
+micro-batch and every inner iteration with the current parameters, spec §3) or ``per_rollout`` (computed once per
+rollout batch, at the first inner iteration, with the parameters that generated it, and reused).
+Multi-GPU: ``prepare`` sees the rollout batch of its own data-parallel rank (all G rollouts of a prompt stay on one
+rank), so batch-level statistics are per rank, as DelTA's official code computes them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, ClassVar
 
 import torch
 
 SCHEMES: dict[str, type["AdvantageScheme"]] = {}
+RECOMPUTE = ("per_update", "per_rollout")
+
+
+@dataclass
+class SchemeConfig:
+    """Keys every scheme has (each scheme's config dataclass inherits them)."""
+
+    name: str = "?"
+    # per_update: recompute the weights at every micro-batch and inner iteration with the live parameters
+    # (both reference codebases, spec §3) | per_rollout: once per rollout batch with the parameters that generated
+    # it, reused for the μ inner iterations (cheaper; a logged deviation, issue 12 §3)
+    recompute: str = "per_update"
 
 
 @dataclass
 class SchemeBatch:
-    """One micro-batch as a scheme sees it. P = padded prompt width, C = padded completion width.
+    """A micro-batch (or the whole rollout batch, in ``prepare``) as a scheme sees it. P = padded prompt width,
+    C = padded completion width.
 
-    Prompts are left-padded and completions right-padded, so ``input_ids[:, P:]`` is the completion
-    window and ``input_ids[:, P-1:-1]`` are the input positions that *predict* the completion tokens.
+    Prompts are left-padded and completions right-padded, so ``input_ids[:, P:]`` is the completion window and
+    ``input_ids[:, P-1:-1]`` are the input positions that *predict* the completion tokens.
     """
 
     input_ids: torch.Tensor  # (B, P+C) prompt ++ completion
@@ -24,11 +58,33 @@ class SchemeBatch:
     prompt_length: int  # P
     completion_ids: torch.Tensor  # (B, C)
     completion_mask: torch.Tensor  # (B, C) loss mask: generated tokens up to EOS, 0 for masked truncations
-    advantages: torch.Tensor  # (B,) sequence advantages A_i
+    advantages: torch.Tensor  # (B,) sequence advantages A_i (for token-level estimators: the row's sequence summary)
     rewards: torch.Tensor  # (B,)
     completion_texts: list[str] | None = None  # decoded completions (special tokens skipped)
     sampling_temperature: float = 1.0  # the rollout temperature (GRAIL's probe divides its logits by it)
     generator: torch.Generator | None = None  # seeded RNG for stochastic schemes (OAR-G noise)
+    # Rollout-batch context (filled by the trainer and the weights CLI; None where unknown)
+    row_index: torch.Tensor | None = None  # (B,) rows of the rollout batch these are (indexes ``prepared``)
+    group_ids: torch.Tensor | None = None  # (B,) prompt index: rows with equal ids are one group of G rollouts
+    num_generations: int | None = None  # G
+    problems: list[str] | None = None  # the problem text of each row (privileged / teacher prompts)
+    gold_answers: list[str] | None = None  # the reference answer of each row (RLSD's teacher, ...)
+    prompt_ids: list[list[int]] | None = None  # unpadded prompt token ids per row
+    token_advantages: torch.Tensor | None = None  # (B, C) when the estimator is token-level
+    step: int = 0  # optimiser steps done so far (schedules)
+    prepared: Any = None  # what ``prepare`` returned for the rollout batch
+
+    def rows(self, idx: torch.Tensor) -> "SchemeBatch":
+        """The sub-batch of the given row indices (same P and C)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == self.input_ids.shape[0]:
+                v = v[idx.to(v.device)]
+            elif isinstance(v, list) and len(v) == self.input_ids.shape[0]:
+                v = [v[i] for i in idx.tolist()]
+            out[f.name] = v
+        return replace(self, **out)
 
 
 @dataclass
@@ -37,32 +93,77 @@ class SchemeOutput:
     metrics: dict[str, float] = field(default_factory=dict)  # logged as "<scheme>/<key>"
 
 
+@dataclass
+class PolicyForward:
+    """What the trainer's policy forward of a micro-batch exposes to ``weights_from_forward`` (all in the graph)."""
+
+    embeds: torch.Tensor  # (B, P+C, d) input embeddings (a node of the graph, not a leaf)
+    hidden: torch.Tensor  # (B, P+C, d) last hidden state (after the final norm)
+    hidden_states: tuple | None  # all layers' outputs when the scheme asked for them (``forward_outputs``)
+    head_weight: torch.Tensor  # (V, d) output layer weight (live: detach it for probes)
+    head_bias: torch.Tensor | None
+
+
 class AdvantageScheme:
-    """Base class. Subclasses set ``name`` / ``config_class`` and implement ``weights``."""
+    """Base class. Subclasses set ``name`` / ``config_class`` (via ``register_scheme``) and implement ``weights``."""
 
     name: ClassVar[str]
     config_class: ClassVar[type]
     # False for schemes that never look at the model (GRPO): the trainer can skip work for them.
     needs_model: ClassVar[bool] = True
+    # Extra outputs the trainer's policy forward must produce for ``weights_from_forward`` ("hidden_states").
+    forward_outputs: ClassVar[tuple[str, ...]] = ()
+    # True when ``weights`` must see the rollout batch's ``prepared`` state (batch-level schemes).
+    batch_level: ClassVar[bool] = False
 
-    def __init__(self, cfg, tokenizer=None):
+    def __init__(self, cfg, tokenizer=None, context: dict | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.context = context or {}  # model config (prompt building), seed, ...: what a scheme may need to build
 
     @staticmethod
     def check_config(cfg) -> list[str]:
         """Problems with the scheme's config, each as ``"<key> = <value>: <why>"``; empty if valid."""
         return []
 
+    def prepare(self, model: torch.nn.Module, batch: SchemeBatch) -> Any:
+        return None
+
     def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
         raise NotImplementedError
 
+    def weights_from_forward(self, model: torch.nn.Module, batch: SchemeBatch,
+                             forward: PolicyForward) -> SchemeOutput | None:
+        return None
+
+    def rows_needing_model(self, batch: SchemeBatch) -> torch.Tensor | None:
+        """(B,) bool: rows whose weights depend on the model and can change the loss (the probe rows). The trainer
+        groups them into the same micro-batches so the others skip the probe. None = all rows."""
+        return None
+
     def spans(self, batch: SchemeBatch):
-        """The answer-span token masks of the batch, with this scheme's ``span_mapping`` and ``box`` switches."""
+        """The answer-span token masks of the batch, with this scheme's ``span_mapping`` and ``box`` switches
+        (taken from ``prepare``'s result when the rollout batch's spans were found there)."""
         from grail_exp.advantages.spans import answer_spans
 
+        prepared = batch.prepared
+        if isinstance(prepared, dict) and "spans" in prepared:
+            return prepared["spans"]
         return answer_spans(batch.completion_ids, batch.completion_mask, self.tokenizer,
                             span_mapping=self.cfg.span_mapping, box=self.cfg.box, texts=batch.completion_texts)
+
+
+def slice_prepared(prepared: Any, idx: torch.Tensor) -> Any:
+    """Index a scheme's prepared state by rollout rows: tensors (N, ...) and objects with ``select(idx)``, in dicts."""
+    if prepared is None:
+        return None
+    if isinstance(prepared, dict):
+        return {k: slice_prepared(v, idx) for k, v in prepared.items()}
+    if hasattr(prepared, "select"):
+        return prepared.select(idx)
+    if isinstance(prepared, torch.Tensor) and prepared.dim() >= 1:
+        return prepared[idx.to(prepared.device)]
+    return prepared
 
 
 def register_scheme(name: str, config_class: type) -> Callable[[type[AdvantageScheme]], type[AdvantageScheme]]:
@@ -82,7 +183,13 @@ def scheme_config_class(name: str) -> type:
     return SCHEMES[name].config_class
 
 
-def build_scheme(cfg, tokenizer=None) -> AdvantageScheme:
+def check_common(cfg) -> list[str]:
+    """Checks of the keys every scheme has."""
+    rc = cfg.get("recompute", "per_update") if hasattr(cfg, "get") else getattr(cfg, "recompute", "per_update")
+    return [] if rc in RECOMPUTE else [f"recompute = {rc!r}: must be one of {', '.join(RECOMPUTE)}"]
+
+
+def build_scheme(cfg, tokenizer=None, context: dict | None = None) -> AdvantageScheme:
     if cfg.name not in SCHEMES:
         raise KeyError(f"unknown advantage scheme {cfg.name!r}; valid: {', '.join(sorted(SCHEMES))}")
-    return SCHEMES[cfg.name](cfg, tokenizer)
+    return SCHEMES[cfg.name](cfg, tokenizer, context)

@@ -34,7 +34,15 @@ from typing import Optional
 
 import torch
 
-from grail_exp.advantages.base import AdvantageScheme, SchemeBatch, SchemeOutput, register_scheme
+from grail_exp.advantages.base import (
+    AdvantageScheme,
+    PolicyForward,
+    SchemeBatch,
+    SchemeConfig,
+    SchemeOutput,
+    check_common,
+    register_scheme,
+)
 from grail_exp.advantages.probe import (
     body_forward,
     detached_head_logits,
@@ -46,7 +54,7 @@ from grail_exp.loss import selective_log_softmax
 
 
 @dataclass
-class GrailConfig:
+class GrailConfig(SchemeConfig):
     name: str = "grail"
     # σ_w: spread of the log-saliency z-score mapping (paper 0.5). The reference raises at 0; here 0 is
     # allowed and gives w = w_mean everywhere (the GRPO limit, used to test exact GRPO equivalence).
@@ -61,14 +69,20 @@ class GrailConfig:
     zscore_post_answer: str = "include"  # include (reference) | exclude: post-answer slots out of mu / sigma
     span_mapping: str = "reference"  # reference (re-encode behind "a") | exact (live token offsets)
     box: str = "first"  # first (reference: probe + overrides) | last (the box the reward grades)
-    skip_zero_advantage: bool = False  # skip the probe for A = 0 rows (their weights cannot change the loss)
+    # Skip the probe for A = 0 rows (zero-variance groups): their weights multiply A = 0, so the gradient is
+    # identical; they get w = 1 (+ overrides). Diagnostics are over rows with A != 0 either way, so logs match.
+    skip_zero_advantage: bool = True
+    # Take the probe's gradient from the trainer's policy forward (one forward fewer, same numbers: the forward is
+    # the same function of the same parameters and inputs, and w is detached) instead of a separate forward from a
+    # detached embedding leaf as the reference does. false = the reference's separate probe (for comparison).
+    shared_forward: bool = True
 
 
 @register_scheme("grail", GrailConfig)
 class GrailScheme(AdvantageScheme):
     @staticmethod
     def check_config(cfg) -> list[str]:
-        e = []
+        e = check_common(cfg)
         if cfg.std < 0:
             e.append(f"std = {cfg.std}: must be >= 0")
         if not 0 < cfg.w_min <= cfg.w_max:
@@ -85,11 +99,18 @@ class GrailScheme(AdvantageScheme):
             e.append(f"saliency_temperature = {cfg.saliency_temperature}: must be > 0 or null")
         return e
 
-    def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
+    def __init__(self, cfg, tokenizer=None, context=None):
+        super().__init__(cfg, tokenizer, context)
+        # The shared forward must return every layer's output when the leaf is a hidden state.
+        self.forward_outputs = ("hidden_states",) if cfg.leaf_source != "embeddings" else ()
+
+    def prepare(self, model, batch: SchemeBatch):
+        """The answer spans of the whole rollout batch: found once, reused by every micro-batch and iteration."""
+        return {"spans": self.spans(batch)}
+
+    def _plan(self, batch: SchemeBatch):
+        """Spans, fallback rows (no box, or excluded by ``symmetry``) and the rows the probe must run on."""
         cfg = self.cfg
-        mask = batch.completion_mask.float()  # (B, C) loss mask (0 on padding and masked truncations)
-        B, C = batch.completion_ids.shape
-        P = batch.prompt_length
         spans = self.spans(batch)
         A = batch.advantages.float()
         if cfg.symmetry == "wrong":
@@ -102,12 +123,59 @@ class GrailScheme(AdvantageScheme):
         probe_rows = ~fallback
         if cfg.skip_zero_advantage:
             probe_rows = probe_rows & (A != 0)
+        return spans, A, fallback, probe_rows
 
+    def rows_needing_model(self, batch: SchemeBatch) -> torch.Tensor:
+        return self._plan(batch)[3]
+
+    def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
+        """The reference's way: a separate probe forward from a detached embedding leaf (spec §4.1)."""
+        spans, A, fallback, probe_rows = self._plan(batch)
+        sal = None
+        if probe_rows.any():
+            sal = self.saliency(model, batch, spans.span, probe_rows.nonzero().squeeze(1))
+        return self._finish(batch, spans, A, fallback, probe_rows, sal)
+
+    def weights_from_forward(self, model, batch: SchemeBatch, forward: PolicyForward) -> SchemeOutput | None:
+        """The same saliency from the trainer's policy forward: J's gradient w.r.t. that forward's embeddings (or
+        hidden state), taken with ``retain_graph`` so the loss can backpropagate through the same graph afterwards.
+        Logits are built only at the answer positions of the probe rows, never (B, C, V)."""
+        if not self.cfg.shared_forward:
+            return None
+        spans, A, fallback, probe_rows = self._plan(batch)
+        sal = None
+        if probe_rows.any():
+            cfg = self.cfg
+            P, C = batch.prompt_length, batch.completion_ids.shape[1]
+            idx = probe_rows.nonzero().squeeze(1)
+            if cfg.leaf_source == "embeddings":
+                leaf = forward.embeds
+            else:
+                hs = forward.hidden_states
+                L = len(hs) - 1
+                leaf = hs[{"first": 1, "middle": L // 2, "last": L - 1}[cfg.leaf_source]]
+            span = spans.span[idx]  # (b, C) answer slots of the probe rows
+            rows, slots = span.nonzero(as_tuple=True)
+            h = predicting_window(forward.hidden, P, C)[idx][rows, slots]  # (n_answer, d)
+            temperature = cfg.saliency_temperature or batch.sampling_temperature
+            logits = _head(forward, h) / temperature
+            logp = selective_log_softmax(logits, batch.completion_ids[idx][rows, slots])  # logits' dtype, as the reference
+            J = -logp.sum()
+            (g,) = torch.autograd.grad(J, leaf, retain_graph=True)
+            g_w = predicting_window(g[idx], P, C).float()
+            a_w = predicting_window(leaf.detach()[idx], P, C).float()
+            sal = torch.linalg.vector_norm(g_w * a_w, dim=-1)  # (b, C)
+        return self._finish(batch, spans, A, fallback, probe_rows, sal)
+
+    def _finish(self, batch, spans, A, fallback, probe_rows, sal) -> SchemeOutput:
+        """Log-space z-score, clip, fallback, mask, overrides (spec §4.1 steps 8-11, in the reference's order §11.4)."""
+        cfg = self.cfg
+        mask = batch.completion_mask.float()  # (B, C) loss mask (0 on padding and masked truncations)
+        B, C = batch.completion_ids.shape
         w = torch.ones(B, C, device=mask.device)
         raw = torch.ones(B, C, device=mask.device)
-        if probe_rows.any():
+        if sal is not None:
             idx = probe_rows.nonzero().squeeze(1)
-            sal = self.saliency(model, batch, spans.span, idx)  # (b, C)
             stats_mask = mask[idx]
             if cfg.zscore_post_answer == "exclude":
                 stats_mask = stats_mask * (~spans.post[idx]).float()
@@ -151,8 +219,10 @@ class GrailScheme(AdvantageScheme):
         return torch.linalg.vector_norm(g_w * a_w, dim=-1)  # (b, C)
 
     def _diagnostics(self, w, raw, mask, spans, fallback, probe_rows, A) -> dict[str, float]:
+        """Weight statistics over the valid tokens of rows with A != 0 (the weights that reach the loss), so they are
+        the same whether or not A = 0 rows were probed (``skip_zero_advantage``)."""
         cfg = self.cfg
-        valid = mask.bool()
+        valid = mask.bool() & (A != 0).unsqueeze(1)
         w_mean, w_std = masked_mean_std(w, valid)
         rew = valid & probe_rows.unsqueeze(1)
         n_rew = rew.sum().clamp(min=1)
@@ -165,8 +235,16 @@ class GrailScheme(AdvantageScheme):
             "clip_high_frac": ((raw > cfg.w_max) & rew).sum().item() / n_rew.item(),
             "fallback_rate": fallback.float().mean().item(),
             "answer_found_rate": spans.has_box.float().mean().item(),
-            "reweighted_rows": probe_rows.float().sum().item(),
+            "reweighted_rows": (probe_rows & (A != 0)).float().sum().item(),
             # The reference's logged ratio (§11.12): token-weighted mean |w·A| over the row mean of |A|.
             "advantages_scale_ratio": ((w * A.abs().unsqueeze(1) * mask).sum() / denom / a_mean).item()
             if a_mean > 0 else 1.0,
         }
+
+
+def _head(forward: PolicyForward, h: torch.Tensor) -> torch.Tensor:
+    """Logits of hidden states through the output layer with detached weight and bias (the probe's lm_head)."""
+    logits = h @ forward.head_weight.detach().T
+    if forward.head_bias is not None and forward.head_bias.numel():
+        logits = logits + forward.head_bias.detach()
+    return logits

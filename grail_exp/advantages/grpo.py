@@ -10,17 +10,21 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.advantages.base import AdvantageScheme, SchemeBatch, SchemeOutput, register_scheme
+from grail_exp.advantages.base import AdvantageScheme, SchemeBatch, SchemeConfig, SchemeOutput, check_common, register_scheme
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(SchemeConfig):
     name: str = "grpo"
 
 
 @register_scheme("grpo", GRPOConfig)
 class GRPOScheme(AdvantageScheme):
     needs_model = False
+
+    @staticmethod
+    def check_config(cfg) -> list[str]:
+        return check_common(cfg)
 
     def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
         return SchemeOutput(torch.ones_like(batch.completion_mask, dtype=torch.float32))

@@ -36,7 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.advantages.base import AdvantageScheme, SchemeBatch, SchemeOutput, register_scheme
+from grail_exp.advantages.base import (
+    AdvantageScheme,
+    PolicyForward,
+    SchemeBatch,
+    SchemeConfig,
+    SchemeOutput,
+    check_common,
+    register_scheme,
+)
 from grail_exp.advantages.probe import (
     body_forward,
     detached_head_logits,
@@ -49,7 +57,7 @@ SUPPRESS_FLOOR = 0.1  # both codebases floor suppressed tokens at 0.1
 
 
 @dataclass
-class OARGConfig:
+class OARGConfig(SchemeConfig):
     name: str = "oar_g"
     variant: str = "grail_repo"  # grail_repo (GRAIL's re-implementation, the paper's baseline) | original
     tau: float = 0.4  # quantile level τ (GRAIL's config 0.4; the OAR README suggests 0.25)
@@ -60,10 +68,13 @@ class OARGConfig:
     log_compression: str = "reference"  # reference: torch.log(1 + s) in float32 | log1p
     span_mapping: str = "reference"
     box: str = "first"
+    # Take the clean teacher P0 from the trainer's policy forward (the same clean forward of the same parameters)
+    # instead of a separate no-grad forward: one forward fewer, same numbers. false = the reference's separate pass.
+    shared_forward: bool = True
 
 
 @dataclass
-class OARPConfig:
+class OARPConfig(SchemeConfig):
     name: str = "oar_p"
     tau: float = 0.4
     beta: float = 2.0
@@ -76,6 +87,7 @@ class OARPConfig:
 
 
 def _check_common(cfg, e: list[str]) -> None:
+    e.extend(check_common(cfg))
     if not 0 <= cfg.tau < 1:
         e.append(f"tau = {cfg.tau}: must be in [0, 1)")
     if cfg.beta < 0:
@@ -136,9 +148,21 @@ def bilevel_original(scores: torch.Tensor, mask: torch.Tensor, tau: float, beta:
 
 # ----------------------------------------------------------------------------------------- outcome distribution
 def span_mean_logits(logits: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-    """Mean of the (B, C, V) logits over the span slots: (B, V); rows without a span give zeros (uniform)."""
-    n = span.float().sum(1, keepdim=True).clamp(min=1.0)
+    """Mean of the (B, C, V) logits over the span slots: (B, V); rows without a span give zeros (uniform).
+
+    The count is an integer tensor so the mean stays in the logits' dtype (bf16 in the paper runs), exactly as the
+    reference computes it; a float32 count would promote it to float32."""
+    n = span.long().sum(1, keepdim=True).clamp(min=1)
     return (logits * span.unsqueeze(-1).to(logits.dtype)).sum(1) / n
+
+
+def span_mean_logits_gathered(model, hidden_window: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """``span_mean_logits(detached_head_logits(model, hidden_window), span)`` with logits built only at the span
+    slots ((n_span, V) instead of (B, C, V)); equal up to the order of the float sum."""
+    rows, slots = span.nonzero(as_tuple=True)
+    logits = detached_head_logits(model, hidden_window[rows, slots])  # (n_span, V)
+    total = logits.new_zeros(span.shape[0], logits.shape[-1]).index_add_(0, rows, logits)
+    return total / span.long().sum(1, keepdim=True).clamp(min=1)
 
 
 def _reasoning_mask(spans, mask: torch.Tensor) -> torch.Tensor:
@@ -163,7 +187,21 @@ class OARGScheme(AdvantageScheme):
             e.append(f"p_final = {cfg.p_final!r}: OAR-G supports answer_mean")
         return e
 
+    def prepare(self, model, batch: SchemeBatch):
+        """The answer spans of the whole rollout batch, found once (they do not change across iterations)."""
+        return {"spans": self.spans(batch)}
+
     def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
+        """The reference's way: a separate clean no-grad forward for the teacher, then the noisy forward."""
+        return self._weights(model, batch, None)
+
+    def weights_from_forward(self, model, batch: SchemeBatch, forward: PolicyForward) -> SchemeOutput | None:
+        """The teacher from the trainer's (clean) policy forward; only the noisy forward is extra."""
+        if not self.cfg.shared_forward:
+            return None
+        return self._weights(model, batch, forward)
+
+    def _weights(self, model, batch: SchemeBatch, forward: PolicyForward | None) -> SchemeOutput:
         cfg = self.cfg
         mask = batch.completion_mask.float()
         spans = self.spans(batch)
@@ -172,7 +210,7 @@ class OARGScheme(AdvantageScheme):
         scores = torch.zeros_like(mask)
         rows = spans.has_box.nonzero().squeeze(1)
         if rows.numel():
-            scores[rows] = self.importance(model, batch, spans.span, scored, rows)
+            scores[rows] = self.importance(model, batch, spans.span, scored, rows, forward)
         if original:
             w = bilevel_original(scores, scored, cfg.tau, cfg.beta, cfg.log_compression)
             w = torch.where(scored, w, torch.ones_like(w)) * mask
@@ -182,7 +220,7 @@ class OARGScheme(AdvantageScheme):
         return SchemeOutput(w.detach(), _diagnostics(w, mask, scored, spans, scores))
 
     def importance(self, model, batch: SchemeBatch, span: torch.Tensor, scored: torch.Tensor,
-                   rows: torch.Tensor) -> torch.Tensor:
+                   rows: torch.Tensor, forward: PolicyForward | None = None) -> torch.Tensor:
         """|⟨∂KL(P0‖P_noisy)/∂e, e⟩| per completion token for the given rows: (b, C)."""
         cfg = self.cfg
         P, C = batch.prompt_length, batch.completion_ids.shape[1]
@@ -190,10 +228,17 @@ class OARGScheme(AdvantageScheme):
         span_r = span[rows]
         original = cfg.variant == "original"
         window = own_window if original else (lambda x, P_: predicting_window(x, P_, C))
-        emb = model.get_input_embeddings()(ids).detach()
+        if forward is not None:
+            emb = forward.embeds.detach()[rows.to(forward.embeds.device)]
+        else:
+            emb = model.get_input_embeddings()(ids).detach()
         with torch.no_grad():  # teacher: clean forward, detached head, no temperature
-            h = body_forward(model, emb, attn, pos).last_hidden_state
-            p0 = torch.softmax(span_mean_logits(detached_head_logits(model, predicting_window(h, P, C)), span_r), -1)
+            if forward is not None:  # the trainer's policy forward is this clean forward
+                h = forward.hidden.detach()[rows.to(forward.hidden.device)]
+                p0 = torch.softmax(span_mean_logits_gathered(model, predicting_window(h, P, C), span_r), -1)
+            else:
+                h = body_forward(model, emb, attn, pos).last_hidden_state
+                p0 = torch.softmax(span_mean_logits(detached_head_logits(model, predicting_window(h, P, C)), span_r), -1)
         noise_where = torch.zeros_like(emb[..., :1])
         if original:
             own_window(noise_where, P)[:] = scored[rows].unsqueeze(-1).to(emb.dtype)
@@ -203,7 +248,10 @@ class OARGScheme(AdvantageScheme):
         noisy = (emb + noise * noise_where).requires_grad_(True)
         with torch.enable_grad():
             h = body_forward(model, noisy, attn, pos).last_hidden_state
-            logq = torch.log_softmax(span_mean_logits(detached_head_logits(model, predicting_window(h, P, C)), span_r), -1)
+            if forward is not None:
+                logq = torch.log_softmax(span_mean_logits_gathered(model, predicting_window(h, P, C), span_r), -1)
+            else:
+                logq = torch.log_softmax(span_mean_logits(detached_head_logits(model, predicting_window(h, P, C)), span_r), -1)
             J = (p0 * (torch.log(p0 + cfg.eps) - logq)).sum()  # KL(P0 ‖ P_noisy), summed over rows with a box
             (g,) = torch.autograd.grad(J, noisy)
         act = emb if original else noisy.detach()
@@ -221,6 +269,9 @@ class OARPScheme(AdvantageScheme):
         if cfg.max_batch_tokens < 1:
             e.append(f"max_batch_tokens = {cfg.max_batch_tokens}: must be >= 1")
         return e
+
+    def prepare(self, model, batch: SchemeBatch):
+        return {"spans": self.spans(batch)}
 
     def weights(self, model: torch.nn.Module, batch: SchemeBatch) -> SchemeOutput:
         cfg = self.cfg

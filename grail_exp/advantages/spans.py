@@ -99,6 +99,7 @@ from typing import Callable
 
 import torch
 
+from grail_exp.checkpoint import checkpointable
 from grail_exp.rewards import _BOX_LEN, _BOX_OPEN, find_first_boxed_span, find_last_boxed_span
 
 __all__ = ["AnswerSpans", "answer_spans", "find_last_boxed_span", "SPAN_MAPPINGS", "BOX_MODES"]
@@ -115,6 +116,7 @@ _FINDERS: dict[str, Callable[[str], tuple[int, int] | None]] = {
 }
 
 
+@checkpointable
 @dataclass
 class AnswerSpans:
     """Boolean masks over completion positions; see the module docstring for the definitions."""
@@ -128,6 +130,11 @@ class AnswerSpans:
     @property
     def span(self) -> torch.Tensor:
         return self.marker | self.content | self.closing
+
+    def select(self, idx: torch.Tensor) -> "AnswerSpans":
+        """The spans of the given rows (a micro-batch of the rollout batch the spans were found on)."""
+        i = idx.to(self.has_box.device)
+        return AnswerSpans(self.has_box[i], self.marker[i], self.content[i], self.closing[i], self.post[i])
 
 
 # ------------------------------------------------------------------------------- tokenizer constants

@@ -18,7 +18,12 @@ def build_engine(name: str, model, tokenizer, batch_size: int = 256) -> RolloutE
             "rollout=vllm is not available in this version: the vLLM engine lands with the scale-out issue. "
             "Use rollout=hf (transformers generate), which runs on CPU and GPU."
         )
-    raise ValueError(f"rollout.engine must be one of {ENGINES}, got {name!r}")
+    if ":" in name:  # a plug-in engine: "package.module:ClassName" with the same constructor
+        import importlib
+
+        module_name, cls_name = name.split(":", 1)
+        return getattr(importlib.import_module(module_name), cls_name)(model, tokenizer, batch_size=batch_size)
+    raise ValueError(f"rollout.engine must be one of {ENGINES} or 'package.module:ClassName', got {name!r}")
 
 
 __all__ = ["Completion", "RolloutBatch", "RolloutEngine", "SamplingParams", "build_engine", "pad_completions"]

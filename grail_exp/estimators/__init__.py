@@ -1,0 +1,81 @@
+"""Advantage estimators: rewards of a rollout batch -> advantages A (the ``estimator=`` config group).
+
+An estimator returns sequence advantages A_i (N,) — or token advantages A_{i,t} (N, C) — that the token-weight
+scheme then reshapes: Â = sg(w)·A (broadcast over tokens for sequence advantages). Adding one = a function in this
+package registered with ``@register_estimator("name", ConfigDataclass)`` (its equation and paper in the docstring),
+a YAML file in ``conf/estimator/``, tests. Inputs come as an ``EstimatorInput``: rewards grouped by prompt
+(groups contiguous, G rollouts each), the completion mask and anything an estimator asks the trainer for
+(``needs``: e.g. greedy-baseline rewards, per-token Σπ²).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+ESTIMATORS: dict[str, "EstimatorSpec"] = {}
+
+
+@dataclass
+class EstimatorInput:
+    rewards: torch.Tensor  # (N,) scalar reward per rollout, groups of G contiguous
+    num_generations: int  # G
+    completion_mask: torch.Tensor  # (N, C) loss mask
+    scale_rewards: str = "none"  # loss.scale_rewards (the grpo estimator's normalisation)
+    extras: dict[str, Any] = field(default_factory=dict)  # what the estimator's ``needs`` asked for
+
+
+@dataclass
+class EstimatorOutput:
+    advantages: torch.Tensor  # (N,) or (N, C)
+    zero_std: torch.Tensor  # (N,) bool: the row's group has no reward variance (no signal)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sequence_advantages(self) -> torch.Tensor:
+        """(N,) per-row advantage the schemes see (polarity filters): token advantages summarised by their mean."""
+        a = self.advantages
+        return a if a.dim() == 1 else a.sum(-1) / a.ne(0).sum(-1).clamp(min=1)
+
+
+@dataclass
+class EstimatorSpec:
+    fn: Callable[[EstimatorInput, Any], EstimatorOutput]
+    config_class: type
+    needs: tuple[str, ...] = ()  # extra inputs: "greedy_rewards" (ReMax), "sum_pi_squared" (OTB), ...
+    check: Callable[[Any], list[str]] | None = None
+
+
+@dataclass
+class EstimatorConfig:
+    name: str = "grpo"
+
+
+def register_estimator(name: str, config_class: type = EstimatorConfig, needs: tuple[str, ...] = (),
+                       check: Callable[[Any], list[str]] | None = None):
+    def deco(fn):
+        if name in ESTIMATORS:
+            raise ValueError(f"estimator {name!r} registered twice")
+        ESTIMATORS[name] = EstimatorSpec(fn, config_class, needs, check)
+        return fn
+
+    return deco
+
+
+def estimate(cfg, inp: EstimatorInput) -> EstimatorOutput:
+    """Run the estimator named by ``cfg.name`` (the ``estimator`` config node)."""
+    return ESTIMATORS[cfg.name].fn(inp, cfg)
+
+
+def group_zero_std(rewards: torch.Tensor, G: int) -> torch.Tensor:
+    grouped = rewards.view(-1, G)
+    return (grouped.std(dim=1, keepdim=True) < 1e-6).expand_as(grouped).reshape(-1)
+
+
+# Importing the estimator modules registers them.
+from grail_exp.estimators import grpo as _grpo  # noqa: E402,F401
+
+__all__ = ["ESTIMATORS", "EstimatorConfig", "EstimatorInput", "EstimatorOutput", "estimate", "group_zero_std",
+           "register_estimator"]

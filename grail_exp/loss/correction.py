@@ -1,0 +1,57 @@
+"""Rollout correction: truncated importance sampling for the sampler/trainer mismatch (vLLM vs the trainer).
+
+The rollout engine samples from π_sampler (vLLM kernels, bf16, its own copy of the weights) while the loss
+assumes the samples came from π_old (the trainer's forward at the same parameters). Their per-token ratio
+
+    ρ^IS_{i,t} = exp(logp_old − logp_sampler)            (both = log softmax(z/T)[o_t], untruncated)
+
+multiplies the per-token loss (detached), as TRL (``vllm_importance_sampling_*``) and verl
+(``rollout_correction``) do ("Your efficient RL framework secretly brings you off-policy RL training",
+Yao et al. 2025, fengyao.notion.site/off-policy-rl; IcePop arXiv 2510.18855). Modes (``rollout.is_correction.mode``):
+
+    none               ρ^IS = 1
+    token_truncate     w_t = min(ρ_t, C_max) (and ≥ C_min when set)                          TIS
+    token_mask         w_t = ρ_t if C_min ≤ ρ_t ≤ C_max else 0                                  IcePop / MIS
+    sequence_truncate  w_i = min(Π_t ρ_t, C_max) on every token of the sequence
+    sequence_mask      w_i = Π_t ρ_t if C_min ≤ Π_t ρ_t ≤ C_max else 0
+
+(C_min null = no lower bound: 0 for masks, none for truncation.) Off for ``rollout=hf`` (the sampler *is* the
+policy: ρ^IS = 1 up to rounding), on for ``rollout=vllm``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+               clip_min: float | None, clip_max: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """(B, T) detached weights and diagnostics (ratio mean/min/max over valid tokens, masked fraction)."""
+    m = mask.bool()
+    log_ratio = (old_logp.detach().float() - sampler_logp.float()) * mask.float()  # (B, T), 0 on padding
+    if mode == "none":
+        return torch.ones_like(log_ratio), {}
+    lo = clip_min if clip_min is not None else 0.0
+    if mode.startswith("token"):
+        ratio = torch.exp(log_ratio)
+    elif mode.startswith("sequence"):
+        ratio = torch.exp(log_ratio.sum(-1, keepdim=True)).expand_as(log_ratio)  # Π_t ρ_t, on every token
+    else:
+        raise ValueError(f"rollout.is_correction.mode must be one of {MODES}, got {mode!r}")
+    if mode.endswith("truncate"):
+        w = ratio.clamp(max=clip_max)
+        if clip_min is not None:
+            w = w.clamp(min=clip_min)
+        dropped = torch.zeros_like(m)
+    else:
+        keep = (ratio >= lo) & (ratio <= clip_max)
+        w = torch.where(keep, ratio, torch.zeros_like(ratio))
+        dropped = ~keep & m
+    n = m.sum().clamp(min=1)
+    valid_ratio = ratio[m] if m.any() else torch.ones(1)
+    metrics = {"is/ratio_mean": valid_ratio.mean().item(), "is/ratio_min": valid_ratio.min().item(),
+               "is/ratio_max": valid_ratio.max().item(), "is/masked_frac": (dropped.sum() / n).item(),
+               "is/weight_mean": (w[m].mean().item() if m.any() else 1.0)}
+    return w.detach(), metrics

@@ -1,0 +1,44 @@
+"""KL estimators between the policy and a frozen reference, per sampled token (Schulman, "Approximating KL").
+
+With δ = logp_ref − logp (the sample comes from π_θ):
+
+    k1 = −δ                       unbiased, can be negative
+    k2 = δ² / 2                   low variance, biased
+    k3 = exp(δ) − δ − 1           unbiased and ≥ 0 (DeepSeekMath eq. 4; TRL's and the GRAIL reference's estimator)
+
+``loss.kl_estimator`` picks one; ``loss.beta`` scales it in the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+def register_kl(name: str):
+    def deco(fn):
+        if name in KL_ESTIMATORS:
+            raise ValueError(f"KL estimator {name!r} registered twice")
+        KL_ESTIMATORS[name] = fn
+        return fn
+
+    return deco
+
+
+@register_kl("k1")
+def k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return logp - ref_logp
+
+
+@register_kl("k2")
+def k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (ref_logp - logp) ** 2
+
+
+@register_kl("k3")
+def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0

@@ -1,0 +1,65 @@
+"""Policy-loss registry: the per-token surrogate ℓ_{i,t} of each objective (verl ``core_algos`` style).
+
+Every loss receives the token log-probs under the current policy ``logp`` (B, T), the rollout policy's
+``old_logp`` (B, T) (== ``logp.detach()`` when μ = 1), the detached token advantages ``adv`` (B, T) = sg(w)·A
+(the scheme's weights already applied), the loss ``mask`` (B, T) and the ``loss`` config node, and returns a
+``PolicyLossOutput``: the per-token loss (aggregated afterwards by ``loss.loss_type``, see aggregation.py) and
+detached diagnostics. Adding a loss = one function here with ``@register_policy_loss("name")``, its equation and
+paper in the docstring, plus its knobs in ``LossConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+POLICY_LOSSES: dict[str, Callable] = {}
+
+
+@dataclass
+class PolicyLossOutput:
+    per_token: torch.Tensor  # (B, T) loss per token (masked and aggregated by the caller)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached masked means
+    # Some objectives only make sense with one aggregation (GSPO, SAPO: per-sequence means); None = loss.loss_type.
+    aggregation: str | None = None
+
+
+def register_policy_loss(name: str):
+    def deco(fn):
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} registered twice")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ x·m / Σ m in float32 (token counts stay exact: a bf16 mask sum rounds 4,095 to 4,096)."""
+    m = mask.float()
+    return (x.float() * m).sum() / m.sum().clamp(min=1.0)
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip(logp, old_logp, adv, mask, cfg) -> PolicyLossOutput:
+    """PPO's clipped surrogate with asymmetric clipping (PPO arXiv 1707.06347; clip-higher, DAPO arXiv 2503.14476).
+
+        ρ = exp(logp − logp_old)
+        ℓ = −min(ρ·Â, clip(ρ, 1 − ε, 1 + ε_high)·Â)
+
+    ``loss.epsilon`` (ε, 0.2), ``loss.epsilon_high`` (ε_high; null = ε). This is what TRL's GRPOTrainer and the
+    GRAIL reference compute (method spec §2.2, §3)."""
+    eps_lo = cfg.epsilon
+    eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    ratio = torch.exp(logp - old_logp)  # (B, T)
+    clipped = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    with torch.no_grad():
+        # A token is "clipped" when the clipped branch is active (TRL's clip_ratio metrics).
+        low = (ratio < 1.0 - eps_lo) & (adv < 0)
+        high = (ratio > 1.0 + eps_hi) & (adv > 0)
+        metrics = {"clip_ratio/low_mean": masked_mean(low, mask), "clip_ratio/high_mean": masked_mean(high, mask),
+                   "clip_ratio/region_mean": masked_mean(low | high, mask), "ratio_mean": masked_mean(ratio, mask)}
+    return PolicyLossOutput(per_token, metrics)

@@ -1,0 +1,86 @@
+"""Auxiliary loss terms: extra objectives added to the policy loss (``loss.terms``), one file + config each.
+
+    L = L_policy + Σ_k  term_k(micro-batch)
+
+A term is a class registered with ``@register_loss_term("name", ConfigDataclass)``. The trainer builds the enabled
+terms from ``loss.terms`` (a mapping ``name -> {its config}``; an empty mapping = none) and calls each one per
+micro-batch with a ``TermContext``: the live policy, the micro-batch, the policy forward's hidden states at the
+completion window (so a term can build logits chunk by chunk without a (B, T, V) copy), the output layer, the
+token log-probs / entropies (differentiable), the rollout, old and reference log-probs, the token advantages and the
+step counter. A term returns its contribution to the loss (already normalised like the policy loss — use
+``ctx.aggregate``) and detached diagnostics, logged as ``<term>/<key>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+LOSS_TERMS: dict[str, type["LossTerm"]] = {}
+
+
+@dataclass
+class TermContext:
+    model: torch.nn.Module  # the live policy
+    batch: Any  # grail_exp.advantages.SchemeBatch of this micro-batch (ids, masks, positions, texts, golds, step)
+    hidden: torch.Tensor | None  # (B, C, d) last hidden states predicting the completion tokens (differentiable)
+    head_weight: torch.Tensor  # (V, d) output layer (live; detach it for teacher-style passes)
+    head_bias: torch.Tensor | None
+    logp: torch.Tensor  # (B, C) float32 log π_θ(o_t), differentiable
+    entropy: torch.Tensor  # (B, C) float32 token entropy, differentiable
+    mask: torch.Tensor  # (B, C) loss mask
+    token_advantages: torch.Tensor  # (B, C) sg(w)·A
+    old_logp: torch.Tensor  # (B, C)
+    ref_logp: torch.Tensor | None  # (B, C) frozen reference (loss.beta > 0 or a term that asks for it)
+    sampler_logp: torch.Tensor | None  # (B, C) the rollout engine's log-probs
+    temperature: float  # the rollout temperature (the policy log-probs are of z / T)
+    step: int  # optimiser steps done so far
+    aggregate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (per_token, mask) -> scalar, like the policy loss
+    tokenizer: Any = None
+    extras: dict = field(default_factory=dict)
+
+
+class LossTerm:
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+    needs_reference: ClassVar[bool] = False  # the trainer then loads the frozen reference model and its log-probs
+
+    def __init__(self, cfg, tokenizer=None, model_cfg=None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_cfg = model_cfg
+
+    @staticmethod
+    def check_config(cfg) -> list[str]:
+        return []
+
+    def __call__(self, ctx: TermContext) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+
+def register_loss_term(name: str, config_class: type):
+    def deco(cls):
+        if name in LOSS_TERMS:
+            raise ValueError(f"loss term {name!r} registered twice")
+        cls.name, cls.config_class = name, config_class
+        LOSS_TERMS[name] = cls
+        return cls
+
+    return deco
+
+
+def build_terms(terms_cfg, tokenizer=None, model_cfg=None) -> list[LossTerm]:
+    """The enabled terms of ``loss.terms`` (a mapping name -> config), in a stable order."""
+    from omegaconf import OmegaConf
+
+    out = []
+    for name in sorted((terms_cfg or {}).keys()):
+        node = terms_cfg[name]
+        if node is None or (hasattr(node, "get") and node.get("enabled", True) is False):
+            continue
+        cls = LOSS_TERMS[name]
+        typed = OmegaConf.merge(OmegaConf.structured(cls.config_class), node)
+        out.append(cls(typed, tokenizer, model_cfg))
+    return out

@@ -1,0 +1,908 @@
+"""``python -m grail_exp.report``: the paper's table from MLflow runs, with paired statistics against a baseline.
+
+    python -m grail_exp.report runs.parent_run_id=<id of a sweep's parent run>
+    python -m grail_exp.report +runs.tags.task_name=paper_table output.name=paper_table_cpu
+    python -m grail_exp.report 'runs.run_ids=[<id>,<id>,...]' baseline=grpo 'metrics=[acc,pass@3]'
+
+Rows are model × scheme, columns the benchmarks and their average (unweighted over benchmarks, as the GRAIL paper
+reports), one table per metric (acc@n, pass@k, maj@n). Every non-baseline cell carries its Δ against the
+baseline scheme trained on the same model and seeds; a second table gives each Δ with its paired 95 % interval,
+the spread of the per-seed Δ and a p-value (statistics: grail_exp/stats.py).
+
+**Where the numbers come from.** Each training run's final evaluation logs its per-sample results
+(``eval/final/samples.parquet``: benchmark, problem_index, sample_index, correct, extracted, ...). The report reads
+them back, computes per-problem values (c/n for acc, the unbiased pass@k, majority vote), and pairs arm X with the
+baseline by (seed, benchmark, problem_index): both arms of a seed answered the same problems, sampled from the same
+per-chunk seeds (common random numbers, grail_exp/evaluate.py), so per-problem differences cancel most of the
+sampling noise.
+
+**Nothing is dropped silently.** A run that is not FINISHED, has no per-sample artifact, lacks a benchmark, or has
+no baseline partner for its seed is named in a lettered footnote, and the cells it would have filled read "—" or
+say which seeds they use. Unpaired cells (no common seed) show the arm's value with "Δ —".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+import numpy as np
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from grail_exp import metrics as M
+from grail_exp import stats
+from grail_exp.conf_path import CONFIG_DIR
+from grail_exp.config import ConfigError, LoggerConfig, PathsConfig
+
+log = logging.getLogger("grail_exp.report")
+
+AVG = "avg"
+# The paper's benchmark order; other benchmarks follow alphabetically.
+PAPER_ORDER = ["math500", "aime24", "amc23", "minerva_math", "college_math_200", "olympiadbench_200"]
+_METRIC = re.compile(r"^(acc|maj|pass@(\d+|n))$")
+DASH = "—"
+
+
+# ----------------------------------------------------------------------------------------------- config schema
+@dataclass
+class RunSelection:
+    """Which MLflow runs the report reads (all filters are ANDed)."""
+
+    experiment_names: Optional[list[str]] = None  # experiments searched; null = [logger.experiment_name]
+    run_ids: list[str] = field(default_factory=list)  # explicit runs; when given, the filters below are ignored
+    parent_run_id: Optional[str] = None  # children of this run (tag mlflow.parentRunId): one sweep or study
+    tags: dict = field(default_factory=dict)  # tag filters, e.g. {task_name: paper_table}
+    filter: Optional[str] = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
+
+
+@dataclass
+class RunFields:
+    """Where a run says what it is: the first run tag or param of each list that exists (run.py sets the tags)."""
+
+    model: list[str] = field(default_factory=lambda: ["model", "model.name"])
+    scheme: list[str] = field(default_factory=lambda: ["advantage", "advantage.name"])
+    seed: list[str] = field(default_factory=lambda: ["seed"])
+
+
+@dataclass
+class StatsConfig:
+    """Paired statistics (grail_exp/stats.py)."""
+
+    n_boot: int = 10_000  # bootstrap replicates of the two-level (seeds × problems) paired bootstrap
+    alpha: float = 0.05  # 1 − confidence level of the interval; also the significance level marked with *
+    seed: int = 0  # RNG seed of the bootstrap and Monte-Carlo sign flips (the report is reproducible)
+    n_perm: int = 10_000  # Monte-Carlo sign-flip patterns when the exact test is too large
+    exact_max: int = 16  # exact sign-flip test (all 2^m patterns) up to m non-zero per-problem differences
+    resample_seeds: bool = True  # resample training seeds too (when there are >= 2); false = problems only
+
+
+@dataclass
+class OutputConfig:
+    dir: str = MISSING  # where <name>.md, <name>.tex, <name>.json and <name>_plots/ go (default results/report)
+    name: str = "report"  # file stem
+    title: Optional[str] = None  # heading; null = "Paired comparison vs <baseline>"
+
+
+@dataclass
+class PlotsConfig:
+    enabled: bool = True  # training curves, pass@k vs k and token-weight plots per model (grail_exp/plots.py)
+    curves: list[str] = field(default_factory=lambda: ["reward/mean", "accuracy", "completions/mean_length",
+                                                       "entropy", "kl", "clip_ratio/region_mean"])
+    weights: bool = True  # positional profile and weight-vs-entropy from the runs' weights/step_*.parquet
+    weights_max_files: int = 10  # weight tables read per run, evenly spread over training
+
+
+@dataclass
+class ReportConfig:
+    """Schema of ``python -m grail_exp.report`` (conf/report.yaml)."""
+
+    logger: LoggerConfig = MISSING  # where the runs are (tracking_uri, experiment_name) and the report is logged
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    runs: RunSelection = field(default_factory=RunSelection)
+    fields: RunFields = field(default_factory=RunFields)
+    # per-sample artifacts, the first that exists wins: training runs' final evaluation, then evaluate runs
+    samples_artifacts: list[str] = field(default_factory=lambda: ["eval/final/samples.parquet",
+                                                                  "eval/eval/samples.parquet"])
+    baseline: str = "grpo"  # the scheme every other scheme is compared with (the paper: GRPO)
+    models: Optional[list[str]] = None  # row order / rows that must appear (missing ones read "—"); null = found
+    schemes: Optional[list[str]] = None  # likewise for schemes; null = found, baseline first
+    seeds: Optional[list[str]] = None  # the seeds every arm should have; missing ones are footnoted
+    benchmarks: Optional[list[str]] = None  # columns; null = every benchmark found (paper order first)
+    metrics: list[str] = field(default_factory=lambda: ["acc", "pass@n"])  # acc | pass@<k> | pass@n | maj
+    average: str = "unweighted"  # the avg column: unweighted over benchmarks (paper) | weighted by problems
+    # run params that must agree between paired runs for common random numbers (those both runs have)
+    pairing_params: list[str] = field(default_factory=lambda: [
+        "eval.seed", "eval.n", "eval.temperature", "eval.top_p", "eval.top_k", "eval.max_tokens", "eval.sampling",
+        "benchmark.limit", "benchmark.olympiad_gold"])
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    log_to: str = "auto"  # auto (the parent run if runs.parent_run_id, else a new report run) | report | parent | none
+    plots: PlotsConfig = field(default_factory=PlotsConfig)
+    task_name: str = "report"
+
+
+ConfigStore.instance().store(name="report_schema", node=ReportConfig)
+
+
+def validate_report(cfg: DictConfig) -> None:
+    errors = []
+    for m in cfg.metrics:
+        if not _METRIC.match(str(m)):
+            errors.append(f"metrics: {m!r} is not acc | maj | pass@<k> | pass@n")
+    if not cfg.metrics:
+        errors.append("metrics: empty")
+    if cfg.average not in ("unweighted", "weighted"):
+        errors.append(f"average = {cfg.average!r}: must be unweighted or weighted")
+    if cfg.log_to not in ("auto", "report", "parent", "none"):
+        errors.append(f"log_to = {cfg.log_to!r}: must be auto, report, parent or none")
+    if cfg.log_to == "parent" and not cfg.runs.parent_run_id:
+        errors.append("log_to = parent needs runs.parent_run_id")
+    if not 0 < cfg.stats.alpha < 1:
+        errors.append(f"stats.alpha = {cfg.stats.alpha}: must be in (0, 1)")
+    if cfg.stats.n_boot < 1 or cfg.stats.n_perm < 1:
+        errors.append("stats.n_boot and stats.n_perm must be >= 1")
+    for key, v in dict(cfg.runs.tags).items():
+        if "'" in str(v) or "`" in str(key):
+            errors.append(f"runs.tags.{key}: quotes are not supported in tag filters")
+    if errors:
+        raise ConfigError("invalid report configuration:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+# ----------------------------------------------------------------------------------------------- runs
+@dataclass
+class RunRecord:
+    run_id: str
+    model: str
+    scheme: str
+    seed: str
+    status: str
+    start_time: int
+    params: dict
+    samples: Any = None  # pandas DataFrame of per-sample results once loaded
+    artifact: Optional[str] = None
+
+
+def letter(i: int) -> str:
+    """0 -> a, 25 -> z, 26 -> aa, ..."""
+    out = ""
+    while True:
+        out = chr(ord("a") + i % 26) + out
+        i = i // 26 - 1
+        if i < 0:
+            return out
+
+
+class Notes:
+    """Lettered footnotes, deduplicated by text, in order of first use."""
+
+    def __init__(self):
+        self.texts: list[str] = []
+
+    def mark(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return letter(self.texts.index(text))
+
+
+def _field(run, keys: list[str]) -> Optional[str]:
+    for k in keys:
+        if k in run.data.tags:
+            return run.data.tags[k]
+        if k in run.data.params:
+            return run.data.params[k]
+    return None
+
+
+def search_runs(client, cfg: DictConfig) -> list:
+    """The MLflow runs selected by ``cfg.runs`` (explicit ids, or experiments + parent + tag filters)."""
+    sel = cfg.runs
+    if sel.run_ids:
+        return [client.get_run(r) for r in sel.run_ids]
+    names = list(sel.experiment_names or [cfg.logger.experiment_name])
+    exp_ids = []
+    for name in names:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise ConfigError(f"runs.experiment_names: no MLflow experiment {name!r} in this tracking store")
+        exp_ids.append(exp.experiment_id)
+    clauses = [f"tags.`{k}` = '{v}'" for k, v in dict(sel.tags).items()]
+    if sel.parent_run_id:
+        clauses.append(f"tags.`mlflow.parentRunId` = '{sel.parent_run_id}'")
+    if sel.filter:
+        clauses.append(sel.filter)  # MLflow filters have no OR: plain conjunction
+    runs, token = [], None
+    while True:
+        page = client.search_runs(exp_ids, " and ".join(clauses), max_results=1000, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def select_runs(client, raw_runs: list, cfg: DictConfig, notes: Notes, tmp: Path):
+    """Usable runs per (model, scheme, seed) and the row-level footnotes.
+
+    Returns ``(arms, row_notes, ignored)``: ``arms[(model, scheme)][seed] = RunRecord`` with samples loaded;
+    ``row_notes[(model, scheme)]`` footnote letters; ``ignored`` a list of sentences about runs that are not
+    model/scheme runs (e.g. a sweep's parent run)."""
+    import pandas as pd
+
+    f = cfg.fields
+    by_arm_seed: dict[tuple, list[RunRecord]] = defaultdict(list)
+    ignored = []
+    for run in raw_runs:
+        if run.data.tags.get("job") == "report":
+            continue  # our own output
+        model, scheme, seed = _field(run, list(f.model)), _field(run, list(f.scheme)), _field(run, list(f.seed))
+        if model is None or scheme is None:
+            ignored.append(f"run {run.info.run_id} ({run.info.run_name}) names no model/scheme")
+            continue
+        rec = RunRecord(run.info.run_id, model, scheme, seed if seed is not None else "?", run.info.status,
+                        run.info.start_time or 0, dict(run.data.params))
+        by_arm_seed[(model, scheme, rec.seed)].append(rec)
+
+    arms: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
+    row_notes: dict[tuple, list[str]] = defaultdict(list)
+    for (model, scheme, seed), recs in by_arm_seed.items():
+        arm = (model, scheme)
+        chosen = None
+        for rec in sorted(recs, key=lambda r: -r.start_time):  # the latest usable run of a seed wins
+            if rec.status != "FINISHED":
+                row_notes[arm].append(notes.mark(
+                    f"{model} × {scheme}, seed {seed}: run {rec.run_id} is {rec.status}; not used"))
+                continue
+            path = _find_artifact(client, rec.run_id, list(cfg.samples_artifacts))
+            if path is None:
+                row_notes[arm].append(notes.mark(
+                    f"{model} × {scheme}, seed {seed}: run {rec.run_id} has no per-sample artifact "
+                    f"({', '.join(cfg.samples_artifacts)}); not used"))
+                continue
+            if chosen is None:
+                local = client.download_artifacts(rec.run_id, path, str(tmp / rec.run_id))
+                rec.samples, rec.artifact = pd.read_parquet(local), path
+                _check_samples(rec)
+                chosen = rec
+            else:
+                row_notes[arm].append(notes.mark(
+                    f"{model} × {scheme}, seed {seed}: an older finished run {rec.run_id} of the same seed "
+                    f"is ignored (the latest, {chosen.run_id}, is used)"))
+        if chosen is not None:
+            arms[arm][seed] = chosen
+        else:
+            arms.setdefault(arm, {})
+    return arms, row_notes, ignored
+
+
+def _find_artifact(client, run_id: str, candidates: list[str]) -> Optional[str]:
+    for path in candidates:
+        parent = path.rsplit("/", 1)[0] if "/" in path else None
+        try:
+            if any(a.path == path for a in client.list_artifacts(run_id, parent)):
+                return path
+        except Exception:
+            continue
+    return None
+
+
+def _check_samples(rec: RunRecord) -> None:
+    need = {"benchmark", "problem_index", "sample_index", "correct"}
+    missing = need - set(rec.samples.columns)
+    if missing:
+        raise ValueError(f"run {rec.run_id}: {rec.artifact} lacks columns {sorted(missing)}")
+
+
+# ----------------------------------------------------------------------------------------------- per-problem values
+def parse_metric(spec: str) -> tuple[str, Optional[int]]:
+    """``acc`` -> (acc, None); ``pass@3`` -> (pass, 3); ``pass@n`` -> (pass, None); ``maj`` -> (maj, None)."""
+    m = _METRIC.match(spec)
+    if not m:
+        raise ValueError(f"unknown metric {spec!r}")
+    if m.group(1).startswith("pass"):
+        return "pass", None if m.group(2) == "n" else int(m.group(2))
+    return m.group(1), None
+
+
+def per_problem_values(samples, spec: str) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    """``{benchmark: (problem_indices, values, n)}`` for one metric; n = samples per problem (the largest).
+
+    A benchmark where pass@k is undefined (some problem has fewer than k samples) is left out."""
+    kind, k = parse_metric(spec)
+    out = {}
+    df = samples.sort_values(["benchmark", "problem_index", "sample_index"])
+    for bench, part in df.groupby("benchmark", sort=False):
+        groups = part.groupby("problem_index", sort=True)
+        idx = np.array(list(groups.groups), dtype=np.int64)
+        correct = [g["correct"].to_numpy(dtype=bool) for _, g in groups]
+        n = max(len(c) for c in correct)
+        if kind == "acc":
+            vals = M.acc_at_n(correct)
+        elif kind == "maj":
+            answers = [list(g["extracted"]) if "extracted" in g else [None] * len(g) for _, g in groups]
+            vals = M.maj_at_n(answers, correct)
+        else:  # pass@k, or pass@n_i per problem
+            if k is not None and min(len(c) for c in correct) < k:
+                continue
+            vals = np.array([M.pass_at_k(len(c), int(c.sum()), k or len(c)) for c in correct])
+        out[str(bench)] = (idx, np.asarray(vals, dtype=np.float64), n)
+    return out
+
+
+def metric_label(spec: str, ns: set[int]) -> str:
+    kind, k = parse_metric(spec)
+    n = str(next(iter(ns))) if len(ns) == 1 else "n"
+    return {"acc": f"acc@{n}", "maj": f"maj@{n}"}.get(kind, f"pass@{k if k is not None else n}")
+
+
+# ----------------------------------------------------------------------------------------------- the table
+@dataclass
+class Cell:
+    value: Optional[float] = None  # arm mean over its seeds (fraction); None = missing
+    n_seeds: int = 0
+    delta: Optional[stats.PairedResult] = None  # vs the baseline (non-baseline rows)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Row:
+    model: str
+    scheme: str
+    baseline: bool
+    seeds: list[str]
+    paired_seeds: list[str]
+    notes: list[str]
+    cells: dict[str, Cell]
+
+
+@dataclass
+class MetricTable:
+    spec: str
+    label: str
+    columns: list[str]  # benchmarks (+ avg when there are several)
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)  # footnotes on the whole table
+
+
+def _seed_key(s: str):
+    try:
+        return (0, float(s), s)
+    except ValueError:
+        return (1, 0.0, s)
+
+
+def _ordered(found: list[str], wanted: Optional[list[str]], first: Optional[str] = None) -> list[str]:
+    if wanted:
+        return list(wanted)
+    uniq = list(dict.fromkeys(found))
+    rest = sorted(x for x in uniq if x != first)
+    return ([first] if first in uniq else []) + rest
+
+
+def build_tables(arms: dict, row_notes: dict, cfg: DictConfig, notes: Notes) -> list[MetricTable]:
+    models = _ordered([m for m, _ in arms], cfg.models)
+    schemes = _ordered([s for _, s in arms], cfg.schemes, cfg.baseline)
+    if cfg.baseline not in schemes:
+        schemes = [cfg.baseline] + schemes
+    tables = []
+    for spec in cfg.metrics:
+        # per arm, per seed: {benchmark: (idx, values, n)}
+        values = {arm: {seed: per_problem_values(rec.samples, spec) for seed, rec in seeds.items()}
+                  for arm, seeds in arms.items()}
+        found = sorted({str(b) for seeds in arms.values() for rec in seeds.values() for b in rec.samples["benchmark"]},
+                       key=lambda b: (PAPER_ORDER.index(b) if b in PAPER_ORDER else len(PAPER_ORDER), b))
+        benches = list(cfg.benchmarks or found)
+        ns = {v[b][2] for per_seed in values.values() for v in per_seed.values() for b in v if b in benches}
+        label = metric_label(spec, ns)
+        table_notes = []
+        if len(ns) > 1:
+            table_notes.append(notes.mark(f"{label}: runs sampled different numbers of answers per problem "
+                                          f"({sorted(ns)})"))
+        kind, k = parse_metric(spec)
+        if kind == "pass" and k is not None and any(
+                rec.samples.groupby(["benchmark", "problem_index"]).size().min() < k
+                for seeds in arms.values() for rec in seeds.values()):
+            table_notes.append(notes.mark(f"{label}: needs at least {k} samples per problem; benchmarks of runs "
+                                          f"with fewer count as missing"))
+        rows = [_row(model, scheme, arms, values, row_notes, benches, cfg, notes)
+                for model in models for scheme in schemes]
+        # one benchmark: its column already is the average
+        tables.append(MetricTable(spec, label, benches + ([AVG] if len(benches) > 1 else []), rows, table_notes))
+    return tables
+
+
+def _row(model, scheme, arms, values, row_notes, benches, cfg, notes) -> Row:
+    arm, base = (model, scheme), (model, cfg.baseline)
+    is_base = scheme == cfg.baseline
+    mine = values.get(arm, {})
+    seeds = sorted(mine, key=_seed_key)
+    rnotes = list(dict.fromkeys(row_notes.get(arm, [])))
+    if arm not in arms or not seeds:
+        rnotes.append(notes.mark(f"{model} × {scheme}: no finished run with per-sample results"))
+    if cfg.seeds:
+        lacking = [str(s) for s in cfg.seeds if str(s) not in mine]
+        if lacking and seeds:
+            rnotes.append(notes.mark(f"{model} × {scheme}: seed(s) {', '.join(lacking)} missing"))
+    theirs = values.get(base, {}) if not is_base else {}
+    paired = [s for s in seeds if s in theirs]
+    if not is_base and seeds:
+        unpartnered = [s for s in seeds if s not in theirs]
+        if not paired:
+            rnotes.append(notes.mark(f"{model} × {scheme}: unpaired, no seed in common with {cfg.baseline} "
+                                     f"(Δ not computed)"))
+        elif unpartnered:
+            rnotes.append(notes.mark(f"{model} × {scheme}: seed(s) {', '.join(unpartnered)} have no "
+                                     f"{cfg.baseline} partner; Δ uses seed(s) {', '.join(paired)}"))
+
+    cells = {}
+    for b in benches:
+        cells[b] = _bench_cell(b, mine, theirs, seeds, paired, is_base, model, scheme, cfg, notes)
+    if len(benches) > 1:
+        cells[AVG] = _avg_cell(benches, mine, theirs, seeds, paired, is_base, model, scheme, cfg, notes)
+    return Row(model, scheme, is_base, seeds, paired if not is_base else seeds, list(dict.fromkeys(rnotes)), cells)
+
+
+def _bench_cell(b, mine, theirs, seeds, paired, is_base, model, scheme, cfg, notes) -> Cell:
+    have = [s for s in seeds if b in mine[s]]
+    cell = Cell()
+    if not have:
+        if seeds:
+            cell.notes.append(notes.mark(f"{model} × {scheme}: no {b} results"))
+        return cell
+    if len(have) < len(seeds):
+        cell.notes.append(notes.mark(f"{model} × {scheme}, {b}: only seed(s) {', '.join(have)} have results"))
+    cell.value = float(np.mean([mine[s][b][1].mean() for s in have]))
+    cell.n_seeds = len(have)
+    if is_base:
+        return cell
+    both = [s for s in paired if b in mine[s] and b in theirs[s]]
+    if not both:
+        if paired:
+            cell.notes.append(notes.mark(f"{model} × {scheme}, {b}: no paired seed has {b} in both arms"))
+        return cell
+    d = _diff_matrix(b, both, mine, theirs, model, scheme, cell, notes)
+    if d is not None:
+        cell.delta = stats.compare_paired({b: d}, **_stat_kwargs(cfg))
+    return cell
+
+
+def _avg_cell(benches, mine, theirs, seeds, paired, is_base, model, scheme, cfg, notes) -> Cell:
+    cell = Cell()
+    if not benches:
+        return cell
+    complete = [s for s in seeds if all(b in mine[s] for b in benches)]
+    if not complete:
+        if seeds:
+            cell.notes.append(notes.mark(f"{model} × {scheme}: no seed has all of {', '.join(benches)}; "
+                                         f"no average"))
+        return cell
+    if len(complete) < len(seeds):
+        cell.notes.append(notes.mark(f"{model} × {scheme}, {AVG}: only seed(s) {', '.join(complete)} have every "
+                                     f"benchmark"))
+    w = stats.benchmark_weights([len(mine[complete[0]][b][1]) for b in benches], cfg.average)
+    cell.value = float(np.mean([sum(wb * mine[s][b][1].mean() for wb, b in zip(w, benches)) for s in complete]))
+    cell.n_seeds = len(complete)
+    if is_base:
+        return cell
+    both = [s for s in paired if all(b in mine[s] and b in theirs[s] for b in benches)]
+    if not both:
+        return cell
+    diffs = {}
+    for b in benches:
+        d = _diff_matrix(b, both, mine, theirs, model, scheme, cell, notes)
+        if d is None:
+            return cell
+        diffs[b] = d
+    cell.delta = stats.compare_paired(diffs, average=cfg.average, **_stat_kwargs(cfg))
+    return cell
+
+
+def _diff_matrix(b, seeds, mine, theirs, model, scheme, cell, notes) -> Optional[np.ndarray]:
+    """(seeds, problems) differences on the problems every paired run of ``b`` has; footnoted if that is fewer
+    than some run has; None if there are none."""
+    sets = [set(mine[s][b][0].tolist()) for s in seeds] + [set(theirs[s][b][0].tolist()) for s in seeds]
+    common = sorted(set.intersection(*sets))
+    if not common:
+        cell.notes.append(notes.mark(f"{model} × {scheme}, {b}: no problem in common with the baseline; unpaired"))
+        return None
+    if any(len(x) != len(common) for x in sets):
+        cell.notes.append(notes.mark(f"{model} × {scheme}, {b}: paired on the {len(common)} problems both arms "
+                                     f"have (runs have {sorted({len(x) for x in sets})})"))
+
+    def on_common(idx, vals):
+        pos = {int(i): j for j, i in enumerate(idx)}
+        return vals[[pos[i] for i in common]]
+
+    return np.stack([on_common(*mine[s][b][:2]) - on_common(*theirs[s][b][:2]) for s in seeds])
+
+
+def _stat_kwargs(cfg) -> dict:
+    s = cfg.stats
+    return dict(n_boot=s.n_boot, alpha=s.alpha, seed=s.seed, n_perm=s.n_perm, exact_max=s.exact_max,
+                resample_seeds=s.resample_seeds)
+
+
+def pairing_notes(arms: dict, cfg: DictConfig, notes: Notes) -> dict[tuple, list[str]]:
+    """Footnotes for paired runs whose evaluation settings differ (then the pairs are not common random numbers)."""
+    out: dict[tuple, list[str]] = defaultdict(list)
+    for (model, scheme), seeds in arms.items():
+        base = arms.get((model, cfg.baseline), {})
+        if scheme == cfg.baseline:
+            continue
+        for seed, rec in seeds.items():
+            partner = base.get(seed)
+            if partner is None:
+                continue
+            diff = [f"{k}: {rec.params[k]} vs {partner.params[k]}" for k in cfg.pairing_params
+                    if k in rec.params and k in partner.params and rec.params[k] != partner.params[k]]
+            if diff:
+                out[(model, scheme)].append(notes.mark(
+                    f"{model} × {scheme}, seed {seed}: evaluation settings differ from {cfg.baseline} "
+                    f"({'; '.join(diff)}): paired by problem, but not with common random numbers"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+def _pct(x: Optional[float], signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return DASH
+    return f"{100 * x:+.1f}" if signed else f"{100 * x:.1f}"
+
+
+def _p(p: float) -> str:
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _main_cell(cell: Cell, row: Row, alpha: float, mark) -> str:
+    if cell.value is None:
+        text = DASH
+    else:
+        text = _pct(cell.value)
+        if not row.baseline:
+            if cell.delta is None:
+                text += f" (Δ {DASH})"
+            else:
+                star = "*" if cell.delta.p_value < alpha else ""
+                text += f" ({_pct(cell.delta.delta, True)}{star})"
+    return text + "".join(mark(n) for n in cell.notes)
+
+
+def _seeds_text(row: Row) -> str:
+    if not row.seeds:
+        return "0"
+    if row.baseline or len(row.paired_seeds) == len(row.seeds):
+        return str(len(row.seeds))
+    return f"{len(row.seeds)} ({len(row.paired_seeds)} paired)"
+
+
+def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, header: str) -> str:
+    alpha = cfg.stats.alpha
+    mark = lambda n: f"<sup>{n}</sup>"  # noqa: E731
+    out = [header, ""]
+    for t in tables:
+        out += [f"### {t.label} (%)" + "".join(mark(n) for n in t.notes), ""]
+        head = ["model", "scheme", "seeds"] + t.columns
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "|".join(["---", "---", "--:"] + ["--:"] * len(t.columns)) + "|")
+        for r in t.rows:
+            scheme = r.scheme + (" (baseline)" if r.baseline else "") + "".join(mark(n) for n in r.notes)
+            cells = [_main_cell(r.cells[c], r, alpha, mark) for c in t.columns]
+            out.append("| " + " | ".join([r.model, scheme, _seeds_text(r)] + cells) + " |")
+        out += ["", f"Δ vs {cfg.baseline}, paired (percentage points):", ""]
+        out.append(f"| model | scheme | benchmark | Δ | {int(round(100 * (1 - alpha)))} % CI | "
+                   f"per-seed Δ, mean ± sd | p | seeds | problems |")
+        out.append("|---|---|---|--:|--:|--:|--:|--:|--:|")
+        for r in t.rows:
+            if r.baseline:
+                continue
+            if not r.seeds:  # no runs at all: one line, not one per column
+                out.append(f"| {r.model} | {r.scheme} | all | {DASH} | | | | | |")
+                continue
+            for c in t.columns:
+                d = r.cells[c].delta
+                if d is None:
+                    out.append(f"| {r.model} | {r.scheme} | {c} | {DASH} | | | | | |")
+                    continue
+                sd = f" ± {100 * d.seed_sd:.1f}" if d.seed_sd is not None else " (1 seed)"
+                out.append(f"| {r.model} | {r.scheme} | {c} | {_pct(d.delta, True)} | "
+                           f"[{_pct(d.lo, True)}, {_pct(d.hi, True)}] | {_pct(d.seed_mean, True)}{sd} | "
+                           f"{_p(d.p_value)} | {d.n_seeds} | {d.n_problems} |")
+        out.append("")
+    out.append(_legend(cfg))
+    if notes.texts:
+        out += ["", "Notes:", ""]
+        out += [f"- <sup>{letter(i)}</sup> {t}" for i, t in enumerate(notes.texts)]
+    return "\n".join(out) + "\n"
+
+
+def _legend(cfg: DictConfig) -> str:
+    s = cfg.stats
+    return (f"Cells: mean over seeds, in percent; non-baseline cells show (Δ vs {cfg.baseline}) in percentage "
+            f"points, * = p < {s.alpha}. {AVG} = {cfg.average} mean over the benchmark columns. Δ pairs each run "
+            f"with the {cfg.baseline} run of the same model and seed, problem by problem. CI: two-level paired "
+            f"bootstrap (seeds{' and' if s.resample_seeds else ' fixed,'} problems resampled, stratified by "
+            f"benchmark; {s.n_boot} replicates). p: two-sided paired sign-flip test on the seed-averaged "
+            f"per-problem differences, stratified by benchmark (exact up to {s.exact_max} non-zero problems, "
+            f"else {s.n_perm} random flips). per-seed Δ: mean ± sd over the paired seeds "
+            f"(grail_exp/stats.py).")
+
+
+_LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "—": "---",
+                  "Δ": r"$\Delta$", "×": r"$\times$", "±": r"$\pm$", "≥": r"$\geq$", "→": r"$\to$"}
+
+
+def latex_escape(text: str) -> str:
+    return "".join(_LATEX_ESCAPES.get(ch, ch) for ch in str(text))
+
+
+def _tex_pct(x: Optional[float], signed: bool = False) -> str:
+    """Like _pct, with a typographic minus and --- for missing."""
+    return _pct(x, signed).replace("-", "$-$").replace(DASH, "---")
+
+
+def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title: str) -> str:
+    """booktabs tables (``\\usepackage{booktabs}``): the main table per metric and its Δ table."""
+    alpha = cfg.stats.alpha
+    mark = lambda n: rf"\textsuperscript{{{n}}}"  # noqa: E731
+    out = [f"% {latex_escape(title)} -- generated by python -m grail_exp.report; needs \\usepackage{{booktabs}}"]
+    for t in tables:
+        lab = latex_escape(t.label)
+        out += [r"\begin{table}[t]", r"\centering", r"\small",
+                rf"\caption{{{lab}{''.join(mark(n) for n in t.notes)} (\%) per model and scheme; "
+                rf"in parentheses $\Delta$ vs "
+                rf"{latex_escape(cfg.baseline)} in points, * $p<{alpha}$.}}",
+                r"\begin{tabular}{ll" + "r" * (1 + len(t.columns)) + "}", r"\toprule",
+                " & ".join(["Model", "Scheme", "Seeds"] + [latex_escape(c) for c in t.columns]) + r" \\",
+                r"\midrule"]
+        last_model = None
+        for r in t.rows:
+            cells = []
+            for c in t.columns:
+                cell = r.cells[c]
+                if cell.value is None:
+                    txt = "---"
+                else:
+                    txt = _tex_pct(cell.value)
+                    if not r.baseline:
+                        if cell.delta is None:
+                            txt += r"\,{\scriptsize($\Delta$ ---)}"
+                        else:
+                            star = "*" if cell.delta.p_value < alpha else ""
+                            txt += rf"\,{{\scriptsize({_tex_pct(cell.delta.delta, True)}{star})}}"
+                cells.append(txt + "".join(mark(n) for n in cell.notes))
+            model = latex_escape(r.model) if r.model != last_model else ""
+            last_model = r.model
+            scheme = latex_escape(r.scheme) + "".join(mark(n) for n in r.notes)
+            out.append(" & ".join([model, scheme, latex_escape(_seeds_text(r))] + cells) + r" \\")
+        out += [r"\bottomrule", r"\end{tabular}", r"\end{table}", ""]
+        # Δ table
+        out += [r"\begin{table}[t]", r"\centering", r"\small",
+                rf"\caption{{{lab}: $\Delta$ vs {latex_escape(cfg.baseline)} (points), paired "
+                rf"{int(round(100 * (1 - alpha)))}\% bootstrap CI, per-seed mean $\pm$ sd, sign-flip $p$.}}",
+                r"\begin{tabular}{lllrrrrrr}", r"\toprule",
+                r"Model & Scheme & Benchmark & $\Delta$ & CI & Per-seed $\Delta$ & $p$ & Seeds & Problems \\",
+                r"\midrule"]
+        for r in t.rows:
+            if r.baseline:
+                continue
+            for c in (t.columns if r.seeds else ["all"]):
+                d = r.cells[c].delta if r.seeds else None
+                head = [latex_escape(r.model), latex_escape(r.scheme), latex_escape(c)]
+                if d is None:
+                    out.append(" & ".join(head + ["---", "", "", "", "", ""]) + r" \\")
+                    continue
+                sd = rf" $\pm$ {100 * d.seed_sd:.1f}" if d.seed_sd is not None else ""
+                ci = f"[{_tex_pct(d.lo, True)}, {_tex_pct(d.hi, True)}]"
+                out.append(" & ".join(head + [_tex_pct(d.delta, True), ci, _tex_pct(d.seed_mean, True) + sd,
+                                              latex_escape(_p(d.p_value)), str(d.n_seeds), str(d.n_problems)])
+                           + r" \\")
+        out += [r"\bottomrule", r"\end{tabular}", r"\end{table}", ""]
+    if notes.texts:
+        out.append(r"% Notes:")
+        out.append(r"\begin{itemize}\footnotesize")
+        out += [rf"\item[\textsuperscript{{{letter(i)}}}] {latex_escape(t)}" for i, t in enumerate(notes.texts)]
+        out.append(r"\end{itemize}")
+    return "\n".join(out) + "\n"
+
+
+def to_json(tables: list[MetricTable], notes: Notes, runs: dict, cfg: DictConfig) -> dict:
+    def cell(c: Cell):
+        return {"value": c.value, "n_seeds": c.n_seeds, "notes": c.notes,
+                "delta": c.delta.to_dict() if c.delta else None}
+
+    return {
+        "baseline": cfg.baseline, "average": cfg.average,
+        "stats": OmegaConf.to_container(cfg.stats, resolve=True),
+        "tables": [{"metric": t.spec, "label": t.label, "columns": t.columns, "notes": t.notes,
+                    "rows": [{"model": r.model, "scheme": r.scheme, "baseline": r.baseline, "seeds": r.seeds,
+                              "paired_seeds": r.paired_seeds, "notes": r.notes,
+                              "cells": {c: cell(r.cells[c]) for c in t.columns}} for r in t.rows]}
+                   for t in tables],
+        "notes": {letter(i): t for i, t in enumerate(notes.texts)},
+        "runs": runs,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- plots across runs
+def report_plots(client, arms: dict, tables: list[MetricTable], cfg: DictConfig, out_dir: Path) -> list[Path]:
+    """Per model: training curves by scheme, pass@k vs k by scheme (avg over benchmarks), and the token-weight
+    profile and weight-vs-entropy by scheme (from the runs' weights/ tables, when they logged any)."""
+    from grail_exp import plots as P
+
+    made: list[Path] = []
+    rows = tables[0].rows  # the table's order: models, then baseline first
+    for model in dict.fromkeys(r.model for r in rows):
+        schemes = {r.scheme: arms[(model, r.scheme)] for r in rows
+                   if r.model == model and arms.get((model, r.scheme))}
+        if not schemes:
+            continue
+        tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
+        groups = {s: list(P.fetch_histories(client, [r.run_id for r in seeds.values()], cfg.plots.curves).values())
+                  for s, seeds in schemes.items()}
+        made.append(P.plot_training_curves(groups, out_dir / f"{tag}_training_curves.png", list(cfg.plots.curves),
+                                           title=f"{model}: mean over seeds ± sd"))
+        curves = {}
+        for s, seeds in schemes.items():
+            curve = _pass_at_k_curve(seeds, cfg)
+            if curve:
+                curves[s] = curve
+        if curves:
+            made.append(P.plot_pass_at_k(curves, out_dir / f"{tag}_pass_at_k.png",
+                                         title=f"{model}: {cfg.average} mean over benchmarks and seeds"))
+        if cfg.plots.weights:
+            frames = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                for s, seeds in schemes.items():
+                    parts = []
+                    for rec in seeds.values():
+                        d = P.download_weight_tables(client, rec.run_id, Path(tmp) / rec.run_id,
+                                                     cfg.plots.weights_max_files)
+                        f = P.load_weight_frames(d) if d is not None else None
+                        if f is not None:  # offset rows so that (step, row) of different seeds stay apart
+                            parts.append(f.assign(row=f["row"] + 1_000_000 * len(parts)))
+                    if parts:
+                        import pandas as pd
+
+                        frames[s] = pd.concat(parts, ignore_index=True)
+            if frames:
+                made.append(P.plot_positional_profile(frames, out_dir / f"{tag}_weights_positional_profile.png",
+                                                      title=f"{model}: mean token weight before the first box"))
+                made.append(P.plot_weight_vs_entropy(frames, out_dir / f"{tag}_weights_vs_entropy.png",
+                                                     title=f"{model}: token weight vs entropy"))
+    return [p for p in made if p is not None]
+
+
+def _pass_at_k_curve(seeds: dict, cfg: DictConfig):
+    """(ks, values): pass@k for k = 1..n (n = the fewest samples of any problem), the benchmark average (over
+    the benchmarks every seed has) and the mean over seeds; None without data."""
+    recs = list(seeds.values())
+    benches = sorted(set.intersection(*(set(r.samples["benchmark"].astype(str)) for r in recs)))
+    if not benches:
+        return None
+    n = min(int(r.samples.groupby(["benchmark", "problem_index"]).size().min()) for r in recs)
+    ks, out = list(range(1, n + 1)), []
+    for k in ks:
+        per_seed = []
+        for rec in recs:
+            v = per_problem_values(rec.samples, f"pass@{k}")
+            w = stats.benchmark_weights([len(v[b][1]) for b in benches], cfg.average)
+            per_seed.append(sum(wb * v[b][1].mean() for wb, b in zip(w, benches)))
+        out.append(float(np.mean(per_seed)))
+    return ks, out
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+def build_report(cfg: DictConfig) -> dict:
+    """Read the runs, build the tables, write Markdown / LaTeX / JSON (and plots), log them; return the paths and
+    the JSON payload."""
+    validate_report(cfg)  # before the slow imports: a bad override fails at once
+
+    from mlflow.tracking import MlflowClient
+
+    from grail_exp.tracking import build_tracker, tracking_uri_for, training_view_url
+
+    uri = tracking_uri_for(cfg)
+    client = MlflowClient(tracking_uri=uri)
+    notes = Notes()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = search_runs(client, cfg)
+        arms, row_notes, ignored = select_runs(client, raw, cfg, notes, Path(tmp))
+        for arm, letters in pairing_notes(arms, cfg, notes).items():
+            row_notes[arm].extend(letters)
+        if not any(arms.values()):
+            raise ConfigError(f"no usable run among the {len(raw)} selected at {uri} (filters: "
+                              f"{OmegaConf.to_container(cfg.runs, resolve=True)}); notes: {notes.texts}")
+        tables = build_tables(arms, row_notes, cfg, notes)
+
+        title = cfg.output.title or f"Paired comparison vs {cfg.baseline}"
+        used = {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed, "artifact": rec.artifact}
+                for seeds in arms.values() for rec in seeds.values()}
+        header = (f"## {title}\n\n{len(used)} runs from {uri}"
+                  + (f", children of run {cfg.runs.parent_run_id}" if cfg.runs.parent_run_id else "")
+                  + (f", tags {dict(cfg.runs.tags)}" if cfg.runs.tags else "")
+                  + (f" ({len(ignored)} other runs ignored: no model/scheme)" if ignored else "") + ".")
+        md = render_markdown(tables, notes, cfg, header)
+        tex = render_latex(tables, notes, cfg, title)
+        payload = to_json(tables, notes, used, cfg)
+        payload["ignored"] = ignored
+
+        out = Path(cfg.output.dir).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"markdown": out / f"{cfg.output.name}.md", "latex": out / f"{cfg.output.name}.tex",
+                 "json": out / f"{cfg.output.name}.json"}
+        paths["markdown"].write_text(md)
+        paths["latex"].write_text(tex)
+        paths["json"].write_text(json.dumps(payload, indent=2, default=float))
+        plot_paths: list[Path] = []
+        if cfg.plots.enabled:
+            try:
+                plot_paths = report_plots(client, arms, tables, cfg, out / f"{cfg.output.name}_plots")
+            except Exception as exc:  # a table without plots is still a table
+                log.warning("report plots failed: %s: %s", type(exc).__name__, exc)
+
+    run_id = _log_report(cfg, client, paths, plot_paths, tables, build_tracker)
+    print(md)
+    print(f"written: {', '.join(str(p) for p in paths.values())}"
+          + (f" and {len(plot_paths)} plots in {out / (cfg.output.name + '_plots')}" if plot_paths else ""))
+    if run_id:
+        exp_id = client.get_run(run_id).info.experiment_id
+        print(f"MLflow run {run_id}: {training_view_url(uri, exp_id, run_id)}"
+              + ("" if uri.startswith("http") else f" (after: mlflow ui --backend-store-uri {uri})"))
+    return {"paths": paths, "plots": plot_paths, "payload": payload, "markdown": md, "latex": tex,
+            "mlflow_run_id": run_id}
+
+
+def _log_report(cfg, client, paths, plot_paths, tables, build_tracker) -> Optional[str]:
+    """Artifacts under ``report/`` of the parent run (log_to parent, or auto with a parent) or of a new run."""
+    mode = cfg.log_to
+    if mode == "auto":
+        mode = "parent" if cfg.runs.parent_run_id else "report"
+    if mode == "none" or cfg.logger.name == "none":
+        return None
+    if mode == "parent":
+        run_id = cfg.runs.parent_run_id
+        log_artifact = lambda p, d: client.log_artifact(run_id, str(p), d)  # noqa: E731
+    else:
+        tracker = build_tracker(cfg, f"report-{cfg.output.name}")
+        tracker.set_tags({"job": "report", "baseline": cfg.baseline})
+        tracker.log_params({"report.runs": json.dumps(OmegaConf.to_container(cfg.runs, resolve=True)),
+                            "report.metrics": ",".join(cfg.metrics), "report.average": cfg.average})
+        run_id = tracker.run_id
+        log_artifact = tracker.log_artifact
+        metrics = {}
+        for t in tables:
+            for r in t.rows:
+                for c in t.columns:
+                    d = r.cells[c].delta
+                    if d is not None:
+                        name = f"delta/{t.label.replace('@', '_at_')}/{r.model}/{r.scheme}/{c}"
+                        key = re.sub(r"[^\w\-./ ]", "_", name)  # characters MLflow accepts in metric keys
+                        metrics[key] = d.delta
+        tracker.log_metrics(metrics, step=0)
+    for p in paths.values():
+        log_artifact(p, "report")
+    for p in plot_paths:
+        log_artifact(p, "report/plots")
+    if mode == "report":
+        tracker.end("FINISHED")
+    return run_id
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="report")
+def main(cfg: DictConfig) -> None:
+    from grail_exp.errors import exit_on_user_error
+
+    with exit_on_user_error():
+        build_report(cfg)
+
+
+if __name__ == "__main__":
+    main()

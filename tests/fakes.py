@@ -1,0 +1,46 @@
+"""Deterministic stand-ins for the rollout engine, importable by child processes (PYTHONPATH=tests).
+
+``ScriptedEngine`` answers each arithmetic prompt with scripted completions that depend only on the prompt text
+and the sample index — never on an RNG or on which process generates them — so a 2-process DDP run and a
+1-process run see exactly the same rollouts (``rollout.engine=fakes:ScriptedEngine``).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+from grail_exp.rollout.base import Completion, SamplingParams
+
+
+def _solve(expr: str) -> tuple[list[str], int]:
+    tokens = re.findall(r"\d+|[+\-*]", expr)
+    value, steps = int(tokens[0]), []
+    for op, num in zip(tokens[1::2], tokens[2::2]):
+        new = {"+": value + int(num), "-": value - int(num), "*": value * int(num)}[op]
+        steps.append(f"{value}{op}{num}={new}.")
+        value = new
+    return steps, value
+
+
+class ScriptedEngine:
+    def __init__(self, model, tokenizer, batch_size: int = 256):
+        self.tokenizer = tokenizer
+
+    def sync_weights(self, model) -> None:
+        pass
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        out = []
+        for p in prompts:
+            text = self.tokenizer.decode(p, skip_special_tokens=True)
+            m = re.search(r"Compute ([0-9+\-* ]+)\.", text)
+            steps, value = _solve(m.group(1)) if m else ([], 0)
+            h = zlib.crc32(text.encode())
+            for k in range(params.n):
+                wrong = (h >> k) & 1  # about half the samples of a prompt are wrong: non-zero advantages
+                answer = value + (1 + (h + k) % 7) * (1 if wrong else 0)
+                body = " ".join(steps) + f" \\boxed{{{answer}}}" + (" ok" if k % 3 == 2 else "")
+                ids = self.tokenizer(body, add_special_tokens=False)["input_ids"][: params.max_new_tokens - 1]
+                out.append(Completion(list(p), ids + [self.tokenizer.eos_token_id], None, False))
+        return out

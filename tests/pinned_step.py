@@ -1,0 +1,88 @@
+"""A fixed rollout batch and the numbers one optimiser step produced on it before the trainer refactor.
+
+``tests/data/pinned_step.json`` was written by ``python tests/pinned_step.py --write`` at commit 2d87701 (the
+straightforward implementation: separate probe forwards, full-vocabulary logits). tests/test_pinned_step.py checks
+that today's trainer still gives the same loss, token weights and gradient on that batch, for the default GRPO
+objective and the GRAIL / OAR-G schemes (issue 15: "the GRPO default's numbers are unchanged"; issue 12: the fast
+path is "exactly equivalent").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+PINNED = ROOT / "data" / "pinned_step.json"
+CASES = {  # name -> overrides of the composed default config
+    "grpo_dr_grpo": ["advantage=grpo"],
+    "grpo_dapo_mu2": ["advantage=grpo", "loss.loss_type=dapo", "loss.num_iterations=2"],
+    "grpo_grpo_beta": ["advantage=grpo", "loss.loss_type=grpo", "loss.beta=0.04", "loss.num_iterations=2"],
+    "grpo_bnpo": ["advantage=grpo", "loss.loss_type=bnpo"],
+    "grail": ["advantage=grail"],
+    "grail_mu2": ["advantage=grail", "loss.num_iterations=2"],
+    "grail_both_exact": ["advantage=grail", "advantage.symmetry=both", "advantage.span_mapping=exact"],
+    "oar_g": ["advantage=oar_g"],
+}
+# (question, completion text, reward): prompts and completions of the fixed batch, two groups of four.
+ROWS = [
+    ("Compute 12+7-5.", "12+7=19. 19-5=14. \\boxed{14}", 1.0),
+    ("Compute 12+7-5.", "12+7=19. 19-5=13. \\boxed{13}", 0.0),
+    ("Compute 12+7-5.", "12+7=18. 18-5=13. \\boxed{13} ok", 0.0),
+    ("Compute 12+7-5.", "12+7=19. 19-5=14.", 0.0),
+    ("Compute 40-8+3.", "40-8=32. 32+3=35. \\boxed{35}", 1.0),
+    ("Compute 40-8+3.", "40-8=32. 32+3=35. \\boxed{35}", 1.0),
+    ("Compute 40-8+3.", "40-8=33. 33+3=36. \\boxed{36}", 0.0),
+    ("Compute 40-8+3.", "40-8=32. \\boxed{32} 32+3=35. \\boxed{35}", 1.0),
+]
+TINY = dict(architecture="qwen3", tokenizer="qwen", vocab_size=320, hidden_size=64, intermediate_size=128,
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+            tie_word_embeddings=True)
+
+
+def build_model_and_tokenizer():
+    from grail_exp.data.arithmetic import ArithmeticTask
+    from grail_exp.embedded import build_model, build_tokenizer
+
+    tok = build_tokenizer("qwen", ArithmeticTask())
+    model = build_model(TINY, tok, seed=0).float()
+    model.config._attn_implementation = "eager"
+    return model.train(), tok
+
+
+def rollout_batch(tok):
+    """Prompts left-padded, completions right-padded and ending in EOS, as the engine returns them."""
+    from grail_exp.rollout import Completion, pad_completions
+
+    comps = []
+    for q, text, _ in ROWS:
+        prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=False)
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        c = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        comps.append(Completion(p, c, None, False))
+    return pad_completions(comps, tok.pad_token_id), [t for _, t, _ in ROWS], torch.tensor([r for *_, r in ROWS])
+
+
+def projections(n_params: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randn(8, n_params, generator=g, dtype=torch.float64)
+
+
+def summarise(loss: float, grad: torch.Tensor, weights: torch.Tensor) -> dict:
+    grad = grad.double()
+    return {"loss": loss, "grad_norm": grad.norm().item(), "grad_sum": grad.sum().item(),
+            "grad_proj": (projections(grad.numel()) @ grad).tolist(),
+            "weights": weights.double().tolist()}
+
+
+if __name__ == "__main__" and "--write" in sys.argv:
+    sys.path.insert(0, str(ROOT))
+    from test_pinned_step import run_case_legacy
+
+    out = {name: run_case_legacy(over) for name, over in CASES.items()}
+    PINNED.write_text(json.dumps(out, indent=1))
+    print("wrote", PINNED)

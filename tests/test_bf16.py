@@ -1,0 +1,166 @@
+"""bf16 numerics (issue 9 §1): fp32 master weights, exact token counts, probe dtypes, float32 advantages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pinned_step import build_model_and_tokenizer, rollout_batch
+
+
+def _module(dtype, overrides=()):
+    from test_pinned_step import _cfg
+
+    from grail_exp.advantages import build_scheme, group_advantages
+    from grail_exp.module import GRPOModule, TrainingBatch, position_ids_from_mask
+
+    cfg = _cfg(["advantage=grpo", *overrides])
+    torch.manual_seed(0)
+    model, tok = build_model_and_tokenizer()
+    model = model.to(dtype)
+    rb, texts, rewards = rollout_batch(tok)
+    adv, _ = group_advantages(rewards, 4, "none")
+    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, None)
+    attn = rb.attention_mask
+    batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
+                          rb.completion_mask.float(), adv, rewards, texts, order=torch.arange(len(texts)))
+    module.manual_backward = lambda loss: loss.backward()
+    return module, batch
+
+
+def _train(dtype, steps: int, lr: float, master_weights=None):
+    """``steps`` optimiser steps on the fixed batch; returns per-step losses and the trained fp32 parameters."""
+    from grail_exp.optim import MasterWeightAdamW, build_optimizer
+
+    module, batch = _module(dtype)
+    cfg = module.cfg
+    cfg.optim.lr = lr
+    master = (dtype != torch.float32) if master_weights is None else master_weights
+    opt = build_optimizer(module.policy, cfg.optim, master_weights=master)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    start = [p.detach().float().clone() for p in module.policy.parameters()]
+    losses = []
+    for _ in range(steps):
+        losses.append(module._optimizer_step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)["loss"])
+    params = opt.masters if isinstance(opt, MasterWeightAdamW) else [p.detach().float() for p in module.policy.parameters()]
+    return losses, start, params, module.policy
+
+
+def test_bf16_with_master_weights_really_trains_at_lr_1e6():
+    """At lr 1e-6 an Adam step is far below bf16's spacing: in-place bf16 AdamW leaves almost every weight unchanged,
+    the fp32 masters move (> 90 % of them) — the defect issue 9 describes, and its fix."""
+    _, start, masters, _ = _train(torch.bfloat16, steps=3, lr=1e-6)
+    moved = torch.cat([(m != s).flatten() for m, s in zip(masters, start)]).float().mean().item()
+    assert moved > 0.9, f"only {moved:.1%} of the master weights moved"
+    _, start_b, plain, _ = _train(torch.bfloat16, steps=3, lr=1e-6, master_weights=False)
+    moved_plain = torch.cat([(p != s).flatten() for p, s in zip(plain, start_b)]).float().mean().item()
+    assert moved_plain < 0.1, f"in-place bf16 AdamW moved {moved_plain:.1%} of the weights at lr 1e-6"
+
+
+def test_bf16_run_tracks_fp32_run():
+    """Same data, same init: losses within 2 % and the update direction within 10 % (relative L2) over 4 steps at
+    lr 1e-3; the bf16 model's own weights are the masters rounded."""
+    l32, s32, p32, _ = _train(torch.float32, steps=4, lr=1e-3)
+    l16, s16, p16, model16 = _train(torch.bfloat16, steps=4, lr=1e-3)
+    for a, b in zip(l32, l16):
+        assert abs(a - b) <= 0.02 * abs(a) + 1e-3, (l32, l16)
+    d32 = torch.cat([(p - s).flatten() for p, s in zip(p32, s32)])
+    d16 = torch.cat([(p - s).flatten() for p, s in zip(p16, s16)])
+    rel = ((d16 - d32).norm() / d32.norm()).item()
+    assert rel < 0.1, f"bf16 update differs from fp32 by {rel:.3f} (relative L2)"
+    for p, m in zip(model16.parameters(), p16):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16))
+
+
+def test_master_weights_survive_a_checkpoint_round_trip():
+    from grail_exp.optim import build_optimizer
+
+    losses, _, masters, model = _train(torch.bfloat16, steps=2, lr=1e-3)
+    module, _ = _module(torch.bfloat16)
+    opt = build_optimizer(model, module.cfg.optim, master_weights=True)
+    sd = opt.state_dict()
+    sd["master_weights"] = [m.clone() for m in masters]
+    opt.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(opt.masters, masters))
+
+
+def test_validate_rejects_bf16_without_master_weights(compose_cfg):
+    from grail_exp.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"model.dtype = 'bfloat16' with optim.master_weights = false"):
+        validate(compose_cfg(["model.dtype=bfloat16", "optim.master_weights=false"]))
+    validate(compose_cfg(["model.dtype=bfloat16"]))  # null = masters on for half precision
+
+
+def test_token_counts_are_exact_in_bf16():
+    """4,095 valid tokens: a bf16 mask sum rounds to 4,096; the aggregations and masked means count in float32."""
+    from grail_exp.loss import AGGREGATIONS, AggregationContext, masked_mean
+
+    mask = torch.zeros(1, 4100, dtype=torch.bfloat16)
+    mask[0, :4095] = 1
+    assert mask.sum().item() == 4096  # the trap
+    per_token = torch.ones(1, 4100, dtype=torch.bfloat16)
+    ctx = AggregationContext(max_completion_length=4100, global_num_tokens=None)
+    assert AGGREGATIONS["bnpo"](per_token, mask, ctx).item() == 1.0
+    assert AGGREGATIONS["grpo"](per_token, mask, ctx).item() == 1.0
+    assert masked_mean(per_token, mask).item() == 1.0
+
+
+def test_oar_g_teacher_mean_stays_in_the_logits_dtype():
+    """The reference divides the bf16 span sum by an integer count: the mean stays bf16, bit for bit."""
+    from grail_exp.advantages.oar import span_mean_logits
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 11, generator=g).bfloat16()
+    span = torch.zeros(2, 7, dtype=torch.bool)
+    span[0, 2:5] = True
+    span[1, 6] = True
+    out = span_mean_logits(logits, span)
+    assert out.dtype == torch.bfloat16
+    n = span.long().sum(1, keepdim=True)  # the reference's integer count
+    assert torch.equal(out, (logits * span.unsqueeze(-1).to(logits.dtype)).sum(1) / n)
+
+
+def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
+    """bf16 weights (1 + 2^-7, a bf16 number) times A are formed in float32: w·A = -0.755859375 for A = -0.75, which a
+    bf16 product would round to -0.7578125."""
+    import grail_exp.module as mod
+
+    module, batch = _module(torch.bfloat16)
+    seen = {}
+    real = mod.policy_loss
+
+    def spy(logp, old, token_adv, mask, **kw):
+        seen["dtype"], seen["adv"] = token_adv.dtype, token_adv
+        return real(logp, old, token_adv, mask, **kw)
+
+    monkeypatch.setattr(mod, "policy_loss", spy)
+    w = torch.full(batch.loss_mask.shape, 1.0078125, dtype=torch.bfloat16)  # exactly representable in bf16
+    module._weights = lambda b, s, e, it, fwd: (w[s:e], {}, True)
+    from grail_exp.optim import build_optimizer
+
+    opt = build_optimizer(module.policy, module.cfg.optim, master_weights=True)
+    module._optimizer_step(batch, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                           batch.loss_mask.sum().item(), {}, 0)
+    assert seen["dtype"] == torch.float32
+    a = batch.advantages[-4:].float().unsqueeze(1) * 1.0078125  # float32 product, not rounded to bf16
+    assert torch.equal(seen["adv"], a.expand_as(seen["adv"]))
+    assert not torch.equal(seen["adv"], (batch.advantages[-4:].bfloat16().unsqueeze(1) * w[:1, :1]).float()
+                           .expand_as(seen["adv"]))
+
+
+def test_grail_probe_in_bf16_shared_forward_equals_separate_probe():
+    """In bf16 the probe keeps the reference's dtypes (log-softmax in the logits' dtype) on both paths."""
+    from grail_exp.advantages import build_scheme
+    from grail_exp.module import policy_forward
+
+    module, batch = _module(torch.bfloat16, ["advantage=grail", "advantage.symmetry=both"])
+    module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
+    module.prepare_batch(batch, {})
+    sb = module.scheme_batch(batch, 0, 4)
+    with torch.enable_grad():
+        _, _, fwd = policy_forward(module.policy, batch.input_ids[:4], batch.attention_mask[:4],
+                                   batch.position_ids[:4], batch.completion_ids[:4], 1.0)
+        shared = module.scheme.weights_from_forward(module.policy, sb, fwd).weights
+    separate = module.scheme.weights(module.policy, sb).weights
+    assert torch.allclose(shared, separate, atol=1e-6)

@@ -1,0 +1,131 @@
+"""grail_exp.stats: the paired bootstrap and the sign-flip test against brute-force enumeration."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from grail_exp.stats import compare_paired, paired_bootstrap, paired_delta, seed_spread, sign_flip_test
+
+
+def _exact_bootstrap(diffs: dict[str, np.ndarray], average: str = "unweighted") -> np.ndarray:
+    """Every equally likely replicate of the two-level stratified bootstrap, by enumerating ordered draws:
+    S^S seed tuples × Π_b n_b^{n_b} problem tuples (written without the library's counts-and-einsum form)."""
+    mats = list(diffs.values())
+    S = mats[0].shape[0]
+    n = [m.shape[1] for m in mats]
+    w = [1 / len(mats)] * len(mats) if average == "unweighted" else [nb / sum(n) for nb in n]
+    per_bench = [list(itertools.product(range(nb), repeat=nb)) for nb in n]
+    values = []
+    for seeds in itertools.product(range(S), repeat=S):
+        for draws in itertools.product(*per_bench):
+            total = 0.0
+            for wb, m, idx in zip(w, mats, draws):
+                total += wb * np.mean([m[s, i] for s in seeds for i in idx])
+            values.append(total)
+    return np.array(values)
+
+
+def _ks_distance(sample: np.ndarray, exact: np.ndarray) -> float:
+    # Round: the same atom computed by two formulas differs in the last bits and would split a CDF step.
+    sample, exact = np.round(sample, 9), np.round(exact, 9)
+    grid = np.unique(np.concatenate([sample, exact]))
+    f_s = np.searchsorted(np.sort(sample), grid, side="right") / sample.size
+    f_e = np.searchsorted(np.sort(exact), grid, side="right") / exact.size
+    return float(np.abs(f_s - f_e).max())
+
+
+def _check_against_exact(diffs, average, n_boot=40_000):
+    exact = _exact_bootstrap(diffs, average)
+    boot = paired_bootstrap(diffs, n_boot=n_boot, alpha=0.1, seed=3, average=average)
+    assert boot.estimate == pytest.approx(paired_delta(diffs, average))
+    assert boot.replicates.mean() == pytest.approx(exact.mean(), abs=4 * exact.std() / np.sqrt(n_boot))
+    assert boot.replicates.std() == pytest.approx(exact.std(), rel=0.03)
+    # DKW: P(sup |F_n − F| > 0.012) ≤ 2 exp(−2 n ε²) ≈ 2e-5 at n = 40,000.
+    assert _ks_distance(boot.replicates, exact) < 0.012
+    # The interval ends are (discrete) quantiles of the exact distribution, up to the Monte-Carlo error.
+    assert np.quantile(exact, 0.05 - 0.012) - 1e-12 <= boot.lo <= np.quantile(exact, 0.05 + 0.012) + 1e-12
+    assert np.quantile(exact, 0.95 - 0.012) - 1e-12 <= boot.hi <= np.quantile(exact, 0.95 + 0.012) + 1e-12
+
+
+def test_bootstrap_one_seed_matches_enumeration_2_benchmarks_x_3_problems():
+    diffs = {"a": np.array([[1.0, 0.0, -1 / 3]]), "b": np.array([[2 / 3, 2 / 3, 0.0]])}
+    _check_against_exact(diffs, "unweighted")
+
+
+def test_bootstrap_two_seeds_and_unequal_benchmarks_matches_enumeration():
+    # 2 seeds × (3 + 2 problems): seeds and problems resampled, problem counts unequal so the weighting matters.
+    diffs = {"a": np.array([[1.0, 0.0, -1 / 3], [1 / 3, 1 / 3, 0.0]]), "b": np.array([[0.0, -1.0], [2 / 3, 1.0]])}
+    _check_against_exact(diffs, "unweighted")
+    _check_against_exact(diffs, "weighted")
+
+
+def test_bootstrap_without_seed_resampling_only_varies_problems():
+    diffs = {"a": np.array([[1.0, 0.0], [0.0, 0.0]])}
+    boot = paired_bootstrap(diffs, n_boot=2000, seed=0, resample_seeds=False)
+    # seed-averaged problem differences are 0.5 and 0: replicates ∈ {0, 0.25, 0.5}
+    assert set(np.round(boot.replicates, 12)) <= {0.0, 0.25, 0.5}
+
+
+def _exact_sign_flip(diffs, average="unweighted"):
+    """Enumerate every sign pattern over all problems (zeros included) with the plain formula."""
+    mats = list(diffs.values())
+    x = [m.mean(axis=0) for m in mats]
+    n = [len(v) for v in x]
+    w = [1 / len(x)] * len(x) if average == "unweighted" else [nb / sum(n) for nb in n]
+
+    def stat(signs):
+        out, j = 0.0, 0
+        for wb, v in zip(w, x):
+            out += wb * np.mean([signs[j + i] * v[i] for i in range(len(v))])
+            j += len(v)
+        return out
+
+    observed = abs(stat([1] * sum(n)))
+    flips = list(itertools.product([1, -1], repeat=sum(n)))
+    return sum(abs(stat(s)) >= observed - 1e-12 for s in flips) / len(flips)
+
+
+def test_sign_flip_exact_matches_enumeration():
+    diffs = {"a": np.array([[1.0, 0.0, -1 / 3], [1 / 3, 1.0, 0.0]]), "b": np.array([[2 / 3, 1.0], [1.0, 1.0]])}
+    for average in ("unweighted", "weighted"):
+        p, method = sign_flip_test(diffs, average=average)
+        assert method == "exact"
+        assert p == pytest.approx(_exact_sign_flip(diffs, average), abs=1e-12)
+
+
+def test_sign_flip_all_positive_gives_the_smallest_two_sided_p():
+    # m identical positive differences: only all-plus and all-minus are as extreme -> p = 2 / 2^m.
+    p, _ = sign_flip_test({"a": np.ones((1, 6))})
+    assert p == pytest.approx(2 / 2**6)
+    assert sign_flip_test({"a": np.zeros((2, 4))}) == (1.0, "exact")
+
+
+def test_sign_flip_monte_carlo_agrees_with_exact():
+    rng = np.random.default_rng(1)
+    diffs = {"a": rng.choice([-1.0, 0.0, 1.0, 2 / 3], size=(2, 9)), "b": rng.choice([-1.0, 1.0, 0.5], size=(2, 7))}
+    exact, m1 = sign_flip_test(diffs, exact_max=20)
+    mc, m2 = sign_flip_test(diffs, exact_max=4, n_perm=40_000, seed=5)
+    assert (m1, m2) == ("exact", "monte-carlo")
+    assert mc == pytest.approx(exact, abs=4 * np.sqrt(exact * (1 - exact) / 40_000) + 1e-4)
+
+
+def test_seed_spread_and_compare_paired():
+    assert seed_spread([0.1]) == (0.1, None)
+    mean, sd = seed_spread([0.1, 0.3, 0.2])
+    assert mean == pytest.approx(0.2) and sd == pytest.approx(0.1)
+    diffs = {"a": np.array([[1.0, 0.0], [0.0, 0.0]]), "b": np.array([[1.0], [-1.0]])}
+    r = compare_paired(diffs, n_boot=500)
+    # seed 0: (0.5 + 1) / 2 = 0.75; seed 1: (0 - 1) / 2 = -0.5
+    assert r.seed_deltas == pytest.approx([0.75, -0.5])
+    assert r.delta == pytest.approx(0.125) and r.n_seeds == 2 and r.n_problems == 3
+    assert r.lo <= r.delta <= r.hi
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="'b'"):
+        paired_delta({"a": np.zeros((2, 3)), "b": np.zeros((3, 3))})
+    with pytest.raises(ValueError, match="average"):
+        paired_delta({"a": np.zeros((1, 3))}, average="median")

@@ -246,6 +246,10 @@ class TrainerConfig:
     checkpoint_every: int = 0  # optimiser steps between checkpoints (0 = only the final one)
     keep_last_checkpoints: Optional[int] = 3  # prune older complete checkpoints; null = keep all
     save_final_checkpoint: bool = True
+    # Optimiser steps between weights-only trajectory saves <run dir>/trajectory/step-<N>/ (HF dir, no optimiser
+    # state, never pruned), plus step-0 (the starting weights) and the last step; 0 = off. The input of
+    # `python -m grail_exp.extrapolate` (RELEX, arXiv 2605.21468, fits every-step checkpoints: 1)
+    save_weights_only_every: int = 0
     max_nonfinite_in_a_row: int = 3  # skipped non-finite steps tolerated in a row before aborting
     num_threads: Optional[int] = None  # torch CPU threads; null = torch default
     deterministic: bool = False
@@ -361,11 +365,48 @@ class EvaluateConfig:
     optimized_metric: Optional[str] = "eval/avg/acc"
 
 
+@dataclass
+class ObserveConfig:
+    """Which trajectory checkpoints RELEX fits on: steps in [min_step, max_step] that are multiples of ``every``."""
+
+    min_step: int = 1  # first observed step; θ_0 (step 0, delta 0) is never a row (official code: steps 1..T_cut)
+    max_step: Optional[int] = None  # T_cut, inclusive (paper: 75 of 500 steps for 1.5B/4B, 100 of 750 for 8B); null = all
+    fraction: Optional[float] = None  # instead of max_step: T_cut = floor(fraction x target_step) (paper: 0.15-0.2)
+    every: int = 1  # use only steps that are multiples of this (thin an every-step trajectory); 1 = all
+
+
+@dataclass
+class ExtrapolateConfig:
+    """Schema of ``python -m grail_exp.extrapolate`` (conf/extrapolate.yaml): RELEX, arXiv 2605.21468."""
+
+    trajectory: str = MISSING  # directory of step-<N>/ HF directories: <run dir>/trajectory or <run dir>/checkpoints
+    base: Optional[str] = None  # θ_0, the starting weights (HF dir); null = <trajectory>/step-0
+    output: str = MISSING  # HF directory to write (default <hydra run dir>/model)
+    overwrite: bool = False  # replace an existing output directory
+    # extrapolate: the fitted line beyond the last observed step (RELEX) | fit: the fitted line at any step (the
+    # official `fit_reconstruct`) | reconstruct: a real checkpoint's delta projected on the rank-r subspace (Finding 1)
+    mode: str = "extrapolate"
+    target_step: int = MISSING  # step to predict (paper: 500 from T_cut 75); reconstruct: a step with a checkpoint
+    rank: int = 1  # r, kept singular directions per tensor (paper: 1; higher rank does not help)
+    fit_window: Optional[int] = None  # fit the line on the last W observed checkpoints; null = all (official: -1)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    exclude: Optional[str] = None  # regex on tensor names kept at θ_0, e.g. 'norm'; null = fit all (official: all)
+    dtype: str = "auto"  # output dtype: auto (θ_0's, per tensor) | float32 | bfloat16 (official) | float16
+    compute_dtype: str = "float32"  # deltas and Gram matrix: float32 (official) | float64
+    chunk_mb: int = 1024  # memory for one row-chunk of all observed deltas of one tensor (streaming bound)
+    max_shard_mb: int = 4096  # output safetensors shard size (another memory bound: one shard is buffered)
+    compare_to_actual: bool = True  # if target_step has a checkpoint: relative weight error of prediction vs it
+    progress: bool = True  # progress bar over tensors
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    task_name: str = "extrapolate"
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="weights_schema", node=WeightsConfig)
     cs.store(name="evaluate_schema", node=EvaluateConfig)
+    cs.store(name="extrapolate_schema", node=ExtrapolateConfig)
     from grail_exp.report import ReportConfig  # the report's schema lives beside its code (grail_exp/report.py)
 
     cs.store(name="report_schema", node=ReportConfig)
@@ -456,6 +497,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, t.prompts_per_step >= 1, "trainer.prompts_per_step", t.prompts_per_step, "must be >= 1")
     _check(e, t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
     _check(e, t.checkpoint_every >= 0, "trainer.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _check(e, t.get("save_weights_only_every", 0) >= 0, "trainer.save_weights_only_every",
+           t.get("save_weights_only_every"), "must be >= 0 (0 = no trajectory)")
     _check(e, t.keep_last_checkpoints is None or t.keep_last_checkpoints >= 1, "trainer.keep_last_checkpoints",
            t.keep_last_checkpoints, "must be >= 1 or null")
     _check(e, t.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, "must be >= 1")

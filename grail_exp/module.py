@@ -176,6 +176,7 @@ class GRPOModule(L.LightningModule):
         self.terms = terms or []
         self.evaluate_fn = evaluate_fn  # called every trainer.eval_every optimiser steps
         self.checkpoint_fn = None  # position -> None; set by run.py
+        self.weights_fn = None  # step -> None: weights-only trajectory save; set by run.py
         self.stop_requested = False  # set by the SIGTERM handler
         # Resume: optimiser steps done so far, the checkpoint's state (loaded in on_train_start) and any
         # half-used rollout batch (num_iterations > 1).
@@ -466,6 +467,9 @@ class GRPOModule(L.LightningModule):
             every = cfg.trainer.checkpoint_every
             if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
                 self.checkpoint_fn(position)
+            every = cfg.trainer.save_weights_only_every
+            if self.weights_fn and every and step % every == 0:
+                self.weights_fn(step)
             if self.stop_requested:
                 raise Preempted(f"stopped by signal after step {step}; checkpoint written")
             timings = {}

@@ -67,7 +67,7 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
     from grail_exp.distributed import build_strategy, launch_rank
     from grail_exp.tracking import NullTracker, build_tracker
 
-    from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint
+    from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint, save_weights
     from grail_exp.errors import RunStopped
 
     _quiet_lightning()
@@ -166,6 +166,25 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
             module.barrier()
 
         module.checkpoint_fn = checkpoint
+
+        # Weights-only trajectory (RELEX's input): θ_0 now, every k steps (module), and the last step.
+        traj_root = Path(cfg.paths.output_dir) / "trajectory"
+        traj_saved: set[int] = set()
+
+        def save_trajectory(step: int) -> None:
+            if step in traj_saved:
+                return
+            weights = module.model_state_for_checkpoint()  # trainer=fsdp: the full state dict (collective)
+            traj_saved.add(step)
+            if module.rank == 0:
+                save_weights(traj_root, step, policy, tokenizer, state_dict=weights)
+            module.barrier()
+
+        if cfg.trainer.save_weights_only_every:
+            module.weights_fn = save_trajectory
+            if state is None and rank == 0:  # before fit: nothing is sharded and no process group exists yet
+                traj_saved.add(0)
+                save_weights(traj_root, 0, policy, tokenizer)
         rounds = -(-cfg.trainer.max_steps // cfg.loss.num_iterations)  # ceil: μ optimiser steps per rollout
         start_round = int(state["round"]) if state else 0
         trainer = L.Trainer(
@@ -183,6 +202,8 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
             results.update({f"train/{k}": v for k, v in module.last_metrics.items()})
         if cfg.trainer.save_final_checkpoint:
             checkpoint(module.position)
+        if cfg.trainer.save_weights_only_every:
+            save_trajectory(module.step)
 
         rank = module.rank  # the process group exists now
         if cfg.trainer.eval_at_end and rank == 0:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -242,6 +243,9 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
     if hasattr(opt, "remove_hooks"):  # fp32-master hooks on the shared policy's parameters
         opt.remove_hooks()
     del module, opt, sched
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
         path = resolve_model_path(base_cfg)
         tokenizer = load_tokenizer(path, base_cfg)
         policy = load_causal_lm(path, base_cfg, trainable=True).to(device)
-        initial = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        initial = {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()}  # off the GPU
         config = describe(base_cfg, policy, bench, device)
         log.info("bench: %s", json.dumps(config))
         for name in names:

@@ -58,20 +58,26 @@ def _module(cfg, model, tok):
     return module
 
 
-def _train(tmp_path, dtype: str, lr: float, steps: int, master: bool | None = None, scheme="grail"):
+def _train(tmp_path, dtype: str, lr: float, steps: int, master: bool | None = None, scheme="grail", eps=1e-8):
     from grail_exp.optim import MasterWeightAdamW, build_optimizer
 
-    cfg, model, tok, batch = _setup(tmp_path, scheme, dtype, [f"optim.lr={lr}", "optim.warmup_steps=0"])
+    cfg, model, tok, batch = _setup(tmp_path, scheme, dtype, [f"optim.lr={lr}", "optim.warmup_steps=0",
+                                                              f"optim.eps={eps}", "optim.max_grad_norm=null",
+                                                              "optim.weight_decay=0.0"])
     module = _module(cfg, model, tok)
     use_master = (dtype != "float32") if master is None else master
     opt = build_optimizer(model, cfg.optim, master_weights=use_master)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    names = [n for n, _ in model.named_parameters()]
     start = [p.detach().float().clone() for p in model.parameters()]
     module.prepare_batch(batch, {})
     losses = [module._optimizer_step(batch, opt, sched, float(batch.loss_mask.sum()), {}, 0)["loss"]
               for _ in range(steps)]
     params = opt.masters if isinstance(opt, MasterWeightAdamW) else [p.detach().float() for p in model.parameters()]
-    return losses, start, params
+    # The input embedding's rows of tokens absent from the batch get no gradient (45 % of this model's weights):
+    # judged on every other tensor.
+    keep = [i for i, n in enumerate(names) if "embed_tokens" not in n]
+    return losses, [start[i] for i in keep], [params[i] for i in keep]
 
 
 def _moved(params, start) -> float:
@@ -88,15 +94,20 @@ def test_bf16_masters_train_at_lr_1e6_where_in_place_bf16_does_not(tmp_path):
 
 
 def test_bf16_tracks_fp32_on_cuda(tmp_path):
-    l32, s32, p32 = _train(tmp_path, "float32", 1e-5, 3)
-    l16, s16, p16 = _train(tmp_path, "bfloat16", 1e-5, 3)
+    """Losses of 3 steps at lr 1e-5 agree within 5 %; the first update with Adam's eps = 1 (update ≈ lr·gradient, so
+    the comparison is of gradient directions, not of Adam's sign-like first step) agrees within 25 % (relative L2)."""
+    l32, _, _ = _train(tmp_path, "float32", 1e-5, 3)
+    l16, _, _ = _train(tmp_path, "bfloat16", 1e-5, 3)
+    for a, b in zip(l32, l16):
+        assert abs(a - b) <= 0.05 * abs(a) + 1e-3, (l32, l16)
+    _, s32, p32 = _train(tmp_path, "float32", 1.0, 1, eps=1.0)
+    _, s16, p16 = _train(tmp_path, "bfloat16", 1.0, 1, eps=1.0)
     d32 = torch.cat([(p - s).flatten() for p, s in zip(p32, s32)])
     d16 = torch.cat([(p - s).flatten() for p, s in zip(p16, s16)])
     rel = ((d16 - d32).norm() / d32.norm()).item()
-    print(f"losses fp32 {l32} bf16 {l16}; relative L2 of the bf16 update vs fp32: {rel:.4f}")
-    for a, b in zip(l32, l16):
-        assert abs(a - b) <= 0.05 * abs(a) + 1e-3
-    assert rel < 0.2
+    cos = torch.nn.functional.cosine_similarity(d16, d32, dim=0).item()
+    print(f"losses fp32 {l32} bf16 {l16}; first update (eps=1): relative L2 {rel:.4f}, cosine {cos:.4f}")
+    assert rel < 0.25
 
 
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 2e-2)])

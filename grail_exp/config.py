@@ -255,9 +255,7 @@ class TrainerConfig:
     deterministic: bool = False
     num_nodes: int = 1  # data-parallel nodes (world size = devices x num_nodes)
     process_group_backend: Optional[str] = None  # null = nccl on GPU, gloo on CPU
-    sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (default) | SHARD_GRAD_OP | ...
-    zero_stage: Optional[int] = None  # trainer=deepspeed_*: ZeRO stage (2 = the paper's)
-    offload_optimizer: bool = False  # trainer=deepspeed_*: fp32 masters + Adam state in CPU memory (8B on one GPU)
+    sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/loss/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
@@ -469,11 +467,17 @@ def validate(cfg: DictConfig) -> DictConfig:
            "must be > 1 or null")
     # Half precision needs fp32 master weights (or a strategy that keeps them): an Adam step of ~lr vanishes in
     # bf16 rounding, so the model would silently not train.
-    sharded = str(t.strategy).startswith(("fsdp", "deepspeed"))
+    sharded = str(t.strategy).startswith("fsdp")
+    _check(e, t.sharding_strategy in (None, "FULL_SHARD", "SHARD_GRAD_OP"), "trainer.sharding_strategy",
+           t.sharding_strategy, "must be FULL_SHARD or SHARD_GRAD_OP (trainer=fsdp)")
+    _check(e, not str(t.strategy).startswith("deepspeed"), "trainer.strategy", t.strategy,
+           "DeepSpeed is not supported (its engine owns backward, accumulation, clipping and the step, which this "
+           "trainer's multi-backward step does its own way); the paper's ZeRO-2 layout is trainer=fsdp_zero2 "
+           "(fp32 masters, gradients and Adam state sharded)")
     if cfg.model.dtype in ("bfloat16", "float16") and o.master_weights is False and not sharded:
         e.append(f"model.dtype = {cfg.model.dtype!r} with optim.master_weights = false: AdamW would update "
                  f"{cfg.model.dtype} weights in place and steps of lr = {o.lr} vanish in rounding; set "
-                 "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / trainer=deepspeed_zero2")
+                 "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / trainer=fsdp_zero2")
     _check(e, cfg.model.dtype != "float16", "model.dtype", cfg.model.dtype,
            "float16 training needs loss scaling, which is not implemented; use bfloat16 (evaluation may use float16)")
     _check(e, t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", t.logprob_chunk_tokens, "must be >= 1")

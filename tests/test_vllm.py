@@ -20,8 +20,6 @@ from grail_exp.config import ConfigError, validate
 from grail_exp.rollout import SamplingParams, build_engine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = [pytest.mark.vllm,
-              pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (vLLM's default: 4)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 REPO = Path(__file__).resolve().parents[1]
@@ -50,8 +48,10 @@ def test_vllm_config_composes_with_is_correction_on(compose_cfg):
 
 # ---------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def model_dir(formatted_model_dir):
-    return str(formatted_model_dir)
+def model_dir(request):
+    """The warm-started tiny model (writes \\boxed{} answers and stops). GRAIL_EXP_VLLM_TEST_MODEL=<dir> reuses a
+    built one while iterating on these tests (the warm start takes ~100 s on a busy 2-core machine)."""
+    return os.environ.get("GRAIL_EXP_VLLM_TEST_MODEL") or str(request.getfixturevalue("formatted_model_dir"))
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +78,16 @@ def hf_model(model_dir):
 
 
 def _prompts(tokenizer, k=3):
-    from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.data.prompting import encode_prompts
-    from omegaconf import OmegaConf
+    """Chat-formatted arithmetic questions, as the run renders them (prompt_style=chat, thinking off)."""
+    import random
 
-    task = ArithmeticTask()
-    qs = [task.sample(i).question for i in range(k)]
-    model_cfg = OmegaConf.create({"prompt_style": "chat", "system_prompt": None,
-                                  "chat_template_kwargs": {"enable_thinking": False}})
-    return encode_prompts(qs, tokenizer, model_cfg, "")
+    from grail_exp.data.arithmetic import ArithmeticTask
+
+    task, rng = ArithmeticTask(), random.Random(0)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": task.sample(rng).question}],
+                                           add_generation_prompt=True, tokenize=False, enable_thinking=False)
+             for _ in range(k)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def _perturb(model, scale=0.02, seed=0):
@@ -114,9 +115,6 @@ def _trainer_logprobs(model, completions, pad_id, temperature):
 
 
 # ---------------------------------------------------------------------------------------------- engine
-pytestmark_vllm = needs_vllm
-
-
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 class TestEngine:
@@ -124,18 +122,20 @@ class TestEngine:
         engine.sync_weights(hf_model)
         prompts = _prompts(tokenizer, 3)
         torch.manual_seed(0)
-        out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6))
+        short = engine.generate(prompts, SamplingParams(n=1, temperature=1.0, max_new_tokens=2))
+        assert all(c.truncated and len(c.token_ids) == 2 for c in short)
+        out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=48))
         assert len(out) == 12
         stops = set(engine.stop_token_ids)
         assert tokenizer.eos_token_id in stops and tokenizer.pad_token_id in stops
         for r, c in enumerate(out):
             assert c.prompt_ids == prompts[r // 4]  # prompt-major
             assert c.logprobs is None
-            assert 1 <= len(c.token_ids) <= 6
+            assert 1 <= len(c.token_ids) <= 48
             assert not stops & set(c.token_ids[:-1])  # nothing after a stop token
             assert c.truncated == (c.token_ids[-1] not in stops)
-            assert not c.truncated or len(c.token_ids) == 6
-        assert any(c.truncated for c in out) and any(not c.truncated for c in out)
+            assert not c.truncated or len(c.token_ids) == 48
+        assert any(not c.truncated for c in out)  # the warm-started model stops
         with_lp = engine.generate(prompts[:1], SamplingParams(n=2, temperature=1.0, max_new_tokens=6, logprobs=True))
         assert all(len(c.logprobs) == len(c.token_ids) for c in with_lp)
 
@@ -145,9 +145,11 @@ class TestEngine:
         model = _perturb(hf_model, seed=1)
         engine.sync_weights(model)
         prompts = _prompts(tokenizer, 4)
-        params = SamplingParams(n=2, temperature=0.0, max_new_tokens=40)
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=40)
         ours = engine.generate(prompts, params)
         hf = HFRolloutEngine(model, tokenizer).generate(prompts, params)
+        twice = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=40))
+        assert [c.token_ids for c in twice] == [c.token_ids for c in ours for _ in range(2)]  # prompt-major
         assert [c.token_ids for c in ours] == [c.token_ids for c in hf]
         assert [c.truncated for c in ours] == [c.truncated for c in hf]
         assert sum(len(c.token_ids) for c in ours) > 20  # a real comparison, not empty strings

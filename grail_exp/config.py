@@ -143,6 +143,24 @@ class SamplerCheckConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The colocated vLLM engine of ``rollout=vllm`` (grail_exp/rollout/vllm.py); ignored by other engines."""
+
+    gpu_memory_utilization: float = 0.3  # fraction of GPU memory vLLM may take (weights + KV cache); rest is training's
+    max_model_len: Optional[int] = None  # prompt + completion tokens per sequence; null = the model's own limit
+    enable_prefix_caching: bool = True  # share the KV cache of the G copies of a prompt (reset after each sync)
+    enforce_eager: bool = True  # no CUDA graphs: faster start, less memory; false = graphs (faster decode on GPU)
+    sleep_mode: bool = False  # offload weights / drop KV cache between rollouts (GPU only; an error on CPU)
+    dtype: Optional[str] = None  # engine dtype; null = model.dtype (weights are pushed in this dtype)
+    # Which vLLM log-prob the engine reads: raw_logprobs = log softmax(z) of the unprocessed logits, which the
+    # engine rescales to log softmax(z/T) (see rollout/vllm.py). processed_logprobs = vLLM's own after temperature,
+    # penalties AND top-k/top-p renormalisation (not the trainer's quantity when top_k/top_p are on).
+    logprobs_mode: str = "raw_logprobs"
+    seed: Optional[int] = None  # engine construction seed; null = the run's seed. Per-request seeds come from torch's RNG
+    kwargs: dict = field(default_factory=dict)  # any further vllm.LLM(...) keyword arguments, passed as is
+
+
+@dataclass
 class RolloutConfig:
     """Sampling of training rollouts (G completions per prompt)."""
 
@@ -156,6 +174,7 @@ class RolloutConfig:
     generation_batch_size: int = 256  # completions per generate() call (memory knob only)
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     sampler_check: SamplerCheckConfig = field(default_factory=SamplerCheckConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout=vllm only (conf/rollout/vllm.yaml)
 
 
 @dataclass
@@ -465,6 +484,7 @@ def validate(cfg: DictConfig) -> DictConfig:
            "must be > 0 or null")
     _check(e, sc.jump_factor is None or sc.jump_factor > 1, "rollout.sampler_check.jump_factor", sc.jump_factor,
            "must be > 1 or null")
+    _check_vllm(cfg, e)
     # Half precision needs fp32 master weights (or a strategy that keeps them): an Adam step of ~lr vanishes in
     # bf16 rounding, so the model would silently not train.
     sharded = str(t.strategy).startswith("fsdp")
@@ -611,11 +631,34 @@ def _check_extraction(e: list[str], node, key: str) -> None:
     _check(e, mode in MODES, key, mode, f"must be one of: {', '.join(MODES)}")
 
 
+VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+def _check_vllm(cfg: DictConfig, e: list[str]) -> None:
+    """Impossible rollout.vllm values (only when rollout.engine is vllm)."""
+    v = cfg.rollout.get("vllm")
+    if cfg.rollout.engine != "vllm" or v is None:
+        return
+    _check(e, 0 < v.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization,
+           "must be in (0, 1]")
+    _check(e, v.max_model_len is None or v.max_model_len > 0, "rollout.vllm.max_model_len", v.max_model_len,
+           "must be > 0 or null")
+    _check(e, v.dtype in (None, "float32", "bfloat16", "float16"), "rollout.vllm.dtype", v.dtype,
+           "must be null (= model.dtype), float32, bfloat16 or float16")
+    _check(e, v.logprobs_mode in VLLM_LOGPROBS_MODES, "rollout.vllm.logprobs_mode", v.logprobs_mode,
+           f"must be one of: {', '.join(VLLM_LOGPROBS_MODES)}")
+    r = cfg.rollout
+    if v.max_model_len is not None and "max_completion_length" in r:
+        _check(e, v.max_model_len > r.max_completion_length, "rollout.vllm.max_model_len", v.max_model_len,
+               f"must exceed rollout.max_completion_length = {r.max_completion_length} (prompt + completion)")
+
+
 def validate_eval(cfg: DictConfig) -> DictConfig:
     """Validation for ``python -m grail_exp.evaluate`` (before any model is loaded)."""
     e: list[str] = []
     _check(e, cfg.rollout.engine in ("hf", "vllm"), "rollout.engine", cfg.rollout.engine, "must be one of: hf, vllm")
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
+    _check_vllm(cfg, e)
     _check_eval_model_benchmark(cfg, e)
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))

@@ -106,4 +106,5 @@ def test_resume_is_exact_per_rank(tmp_path, model_dir, strategy):
     b_path = split / "checkpoints" / "step-4" / "model.safetensors"
     assert b_path.exists(), out2.stderr[-3000:]
     b = load_file(b_path)
-    assert all(torch.equal(a[k], b[k]) for k in a), out.stderr[-1000:]
+    diff = {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+    assert not diff, f"resumed run differs from the straight one: {diff}"

@@ -69,8 +69,9 @@ def sinkhorn_w1(x: torch.Tensor, x_mask: torch.Tensor, y: torch.Tensor, y_mask: 
     x (P, n, d), x_mask (P, n) bool; y (P, m, d), y_mask (P, m) bool; epsilon: float or (P,) tensor. Log-domain
     Sinkhorn on the potentials (f, g) with the Euclidean cost C = ‖x − y‖; padded points have zero mass. Returns
     ⟨T_ε, C⟩ (P,) and {"iters", "marginal_err"} (the largest row-marginal L1 error at exit)."""
-    x, y = x.float(), y.float()
-    C = torch.cdist(x, y)  # (P, n, m)
+    if x.dtype != torch.float64:  # float32 for model states; float64 inputs stay float64 (exactness tests)
+        x, y = x.float(), y.float()
+    C = torch.cdist(x, y.to(x.dtype))  # (P, n, m)
     valid = x_mask.unsqueeze(2) & y_mask.unsqueeze(1)
     C = torch.where(valid, C, torch.zeros_like(C))
     eps = torch.as_tensor(epsilon, dtype=C.dtype, device=C.device).reshape(-1, 1, 1).expand(C.shape[0], 1, 1)
@@ -82,21 +83,27 @@ def sinkhorn_w1(x: torch.Tensor, x_mask: torch.Tensor, y: torch.Tensor, y_mask: 
     Ke = -C / eps  # (P, n, m)
     f = torch.zeros_like(log_a)
     g = torch.zeros_like(log_b)
-    err, it = float("inf"), 0
+    # Each problem stops on its own (frozen once its row marginals are within tol), so a problem's value does not
+    # depend on which other problems share its batch (the weights do not depend on max_pairs or micro-batching).
+    active = torch.ones(C.shape[0], 1, dtype=torch.bool, device=C.device)
+    row_err = torch.full((C.shape[0],), float("inf"), dtype=C.dtype, device=C.device)
+    it = 0
     for it in range(1, max_iter + 1):
         # f_i = −ε log Σ_j b_j exp((g_j − C_ij)/ε); g likewise: each update fits one marginal exactly
-        f = -eps.squeeze(2) * torch.logsumexp(log_b.unsqueeze(1) + g.unsqueeze(1) / eps + Ke, dim=2)
-        g = -eps.squeeze(2) * torch.logsumexp(log_a.unsqueeze(2) + f.unsqueeze(2) / eps + Ke, dim=1)
+        f_new = -eps.squeeze(2) * torch.logsumexp(log_b.unsqueeze(1) + g.unsqueeze(1) / eps + Ke, dim=2)
+        f = torch.where(active, f_new, f)
+        g_new = -eps.squeeze(2) * torch.logsumexp(log_a.unsqueeze(2) + f.unsqueeze(2) / eps + Ke, dim=1)
+        g = torch.where(active, g_new, g)
         if it % 10 == 0 or it == max_iter:
             log_T = log_a.unsqueeze(2) + log_b.unsqueeze(1) + (f.unsqueeze(2) + g.unsqueeze(1)) / eps + Ke
-            row = log_T.exp().sum(2)
-            err = float(((row - log_a.exp()).abs() * x_mask).sum(1).max())
-            if err < tol:
+            err_now = ((log_T.exp().sum(2) - log_a.exp()).abs() * x_mask).sum(1)
+            row_err = torch.where(active.squeeze(1), err_now, row_err)
+            active = active & (row_err >= tol).unsqueeze(1)
+            if not active.any():
                 break
     log_T = log_a.unsqueeze(2) + log_b.unsqueeze(1) + (f.unsqueeze(2) + g.unsqueeze(1)) / eps + Ke
     T = log_T.exp() * valid
-    if err == float("inf"):
-        err = float(((T.sum(2) - log_a.exp()).abs() * x_mask).sum(1).max())
+    err = float(((T.sum(2) - log_a.exp()).abs() * x_mask).sum(1).max())
     return (T * C).sum((1, 2)), {"iters": it, "marginal_err": err}
 
 

@@ -305,15 +305,15 @@ def test_shear_uniform_groups_fall_back_to_grpo_and_batching_invariance():
     for micro, pairs in ((1, 2048), (4, 5)):
         split, _ = run_fake("shear", h, batch(), micro=micro, window=3, stride=2, max_pairs=pairs)
         assert torch.allclose(split, w, atol=1e-6)
-    prepared = scheme.prepare(None, batch())
-    assert scheme.weights(None, batch_rows(batch(), prepared)).metrics["fallback_rate"] == pytest.approx(0.5)
+    b = batch()
+    b.row_index = torch.arange(6)
+    b.prepared = scheme.prepare(None, b)
+    metrics = scheme.weights(None, b).metrics
+    assert metrics["fallback_rate"] == pytest.approx(0.5)
+    assert metrics["weight_mean"] == pytest.approx(w[mask.bool()].mean().item(), abs=1e-6)  # no mean-1 renormalisation
+    assert abs(metrics["reweighted_weight_mean"] - 1.0) > 1e-3
     all_uniform, _ = run_fake("shear", h, fake_batch([0.0] * 6, lengths, rewards=[1.0] * 6, groups=groups))
     assert torch.equal(all_uniform, mask)
-
-
-def batch_rows(b, prepared):
-    b.prepared = prepared
-    return b
 
 
 def test_config_validation():
@@ -339,7 +339,7 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
     from test_module import _build_module, _small
     from grail_exp.weights import compute
 
-    extra = [f"advantage={scheme}", "trainer.micro_batch_size=3"] + (["advantage.window=6", "advantage.stride=3"]
+    extra = [f"advantage={scheme}", "trainer.micro_batch_size=4"] + (["advantage.window=6", "advantage.stride=3"]
                                                                        if scheme == "shear" else [])
     cfg = _small(compose_cfg, tiny_model_dir, extra)
     module = _build_module(cfg, tiny_model_dir)

@@ -197,13 +197,15 @@ def shear_weights(h: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor, gr
 
 
 def _stack(span_list, h: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, width, d) padded span points and (P, width) mask."""
-    d = h.shape[-1]
-    out = h.new_zeros(len(span_list), width, d)
-    msk = torch.zeros(len(span_list), width, dtype=torch.bool, device=h.device)
-    for k, (i, a, b) in enumerate(span_list):
-        out[k, :b - a] = h[i, a:b]
-        msk[k, :b - a] = True
+    """(P, L, d) span points padded to the longest span of the list (L <= width) and their (P, L) mask."""
+    rows = torch.tensor([i for i, _, _ in span_list], device=h.device)
+    starts = torch.tensor([a for _, a, _ in span_list], device=h.device)
+    lens = torch.tensor([b - a for _, a, b in span_list], device=h.device)
+    L = min(int(lens.max()), width)
+    offs = torch.arange(L, device=h.device)
+    msk = offs.unsqueeze(0) < lens.unsqueeze(1)
+    cols = torch.where(msk, starts.unsqueeze(1) + offs, torch.zeros_like(msk, dtype=torch.long))
+    out = h[rows.unsqueeze(1), cols] * msk.unsqueeze(-1)
     return out, msk
 
 

@@ -117,9 +117,25 @@ def fsdp_units(module: torch.nn.Module) -> list:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+def initialize_root(core: torch.nn.Module) -> None:
+    """Run the root unit once (a 2-token no-grad forward) so FSDP initialises its state as one tree. Otherwise the first
+    work outside the root forward — generation calling the decoder layers directly — initialises each layer as a
+    root of its own, and the real root forward then fails ("FSDP state has already been lazily initialized"). A
+    collective: every rank calls it (at the first ``full_parameters``)."""
+    if getattr(core, "_root_initialized", False):
+        return
+    dev = next(core.parameters()).device
+    ids = torch.ones(1, 2, dtype=torch.long, device=dev)
+    with torch.no_grad():
+        core(ids, torch.ones_like(ids), torch.arange(2, device=dev)[None], ids[:, 1:], 1.0, 4096, False)
+    core._root_initialized = True
+
+
 @contextmanager
 def full_parameters(core: torch.nn.Module | None):
     """Every sharded parameter gathered (no-grad work outside the root forward: generation, scheme ``prepare``)."""
+    if core is not None:
+        initialize_root(core)
     units = fsdp_units(core) if core is not None else []
     for u in units:
         u.unshard()

@@ -108,3 +108,13 @@ def test_resume_is_exact_per_rank(tmp_path, model_dir, strategy):
     b = load_file(b_path)
     diff = {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
     assert not diff, f"resumed run differs from the straight one: {diff}"
+
+
+@pytest.mark.slow
+def test_fsdp_with_real_generation_runs(tmp_path, model_dir):
+    """trainer=fsdp with rollout=hf: generation calls the sharded decoder layers outside the root forward (on an H100
+    this failed with "FSDP state has already been lazily initialized" before the root was initialised first)."""
+    run_dir = tmp_path / "run"
+    out = _run(run_dir, model_dir, ["advantage=grail", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
+                                    "rollout.engine=hf", "rollout.max_completion_length=8"])
+    _weights(run_dir, out)

@@ -132,6 +132,15 @@ class SamplerCheckConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling (arXiv 2503.14476 §3.2; verl algorithm.filter_groups): drop groups whose rewards are all
+    equal (no gradient signal) and sample more prompts until the step has trainer.prompts_per_step informative groups."""
+
+    enabled: bool = False  # off = every sampled group is trained on (GRPO)
+    max_extra_rounds: int = 4  # extra generation rounds per step at most (verl max_num_gen_batches); then the batch is topped up with dropped groups (logged)
+
+
+@dataclass
 class RolloutConfig:
     """Sampling of training rollouts (G completions per prompt)."""
 
@@ -145,6 +154,7 @@ class RolloutConfig:
     generation_batch_size: int = 256  # completions per generate() call (memory knob only)
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     sampler_check: SamplerCheckConfig = field(default_factory=SamplerCheckConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=lambda: DynamicSamplingConfig())  # DAPO (issue 15)
 
 
 @dataclass
@@ -174,6 +184,19 @@ class BenchmarkConfig:
 
 
 # ---------------------------------------------------------------------------------------------- algorithm
+@dataclass
+class KLInRewardConfig:
+    """KL penalty folded into the reward before the advantages (Ziegler et al. arXiv 1909.08593; verl use_kl_in_reward):
+    r_i <- r_i - beta * sum_t KL_t over the completion's loss tokens. Loads the frozen reference model."""
+
+    enabled: bool = False
+    coef: float = 0.001  # initial beta (verl kl_ctrl.kl_coef 0.001)
+    estimator: str = "k1"  # per-token KL estimator (grail_exp/loss/kl.py; verl kl_penalty "kl" = k1)
+    controller: str = "fixed"  # fixed | adaptive (Ziegler et al.: beta *= 1 + clip((KL - target)/target, +-0.2) * n/horizon)
+    target: float = 0.1  # adaptive: target per-token KL (verl target_kl 0.1)
+    horizon: int = 10000  # adaptive: horizon in sequences (verl 10000)
+
+
 @dataclass
 class LossConfig:
     """The GRPO objective (method spec §2). Defaults = the GRAIL paper's GRPO (spec §2.2)."""
@@ -208,6 +231,7 @@ class LossConfig:
     kl_cov_coef: float = 0.1  # kl_cov: coefficient of that penalty (verl ppo_kl_coef 0.1)
     kl_bias_correction: bool = False  # multiply the KL term by the ratio pi/pi_old (TRL use_bias_correction_kl; DeepSeek-V3.2 arXiv 2512.02556)
     top_entropy_quantile: float = 1.0  # rho: keep only the top-rho highest-entropy tokens in the loss (arXiv 2506.01939; 0.2 there); 1 = off
+    kl_in_reward: KLInRewardConfig = field(default_factory=lambda: KLInRewardConfig())  # KL folded into the reward (issue 15)
     off_policy_mask_threshold: Optional[float] = None  # OPSM delta: drop A < 0 sequences with mean KL(sampler||policy) > delta (DeepSeek-V3.2); null = off
 
 
@@ -264,6 +288,15 @@ class TrainerConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment (arXiv 2503.14476 §3.4): r += min(0, -(L - (L_max - buffer)) / buffer) * factor."""
+
+    enabled: bool = False
+    length: int = 16  # buffer L_cache in tokens before rollout.max_completion_length (DAPO: 4096 of 20480)
+    penalty_factor: float = 1.0  # penalty at L = L_max (DAPO: 1.0)
+
+
+@dataclass
 class RewardConfig:
     """Grading: last \\boxed{} -> math-verify in killable worker processes (method spec §2.2)."""
 
@@ -271,6 +304,7 @@ class RewardConfig:
     hard_timeout_s: float = 15.0  # wall-clock limit per answer; the worker is killed past it (counted)
     parse_timeout: int = 5  # math-verify's own parse timeout (seconds), as in the reference
     verify_timeout: int = 5  # math-verify's own verify timeout (seconds)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=lambda: OverlongBufferConfig())  # DAPO soft overlong punishment (issue 15)
 
 
 @dataclass

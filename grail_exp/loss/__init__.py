@@ -25,6 +25,7 @@ from grail_exp.loss.logprobs import entropy_from_logits, linear_logprob, selecti
 from grail_exp.loss.policy import POLICY_LOSSES, PolicyLossOutput, masked_mean, register_policy_loss
 from grail_exp.loss.terms import LOSS_TERMS, LossTerm, TermContext, build_terms, register_loss_term
 from grail_exp.loss import policies as _family  # noqa: E402,F401  (registers the GRPO family's losses, issue 15)
+from grail_exp.loss import entropy_bonus as _entropy_bonus  # noqa: E402,F401  (loss.terms.entropy_bonus)
 
 
 @dataclass

@@ -148,3 +148,17 @@ def test_dynamic_sampling_four_steps_equal_two_plus_resume_plus_two(tmp_path, fo
     sa, sb = load_training_state(a), load_training_state(b)
     assert sa["prompt_cursor"] == sb["prompt_cursor"]
     assert mid["prompt_cursor"] >= 2 * 2 and sa["prompt_cursor"] > mid["prompt_cursor"]
+
+
+# Every CPU preset, and the GPU recipes of the three with the most keys (all GPU files share one template).
+PRESETS = sorted(p.stem for p in (Path(__file__).parent.parent / "conf" / "experiment" / "baselines").glob("*_cpu.yaml"))
+PRESETS += ["dapo", "cispo", "otb"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_baseline_preset_composes_and_validates(compose_cfg, preset):
+    from grail_exp.config import validate
+
+    cfg = validate(compose_cfg([f"experiment=baselines/{preset}", "logger=none"]))
+    assert cfg.task_name.startswith("baseline_")
+    assert cfg.advantage.name == "grpo"

@@ -73,7 +73,7 @@ def test_entropy_bonus_value_and_adaptive_controller_state():
     value, m = term(_ctx(ent, 0))
     assert value.item() == pytest.approx(-0.1 * 0.3)  # -c · token mean
     (g,) = torch.autograd.grad(value, ent)
-    assert g.tolist() == pytest.approx([[-0.05, -0.05]])
+    assert g[0].tolist() == pytest.approx([-0.05, -0.05])
     term(_ctx(torch.tensor([[0.2, 0.4]]), 1))  # step 0's mean 0.3 < 0.5 -> c = 0.15, bonus active
     assert term.coef == pytest.approx(0.15)
     value, m = term(_ctx(torch.tensor([[0.9, 0.9]]), 2))  # step 1 mean 0.3 -> 0.2
@@ -118,7 +118,7 @@ class TextParityVerifier:
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir, monkeypatch):
+def test_dynamic_sampling_and_controllers_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir, monkeypatch):
     import grail_exp.rewards
     from safetensors.torch import load_file
 
@@ -135,6 +135,11 @@ def test_dynamic_sampling_four_steps_equal_two_plus_resume_plus_two(tmp_path, fo
                         "trainer.eval_before_training=false", "trainer.sample_table_every=0", "logger=none",
                         "rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling.max_extra_rounds=3",
                         "reward.overlong_buffer.enabled=true", "reward.overlong_buffer.length=8",
+                        # stateful controls ride along: resume must restore β and the entropy coefficient too
+                        "loss.kl_in_reward.enabled=true", "loss.kl_in_reward.controller=adaptive",
+                        "loss.kl_in_reward.coef=0.05", "loss.kl_in_reward.horizon=20",
+                        "+loss.terms.entropy_bonus.adaptive=true", "+loss.terms.entropy_bonus.target=5.0",
+                        "loss.top_entropy_quantile=0.5", "loss.mask_truncated_completions=false",
                         f"trainer.max_steps={steps}", *extra], run_dir.parent)
 
     straight, split = tmp_path / "straight" / "run", tmp_path / "split" / "run"
@@ -147,6 +152,8 @@ def test_dynamic_sampling_four_steps_equal_two_plus_resume_plus_two(tmp_path, fo
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     sa, sb = load_training_state(a), load_training_state(b)
     assert sa["prompt_cursor"] == sb["prompt_cursor"]
+    assert sa["kl_controller"] == sb["kl_controller"] and sa["kl_controller"]["coef"] != 0.05  # β adapted
+    assert sa["terms"] == sb["terms"] and sa["terms"]["entropy_bonus"]["coef"] > 0.001  # c grew (H < target)
     assert mid["prompt_cursor"] >= 2 * 2 and sa["prompt_cursor"] > mid["prompt_cursor"]
 
 

@@ -42,7 +42,8 @@ def render(rows: dict) -> str:
             d = a - ref["eval/arithmetic/acc"] if ref and n != "grpo" else None
             if d is not None:
                 deltas.append(d)
-            out.append(f"| {n} | {s} | {100 * m['eval_before/arithmetic/acc']:.1f} | {100 * a:.1f} | "
+            before = m.get("eval_before/arithmetic/acc")
+            out.append(f"| {n} | {s} | {'' if before is None else f'{100 * before:.1f}'} | {100 * a:.1f} | "
                        f"{100 * m.get('eval/arithmetic/pass_at_4', float('nan')):.1f} | "
                        f"{'' if d is None else f'{100 * d:+.1f}'} | {m.get('phase/train_s', 0):.0f} |")
         rng = f"[{100 * min(deltas):+.1f}, {100 * max(deltas):+.1f}]" if deltas else ""

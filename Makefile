@@ -31,6 +31,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)
 
+# CUDA checks (bf16 master weights, probe equality, memory at a 151,936-token vocabulary) on a GPU node.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -s -m gpu tests/gpu $(ARGS)
+
 mlflow-ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///results/mlflow.db
 

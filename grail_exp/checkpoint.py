@@ -6,6 +6,10 @@ Layout: ``<run dir>/checkpoints/step-<N>/``
                                                          scheme generator, counters, MLflow run id
     COMPLETE                                             written last
 
+Trajectory (``trainer.save_weights_only_every``): ``<run dir>/trajectory/step-<N>/`` holds the same Hugging Face
+files and the marker but no training state: cheap, never pruned, not a resume point; ``step-0`` is the starting
+model θ_0. ``python -m grail_exp.extrapolate`` (RELEX) reads it.
+
 A checkpoint is written into ``step-<N>.tmp-<pid>/``, flushed, and renamed into place: the rename is
 atomic, so a process killed mid-write leaves only a ``.tmp-*`` directory, which resume ignores (and the
 next save removes). ``training_state.pt`` holds only tensors and plain Python containers and is read with
@@ -82,12 +86,8 @@ def _fsync_dir(path: Path) -> None:
 def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None,
                     state_dict: dict | None = None) -> Path:
     """Write ``root/step-<step>`` atomically; prune to the newest ``keep_last`` complete checkpoints."""
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob("step-*.tmp-*"):  # left behind by a crash mid-write
-        shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"step-{step}"
-    tmp = root / f"step-{step}.tmp-{os.getpid()}"
-    try:
+
+    def write(tmp: Path) -> None:
         if state_dict is not None:  # a sharded model's gathered weights
             model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         else:
@@ -95,10 +95,47 @@ def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_l
         tokenizer.save_pretrained(tmp)
         torch.save(state, tmp / STATE_FILE)
         _fault_injection_stall(step)
+
+    final = write_dir_atomically(root / f"step-{step}", write, what="checkpoint")
+    if keep_last:
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_weights(root: Path, step: int, model, tokenizer, state_dict: dict | None = None) -> Path:
+    """Weights-only ``root/step-<step>`` (Hugging Face directory, no optimiser state), atomically; never pruned.
+
+    The training trajectory that ``python -m grail_exp.extrapolate`` (RELEX) reads: ``trainer.save_weights_only_every``.
+    """
+
+    def write(tmp: Path) -> None:
+        if state_dict is not None:  # a sharded model's gathered weights
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return write_dir_atomically(root / f"step-{step}", write, what="trajectory checkpoint")
+
+
+def write_dir_atomically(final: Path, write, what: str = "checkpoint", stale: str = "step-*.tmp-*") -> Path:
+    """Fill ``<final>.tmp-<pid>/`` with ``write(tmp)``, fsync it, add the ``COMPLETE`` marker, rename into place.
+
+    A crash mid-write leaves only a ``.tmp-*`` directory; the next write removes those matching ``stale`` under
+    the same parent. An existing ``final`` is replaced. A full disk becomes a ``CheckpointError`` that names the fix.
+    """
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    for left in root.glob(stale):  # left behind by a crash mid-write
+        shutil.rmtree(left, ignore_errors=True)
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        (tmp / MARKER).write_text(str(step))
+        (tmp / MARKER).write_text(final.name)
         _fsync_dir(tmp)
         if final.exists():  # re-saving the same step (e.g. SIGTERM right after a periodic save)
             shutil.rmtree(final)
@@ -108,13 +145,10 @@ def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_l
         shutil.rmtree(tmp, ignore_errors=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CheckpointError(
-                f"no space left on the device writing checkpoint {final}: free disk space, lower "
-                f"trainer.keep_last_checkpoints, or point hydra.run.dir at a larger disk. "
-                f"The previous complete checkpoint is intact.") from exc
-        raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
-    if keep_last:
-        for old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+                f"no space left on the device writing {what} {final}: free disk space, lower "
+                f"trainer.keep_last_checkpoints or trainer.save_weights_only_every, or point hydra.run.dir at a "
+                f"larger disk. The previous complete checkpoint is intact.") from exc
+        raise CheckpointError(f"cannot write {what} {final}: {exc}") from exc
     return final
 
 

@@ -7,7 +7,13 @@ A wheel installs the same files as the package ``grail_exp.conf`` (pyproject map
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+
+# conf/hydra/launcher/submitit_{slurm,local}.yaml extend the submitit plugin's configs of the same names on purpose
+# (`hydra/launcher=submitit_slurm` must give our requeue-with-resume launcher). Hydra 1.3 then validates them
+# against the plugin's schemas, which is what we want, but announces it with a deprecation warning on every run.
+warnings.filterwarnings("ignore", message=r"(?s).*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore schema")
 
 _CHECKOUT_CONF = Path(__file__).resolve().parent.parent / "conf"
 

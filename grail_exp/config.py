@@ -53,6 +53,11 @@ class WarmStartConfig:
     eval_every: int = 50
     eval_problems: int = 128  # validation problems graded greedily at each check
     target_accuracy: float = 0.35  # stop at the first check at or above this greedy accuracy
+    # SCRL (estimator=scrl sets these): a fraction of each SFT batch in the curriculum format, so the model answers
+    # both prompt formats (grail_exp/data/curriculum.py). 0 = off (the cache key then ignores these keys).
+    curriculum_fraction: float = 0.0
+    curriculum_prompt_template: Optional[str] = None  # t_K(x) as in estimator.prompt_template
+    curriculum_subproblem_template: Optional[str] = None  # as estimator.subproblem_template
 
 
 @dataclass
@@ -107,6 +112,12 @@ class DataConfig:
     problem_field: str = "prompt"
     answer_field: str = "solution"
     shuffle_seed: int = 42  # the paper shuffles DeepMath with seed 42
+    num_subproblems: Optional[int] = None  # scrl_jsonl: K subproblems required per line (paper: 4); null = any
+    # Prompt order of hub datasets. shuffled: one datasets.shuffle(shuffle_seed), then cycled (default) |
+    # reference: the GRAIL reference's stream, i.e. that shuffle, then TRL's RepeatSampler permutation
+    # torch.randperm(n, generator seeded sampler_seed) per epoch of floor(n / P) * P prompts (P = prompts_per_step).
+    order: str = "shuffled"
+    sampler_seed: Optional[int] = None  # order=reference: the permutation's seed; null = the run seed, as the reference
 
 
 # ---------------------------------------------------------------------------------------------- rollout / eval
@@ -181,6 +192,10 @@ class BenchmarkConfig:
     limit: Optional[int] = None  # take the first N problems of each benchmark (smoke tests)
     instruction: str = ""  # appended to each problem except arithmetic's (data.instruction); paper: spec §7.1
     olympiad_gold: str = "first"  # OlympiadBench gold: first = final_answer[0] | str = str(list), paper eval (§11.14)
+    # Which answer is graded (grail_exp/extraction.py). last_balanced: the balanced \boxed{} that starts last
+    # (default) | paper: the reference evaluation's extract_boxed_inner, empty samples out of the denominator,
+    # tokens averaged over extracted samples | math_verify: math-verify's own extraction over the whole completion.
+    extraction: str = "last_balanced"
 
 
 # ---------------------------------------------------------------------------------------------- algorithm
@@ -272,6 +287,10 @@ class TrainerConfig:
     checkpoint_every: int = 0  # optimiser steps between checkpoints (0 = only the final one)
     keep_last_checkpoints: Optional[int] = 3  # prune older complete checkpoints; null = keep all
     save_final_checkpoint: bool = True
+    # Optimiser steps between weights-only trajectory saves <run dir>/trajectory/step-<N>/ (HF dir, no optimiser
+    # state, never pruned), plus step-0 (the starting weights) and the last step; 0 = off. The input of
+    # `python -m grail_exp.extrapolate` (RELEX, arXiv 2605.21468, fits every-step checkpoints: 1)
+    save_weights_only_every: int = 0
     max_nonfinite_in_a_row: int = 3  # skipped non-finite steps tolerated in a row before aborting
     num_threads: Optional[int] = None  # torch CPU threads; null = torch default
     deterministic: bool = False
@@ -304,6 +323,10 @@ class RewardConfig:
     hard_timeout_s: float = 15.0  # wall-clock limit per answer; the worker is killed past it (counted)
     parse_timeout: int = 5  # math-verify's own parse timeout (seconds), as in the reference
     verify_timeout: int = 5  # math-verify's own verify timeout (seconds)
+    # Which answer the reward grades (grail_exp/extraction.py). last_balanced: the balanced \boxed{} that starts
+    # last (default) | paper: the reference reward's regex (last non-nested box, stripped) | math_verify:
+    # math-verify's own extraction over the whole completion (TRL accuracy_reward's settings).
+    extraction: str = "last_balanced"
     overlong_buffer: OverlongBufferConfig = field(default_factory=lambda: OverlongBufferConfig())  # DAPO soft overlong punishment (issue 15)
 
 
@@ -317,6 +340,9 @@ class LoggerConfig:
     run_name: Optional[str] = None  # null -> <model>-<advantage>-seed<seed>
     artifact_location: Optional[str] = None  # null -> <results>/mlartifacts
     tags: dict = field(default_factory=dict)
+    # MLflow parent run to nest this run under (mlflow.parentRunId); null = the multirun's parent, if any
+    # (grail_exp/sweep.py). Optuna trials set it to their study's parent run.
+    parent_run_id: Optional[str] = None
 
 
 @dataclass
@@ -350,6 +376,7 @@ class RunConfig:
     seed: int = 42
     optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
     experiment: Any = None  # free-form notes set by experiment files
+    tune: Any = None  # Optuna study settings of `python -m grail_exp.tune` (conf/tune.yaml; typed in grail_exp/tune.py)
     extras: dict = field(default_factory=dict)
 
 
@@ -389,11 +416,48 @@ class EvaluateConfig:
     optimized_metric: Optional[str] = "eval/avg/acc"
 
 
+@dataclass
+class ObserveConfig:
+    """Which trajectory checkpoints RELEX fits on: steps in [min_step, max_step] that are multiples of ``every``."""
+
+    min_step: int = 1  # first observed step; θ_0 (step 0, delta 0) is never a row (official code: steps 1..T_cut)
+    max_step: Optional[int] = None  # T_cut, inclusive (paper: 75 of 500 steps for 1.5B/4B, 100 of 750 for 8B); null = all
+    fraction: Optional[float] = None  # instead of max_step: T_cut = floor(fraction x target_step) (paper: 0.15-0.2)
+    every: int = 1  # use only steps that are multiples of this (thin an every-step trajectory); 1 = all
+
+
+@dataclass
+class ExtrapolateConfig:
+    """Schema of ``python -m grail_exp.extrapolate`` (conf/extrapolate.yaml): RELEX, arXiv 2605.21468."""
+
+    trajectory: str = MISSING  # directory of step-<N>/ HF directories: <run dir>/trajectory or <run dir>/checkpoints
+    base: Optional[str] = None  # θ_0, the starting weights (HF dir); null = <trajectory>/step-0
+    output: str = MISSING  # HF directory to write (default <hydra run dir>/model)
+    overwrite: bool = False  # replace an existing output directory
+    # extrapolate: the fitted line beyond the last observed step (RELEX) | fit: the fitted line at any step (the
+    # official `fit_reconstruct`) | reconstruct: a real checkpoint's delta projected on the rank-r subspace (Finding 1)
+    mode: str = "extrapolate"
+    target_step: int = MISSING  # step to predict (paper: 500 from T_cut 75); reconstruct: a step with a checkpoint
+    rank: int = 1  # r, kept singular directions per tensor (paper: 1; higher rank does not help)
+    fit_window: Optional[int] = None  # fit the line on the last W observed checkpoints; null = all (official: -1)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    exclude: Optional[str] = None  # regex on tensor names kept at θ_0, e.g. 'norm'; null = fit all (official: all)
+    dtype: str = "auto"  # output dtype: auto (θ_0's, per tensor) | float32 | bfloat16 (official) | float16
+    compute_dtype: str = "float32"  # deltas and Gram matrix: float32 (official) | float64
+    chunk_mb: int = 1024  # memory for one row-chunk of all observed deltas of one tensor (streaming bound)
+    max_shard_mb: int = 4096  # output safetensors shard size (another memory bound: one shard is buffered)
+    compare_to_actual: bool = True  # if target_step has a checkpoint: relative weight error of prediction vs it
+    progress: bool = True  # progress bar over tensors
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    task_name: str = "extrapolate"
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="weights_schema", node=WeightsConfig)
     cs.store(name="evaluate_schema", node=EvaluateConfig)
+    cs.store(name="extrapolate_schema", node=ExtrapolateConfig)
     from grail_exp.report import ReportConfig  # the report's schema lives beside its code (grail_exp/report.py)
 
     cs.store(name="report_schema", node=ReportConfig)
@@ -435,6 +499,15 @@ def validate(cfg: DictConfig) -> DictConfig:
            f"must be one of: {', '.join(sorted(KL_ESTIMATORS))}")
     for term in (L.get("terms") or {}):
         _check(e, term in LOSS_TERMS, f"loss.terms.{term}", term, f"unknown loss term; valid: {', '.join(sorted(LOSS_TERMS)) or 'none registered'}")
+        if term in LOSS_TERMS and L.terms[term] is not None:  # the term's typed schema, then its own checks
+            from grail_exp.loss.terms import typed_term_config
+
+            try:
+                typed_term = typed_term_config(LOSS_TERMS[term], L.terms[term])
+            except Exception as exc:  # noqa: BLE001 - wrong key / type: report it with the others
+                e.append(f"loss.terms.{term}: {exc}".split("\n    ")[0])
+            else:
+                e.extend(f"loss.terms.{term}.{msg}" for msg in LOSS_TERMS[term].check_config(typed_term))
     ic = r.is_correction
     _check(e, ic.mode in IS_MODES, "rollout.is_correction.mode", ic.mode, f"must be one of: {', '.join(IS_MODES)}")
     _check(e, ic.clip_max > 0, "rollout.is_correction.clip_max", ic.clip_max, "must be > 0")
@@ -478,12 +551,19 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, t.prompts_per_step >= 1, "trainer.prompts_per_step", t.prompts_per_step, "must be >= 1")
     _check(e, t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
     _check(e, t.checkpoint_every >= 0, "trainer.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _check(e, t.get("save_weights_only_every", 0) >= 0, "trainer.save_weights_only_every",
+           t.get("save_weights_only_every"), "must be >= 0 (0 = no trajectory)")
     _check(e, t.keep_last_checkpoints is None or t.keep_last_checkpoints >= 1, "trainer.keep_last_checkpoints",
            t.keep_last_checkpoints, "must be >= 1 or null")
     _check(e, t.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, "must be >= 1")
     _check(e, cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "must be >= 0")
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
+    _check_extraction(e, cfg.reward, "reward.extraction")
     _check(e, t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0")
+    order = cfg.data.get("order", "shuffled")
+    _check(e, order in ("shuffled", "reference"), "data.order", order, "must be one of: shuffled, reference")
+    _check(e, order == "shuffled" or cfg.data.name != "arithmetic", "data.order", order,
+           "reference is the order of a hub dataset (data=deepmath); the arithmetic stream is generated")
     _check_eval_model_benchmark(cfg, e)
 
     from grail_exp.data import DATASETS
@@ -519,6 +599,7 @@ def validate(cfg: DictConfig) -> DictConfig:
             e.append(f"estimator: {exc}".split("\n    ")[0])
         else:
             e.extend(f"estimator.{msg}" for msg in (spec.check(typed_est) if spec.check else []))
+            e.extend(spec.check_run(typed_est, cfg) if spec.check_run else [])
             with open_dict(cfg):
                 cfg.estimator = typed_est
 
@@ -568,8 +649,16 @@ def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
     _check(e, cfg.benchmark.get("olympiad_gold", "first") in ("first", "str"), "benchmark.olympiad_gold",
            cfg.benchmark.get("olympiad_gold"), "must be first (final_answer[0]) or str (the paper's str(final_answer))")
     _check(e, len(cfg.benchmark.names) > 0, "benchmark.names", list(cfg.benchmark.names), "must name a benchmark")
+    _check_extraction(e, cfg.benchmark, "benchmark.extraction")
     for b in cfg.benchmark.names:
         _check(e, b in BENCHMARKS, "benchmark.names", b, f"unknown benchmark; valid: {', '.join(sorted(BENCHMARKS))}")
+
+
+def _check_extraction(e: list[str], node, key: str) -> None:
+    from grail_exp.extraction import MODES
+
+    mode = node.get("extraction", "last_balanced")
+    _check(e, mode in MODES, key, mode, f"must be one of: {', '.join(MODES)}")
 
 
 def validate_eval(cfg: DictConfig) -> DictConfig:

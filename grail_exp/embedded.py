@@ -75,22 +75,42 @@ LLAMA_CHAT_TEMPLATE = (
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
-def _transcripts(task: ArithmeticTask, n: int, chat_template_kwargs: dict) -> list[str]:
+def _transcripts(task: ArithmeticTask, n: int, chat_template_kwargs: dict, warm: dict | None = None) -> list[str]:
     """Chat transcripts used to train the BPE: what the tokenizer will actually see."""
     out = []
-    for p in task.train_problems(10_000_000, n):  # an index range RL never uses
+    for p in _with_curriculum(task.train_problems(10_000_000, n), warm):  # an index range RL never uses
         out.append(f"user\n{p.question}\nassistant\n{p.solution}\n")
     # A little generic text so that benchmark prompts tokenise into sensible pieces too.
     out += ["Please reason step by step, and put your final answer within \\boxed{}."] * 50
     return out
 
 
-def build_tokenizer(style: str, task: ArithmeticTask, vocab_size: int = 320):
-    """Train the local tokenizer and wrap it as a ``PreTrainedTokenizerFast`` with a chat template."""
+def _with_curriculum(problems, warm: dict | None) -> list:
+    """SCRL: every ``1/curriculum_fraction``-th problem in the curriculum format (prompt t_K(x), ``<pj>`` answers)."""
+    frac = (warm or {}).get("curriculum_fraction") or 0.0
+    if frac <= 0:
+        return list(problems)
+    from types import SimpleNamespace
+
+    from grail_exp.data.curriculum import arithmetic_curriculum, arithmetic_curriculum_solution, render_curriculum
+
+    out = []
+    for k, p in enumerate(problems):
+        if int((k + 1) * frac) > int(k * frac):  # spread evenly: round(frac · len) of them
+            q = render_curriculum(arithmetic_curriculum(p.question), warm["curriculum_prompt_template"],
+                                  warm["curriculum_subproblem_template"])
+            p = SimpleNamespace(question=q, solution=arithmetic_curriculum_solution(p.question), answer=p.answer)
+        out.append(p)
+    return out
+
+
+def build_tokenizer(style: str, task: ArithmeticTask, vocab_size: int = 320, warm: dict | None = None):
+    """Train the local tokenizer and wrap it as a ``PreTrainedTokenizerFast`` with a chat template.
+    ``warm`` with a ``curriculum_fraction`` > 0 (SCRL) adds curriculum transcripts to the corpus."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = _transcripts(task, 2000, {})
+    corpus = _transcripts(task, 2000, {}, warm)
     if style == "qwen":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -244,7 +264,8 @@ def warm_start(model, tokenizer, task: ArithmeticTask, ws: dict, chat_template_k
     start, history, acc, step = time.time(), [], 0.0, 0
     bar = tqdm(total=ws["max_steps"], desc="warm start (SFT)", dynamic_ncols=True, leave=False)
     for step in range(1, ws["max_steps"] + 1):
-        problems = task.train_problems(20_000_000 + seed * 1_000_000 + step * ws["batch_size"], ws["batch_size"])
+        problems = _with_curriculum(
+            task.train_problems(20_000_000 + seed * 1_000_000 + step * ws["batch_size"], ws["batch_size"]), ws)
         ids, attn, lab = _encode_sft_batch(tokenizer, problems, chat_template_kwargs, instruction)
         loss = model(input_ids=ids, attention_mask=attn, labels=lab).loss
         loss.backward()
@@ -276,6 +297,8 @@ def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_te
     """Return the directory of the warm-started embedded model, building and caching it if needed."""
     from filelock import FileLock
 
+    if not warm.get("curriculum_fraction"):  # SCRL keys off: the key (and the cached model) of a plain build
+        warm = {k: v for k, v in warm.items() if not k.startswith("curriculum_")}
     spec = {"build": build, "warm_start": warm, "task": asdict(task), "chat": chat_template_kwargs,
             "instruction": instruction}
     root = Path(cache_dir).expanduser() / "embedded"
@@ -288,7 +311,7 @@ def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_te
             return target
         log.info("building the embedded model (cached afterwards) at %s", target)
         t0 = time.time()
-        tokenizer = build_tokenizer(build["tokenizer"], task, build["vocab_size"])
+        tokenizer = build_tokenizer(build["tokenizer"], task, build["vocab_size"], warm)
         seed = build.get("seed", 0)
         model = build_model(build, tokenizer, seed)
         n_params = sum(p.numel() for p in model.parameters())

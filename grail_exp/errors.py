@@ -20,6 +20,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
             DataError)
 
 
+class RunStopped(Exception):
+    """Raised by a caller's hook to end a run early on purpose (e.g. ``grail_exp.tune`` pruning a trial): the
+    MLflow run is KILLED, not FAILED, and keeps no traceback."""
+
+
 class DataError(ValueError):
     """Malformed input data (a dataset row, a benchmark file); the message names the file and line."""
 

@@ -52,6 +52,7 @@ class EvalResult:
     average: dict | None  # metrics.average_over_benchmarks(...) when there are several benchmarks
     samples: list[dict] = field(default_factory=list)  # one row per sample
     generated: int = 0  # completions generated in this call (0 when everything came from the cache)
+    protocol: dict = field(default_factory=dict)  # evaluation_params(): how the table was made, shown with it
 
     def flat_metrics(self, prefix: str = "eval") -> dict[str, float]:
         """``eval/<benchmark>/acc``, ``eval/<benchmark>/pass_at_k``, ... (and ``eval/avg/...``) as floats."""
@@ -72,11 +73,13 @@ class EvalResult:
         return out
 
     def table(self) -> str:
-        return M.format_table(self.summaries, self.average)
+        """The Pass@k table, followed by the protocol it depends on (extraction, gold rule, prompt, sampling)."""
+        table = M.format_table(self.summaries, self.average)
+        return table + "\n\n" + protocol_note(self.protocol) if self.protocol else table
 
     def summary_json(self) -> dict:
         return M.to_jsonable({**self.summaries, "average_unweighted": (self.average or {}).get("unweighted"),
-                              "average_weighted": (self.average or {}).get("weighted")})
+                              "average_weighted": (self.average or {}).get("weighted"), "protocol": self.protocol})
 
 
 # ----------------------------------------------------------------------------------------------- cache
@@ -133,10 +136,19 @@ def _sha(obj) -> str:
 def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: list[str] | None = None,
                         desc: str = "eval", cache_dir: str | Path | None = None,
                         model_key: str | None = None) -> EvalResult:
-    """Evaluate ``model`` on ``cfg.benchmark.names`` with ``cfg.eval`` sampling (optionally resumable)."""
+    """Evaluate ``model`` on ``cfg.benchmark.names`` with ``cfg.eval`` sampling (optionally resumable).
+
+    ``benchmark.extraction`` picks the graded answer (``grail_exp.extraction``); with ``paper`` the samples
+    whose text is empty leave their problem's denominator and tokens are averaged over the samples with an
+    extracted answer, as the reference evaluation does (``metrics.summarize_benchmark(protocol="paper")``).
+    """
     from tqdm.auto import tqdm
 
+    from grail_exp.extraction import benchmark_rule
+
     ev = cfg.eval
+    extraction = cfg.benchmark.get("extraction", "last_balanced")
+    rule, paper = benchmark_rule(extraction), extraction == "paper"
     names = list(benchmarks or cfg.benchmark.names)
     params = SamplingParams(n=ev.n, temperature=ev.temperature, top_p=ev.top_p, top_k=ev.top_k,
                             max_new_tokens=ev.max_tokens)
@@ -144,7 +156,7 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
     per_call = max(1, ev.batch_size // ev.n)  # prompts per generate() call = one cached chunk
     for name in names:
         problems = load_benchmark(name, cfg)
-        instruction = cfg.data.instruction if name == "arithmetic" else cfg.benchmark.get("instruction", "")
+        instruction = cfg.data.instruction if name in ("arithmetic", "arithmetic_val") else cfg.benchmark.get("instruction", "")
         texts = [render_prompt(p.question, tokenizer, cfg.model, instruction) for p in problems]
         prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
         shas = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
@@ -170,37 +182,61 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
                 bar.update(len(chunk_shas))
         decoded = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         graded = verifier.score([strip_think(t) if cfg.model.strip_think else t for t in decoded],
-                                [p.answer for p in problems for _ in range(ev.n)])
+                                [p.answer for p in problems for _ in range(ev.n)], extraction=rule)
+        # paper: the reference keeps a sample only if its text is non-empty (run_eval.py: `if content:`)
+        counted = [not paper or text != "" for text in decoded]
         n = ev.n
-        grid = lambda f: [[f(i * n + j) for j in range(n)] for i in range(len(problems))]  # noqa: E731
+        grid = lambda f: [[f(i * n + j) for j in range(n) if counted[i * n + j]]  # noqa: E731
+                          for i in range(len(problems))]
         summaries[name] = M.summarize_benchmark(
             grid(lambda k: graded[k].correct), answers=grid(lambda k: graded[k].extracted),
             truncated=grid(lambda k: completions[k].truncated), n_tokens=grid(lambda k: len(completions[k].token_ids)),
-            n_boot=ev.n_boot, seed=ev.seed)
+            n_boot=ev.n_boot, seed=ev.seed, protocol="paper" if paper else "standard",
+            ks=range(1, n + 1) if paper else None)
         for i, p in enumerate(problems):
             for j in range(n):
                 k, g = i * n + j, graded[i * n + j]
                 samples.append({"benchmark": name, "problem_index": i, "sample_index": j, "completion": decoded[k],
                                 "extracted": g.extracted, "gold": p.answer, "correct": bool(g.correct),
                                 "status": g.status, "truncated": bool(completions[k].truncated),
-                                "n_tokens": len(completions[k].token_ids)})
+                                "n_tokens": len(completions[k].token_ids), "counted": counted[k]})
     average = M.average_over_benchmarks(summaries, n_boot=ev.n_boot, seed=ev.seed) if len(summaries) > 1 else None
-    return EvalResult(summaries, average, samples, generated)
+    return EvalResult(summaries, average, samples, generated, evaluation_params(cfg, tokenizer))
 
 
 def evaluation_params(cfg, tokenizer) -> dict:
     """What a table depends on, recorded with every table: prompt template, chat kwargs, sampling, grading."""
+    from grail_exp.extraction import DESCRIPTIONS
+
     example = render_prompt("{problem}", tokenizer, cfg.model, cfg.benchmark.get("instruction", "") or "")
+    extraction = cfg.benchmark.get("extraction", "last_balanced")
+    r = cfg.reward
     return {
         "eval.prompt_template": example,
         "eval.prompt_style": cfg.model.prompt_style,
         "eval.chat_template_kwargs": json.dumps(OmegaConf.to_container(cfg.model.chat_template_kwargs, resolve=True)),
         "eval.strip_think": cfg.model.strip_think,
         "eval.sampling": json.dumps(OmegaConf.to_container(cfg.eval, resolve=True)),
-        "eval.verifier": json.dumps(OmegaConf.to_container(cfg.reward, resolve=True)) + " math-verify last-boxed",
+        "eval.verifier": json.dumps({"hard_timeout_s": r.hard_timeout_s, "parse_timeout": r.parse_timeout,
+                                     "verify_timeout": r.verify_timeout}) + " math-verify",
+        "eval.extraction": f"{extraction}: {DESCRIPTIONS[extraction]['benchmark']}",
         "eval.olympiad_gold": cfg.benchmark.get("olympiad_gold", "first"),
         "eval.benchmarks": ",".join(cfg.benchmark.names),
     }
+
+
+def protocol_note(protocol: dict) -> str:
+    """The protocol of a table in a few Markdown lines (printed and saved under every table)."""
+    p = {k.removeprefix("eval."): v for k, v in protocol.items()}
+    sampling = json.loads(p["sampling"]) if "sampling" in p else {}
+    return "\n".join([
+        f"- extraction: {p.get('extraction')}",
+        f"- OlympiadBench gold: {p.get('olympiad_gold')}; grading: {p.get('verifier')}",
+        f"- prompt: {p.get('prompt_style')} {p.get('chat_template_kwargs')}, strip_think {p.get('strip_think')}, "
+        f"template {p.get('prompt_template')!r}",
+        "- sampling: " + ", ".join(f"{k} {sampling[k]}" for k in ("n", "temperature", "top_p", "top_k", "max_tokens")
+                                   if k in sampling),
+    ])
 
 
 def pass_at_k_plot(result: EvalResult, path: Path) -> Path:

@@ -350,6 +350,7 @@ def summarize_benchmark(
     n_boot: int = 1000,
     seed: int = 0,
     alpha: float = 0.05,
+    protocol: str = "standard",
 ) -> dict[str, Any]:
     """Summarise one benchmark's samples.
 
@@ -377,7 +378,16 @@ def summarize_benchmark(
       :func:`average_over_benchmarks`, dropped by :func:`to_jsonable`).
 
     All CIs use the same bootstrap indices (same seed, same problem count).
+
+    ``protocol="paper"``: the GRAIL reference evaluation (declare-lab/grail ``src/eval/eval_results_base.py``),
+    for rows that already exclude the samples it drops (empty completions). A problem left with no sample
+    scores 0 on every metric; pass@k of a problem with ``n_i < k`` samples is pass@n_i (any of them correct:
+    the reference's Pass@3 is ``any(correct)`` over whatever samples remain); ks default to ``1..n_max``;
+    ``mean_tokens`` averages over the samples with an extracted answer only (``answers`` not None), 0.0 when
+    there is none.
     """
+    if protocol not in ("standard", "paper"):
+        raise ValueError(f"protocol must be 'standard' or 'paper', got {protocol!r}")
     rows = _correct_rows(correct)
     if not rows:
         raise ValueError("summarize_benchmark needs at least one problem")
@@ -385,9 +395,16 @@ def summarize_benchmark(
     n_min, n_max = int(n.min()), int(n.max())
     _check_boot_args(n_boot, alpha)
 
-    acc_pp = acc_at_n(rows)
-    k_list = sorted({int(k) for k in ks}) if ks is not None else list(range(1, n_min + 1))
-    pass_pp = {k: pass_at_k_per_problem(rows, k) for k in k_list}
+    paper = protocol == "paper"
+    k_list = sorted({int(k) for k in ks}) if ks is not None else list(range(1, (n_max if paper else n_min) + 1))
+    if paper:
+        c = np.array([int(r.sum()) for r in rows], dtype=np.int64)
+        acc_pp = np.where(n > 0, c / np.maximum(n, 1), 0.0)
+        pass_pp = {k: np.array([pass_at_k(n_i, c_i, min(k, n_i)) if n_i else 0.0 for n_i, c_i in zip(n, c)])
+                   for k in k_list}
+    else:
+        acc_pp = acc_at_n(rows)
+        pass_pp = {k: pass_at_k_per_problem(rows, k) for k in k_list}
     maj_pp = maj_at_n(answers, rows) if answers is not None else None
 
     def ci(values: np.ndarray) -> MetricWithCI:
@@ -405,13 +422,19 @@ def summarize_benchmark(
     if truncated is not None:
         trunc_rows = _as_rows(truncated, "truncated")
         _check_aligned(trunc_rows, n, "truncated")
-        truncation_rate = float(np.concatenate([np.asarray(r, dtype=bool) for r in trunc_rows]).mean())
+        flags = np.concatenate([np.asarray(r, dtype=bool) for r in trunc_rows])
+        truncation_rate = float(flags.mean()) if flags.size else 0.0  # size 0: every sample dropped (paper)
 
     mean_tokens: float | None = None
     if n_tokens is not None:
         tok_rows = _as_rows(n_tokens, "n_tokens")
         _check_aligned(tok_rows, n, "n_tokens")
-        mean_tokens = float(np.concatenate([np.asarray(r, dtype=np.float64) for r in tok_rows]).mean())
+        tokens = np.concatenate([np.asarray(r, dtype=np.float64) for r in tok_rows])
+        if paper and answers is not None:  # the reference counts tokens of samples with an extracted answer only
+            tokens = tokens[np.array([a is not None for row in answers for a in row], dtype=bool)]
+            mean_tokens = float(tokens.mean()) if tokens.size else 0.0
+        else:
+            mean_tokens = float(tokens.mean())
 
     return {
         "n_problems": len(rows),
@@ -426,6 +449,7 @@ def summarize_benchmark(
         "mean_tokens": mean_tokens,
         "ci": {"method": "percentile bootstrap over problems", "n_boot": int(n_boot),
                "alpha": float(alpha), "seed": int(seed)},
+        "protocol": protocol,
         "_per_problem": {"acc": acc_pp, "pass_at_k": pass_pp, "maj": maj_pp},
     }
 

@@ -39,12 +39,13 @@ from grail_exp.advantages import SchemeBatch
 from grail_exp.advantages.base import PolicyForward, slice_prepared
 from grail_exp.advantages.probe import decoder_body, predicting_window
 from grail_exp.data.prompting import encode_prompts
-from grail_exp.estimators import EstimatorInput, estimate
+from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
 from grail_exp.loss import TermContext, is_weights, linear_logprob, policy_loss, selective_log_softmax
 from grail_exp.loss.aggregation import AggregationContext, AGGREGATIONS
 from grail_exp.optim import build_optimizer, grad_params
 from grail_exp.rewards import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
+from grail_exp.rollout.variants import sample_variants
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class GRPOModule(L.LightningModule):
         self.terms = terms or []
         self.evaluate_fn = evaluate_fn  # called every trainer.eval_every optimiser steps
         self.checkpoint_fn = None  # position -> None; set by run.py
+        self.weights_fn = None  # step -> None: weights-only trajectory save; set by run.py
         self.stop_requested = False  # set by the SIGTERM handler
         # Resume: optimiser steps done so far, the checkpoint's state (loaded in on_train_start) and any
         # half-used rollout batch (num_iterations > 1).
@@ -287,7 +289,7 @@ class GRPOModule(L.LightningModule):
                 self.engine.sync_weights(self.policy)
                 timings["weight_sync"] = time.perf_counter() - t
         # --- GRPO family hook (issue 15): dynamic sampling draws whole groups until P are informative.
-        problems, completions, texts, graded, family_stats = self._sample_groups(round_index, P, timings)
+        problems, completions, texts, graded, variant_infos, family_stats = self._sample_groups(round_index, P, timings)
         rb = pad_completions(completions, self.tokenizer.pad_token_id)
         golds = [p.answer for p in problems for _ in range(r.num_generations)]
         rewards = torch.tensor([float(g.correct) for g in graded])
@@ -315,9 +317,12 @@ class GRPOModule(L.LightningModule):
             order=torch.arange(len(texts), device=dev),
         )
         # GRPO family hook: what the estimator asks for (greedy rewards, Σπ²) and KL-in-reward, before the advantages.
-        extras, rewards = self._estimator_extras(batch, problems, rewards, family_stats, timings)
+        extras, rewards = self._estimator_extras(batch, problems, completions, texts, variant_infos, rewards,
+                                                 family_stats, timings)
         est = estimate(cfg.estimator, EstimatorInput(rewards, r.num_generations, loss_mask,
                                                      scale_rewards=cfg.loss.scale_rewards, extras=extras))
+        if est.rewards is not None:  # e.g. SCRL: a curriculum row's reward is its subproblem progress
+            rewards = est.rewards.float()
         seq_adv = est.sequence_advantages
         batch.advantages = seq_adv.to(dev)
         batch.rewards = rewards.to(dev)
@@ -346,31 +351,44 @@ class GRPOModule(L.LightningModule):
         return batch, stats
 
     # ------------------------------------------------------------------ GRPO family hooks (issue 15)
-    def _generate_and_grade(self, problems: list, n: int, temperature: float, timings: dict):
-        """Sample ``n`` completions per problem (temperature 0 = greedy) and grade them."""
+    def _generate_and_grade(self, problems: list, n: int, temperature: float, timings: dict, plan=None):
+        """Sample ``n`` completions per problem (temperature 0 = greedy) and grade them. With a ``plan`` (an
+        estimator's ``prompt_variants``, e.g. SCRL) each problem's n rollouts come from its variants, in plan order;
+        returns (completions, texts, graded, per-row variant infos or None)."""
         cfg, r = self.cfg, self.cfg.rollout
-        prompts = encode_prompts([p.question for p in problems], self.tokenizer, cfg.model, cfg.data.instruction)
+        params = SamplingParams(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty,
+                                logprobs=True)
         with _timer(timings, "rollout"), self.full_parameters():
-            completions = self.engine.generate(prompts, SamplingParams(
-                n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_completion_length,
-                repetition_penalty=r.repetition_penalty, logprobs=True))
+            if plan is None:
+                prompts = encode_prompts([p.question for p in problems], self.tokenizer, cfg.model, cfg.data.instruction)
+                completions, variant_infos = self.engine.generate(prompts, params), None
+            else:
+                completions, variant_infos = sample_variants(self.engine, self.tokenizer, cfg.model,
+                                                             cfg.data.instruction, plan, params)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         with _timer(timings, "scoring"):
             golds = [p.answer for p in problems for _ in range(n)]
             graded = self.verifier.score([strip_think(t) if cfg.model.strip_think else t for t in texts], golds)
-        return completions, texts, graded
+        return completions, texts, graded, variant_infos
 
     def _sample_groups(self, round_index: int, P: int, timings: dict):
-        """The step's P groups of G completions. Without dynamic sampling: prompts round·P_total + rank·P onwards.
+        """The step's P groups of G completions. Without dynamic sampling: prompts round·P_total + rank·P onwards
+        (through the estimator's prompt plan when it has one, e.g. SCRL).
         With ``rollout.dynamic_sampling`` (DAPO §3.2): draw P prompts at a time from ``self.prompt_cursor``, keep the
-        groups whose rewards differ, at most ``max_extra_rounds`` extra rounds, then top up with dropped groups."""
+        groups whose rewards differ, at most ``max_extra_rounds`` extra rounds, then top up with dropped groups
+        (validate() rejects it with an estimator that plans its prompts)."""
         cfg, G = self.cfg, self.cfg.rollout.num_generations
         ds = cfg.rollout.get("dynamic_sampling")
         if ds is None or not ds.enabled:
             first = round_index * cfg.trainer.prompts_per_step + self.rank * P  # this rank's slice of the step's prompts
             problems = [self.source[i] for i in range(first, first + P)]
-            completions, texts, graded = self._generate_and_grade(problems, G, cfg.rollout.temperature, timings)
-            return problems, completions, texts, graded, {}
+            spec = ESTIMATORS[cfg.estimator.name]
+            # Estimators that sample from several prompts per problem (SCRL) plan them; the others get G of the problem.
+            plan = spec.prompt_variants(cfg.estimator, problems, G, cfg.data) if spec.prompt_variants else None
+            completions, texts, graded, variant_infos = self._generate_and_grade(
+                problems, G, cfg.rollout.temperature, timings, plan)
+            return problems, completions, texts, graded, variant_infos, {}
         from grail_exp.family import informative_groups
 
         kept, dropped, rounds = [], [], 0
@@ -378,7 +396,7 @@ class GRPOModule(L.LightningModule):
             problems = [self.source[i] for i in range(self.prompt_cursor, self.prompt_cursor + P)]
             self.prompt_cursor += P
             rounds += 1
-            completions, texts, graded = self._generate_and_grade(problems, G, cfg.rollout.temperature, timings)
+            completions, texts, graded, _ = self._generate_and_grade(problems, G, cfg.rollout.temperature, timings)
             good = informative_groups(torch.tensor([float(g.correct) for g in graded]), G).tolist()
             for j, p in enumerate(problems):
                 group = (p, completions[j * G:(j + 1) * G], texts[j * G:(j + 1) * G], graded[j * G:(j + 1) * G])
@@ -390,21 +408,19 @@ class GRPOModule(L.LightningModule):
                  "dynamic_sampling/filled_with_dropped": float(P - n_kept),
                  "dynamic_sampling/prompt_cursor": float(self.prompt_cursor)}
         return ([g[0] for g in groups], [c for g in groups for c in g[1]], [t for g in groups for t in g[2]],
-                [x for g in groups for x in g[3]], stats)
+                [x for g in groups for x in g[3]], None, stats)
 
-    def _estimator_extras(self, batch: TrainingBatch, problems: list, rewards: torch.Tensor, stats: dict,
-                          timings: dict):
-        """Inputs an estimator declares in ``needs`` and the KL-in-reward penalty; returns (extras, rewards)."""
-        from grail_exp.estimators import ESTIMATORS
-
+    def _estimator_extras(self, batch: TrainingBatch, problems: list, completions, texts, variant_infos,
+                          rewards: torch.Tensor, stats: dict, timings: dict):
+        """What the estimator's ``needs`` asks for (grail_exp/estimators/__init__.py lists the names), computed only
+        when asked, and the KL-in-reward penalty; returns (extras, rewards)."""
         cfg = self.cfg
-        needs = ESTIMATORS[cfg.estimator.name].needs
-        extras: dict = {}
-        if "greedy_rewards" in needs:  # ReMax: one greedy completion per prompt, graded
-            _, _, graded = self._generate_and_grade(problems, 1, 0.0, timings)
-            extras["greedy_rewards"] = torch.tensor([float(g.correct) for g in graded])
-        if "sum_pi_squared" in needs:  # OTB: π(o_t) and Σπ² of the rollout policy, chunked over the vocabulary
-            from grail_exp.advantages.probe import predicting_window
+
+        def greedy_rewards():  # ReMax: one greedy completion per prompt, graded
+            graded = self._generate_and_grade(problems, 1, 0.0, timings)[2]
+            return {"greedy_rewards": torch.tensor([float(g.correct) for g in graded])}
+
+        def sum_pi_squared():  # OTB: π(o_t) and Σπ² of the rollout policy, chunked over the vocabulary
             from grail_exp.estimators.otb import sum_pi_squared_from_hidden
 
             logps, spps = [], []
@@ -416,7 +432,17 @@ class GRPOModule(L.LightningModule):
                     spps.append(sum_pi_squared_from_hidden(h, fwd.head_weight, fwd.head_bias,
                                                            cfg.rollout.temperature, cfg.trainer.logprob_chunk_tokens))
                     logps.append(logp)
-            extras["logp"], extras["sum_pi_squared"] = torch.cat(logps).cpu(), torch.cat(spps).cpu()
+            return {"logp": torch.cat(logps).cpu(), "sum_pi_squared": torch.cat(spps).cpu()}
+
+        available = {"completion_texts": lambda: {"completion_texts": texts},
+                     "completion_token_ids": lambda: {"completion_token_ids": [c.token_ids for c in completions]},
+                     "tokenizer": lambda: {"tokenizer": self.tokenizer}, "verifier": lambda: {"verifier": self.verifier},
+                     "rollout_variants": lambda: {"rollout_variants": variant_infos or [None] * len(texts)},
+                     "greedy_rewards": greedy_rewards, "sum_pi_squared": sum_pi_squared}
+        extras: dict = {}
+        for k in ESTIMATORS[cfg.estimator.name].needs:
+            if k in available:
+                extras.update(available[k]())
         kir = cfg.loss.get("kl_in_reward")
         if kir is not None and kir.enabled:  # r_i <- r_i - β Σ_t KL_t (needs the reference before the advantages)
             from grail_exp.family import KLInRewardController
@@ -538,6 +564,9 @@ class GRPOModule(L.LightningModule):
             every = cfg.trainer.checkpoint_every
             if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
                 self.checkpoint_fn(position)
+            every = cfg.trainer.save_weights_only_every
+            if self.weights_fn and every and step % every == 0:
+                self.weights_fn(step)
             if self.stop_requested:
                 raise Preempted(f"stopped by signal after step {step}; checkpoint written")
             timings = {}

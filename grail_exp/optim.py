@@ -36,6 +36,12 @@ class MasterWeightAdamW(torch.optim.AdamW):
             for p, m in zip(self.model_params, masters):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into(m)))
 
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks from the model's parameters (before another optimiser takes them over)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     @staticmethod
     def _accumulate_into(master: torch.Tensor):
         def hook(p: torch.Tensor) -> None:

@@ -9,6 +9,9 @@ box intermediate results; the final box is the committed answer). Both sides
 are wrapped in ``$...$`` before ``math_verify.parse`` so that math-verify's
 LaTeX extractor treats the bare box content as inline math, then compared with
 ``math_verify.verify(gold, pred)`` (gold first: verify is not symmetric).
+Other extraction rules (the GRAIL reference's own, or math-verify's extraction
+over the whole completion) are chosen by ``reward.extraction`` /
+``benchmark.extraction``: see ``grail_exp.extraction``.
 
 Why worker processes and hard timeouts
 --------------------------------------
@@ -225,12 +228,35 @@ def _alarm_seconds(timeout: float | None) -> int | None:
     return max(1, math.ceil(timeout))
 
 
+def _whole_completion_config():
+    """math-verify's extraction over a whole completion, configured as TRL's ``accuracy_reward``.
+
+    huggingface/trl ``trl/rewards/accuracy_rewards.py``: LaTeX only, ``\\boxed{}`` tried first
+    (``boxed_match_priority=0``), no anchor-free extraction, ``first_match``, and its normalisation (no repair of
+    malformed operators, so ``\\frac43`` is not read as 4/3: "we require the answer in correct latex").
+    """
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig
+
+    # equations=True (TRL's) still shortens "a = b = c" to "c", but latex2sympy2_extended logs a deprecation
+    # warning on every parse with it: its logger is quietened to errors (it logs nothing else).
+    logging.getLogger("latex2sympy2_extended.math_normalization").setLevel(logging.ERROR)
+    norm = NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True, equations=True, boxed="all",
+                               units=True)
+    return [LatexExtractionConfig(normalization_config=norm, boxed_match_priority=0, try_extract_without_anchor=False)]
+
+
 def _grade_with_status(
-    pred: str | None, gold: str, parse_timeout: float | None, verify_timeout: float | None
-) -> tuple[bool, str]:
-    """Grade one extracted answer; returns ``(correct, status)``."""
+    pred: str | None, gold: str, parse_timeout: float | None, verify_timeout: float | None, whole: bool = False
+) -> tuple[bool, str, str | None]:
+    """Grade one answer; returns ``(correct, status, extracted)``.
+
+    ``whole=False``: ``pred`` is an extracted answer, parsed as ``$pred$`` (``extracted`` = ``pred``).
+    ``whole=True``: ``pred`` is a whole completion and math-verify extracts the answer itself
+    (``grail_exp.extraction``, mode ``math_verify``); ``extracted`` is the text it found, None if none.
+    """
     if pred is None or not pred.strip():
-        return False, "no_answer"
+        return False, "no_answer", pred if not whole else None
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
@@ -240,22 +266,30 @@ def _grade_with_status(
         # signal.alarm raises ValueError outside the main thread; None disables it.
         parse_s = verify_s = None
 
+    extracted = None if whole else pred
     catcher = _TimeoutLogCatcher()
     mv_logger = logging.getLogger("math_verify")
     mv_logger.addHandler(catcher)
     try:
         gold_parsed = parse("$" + gold + "$", parsing_timeout=parse_s)
-        pred_parsed = parse("$" + pred + "$", parsing_timeout=parse_s)
+        if whole:
+            pred_parsed = parse(pred, extraction_config=_whole_completion_config(), extraction_mode="first_match",
+                                parsing_timeout=parse_s)
+            extracted = str(pred_parsed[-1]) if pred_parsed else None  # [sympy object, the text it matched]
+        else:
+            pred_parsed = parse("$" + pred + "$", parsing_timeout=parse_s)
         correct = bool(verify(gold_parsed, pred_parsed, timeout_seconds=verify_s))
     except TimeoutException:  # derives from BaseException: `except Exception` misses it
-        return False, "timeout"
+        return False, "timeout", extracted
     except Exception:
-        return False, "error"
+        return False, "error", extracted
     finally:
         mv_logger.removeHandler(catcher)
     if not correct and catcher.timed_out:
-        return False, "timeout"
-    return correct, "ok"
+        return False, "timeout", extracted
+    if whole and not pred_parsed:
+        return False, "no_answer", None
+    return correct, "ok", extracted
 
 
 def grade_one(
@@ -280,7 +314,7 @@ _DEBUG_CRASH = "__crash__"
 
 
 def _worker_main(conn, parse_timeout, verify_timeout, allow_debug: bool) -> None:
-    """Worker loop: receive ``(pred, gold)``, send back ``(correct, status)``; exit on EOF/None.
+    """Worker loop: receive ``(pred, gold, whole)``, send back ``(correct, status, extracted)``; exit on EOF/None.
 
     Module-level so that it pickles under the ``spawn`` start method.
     """
@@ -299,14 +333,14 @@ def _worker_main(conn, parse_timeout, verify_timeout, allow_debug: bool) -> None
             return  # parent closed the pipe or died
         if job is None:
             return
-        pred, gold = job
+        pred, gold, whole = job
         if allow_debug and pred.startswith(_DEBUG_SLEEP):
             time.sleep(float(pred[len(_DEBUG_SLEEP) :]))
-            result: tuple[bool, str] = (False, "ok")
+            result: tuple[bool, str, str | None] = (False, "ok", pred)
         elif allow_debug and pred == _DEBUG_CRASH:
             os._exit(3)
         else:
-            result = _grade_with_status(pred, gold, parse_timeout, verify_timeout)
+            result = _grade_with_status(pred, gold, parse_timeout, verify_timeout, whole)
         conn.send(result)
 
 
@@ -352,6 +386,11 @@ class MathVerifier:
     ``counters`` (cumulative): ``graded`` = every answer returned by
     ``grade``/``score``, = #ok + ``no_answer`` + ``timeout`` + ``error``;
     ``correct`` <= #ok. Calls are serialised by a lock.
+
+    ``extraction``: the rule ``score`` uses unless told otherwise, a key of
+    ``grail_exp.extraction.RULES`` (``last_balanced``, ``paper_reward``,
+    ``paper_eval``, ``math_verify``). Every rule grades under the same hard
+    timeout: ``math_verify`` sends the whole completion to the worker.
     """
 
     _STARTUP_TIMEOUT_S = 120.0  # importing sympy on a loaded machine can be slow
@@ -367,8 +406,13 @@ class MathVerifier:
         parse_timeout: int = 5,
         verify_timeout: int = 5,
         mp_context: str = "spawn",
+        extraction: str = "last_balanced",
         _allow_debug: bool = False,
     ) -> None:
+        from grail_exp.extraction import RULES
+
+        if extraction not in RULES:
+            raise ValueError(f"unknown extraction rule {extraction!r}; valid: {', '.join(RULES)}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if hard_timeout_s <= 0:
@@ -378,6 +422,7 @@ class MathVerifier:
         self.parse_timeout = parse_timeout
         self.verify_timeout = verify_timeout
         self.mp_context = mp_context
+        self.extraction = extraction
         self._allow_debug = _allow_debug
         self._ctx = multiprocessing.get_context(mp_context)
         self._workers: list[_Worker] = []
@@ -390,10 +435,11 @@ class MathVerifier:
 
     # ---- public API -------------------------------------------------------
 
-    def grade(self, preds: list[str | None], golds: list[str]) -> list[GradeResult]:
+    def grade(self, preds: list[str | None], golds: list[str], whole: bool = False) -> list[GradeResult]:
         """Grade extracted answers against gold answers; results in input order.
 
-        ``None`` / empty preds are "no_answer" and are not dispatched.
+        ``None`` / empty preds are "no_answer" and are not dispatched. ``whole=True``: the preds are whole
+        completions and math-verify extracts the answer (``GradeResult.extracted`` = what it found).
         """
         if len(preds) != len(golds):
             raise ValueError(f"{len(preds)} preds but {len(golds)} golds")
@@ -401,7 +447,7 @@ class MathVerifier:
         todo: deque[int] = deque()
         for i, pred in enumerate(preds):
             if pred is None or not pred.strip():
-                results[i] = GradeResult(False, pred, "no_answer")
+                results[i] = GradeResult(False, None if whole else pred, "no_answer")
             else:
                 todo.append(i)
         with self._lock:
@@ -409,18 +455,26 @@ class MathVerifier:
                 raise RuntimeError("MathVerifier is closed")
             if todo and self.num_workers == 0:
                 for i in todo:
-                    correct, status = _grade_with_status(
-                        preds[i], golds[i], self.parse_timeout, self.verify_timeout
+                    correct, status, extracted = _grade_with_status(
+                        preds[i], golds[i], self.parse_timeout, self.verify_timeout, whole
                     )
-                    results[i] = GradeResult(correct, preds[i], status)
+                    results[i] = GradeResult(correct, extracted, status)
             elif todo:
-                self._grade_in_pool(preds, golds, todo, results)
+                self._grade_in_pool(preds, golds, todo, results, whole)
             self._count(results)
         return results  # type: ignore[return-value]
 
-    def score(self, completions: list[str], golds: list[str]) -> list[GradeResult]:
-        """Extract the last boxed answer of each completion, then ``grade``."""
-        return self.grade([extract_last_boxed(c) for c in completions], golds)
+    def score(self, completions: list[str], golds: list[str], extraction: str | None = None) -> list[GradeResult]:
+        """Extract each completion's answer with rule ``extraction`` (default: ``self.extraction``), then ``grade``."""
+        from grail_exp.extraction import RULES
+
+        rule = self.extraction if extraction is None else extraction
+        if rule not in RULES:
+            raise ValueError(f"unknown extraction rule {rule!r}; valid: {', '.join(RULES)}")
+        extract = RULES[rule]
+        if extract is None:  # math_verify: the worker extracts from the whole completion
+            return self.grade(list(completions), golds, whole=True)
+        return self.grade([extract(c) for c in completions], golds)
 
     def close(self) -> None:
         """Stop all workers (idempotent). Idle workers exit on EOF; busy ones are killed."""
@@ -483,11 +537,12 @@ class MathVerifier:
         golds: list[str],
         todo: deque[int],
         results: list[GradeResult | None],
+        whole: bool,
     ) -> None:
         while len(self._workers) < self.num_workers:  # lazy start / top up
             self._workers.append(self._start_worker())
         try:
-            self._event_loop(preds, golds, todo, results)
+            self._event_loop(preds, golds, todo, results, whole)
         except BaseException:
             # Interrupted (e.g. KeyboardInterrupt): results of in-flight jobs would
             # arrive during the next call and be misattributed, so drop those workers.
@@ -507,6 +562,7 @@ class MathVerifier:
         golds: list[str],
         todo: deque[int],
         results: list[GradeResult | None],
+        whole: bool,
     ) -> None:
         workers = self._workers
         while todo or any(w.jobs for w in workers):
@@ -518,7 +574,7 @@ class MathVerifier:
                     if w.jobs and len(preds[i]) + len(golds[i]) > self._PIPELINE_MAX_CHARS:
                         break  # a big message could block on a hung worker's full pipe
                     try:
-                        w.conn.send((preds[i], golds[i]))
+                        w.conn.send((preds[i], golds[i], whole))
                     except (OSError, ValueError):  # the worker died
                         if not w.jobs:  # nothing will report it: replace it now
                             self._replace_worker(k)
@@ -550,16 +606,16 @@ class MathVerifier:
                                 f"math-verify workers keep dying during start-up (last exit code {code})"
                             )
                     else:
-                        self._fail_head_job(w, "error", preds, todo, results)
+                        self._fail_head_job(w, "error", preds, todo, results, whole)
                     self._replace_worker(k)
                     continue
                 if not w.ready:
                     w.ready = msg == _READY
                     self._startup_failures = 0
                     continue
-                correct, status = msg
+                correct, status, extracted = msg
                 i = w.jobs.popleft()
-                results[i] = GradeResult(bool(correct), preds[i], status)
+                results[i] = GradeResult(bool(correct), extracted if whole else preds[i], status)
                 if w.jobs:  # the queued answer starts now
                     w.deadline = time.monotonic() + self.hard_timeout_s
 
@@ -567,7 +623,7 @@ class MathVerifier:
             now = time.monotonic()
             for k, w in enumerate(workers):
                 if w.jobs and w.deadline <= now:
-                    self._fail_head_job(w, "timeout", preds, todo, results)
+                    self._fail_head_job(w, "timeout", preds, todo, results, whole)
                     self._replace_worker(k)
                 elif not w.ready and w.deadline <= now:
                     self._replace_worker(k)
@@ -582,10 +638,11 @@ class MathVerifier:
         preds: list[str | None],
         todo: deque[int],
         results: list[GradeResult | None],
+        whole: bool,
     ) -> None:
         """Record the running answer as failed; answers queued behind it go back to the front of ``todo``."""
         i = w.jobs.popleft()
-        results[i] = GradeResult(False, preds[i], status)
+        results[i] = GradeResult(False, None if whole else preds[i], status)
         todo.extendleft(reversed(w.jobs))
         w.jobs.clear()
 

@@ -45,8 +45,11 @@ def default_run_name(cfg: DictConfig) -> str:
     return cfg.logger.get("run_name") or f"{cfg.model.name}-{cfg.advantage.name}-seed{cfg.seed}"
 
 
-def train(cfg: DictConfig) -> dict:
-    """The whole job; returns the final metrics (flat dict) plus phase timings."""
+def train(cfg: DictConfig, on_eval=None) -> dict:
+    """The whole job; returns the final metrics (flat dict) plus phase timings.
+
+    ``on_eval(step, metrics)`` is called after each in-training evaluation (every ``trainer.eval_every`` steps)
+    with its flat metrics; it may raise ``errors.RunStopped`` to end the run early (Optuna pruning)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -55,6 +58,7 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.data import build_source
     from grail_exp.embedded import read_build_report
     from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
+    from grail_exp.extraction import reward_rule
     from grail_exp.loss import build_terms
     from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.module import GRPOModule, Preempted
@@ -63,7 +67,8 @@ def train(cfg: DictConfig) -> dict:
     from grail_exp.distributed import build_strategy, launch_rank
     from grail_exp.tracking import NullTracker, build_tracker
 
-    from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint
+    from grail_exp.checkpoint import load_training_state, resolve_resume, save_checkpoint, save_weights
+    from grail_exp.errors import RunStopped
 
     _quiet_lightning()
 
@@ -120,8 +125,9 @@ def train(cfg: DictConfig) -> dict:
         engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
         r = cfg.reward
         verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s,
-                                parse_timeout=r.parse_timeout, verify_timeout=r.verify_timeout)
-        source = build_source(cfg.data)
+                                parse_timeout=r.parse_timeout, verify_timeout=r.verify_timeout,
+                                extraction=reward_rule(r.extraction))  # evaluation passes benchmark.extraction
+        source = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
 
         results: dict[str, float] = {}
         eval_tables: dict[str, str] = {}
@@ -139,8 +145,13 @@ def train(cfg: DictConfig) -> dict:
             before = run_eval("before", 0)
             results.update({k.replace("eval/", "eval_before/", 1): v for k, v in before.items()})
 
+        def eval_during_training(step: int) -> None:
+            metrics = run_eval(f"step{step}", step)
+            if on_eval is not None:
+                on_eval(step, metrics)
+
         module = GRPOModule(cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model,
-                            evaluate_fn=lambda step: run_eval(f"step{step}", step), resume_state=state, terms=terms)
+                            evaluate_fn=eval_during_training, resume_state=state, terms=terms)
         saved_at = {int(state["step"])} if state else set()
 
         def checkpoint(position: dict) -> None:
@@ -156,6 +167,25 @@ def train(cfg: DictConfig) -> dict:
             module.barrier()
 
         module.checkpoint_fn = checkpoint
+
+        # Weights-only trajectory (RELEX's input): θ_0 now, every k steps (module), and the last step.
+        traj_root = Path(cfg.paths.output_dir) / "trajectory"
+        traj_saved: set[int] = set()
+
+        def save_trajectory(step: int) -> None:
+            if step in traj_saved:
+                return
+            weights = module.model_state_for_checkpoint()  # trainer=fsdp: the full state dict (collective)
+            traj_saved.add(step)
+            if module.rank == 0:
+                save_weights(traj_root, step, policy, tokenizer, state_dict=weights)
+            module.barrier()
+
+        if cfg.trainer.save_weights_only_every:
+            module.weights_fn = save_trajectory
+            if state is None and rank == 0:  # before fit: nothing is sharded and no process group exists yet
+                traj_saved.add(0)
+                save_weights(traj_root, 0, policy, tokenizer)
         rounds = -(-cfg.trainer.max_steps // cfg.loss.num_iterations)  # ceil: μ optimiser steps per rollout
         start_round = int(state["round"]) if state else 0
         trainer = L.Trainer(
@@ -173,6 +203,8 @@ def train(cfg: DictConfig) -> dict:
             results.update({f"train/{k}": v for k, v in module.last_metrics.items()})
         if cfg.trainer.save_final_checkpoint:
             checkpoint(module.position)
+        if cfg.trainer.save_weights_only_every:
+            save_trajectory(module.step)
 
         rank = module.rank  # the process group exists now
         if cfg.trainer.eval_at_end and rank == 0:
@@ -182,10 +214,14 @@ def train(cfg: DictConfig) -> dict:
         results.update({f"phase/{k}": v for k, v in phases.items()})
         results["train/steps"] = module.step
         if rank == 0:
+            from grail_exp.plots import log_training_plots
+
+            # Training curves + weight plots (from <run dir>/weights) under plots/ of the run; never fatal.
+            log_training_plots(tracker, Path(cfg.paths.output_dir), label=cfg.advantage.name)
             _write_summary(cfg, results, eval_tables, tracker)
         status = "FINISHED"
         return results
-    except Preempted:
+    except (Preempted, RunStopped):
         status = "KILLED"
         raise
     except BaseException:
@@ -204,20 +240,25 @@ def train(cfg: DictConfig) -> dict:
 
 @contextmanager
 def _stop_on_sigterm(module):
-    """SIGTERM (what SLURM sends before preemption) finishes the current step, checkpoints and stops."""
+    """SIGTERM (what SLURM sends before preemption), and submitit's USR2 in its jobs, finish the current step,
+    checkpoint and stop (grail_exp/preemption.py)."""
+    from grail_exp.preemption import stop_signals
+
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        log.warning("SIGTERM received: finishing the current optimiser step, then checkpointing")
+        log.warning("%s received: finishing the current optimiser step, then checkpointing",
+                    signal.Signals(signum).name)
         module.stop_requested = True
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in stop_signals()}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, h in previous.items():
+            signal.signal(sig, h)
 
 
 def _write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> None:
@@ -229,6 +270,11 @@ def _write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> Non
     lines = [f"run directory: {out}"]
     if getattr(tracker, "run_id", None):
         lines.append(f"MLflow run: {tracker.run_id} ({cfg.logger.experiment_name})")
+        experiment_id = getattr(tracker, "experiment_id", None)
+        if experiment_id is not None:
+            from grail_exp.tracking import training_view_url
+
+            lines.append(f"MLflow view: {training_view_url(tracker.tracking_uri, experiment_id, tracker.run_id)}")
     metric = cfg.optimized_metric
     if metric and metric in results:
         before = results.get(metric.replace("eval/", "eval_before/", 1))
@@ -241,10 +287,10 @@ def _write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> Non
     print("\n".join(lines), flush=True)
 
 
-def run(cfg: DictConfig) -> float | None:
-    """Validate, train, evaluate; return ``cfg.optimized_metric`` (None if unset)."""
+def run(cfg: DictConfig, on_eval=None) -> float | None:
+    """Validate, train, evaluate; return ``cfg.optimized_metric`` (None if unset). ``on_eval``: see ``train``."""
     validate(cfg)
-    results = train(cfg)
+    results = train(cfg, on_eval=on_eval)
     metric = cfg.get("optimized_metric")
     if not metric:
         return None
@@ -272,6 +318,12 @@ def main(cfg: DictConfig) -> float | None:
         # logged by train()) and the sweep goes on; the objective of a failed job is NaN.
         try:
             return run(cfg)
+        except Preempted:
+            from grail_exp.preemption import hand_back_to_submitit
+
+            hand_back_to_submitit()  # in a submitit job: requeued with resume=auto; this process exits here
+            log.error("job preempted after its checkpoint; rerun it with resume=auto in %s", cfg.paths.output_dir)
+            return math.nan
         except Exception as exc:
             log.error("job failed (the sweep continues): %s: %s", type(exc).__name__, exc)
             return math.nan

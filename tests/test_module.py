@@ -183,6 +183,17 @@ def test_fit_of_the_composed_default_config_logs_to_mlflow(compose_cfg, tmp_path
     assert "eval/final/pass_at_k.json" in arts and "eval/final/pass_at_k.md" in arts
     assert {a.path for a in client.list_artifacts(r.info.run_id, "samples")} >= {"samples/step_000002.json"}
     assert (tmp_path / "run" / "metrics.json").exists()
+    # the per-token weight tables and the end-of-run plots made from them and from the metric histories
+    assert any(a.path.endswith(".parquet") for a in client.list_artifacts(r.info.run_id, "weights"))
+    import pandas as pd
+
+    table = pd.concat([pd.read_parquet(f) for f in (tmp_path / "run" / "weights").glob("step_*.parquet")])
+    assert set(table.columns) >= {"step", "row", "correct", "advantage", "position", "region", "weight", "entropy"}
+    plots = {a.path for a in client.list_artifacts(r.info.run_id, "plots")}
+    assert "plots/training_curves.png" in plots
+    # weight plots need answered rows with A != 0 (a 20-step warm start may solve nothing): present exactly then
+    answered = table[(table.region == "answer") & (table.advantage != 0)]
+    assert ("plots/weights_vs_entropy.png" in plots) == (len(answered) > 0)
 
 
 @pytest.mark.parametrize("scheme, diagnostic", [("grpo", "weights/mean"), ("oar_g", "oar_g/weight_mean"),

@@ -159,10 +159,10 @@ def slice_prepared(prepared: Any, idx: torch.Tensor) -> Any:
         return None
     if isinstance(prepared, dict):
         return {k: slice_prepared(v, idx) for k, v in prepared.items()}
+    if isinstance(prepared, torch.Tensor):  # before ``select``: tensors have a ``select(dim, index)`` method
+        return prepared[idx.to(prepared.device)] if prepared.dim() >= 1 else prepared
     if hasattr(prepared, "select"):
         return prepared.select(idx)
-    if isinstance(prepared, torch.Tensor) and prepared.dim() >= 1:
-        return prepared[idx.to(prepared.device)]
     return prepared
 
 

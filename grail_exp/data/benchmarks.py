@@ -44,17 +44,23 @@ from grail_exp.data.jsonl import iter_jsonl_objects
 from grail_exp.data.sources import Problem, arithmetic_task
 
 BENCHMARKS: dict[str, Callable[[Any], list[Problem]]] = {}
+# name -> "test" | "validation". Hyper-parameter search (grail_exp.tune) may only select on validation splits.
+BENCHMARK_SPLITS: dict[str, str] = {}
 
 DATA_DIR = Path(__file__).with_name("benchmark_files")  # the vendored JSONL files and MANIFEST.md
 
 OLYMPIAD_GOLD_RULES = ("first", "str")  # benchmark.olympiad_gold: final_answer[0] | str(final_answer)
 
 
-def register_benchmark(name: str):
+def register_benchmark(name: str, split: str = "test"):
+    if split not in ("test", "validation"):
+        raise ValueError(f"benchmark {name!r}: split must be 'test' or 'validation', got {split!r}")
+
     def deco(fn):
         if name in BENCHMARKS:
             raise ValueError(f"benchmark {name!r} registered twice")
         BENCHMARKS[name] = fn
+        BENCHMARK_SPLITS[name] = split
         return fn
 
     return deco
@@ -67,6 +73,16 @@ def _arithmetic(cfg) -> list[Problem]:
 
     task = arithmetic_task(cfg.data if cfg.data.name == "arithmetic" else DataConfigLike())
     return [Problem(p.question, p.answer, {"solution": p.solution}) for p in task.split("test")]
+
+
+@register_benchmark("arithmetic_val", split="validation")
+def _arithmetic_val(cfg) -> list[Problem]:
+    """The validation split of the arithmetic task (``data.num_validation`` problems, disjoint from the test split
+    and from training): what hyper-parameter search selects on (``benchmark=arithmetic_val``)."""
+    from grail_exp.data.sources import DataConfigLike
+
+    task = arithmetic_task(cfg.data if cfg.data.name == "arithmetic" else DataConfigLike())
+    return [Problem(p.question, p.answer, {"solution": p.solution}) for p in task.split("validation")]
 
 
 def load_benchmark(name: str, cfg) -> list[Problem]:

@@ -19,7 +19,8 @@ class PromptSource(Protocol):
     def __getitem__(self, index: int) -> Problem: ...
 
 
-DATASETS: dict[str, Callable[[Any], PromptSource]] = {}
+# name -> builder(data_cfg, seed=run seed, prompts_per_step=P) -> PromptSource
+DATASETS: dict[str, Callable[..., PromptSource]] = {}
 
 
 def register_dataset(name: str):
@@ -51,18 +52,25 @@ class ArithmeticSource:
 
 
 @register_dataset("arithmetic")
-def _arithmetic(data_cfg) -> PromptSource:
+def _arithmetic(data_cfg, seed: int | None = None, prompts_per_step: int | None = None) -> PromptSource:
+    if data_cfg.get("order", "shuffled") != "shuffled":
+        raise ValueError(f"data.order = {data_cfg.order!r}: the arithmetic stream is generated; "
+                         "order=reference applies to hub datasets (data=deepmath)")
     return ArithmeticSource(arithmetic_task(data_cfg))
 
 
 class HubSource:
-    """A Hugging Face dataset (hub id, local directory or data file), shuffled once, cycled by index.
+    """A Hugging Face dataset (hub id, local directory or data file) in a fixed order, indexed by position.
 
     ``problem_field`` may hold plain text or a chat list (``[{"role": "user", "content": ...}]``, as in
     trl-lib/DeepMath-103K); the user turn's content is used.
+
+    Order (``data.order``): ``shuffled`` = ``datasets.shuffle(seed=shuffle_seed)``, cycled. ``reference`` = the
+    stream the GRAIL reference trained on (``ReferenceOrder``). Both are pure functions of the position, so a
+    resumed run continues the same stream.
     """
 
-    def __init__(self, data_cfg):
+    def __init__(self, data_cfg, seed: int | None = None, prompts_per_step: int | None = None):
         import datasets
 
         path = data_cfg.path
@@ -79,27 +87,71 @@ class HubSource:
                                  f"fields: {ds.column_names}")
         self.ds = ds.shuffle(seed=data_cfg.shuffle_seed)
         self.problem_field, self.answer_field = data_cfg.problem_field, data_cfg.answer_field
+        self.order = None
+        if data_cfg.get("order", "shuffled") == "reference":
+            sampler_seed = data_cfg.get("sampler_seed")
+            sampler_seed = seed if sampler_seed is None else sampler_seed
+            if sampler_seed is None or prompts_per_step is None:
+                raise ValueError("data.order=reference needs the sampler seed (data.sampler_seed, or the run seed) and "
+                                 "trainer.prompts_per_step: pass seed= and prompts_per_step= to build_source")
+            self.order = ReferenceOrder(len(self.ds), int(prompts_per_step), int(sampler_seed))
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def __getitem__(self, index: int) -> Problem:
-        row = self.ds[index % len(self.ds)]  # cycle: epochs continue deterministically
+        # shuffled: cycle, so epochs continue deterministically; reference: the sampler's row for this position
+        row = self.ds[index % len(self.ds) if self.order is None else self.order[index]]
         q = row[self.problem_field]
         if isinstance(q, list):  # chat format
             q = next(m["content"] for m in q if m.get("role") == "user")
         return Problem(str(q), str(row[self.answer_field]).strip())
 
 
+class ReferenceOrder:
+    """Row order of the GRAIL reference's prompt stream, on top of the ``datasets.shuffle(seed=42)`` rows.
+
+    The reference (declare-lab/grail ``src/train/grail_trainer.py``, a fork of TRL's GRPOTrainer) draws its
+    prompts through TRL's ``RepeatSampler`` (huggingface/trl ``trl/trainer/utils.py``) with
+    ``batch_size = generation_batch_size // num_generations`` (= P = 32 prompts per rollout batch) and
+    ``seed = args.seed``. Each pass over the data (``__iter__``) draws ``torch.randperm(n)`` from one
+    ``torch.Generator`` seeded once, cuts it into chunks of P, drops the last incomplete chunk and yields each
+    chunk for one rollout batch (its repeats serve the G samples and the mu x accumulation reuses). Rollout
+    batch r therefore holds rows ``perm_e[j]`` for positions ``r * P .. r * P + P - 1`` of the epoch stream,
+    with epochs of ``floor(n / P) * P`` positions and ``perm_e`` the e-th draw of the generator.
+    """
+
+    def __init__(self, n: int, prompts_per_step: int, seed: int):
+        if n < prompts_per_step:
+            raise ValueError(f"the dataset has {n} rows, fewer than trainer.prompts_per_step = {prompts_per_step}: "
+                             "the reference sampler would yield no batch at all")
+        self.n, self.per_epoch = n, (n // prompts_per_step) * prompts_per_step
+        self.seed = seed
+        self._perms: list[list[int]] = []  # the generator's draws so far, one per epoch
+        self._generator = None
+
+    def __getitem__(self, index: int) -> int:
+        import torch
+
+        epoch, pos = divmod(index, self.per_epoch)
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.seed)
+        while len(self._perms) <= epoch:  # the sampler draws one permutation per pass, from the same generator
+            self._perms.append(torch.randperm(self.n, generator=self._generator).tolist())
+        return self._perms[epoch][pos]
+
+
 @register_dataset("deepmath")
-def _deepmath(data_cfg) -> PromptSource:
-    return HubSource(data_cfg)
+def _deepmath(data_cfg, seed: int | None = None, prompts_per_step: int | None = None) -> PromptSource:
+    return HubSource(data_cfg, seed=seed, prompts_per_step=prompts_per_step)
 
 
-def build_source(data_cfg) -> PromptSource:
+def build_source(data_cfg, seed: int | None = None, prompts_per_step: int | None = None) -> PromptSource:
+    """The training prompt stream of ``data_cfg``. ``seed`` / ``prompts_per_step``: the run's, needed by
+    ``data.order=reference`` (the reference's sampler is seeded with the run seed and cuts batches of P)."""
     if data_cfg.name not in DATASETS:
         raise ValueError(f"unknown data.name {data_cfg.name!r}; valid: {', '.join(sorted(DATASETS))}")
-    return DATASETS[data_cfg.name](data_cfg)
+    return DATASETS[data_cfg.name](data_cfg, seed=seed, prompts_per_step=prompts_per_step)
 
 
 class DataConfigLike:

@@ -6,6 +6,15 @@ package registered with ``@register_estimator("name", ConfigDataclass)`` (its eq
 a YAML file in ``conf/estimator/``, tests. Inputs come as an ``EstimatorInput``: rewards grouped by prompt
 (groups contiguous, G rollouts each), the completion mask and anything an estimator asks the trainer for
 (``needs``: e.g. greedy-baseline rewards, per-token Σπ²).
+
+Two optional hooks for estimators that change what is sampled (SCRL, ``estimators/scrl.py``):
+- ``prompt_variants(cfg, problems, G, data_cfg)``: per problem, a list of ``PromptVariant``s whose counts sum to G;
+  the trainer samples ``n`` rollouts of each, rows in that order (so a group stays contiguous).
+- ``check_run(cfg.estimator, cfg)``: key-named errors for combinations with the rest of the run (``validate``).
+The trainer fills ``extras`` with what ``needs`` names, from: ``completion_texts`` (decoded, special tokens
+skipped), ``completion_token_ids`` (unpadded lists), ``tokenizer``, ``verifier`` (the run's ``MathVerifier``),
+``rollout_variants`` (per row: the ``PromptVariant.info`` of the prompt it answered; None without variants).
+An estimator may return ``rewards`` (N,) to replace the verifier's scalar rewards (stored with the batch, logged).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ class EstimatorOutput:
     advantages: torch.Tensor  # (N,) or (N, C)
     zero_std: torch.Tensor  # (N,) bool: the row's group has no reward variance (no signal)
     metrics: dict[str, float] = field(default_factory=dict)
+    rewards: torch.Tensor | None = None  # (N,) scalar rewards replacing the verifier's (None = keep them)
 
     @property
     def sequence_advantages(self) -> torch.Tensor:
@@ -40,12 +50,24 @@ class EstimatorOutput:
         return a if a.dim() == 1 else a.sum(-1) / a.ne(0).sum(-1).clamp(min=1)
 
 
+@dataclass(frozen=True)
+class PromptVariant:
+    """One prompt of a problem and how many of its G rollouts use it."""
+
+    question: str  # the problem text shown to the model (before data.instruction)
+    n: int  # rollouts of this prompt
+    instruction: bool = True  # append data.instruction
+    info: Any = None  # handed back to the estimator per row (``extras['rollout_variants']``)
+
+
 @dataclass
 class EstimatorSpec:
     fn: Callable[[EstimatorInput, Any], EstimatorOutput]
     config_class: type
     needs: tuple[str, ...] = ()  # extra inputs: "greedy_rewards" (ReMax), "sum_pi_squared" (OTB), ...
     check: Callable[[Any], list[str]] | None = None
+    prompt_variants: Callable[..., list[list[PromptVariant]]] | None = None  # None = G rollouts of the problem
+    check_run: Callable[[Any, Any], list[str]] | None = None  # (estimator cfg, run cfg) -> key-named errors
 
 
 @dataclass
@@ -54,11 +76,11 @@ class EstimatorConfig:
 
 
 def register_estimator(name: str, config_class: type = EstimatorConfig, needs: tuple[str, ...] = (),
-                       check: Callable[[Any], list[str]] | None = None):
+                       check: Callable[[Any], list[str]] | None = None, prompt_variants=None, check_run=None):
     def deco(fn):
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} registered twice")
-        ESTIMATORS[name] = EstimatorSpec(fn, config_class, needs, check)
+        ESTIMATORS[name] = EstimatorSpec(fn, config_class, needs, check, prompt_variants, check_run)
         return fn
 
     return deco
@@ -78,6 +100,8 @@ def group_zero_std(rewards: torch.Tensor, G: int) -> torch.Tensor:
 from grail_exp.estimators import grpo as _grpo  # noqa: E402,F401
 from grail_exp.estimators import gpg as _gpg, opo as _opo, otb as _otb, passk as _passk  # noqa: E402,F401
 from grail_exp.estimators import reinforce_pp as _rpp, remax as _remax, rloo as _rloo  # noqa: E402,F401
+from grail_exp.estimators import scrl as _scrl  # noqa: E402,F401
 
-__all__ = ["ESTIMATORS", "EstimatorConfig", "EstimatorInput", "EstimatorOutput", "estimate", "group_zero_std",
+__all__ = ["ESTIMATORS", "EstimatorConfig", "EstimatorInput", "EstimatorOutput", "PromptVariant", "estimate",
+           "group_zero_std",
            "register_estimator"]

@@ -82,3 +82,6 @@ __all__ = [
     "masked_mean", "policy_loss", "register_aggregation", "register_kl", "register_loss_term", "register_policy_loss",
     "selective_log_softmax",
 ]
+
+# Importing the term modules registers them (after the names above exist: they import this package's pieces).
+from grail_exp.loss import sdpg as _sdpg  # noqa: E402,F401

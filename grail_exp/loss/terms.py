@@ -79,6 +79,17 @@ def register_loss_term(name: str, config_class: type):
     return deco
 
 
+def typed_term_config(cls, node):
+    """A term's config node merged into its typed schema, interpolations (``${data.instruction}``, ...) resolved
+    against the root config first (the merged copy no longer has the root to resolve them)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    node = {k: v for k, v in (node or {}).items() if k != "enabled"}  # build_terms' on/off switch, not a term key
+    return OmegaConf.merge(OmegaConf.structured(cls.config_class), node)
+
+
 def build_terms(terms_cfg, tokenizer=None, model_cfg=None) -> list[LossTerm]:
     """The enabled terms of ``loss.terms`` (a mapping name -> config), in a stable order."""
     from omegaconf import OmegaConf
@@ -89,6 +100,6 @@ def build_terms(terms_cfg, tokenizer=None, model_cfg=None) -> list[LossTerm]:
         if node is None or (hasattr(node, "get") and node.get("enabled", True) is False):
             continue
         cls = LOSS_TERMS[name]
-        typed = OmegaConf.merge(OmegaConf.structured(cls.config_class), node)
+        typed = typed_term_config(cls, node)
         out.append(cls(typed, tokenizer, model_cfg))
     return out

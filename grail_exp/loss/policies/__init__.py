@@ -65,6 +65,12 @@ def check_family_config(cfg) -> list[str]:
         if world != 1:
             e.append("rollout.dynamic_sampling.enabled = true: only implemented for one process (world size "
                      f"{world}); every rank would need to agree on the kept groups")
+        from grail_exp.estimators import ESTIMATORS
+
+        est = cfg.get("estimator", {}).get("name")
+        if est in ESTIMATORS and ESTIMATORS[est].prompt_variants is not None:
+            e.append(f"rollout.dynamic_sampling.enabled = true: not with estimator={est} (it plans its own prompts "
+                     "per problem and replaces the rewards dynamic sampling filters on)")
     from omegaconf import OmegaConf
 
     from grail_exp.loss.terms import LOSS_TERMS

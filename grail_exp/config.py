@@ -152,6 +152,24 @@ class DynamicSamplingConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The colocated vLLM engine of ``rollout=vllm`` (grail_exp/rollout/vllm.py); ignored by other engines."""
+
+    gpu_memory_utilization: float = 0.3  # fraction of GPU memory vLLM may take (weights + KV cache); rest is training's
+    max_model_len: Optional[int] = None  # prompt + completion tokens per sequence; null = the model's own limit
+    enable_prefix_caching: bool = True  # share the KV cache of the G copies of a prompt (reset after each sync)
+    enforce_eager: bool = True  # no CUDA graphs: faster start, less memory; false = graphs (faster decode on GPU)
+    sleep_mode: bool = False  # offload weights / drop KV cache between rollouts (GPU only; an error on CPU)
+    dtype: Optional[str] = None  # engine dtype; null = model.dtype (weights are pushed in this dtype)
+    # Which vLLM log-prob the engine reads: raw_logprobs = log softmax(z) of the unprocessed logits, which the
+    # engine rescales to log softmax(z/T) (see rollout/vllm.py). processed_logprobs = vLLM's own after temperature,
+    # penalties AND top-k/top-p renormalisation (not the trainer's quantity when top_k/top_p are on).
+    logprobs_mode: str = "raw_logprobs"
+    seed: Optional[int] = None  # engine construction seed; null = the run's seed. Per-request seeds come from torch's RNG
+    kwargs: dict = field(default_factory=dict)  # any further vllm.LLM(...) keyword arguments, passed as is
+
+
+@dataclass
 class RolloutConfig:
     """Sampling of training rollouts (G completions per prompt)."""
 
@@ -166,6 +184,7 @@ class RolloutConfig:
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     sampler_check: SamplerCheckConfig = field(default_factory=SamplerCheckConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=lambda: DynamicSamplingConfig())  # DAPO (issue 15)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout=vllm only (conf/rollout/vllm.yaml)
 
 
 @dataclass
@@ -296,9 +315,7 @@ class TrainerConfig:
     deterministic: bool = False
     num_nodes: int = 1  # data-parallel nodes (world size = devices x num_nodes)
     process_group_backend: Optional[str] = None  # null = nccl on GPU, gloo on CPU
-    sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (default) | SHARD_GRAD_OP | ...
-    zero_stage: Optional[int] = None  # trainer=deepspeed_*: ZeRO stage (2 = the paper's)
-    offload_optimizer: bool = False  # trainer=deepspeed_*: fp32 masters + Adam state in CPU memory (8B on one GPU)
+    sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/loss/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
@@ -518,13 +535,20 @@ def validate(cfg: DictConfig) -> DictConfig:
            "must be > 0 or null")
     _check(e, sc.jump_factor is None or sc.jump_factor > 1, "rollout.sampler_check.jump_factor", sc.jump_factor,
            "must be > 1 or null")
+    _check_vllm(cfg, e)
     # Half precision needs fp32 master weights (or a strategy that keeps them): an Adam step of ~lr vanishes in
     # bf16 rounding, so the model would silently not train.
-    sharded = str(t.strategy).startswith(("fsdp", "deepspeed"))
+    sharded = str(t.strategy).startswith("fsdp")
+    _check(e, t.sharding_strategy in (None, "FULL_SHARD", "SHARD_GRAD_OP"), "trainer.sharding_strategy",
+           t.sharding_strategy, "must be FULL_SHARD or SHARD_GRAD_OP (trainer=fsdp)")
+    _check(e, not str(t.strategy).startswith("deepspeed"), "trainer.strategy", t.strategy,
+           "DeepSpeed is not supported (its engine owns backward, accumulation, clipping and the step, which this "
+           "trainer's multi-backward step does its own way); the paper's ZeRO-2 layout is trainer=fsdp_zero2 "
+           "(fp32 masters, gradients and Adam state sharded)")
     if cfg.model.dtype in ("bfloat16", "float16") and o.master_weights is False and not sharded:
         e.append(f"model.dtype = {cfg.model.dtype!r} with optim.master_weights = false: AdamW would update "
                  f"{cfg.model.dtype} weights in place and steps of lr = {o.lr} vanish in rounding; set "
-                 "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / trainer=deepspeed_zero2")
+                 "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / trainer=fsdp_zero2")
     _check(e, cfg.model.dtype != "float16", "model.dtype", cfg.model.dtype,
            "float16 training needs loss scaling, which is not implemented; use bfloat16 (evaluation may use float16)")
     _check(e, t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", t.logprob_chunk_tokens, "must be >= 1")
@@ -661,11 +685,34 @@ def _check_extraction(e: list[str], node, key: str) -> None:
     _check(e, mode in MODES, key, mode, f"must be one of: {', '.join(MODES)}")
 
 
+VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+def _check_vllm(cfg: DictConfig, e: list[str]) -> None:
+    """Impossible rollout.vllm values (only when rollout.engine is vllm)."""
+    v = cfg.rollout.get("vllm")
+    if cfg.rollout.engine != "vllm" or v is None:
+        return
+    _check(e, 0 < v.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization,
+           "must be in (0, 1]")
+    _check(e, v.max_model_len is None or v.max_model_len > 0, "rollout.vllm.max_model_len", v.max_model_len,
+           "must be > 0 or null")
+    _check(e, v.dtype in (None, "float32", "bfloat16", "float16"), "rollout.vllm.dtype", v.dtype,
+           "must be null (= model.dtype), float32, bfloat16 or float16")
+    _check(e, v.logprobs_mode in VLLM_LOGPROBS_MODES, "rollout.vllm.logprobs_mode", v.logprobs_mode,
+           f"must be one of: {', '.join(VLLM_LOGPROBS_MODES)}")
+    r = cfg.rollout
+    if v.max_model_len is not None and "max_completion_length" in r:
+        _check(e, v.max_model_len > r.max_completion_length, "rollout.vllm.max_model_len", v.max_model_len,
+               f"must exceed rollout.max_completion_length = {r.max_completion_length} (prompt + completion)")
+
+
 def validate_eval(cfg: DictConfig) -> DictConfig:
     """Validation for ``python -m grail_exp.evaluate`` (before any model is loaded)."""
     e: list[str] = []
     _check(e, cfg.rollout.engine in ("hf", "vllm"), "rollout.engine", cfg.rollout.engine, "must be one of: hf, vllm")
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
+    _check_vllm(cfg, e)
     _check_eval_model_benchmark(cfg, e)
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))

@@ -16,8 +16,11 @@ in ``model.dtype`` (``MixedPrecisionPolicy``), gradients are reduce-scattered in
 Lightning's own FSDPStrategy (FSDP1) refuses CPU and wraps ``training_step`` in one root forward, which does not fit
 a step with several forwards and backwards; FSDP2 runs on CPU (gloo), so it is tested here.
 
-``trainer=deepspeed_zero2`` maps to Lightning's DeepSpeed strategy (the paper's ZeRO-2, bf16; fp32 masters in
-DeepSpeed's optimiser). Not runnable on CPU: see the README for what was and was not run.
+The paper's DeepSpeed ZeRO-2 layout (fp32 masters, gradients and Adam state sharded, parameters replicated) is
+``trainer=fsdp_zero2`` (FSDP2 with ``reshard_after_forward=False``). DeepSpeed itself is refused by ``validate``: its
+engine owns backward, gradient accumulation, clipping and the optimiser step, while this trainer's step runs several
+backwards (micro-batches, the probe) before one optimiser step and computes its own gradient norm; on an H100 Lightning's
+DeepSpeedStrategy also rejected the configuration before training (see results/gpu.md).
 """
 
 from __future__ import annotations
@@ -66,28 +69,7 @@ def build_strategy(cfg):
         return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"))
     if name == "fsdp":  # launching as DDP; the module shards the policy itself (shard_policy) in configure_model
         return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"))
-    if name.startswith("deepspeed"):
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
-        return DeepSpeedStrategy(config=_deepspeed_config(cfg))
     return name
-
-
-def _deepspeed_config(cfg) -> dict:
-    """ZeRO-2 with bf16 (the paper's accelerate config): fp32 master weights and Adam state partitioned across ranks,
-    bf16 module weights; gradient accumulation is the module's (one ``step`` per optimiser step)."""
-    t = cfg.trainer
-    return {
-        "zero_optimization": {"stage": int(t.get("zero_stage") or 2), "overlap_comm": True,
-                              "contiguous_gradients": True, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8,
-                              **({"offload_optimizer": {"device": "cpu", "pin_memory": True}}
-                                 if t.get("offload_optimizer") else {})},
-        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
-        "gradient_clipping": 0.0,  # the module clips (optim.max_grad_norm)
-        "train_micro_batch_size_per_gpu": int(t.micro_batch_size),
-        "gradient_accumulation_steps": 1,
-        "zero_allow_untested_optimizer": True,
-    }
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2
@@ -117,9 +99,13 @@ def shard_policy(policy: torch.nn.Module, cfg) -> PolicyCore:
     compute = DTYPES[cfg.model.dtype]
     mp = MixedPrecisionPolicy(param_dtype=compute if compute != torch.float32 else None, reduce_dtype=torch.float32)
     layer_types = tuple(decoder_layer_classes(cfg))
+    # FULL_SHARD (ZeRO-3-like): a layer's parameters are freed after its forward and gathered again for backward.
+    # SHARD_GRAD_OP (ZeRO-2-like, the paper's layout): kept gathered from forward to backward; gradients and optimiser
+    # state stay sharded either way.
+    reshard = (cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "FULL_SHARD"
     for module in policy.modules():
         if isinstance(module, layer_types):
-            fully_shard(module, mp_policy=mp)
+            fully_shard(module, mp_policy=mp, reshard_after_forward=reshard)
     core = PolicyCore(policy)
     fully_shard(core, mp_policy=mp, reshard_after_forward=False)
     return core

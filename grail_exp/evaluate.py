@@ -162,8 +162,11 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
         shas = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
         cache = CompletionCache(None)
         if cache_dir is not None:
-            key = _sha({"model": model_key, "benchmark": name, "sampling": OmegaConf.to_container(ev, resolve=True),
-                        "per_call": per_call})
+            what = {"model": model_key, "benchmark": name, "sampling": OmegaConf.to_container(ev, resolve=True),
+                    "per_call": per_call}
+            if cfg.rollout.engine != "hf":  # another engine samples other completions (hf keys stay as they were)
+                what["engine"] = str(cfg.rollout.engine)
+            key = _sha(what)
             cache = CompletionCache(Path(cache_dir) / f"{name}-{key}.jsonl")
         completions: list[Completion] = []
         with tqdm(total=len(prompts), desc=f"{desc} {name}", unit="problem", dynamic_ncols=True, leave=False) as bar:
@@ -318,7 +321,7 @@ def evaluate_job(cfg: DictConfig) -> EvalResult:
         tracker.log_params({**evaluation_params(cfg, tokenizer), "model.name_or_path": path,
                             "model.revision": cfg.model.revision, "benchmark.limit": cfg.benchmark.limit})
         tracker.set_tags({"job": "evaluate", "model": cfg.model.name, "benchmark": cfg.benchmark.name})
-        engine = build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval.batch_size)
+        engine = build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval.batch_size, cfg=cfg, model_path=path)
         r = cfg.reward
         verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s,
                                 parse_timeout=r.parse_timeout, verify_timeout=r.verify_timeout)

@@ -182,7 +182,11 @@ class GRPOModule(L.LightningModule):
         # half-used rollout batch (num_iterations > 1).
         self.resume_state = resume_state
         self.step = int(resume_state["step"]) if resume_state else 0
-        rank_state = _rank_state(resume_state)
+        # The process group does not exist yet (Lightning creates it later): the launcher's rank picks this rank's
+        # half-used rollout batch, not rank 0's.
+        from grail_exp.distributed import launch_rank
+
+        rank_state = _rank_state(resume_state, launch_rank())
         self.resume_buffer = rank_state.get("buffer") if rank_state else None
         self.position = {"round": int(resume_state["round"]) if resume_state else 0, "buffer": self.resume_buffer}
         # GRPO family (issue 15): dynamic sampling's data position and the KL-in-reward controller (both checkpointed).

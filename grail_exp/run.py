@@ -122,7 +122,8 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
         log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
 
         scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
-        engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
+        engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size,
+                              cfg=cfg, model_path=policy_path)
         r = cfg.reward
         verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s,
                                 parse_timeout=r.parse_timeout, verify_timeout=r.verify_timeout,
@@ -134,6 +135,8 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
 
         def run_eval(tag: str, step: int) -> dict[str, float]:
             t = time.perf_counter()
+            if cfg.rollout.engine == "vllm":
+                engine.sync_weights(policy)  # vLLM holds its own copy: evaluate the weights trained so far
             res = evaluate_benchmarks(policy, tokenizer, engine, verifier, cfg, desc=f"eval ({tag})")
             log_eval_result(tracker, res, tag, step)
             phases[f"eval_{tag}_s"] = phases.get(f"eval_{tag}_s", 0.0) + time.perf_counter() - t

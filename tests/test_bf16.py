@@ -92,6 +92,17 @@ def test_validate_rejects_bf16_without_master_weights(compose_cfg):
     validate(compose_cfg(["model.dtype=bfloat16"]))  # null = masters on for half precision
 
 
+def test_validate_refuses_deepspeed_and_unknown_sharding(compose_cfg):
+    from grail_exp.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"trainer.strategy = 'deepspeed'.*trainer=fsdp_zero2"):
+        validate(compose_cfg(["trainer=fsdp", "trainer.strategy=deepspeed"]))
+    with pytest.raises(ConfigError, match=r"trainer.sharding_strategy = 'HYBRID_SHARD'"):
+        validate(compose_cfg(["trainer=fsdp", "trainer.sharding_strategy=HYBRID_SHARD"]))
+    cfg = validate(compose_cfg(["trainer=fsdp_zero2", "model.dtype=bfloat16", "optim.master_weights=false"]))
+    assert cfg.trainer.strategy == "fsdp" and cfg.trainer.sharding_strategy == "SHARD_GRAD_OP"
+
+
 def test_token_counts_are_exact_in_bf16():
     """4,095 valid tokens: a bf16 mask sum rounds to 4,096; the aggregations and masked means count in float32."""
     from grail_exp.loss import AGGREGATIONS, AggregationContext, masked_mean

@@ -101,6 +101,16 @@ def test_family_keys_are_validated(compose_cfg):
         assert key in msg
 
 
+def test_dynamic_sampling_refuses_an_estimator_that_plans_its_prompts(compose_cfg):
+    """SCRL samples curricula and replaces the verifier's rewards, which dynamic sampling filters groups on."""
+    from grail_exp.config import ConfigError, validate
+
+    assert validate(compose_cfg(["logger=none", "estimator=scrl"])).estimator.name == "scrl"
+    validate(compose_cfg(["logger=none", "rollout.dynamic_sampling.enabled=true"]))
+    with pytest.raises(ConfigError, match=r"rollout\.dynamic_sampling\.enabled = true: not with estimator=scrl"):
+        validate(compose_cfg(["logger=none", "estimator=scrl", "rollout.dynamic_sampling.enabled=true"]))
+
+
 class TextParityVerifier:
     """Deterministic in the completion text (so exact resume sees the same rewards): correct when the text's
     character codes sum to 0 mod 3 — many groups of 4 come out all-wrong, which dynamic sampling drops."""

@@ -114,6 +114,14 @@ def test_pad_completions_layout():
     assert rb.input_ids.shape == (2, 5)
 
 
-def test_vllm_engine_is_a_clear_error(tiny_model, tiny_tokenizer):
-    with pytest.raises(NotImplementedError, match="rollout=hf"):
+def test_vllm_engine_is_a_clear_error(tiny_model, tiny_tokenizer, tiny_model_dir, compose_cfg):
+    """Without vLLM installed, rollout=vllm says how to install it (with it, tests/test_vllm.py covers the engine)."""
+    import importlib.util
+
+    with pytest.raises(ValueError, match="model_path"):
         build_engine("vllm", tiny_model, tiny_tokenizer)
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: the missing-package error cannot be observed")
+    cfg = compose_cfg(["rollout=vllm"])
+    with pytest.raises(ImportError, match=r"pip install -e \"\.\[gpu\]\".*make test-vllm"):
+        build_engine("vllm", tiny_model, tiny_tokenizer, cfg=cfg, model_path=str(tiny_model_dir))

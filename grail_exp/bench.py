@@ -10,7 +10,8 @@ synthetic rollout batch: ``bench.prompts`` groups of ``bench.num_generations`` c
 ``zero_advantage_fraction`` of the groups, whose rewards are all equal (A = 0). A rollout batch is trained for
 ``bench.iterations`` optimiser steps through the trainer's own code (``GRPOModule.prepare_batch``,
 ``_logps_no_grad``, ``_optimizer_step``), so what is timed is what a run executes. Per scheme, after
-``bench.warmup`` untimed batches, ``bench.repeats`` timed batches; medians of
+``bench.warmup`` untimed batches, ``bench.repeats`` timed batches, in ``bench.passes`` passes that alternate the
+scheme order (ABC, CBA: drift of a shared machine cancels); medians over all timed batches of
 
 - ``old_logp_s``: the no-grad log-prob pass over the rollout batch (needed when μ > 1), once per rollout batch;
 - ``scheme_s``: the scheme's own work per optimiser step (``prepare`` + weight computation; with a shared forward
@@ -199,8 +200,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokenizer, bench: DictConfig, device) -> dict:
-    """Medians over ``bench.repeats`` rollout batches of the per-step phase times of one scheme."""
+def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokenizer, bench: DictConfig,
+                 device) -> list[dict]:
+    """Per-step phase times of one scheme for each of ``bench.repeats`` timed rollout batches (after the warm-up)."""
     from grail_exp.advantages import build_scheme
     from grail_exp.module import GRPOModule
     from grail_exp.tracking import NullTracker
@@ -246,6 +248,10 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return rows
+
+
+def medians(rows: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
@@ -298,14 +304,22 @@ def main(argv: list[str] | None = None) -> dict:
         initial = {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()}  # off the GPU
         config = describe(base_cfg, policy, bench, device)
         log.info("bench: %s", json.dumps(config))
-        for name in names:
-            cfg = compose_run_config(overrides, name, bench, tmp)
-            try:
-                results[name] = bench_scheme(name, cfg, policy, initial, tokenizer, bench, device)
-            except Exception as exc:  # one scheme's failure (e.g. it needs data the synthetic batch lacks) is reported
-                log.exception("bench: scheme %s failed", name)
-                results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-            log.info("%s: %s", name, results[name])
+        rows: dict[str, list] = {n: [] for n in names}
+        errors: dict[str, str] = {}
+        cfgs = {name: compose_run_config(overrides, name, bench, tmp) for name in names}
+        # Passes alternate the scheme order (ABC, CBA, ...) so drift in a shared machine's speed cancels in the medians
+        # instead of favouring whichever scheme ran when the machine was quiet.
+        for p in range(int(bench.passes)):
+            for name in (names if p % 2 == 0 else names[::-1]):
+                if name in errors:
+                    continue
+                try:
+                    rows[name] += bench_scheme(name, cfgs[name], policy, initial, tokenizer, bench, device)
+                except Exception as exc:  # one scheme's failure (e.g. it needs data the synthetic batch lacks)
+                    log.exception("bench: scheme %s failed", name)
+                    errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                log.info("pass %d, %s: %s", p + 1, name, errors.get(name) or medians(rows[name]))
+        results = {n: ({"error": errors[n]} if n in errors else medians(rows[n])) for n in names}
     table = table_markdown(results)
     print(table, flush=True)
     payload = {"schemes": results, "config": config, "command": "python -m grail_exp.bench " + " ".join(argv)}

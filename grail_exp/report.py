@@ -53,6 +53,18 @@ DASH = "—"
 
 
 # ----------------------------------------------------------------------------------------------- config schema
+# Schemes whose weights are per rollout batch by construction (their only valid recompute): no suffix.
+PER_ROLLOUT_BY_DESIGN = ("delta", "shear")
+
+
+def arm_scheme(scheme: str, params: dict) -> str:
+    """The row label of a run's scheme: ``grail+per_rollout`` when its weights were computed once per rollout batch
+    (``advantage.recompute=per_rollout``), a different arm from the faithful per-update one."""
+    if params.get("advantage.recompute") == "per_rollout" and scheme not in PER_ROLLOUT_BY_DESIGN:
+        return f"{scheme}+per_rollout"
+    return scheme
+
+
 @dataclass
 class RunSelection:
     """Which MLflow runs the report reads (all filters are ANDed)."""
@@ -246,6 +258,7 @@ def select_runs(client, raw_runs: list, cfg: DictConfig, notes: Notes, tmp: Path
         if model is None or scheme is None:
             ignored.append(f"run {run.info.run_id} ({run.info.run_name}) names no model/scheme")
             continue
+        scheme = arm_scheme(scheme, run.data.params)
         rec = RunRecord(run.info.run_id, model, scheme, seed if seed is not None else "?", run.info.status,
                         run.info.start_time or 0, dict(run.data.params))
         by_arm_seed[(model, scheme, rec.seed)].append(rec)

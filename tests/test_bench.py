@@ -13,7 +13,7 @@ def test_bench_times_every_scheme_through_the_trainer(tmp_path, tiny_model_dir):
     out = tmp_path / "bench.json"
     payload = main([f"model.name_or_path={tiny_model_dir}", "bench.prompts=2", "bench.num_generations=4",
                     "bench.completion_length=24", "bench.prompt_length=8", "bench.warmup=1", "bench.repeats=1",
-                    "bench.micro_batch_size=4", "bench.schemes=[grpo,grail,oar_g]", "bench.per_rollout=[grail]",
+                    "bench.micro_batch_size=4", "bench.passes=2", "bench.schemes=[grpo,grail,oar_g]", "bench.per_rollout=[grail]",
                     f"json={out}", f"markdown={tmp_path / 'bench.md'}", f"paths.cache_dir={tmp_path}"])
     written = json.loads(out.read_text())
     assert list(written["schemes"]) == ["grpo", "grail", "grail_per_rollout", "oar_g"]

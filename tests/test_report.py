@@ -358,3 +358,12 @@ def test_training_view_url():
         "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning")
     assert training_view_url("http://host:8080/", "3", "abc") == (
         "http://host:8080/#/experiments/3/runs/abc?workflowType=machine_learning")
+
+
+def test_per_rollout_runs_are_their_own_arm():
+    from grail_exp.report import arm_scheme
+
+    assert arm_scheme("grail", {"advantage.recompute": "per_rollout"}) == "grail+per_rollout"
+    assert arm_scheme("grail", {"advantage.recompute": "per_update"}) == "grail"
+    assert arm_scheme("grail", {}) == "grail"
+    assert arm_scheme("delta", {"advantage.recompute": "per_rollout"}) == "delta"  # per rollout by design

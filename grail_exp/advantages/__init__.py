@@ -25,6 +25,8 @@ from grail_exp.advantages import grail as _grail  # noqa: E402,F401
 from grail_exp.advantages import grpo as _grpo  # noqa: E402,F401
 from grail_exp.advantages import oar as _oar  # noqa: E402,F401
 from grail_exp.advantages import rlsd as _rlsd  # noqa: E402,F401
+from grail_exp.advantages import delta as _delta  # noqa: E402,F401
+from grail_exp.advantages import shear as _shear  # noqa: E402,F401
 
 __all__ = [
     "SCHEMES",

@@ -143,6 +143,15 @@ class SamplerCheckConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling (arXiv 2503.14476 §3.2; verl algorithm.filter_groups): drop groups whose rewards are all
+    equal (no gradient signal) and sample more prompts until the step has trainer.prompts_per_step informative groups."""
+
+    enabled: bool = False  # off = every sampled group is trained on (GRPO)
+    max_extra_rounds: int = 4  # extra generation rounds per step at most (verl max_num_gen_batches); then the batch is topped up with dropped groups (logged)
+
+
+@dataclass
 class VLLMConfig:
     """The colocated vLLM engine of ``rollout=vllm`` (grail_exp/rollout/vllm.py); ignored by other engines."""
 
@@ -174,6 +183,7 @@ class RolloutConfig:
     generation_batch_size: int = 256  # completions per generate() call (memory knob only)
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     sampler_check: SamplerCheckConfig = field(default_factory=SamplerCheckConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=lambda: DynamicSamplingConfig())  # DAPO (issue 15)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout=vllm only (conf/rollout/vllm.yaml)
 
 
@@ -209,6 +219,19 @@ class BenchmarkConfig:
 
 # ---------------------------------------------------------------------------------------------- algorithm
 @dataclass
+class KLInRewardConfig:
+    """KL penalty folded into the reward before the advantages (Ziegler et al. arXiv 1909.08593; verl use_kl_in_reward):
+    r_i <- r_i - beta * sum_t KL_t over the completion's loss tokens. Loads the frozen reference model."""
+
+    enabled: bool = False
+    coef: float = 0.001  # initial beta (verl kl_ctrl.kl_coef 0.001)
+    estimator: str = "k1"  # per-token KL estimator (grail_exp/loss/kl.py; verl kl_penalty "kl" = k1)
+    controller: str = "fixed"  # fixed | adaptive (Ziegler et al.: beta *= 1 + clip((KL - target)/target, +-0.2) * n/horizon)
+    target: float = 0.1  # adaptive: target per-token KL (verl target_kl 0.1)
+    horizon: int = 10000  # adaptive: horizon in sequences (verl 10000)
+
+
+@dataclass
 class LossConfig:
     """The GRPO objective (method spec §2). Defaults = the GRAIL paper's GRPO (spec §2.2)."""
 
@@ -221,11 +244,29 @@ class LossConfig:
     # dr_grpo: token sum / (B * max_completion_length) (Dr. GRPO) | dapo: token sum / tokens in the global batch (DAPO)
     loss_type: str = "dr_grpo"
     beta: float = 0.0  # KL coefficient; > 0 loads a frozen reference model (DeepSeekMath: 0.04)
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators; k3 = TRL / the GRAIL reference), grail_exp/loss/kl.py
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | abs | k1+ | k3+ (straight-through: value of k1/k3, gradient of k2) (Schulman's estimators; k3 = TRL / the GRAIL reference), grail_exp/loss/kl.py
     policy_loss: str = "ppo_clip"  # the per-token objective (grail_exp/loss/policy.py registry)
     terms: dict = field(default_factory=dict)  # auxiliary loss terms: {name: {its config}} (grail_exp/loss/terms.py)
     num_iterations: int = 1  # mu: optimiser steps per rollout batch, with old log-probs (paper: 4)
     mask_truncated_completions: bool = True  # completions without EOS add no loss (DAPO overlong filtering)
+    # --- GRPO family (issue 15; grail_exp/loss/policies/, docs/readme/family.md). Defaults = off / the papers'.
+    clip_ratio_c: Optional[float] = None  # ppo_clip dual-clip c > 1: loss <= -c*A for A < 0 (arXiv 1912.09729; verl: 3.0); dppo_*: ratio cap; null = off
+    delta: Optional[float] = None  # ppo_clip two-sided clipping: ratio <= delta in the unclipped branch (INTELLECT-2 arXiv 2505.07291; TRL); null = off
+    sapo_tau_pos: float = 1.0  # sapo gate temperature for A > 0 (SAPO arXiv 2511.20347; TRL/verl default 1.0)
+    sapo_tau_neg: float = 1.05  # sapo gate temperature for A <= 0 (SAPO; TRL/verl default 1.05)
+    vespo_k_pos: float = 2.0  # vespo Gamma shape k for A >= 0 (VESPO arXiv 2602.10693; TRL default 2.0)
+    vespo_lambda_pos: float = 3.0  # vespo Gamma rate lambda for A >= 0 (TRL default 3.0)
+    vespo_k_neg: float = 3.0  # vespo k for A < 0 (TRL default 3.0)
+    vespo_lambda_neg: float = 2.0  # vespo lambda for A < 0 (TRL default 2.0)
+    clip_cov_ratio: float = 2e-4  # clip_cov: fraction of tokens whose gradient is detached (arXiv 2505.22617; verl 2e-4)
+    clip_cov_lb: float = 1.0  # clip_cov: lower bound of the token covariance eligible for detaching (verl 1.0)
+    clip_cov_ub: float = 5.0  # clip_cov: upper bound (verl 5.0)
+    kl_cov_ratio: float = 2e-4  # kl_cov: fraction of top-covariance tokens given the |log ratio| penalty (verl 2e-4)
+    kl_cov_coef: float = 0.1  # kl_cov: coefficient of that penalty (verl ppo_kl_coef 0.1)
+    kl_bias_correction: bool = False  # multiply the KL term by the ratio pi/pi_old (TRL use_bias_correction_kl; DeepSeek-V3.2 arXiv 2512.02556)
+    top_entropy_quantile: float = 1.0  # rho: keep only the top-rho highest-entropy tokens in the loss (arXiv 2506.01939; 0.2 there); 1 = off
+    kl_in_reward: KLInRewardConfig = field(default_factory=lambda: KLInRewardConfig())  # KL folded into the reward (issue 15)
+    off_policy_mask_threshold: Optional[float] = None  # OPSM delta: drop A < 0 sequences with mean KL(sampler||policy) > delta (DeepSeek-V3.2); null = off
 
 
 @dataclass
@@ -283,6 +324,15 @@ class TrainerConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment (arXiv 2503.14476 §3.4): r += min(0, -(L - (L_max - buffer)) / buffer) * factor."""
+
+    enabled: bool = False
+    length: int = 16  # buffer L_cache in tokens before rollout.max_completion_length (DAPO: 4096 of 20480)
+    penalty_factor: float = 1.0  # penalty at L = L_max (DAPO: 1.0)
+
+
+@dataclass
 class RewardConfig:
     """Grading: last \\boxed{} -> math-verify in killable worker processes (method spec §2.2)."""
 
@@ -294,6 +344,7 @@ class RewardConfig:
     # last (default) | paper: the reference reward's regex (last non-nested box, stripped) | math_verify:
     # math-verify's own extraction over the whole completion (TRL accuracy_reward's settings).
     extraction: str = "last_balanced"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=lambda: OverlongBufferConfig())  # DAPO soft overlong punishment (issue 15)
 
 
 @dataclass
@@ -513,6 +564,9 @@ def validate(cfg: DictConfig) -> DictConfig:
            f"must be one of: {', '.join(sorted(AGGREGATIONS))}")
     _check(e, L.beta >= 0, "loss.beta", L.beta, "must be >= 0")
     _check(e, L.num_iterations >= 1, "loss.num_iterations", L.num_iterations, "must be >= 1")
+    from grail_exp.loss.policies import check_family_config  # GRPO family knobs (issue 15)
+
+    e.extend(check_family_config(cfg))
     _check(e, o.lr > 0, "optim.lr", o.lr, "must be > 0")
     _check(e, o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _check(e, o.max_grad_norm is None or o.max_grad_norm > 0, "optim.max_grad_norm", o.max_grad_norm,

@@ -189,6 +189,9 @@ class GRPOModule(L.LightningModule):
         rank_state = _rank_state(resume_state, launch_rank())
         self.resume_buffer = rank_state.get("buffer") if rank_state else None
         self.position = {"round": int(resume_state["round"]) if resume_state else 0, "buffer": self.resume_buffer}
+        # GRPO family (issue 15): dynamic sampling's data position and the KL-in-reward controller (both checkpointed).
+        self.prompt_cursor = int(resume_state.get("prompt_cursor", 0)) if resume_state else 0
+        self.kl_controller = None
         G = cfg.rollout.num_generations
         self.completions_per_step = cfg.trainer.prompts_per_step * G  # over all ranks
         self.nonfinite_in_a_row = 0
@@ -284,59 +287,50 @@ class GRPOModule(L.LightningModule):
         cfg, r = self.cfg, self.cfg.rollout
         P_total = cfg.trainer.prompts_per_step
         P = P_total // self.world_size
-        first = round_index * P_total + self.rank * P  # this rank's slice of the step's prompts
-        problems = [self.source[i] for i in range(first, first + P)]
-        spec = ESTIMATORS[cfg.estimator.name]
-        # Estimators that sample from several prompts per problem (SCRL) plan them; the others get G of the problem.
-        plan = spec.prompt_variants(cfg.estimator, problems, r.num_generations, cfg.data) \
-            if spec.prompt_variants else None
-        if plan is None:
-            prompts = encode_prompts([p.question for p in problems], self.tokenizer, cfg.model, cfg.data.instruction)
-
         with _timer(timings, "rollout"):
             t = time.perf_counter()
             with self.full_parameters():
                 self.engine.sync_weights(self.policy)
                 timings["weight_sync"] = time.perf_counter() - t
-                params = SamplingParams(
-                    n=r.num_generations, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                    max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty, logprobs=True)
-                if plan is None:
-                    completions, variant_infos = self.engine.generate(prompts, params), None
-                else:
-                    completions, variant_infos = sample_variants(self.engine, self.tokenizer, cfg.model,
-                                                                 cfg.data.instruction, plan, params)
+        # --- GRPO family hook (issue 15): dynamic sampling draws whole groups until P are informative.
+        problems, completions, texts, graded, variant_infos, family_stats = self._sample_groups(round_index, P, timings)
         rb = pad_completions(completions, self.tokenizer.pad_token_id)
-        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        golds = [p.answer for p in problems for _ in range(r.num_generations)]
+        rewards = torch.tensor([float(g.correct) for g in graded])
+        ob = cfg.reward.get("overlong_buffer")
+        if ob is not None and ob.enabled:  # GRPO family hook: DAPO soft overlong punishment (a reward transform)
+            from grail_exp.family import overlong_penalty
 
-        with _timer(timings, "scoring"):
-            golds = [p.answer for p in problems for _ in range(r.num_generations)]
-            graded = self.verifier.score([strip_think(t) if cfg.model.strip_think else t for t in texts], golds)
-            rewards = torch.tensor([float(g.correct) for g in graded])
+            penalty = overlong_penalty(rb.completion_mask.sum(1), r.max_completion_length, ob.length, ob.penalty_factor)
+            rewards = rewards + penalty
+            family_stats["reward/overlong_penalty_mean"] = penalty.mean().item()
 
         loss_mask = rb.completion_mask.float()
         if cfg.loss.mask_truncated_completions:
             loss_mask = loss_mask * (~rb.is_truncated).float().unsqueeze(1)
-        est = estimate(cfg.estimator, EstimatorInput(rewards, r.num_generations, loss_mask,
-                                                     scale_rewards=cfg.loss.scale_rewards,
-                                                     extras=self._estimator_extras(spec, completions, texts,
-                                                                                   variant_infos)))
-        if est.rewards is not None:  # e.g. SCRL: a curriculum row's reward is its subproblem progress
-            rewards = est.rewards.float()
-        seq_adv = est.sequence_advantages
         attn = rb.attention_mask
         dev = self.policy.device
         batch = TrainingBatch(
             input_ids=rb.input_ids.to(dev), attention_mask=attn.to(dev),
             position_ids=position_ids_from_mask(attn).to(dev), prompt_length=rb.prompt_ids.shape[1],
             completion_ids=rb.completion_ids.to(dev), loss_mask=loss_mask.to(dev),
-            advantages=seq_adv.to(dev), rewards=rewards.to(dev), texts=texts,
+            advantages=torch.zeros(len(texts), device=dev), rewards=rewards.to(dev), texts=texts,
             sampler_logp=rb.sampling_logprobs.to(dev) if rb.sampling_logprobs is not None else None,
-            token_advantages=est.advantages.to(dev) if est.advantages.dim() == 2 else None,
             group_ids=torch.arange(P).repeat_interleave(r.num_generations).to(dev),
             problems=[p.question for p in problems for _ in range(r.num_generations)], golds=golds,
             order=torch.arange(len(texts), device=dev),
         )
+        # GRPO family hook: what the estimator asks for (greedy rewards, Σπ²) and KL-in-reward, before the advantages.
+        extras, rewards = self._estimator_extras(batch, problems, completions, texts, variant_infos, rewards,
+                                                 family_stats, timings)
+        est = estimate(cfg.estimator, EstimatorInput(rewards, r.num_generations, loss_mask,
+                                                     scale_rewards=cfg.loss.scale_rewards, extras=extras))
+        if est.rewards is not None:  # e.g. SCRL: a curriculum row's reward is its subproblem progress
+            rewards = est.rewards.float()
+        seq_adv = est.sequence_advantages
+        batch.advantages = seq_adv.to(dev)
+        batch.rewards = rewards.to(dev)
+        batch.token_advantages = est.advantages.to(dev) if est.advantages.dim() == 2 else None
         lengths = rb.completion_mask.sum(1).float()
         term = lengths[~rb.is_truncated]
         stats = {
@@ -354,17 +348,120 @@ class GRPOModule(L.LightningModule):
             "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
             "completions/truncated_rate": rb.is_truncated.float().mean().item(),
             **{f"estimator/{k}": v for k, v in est.metrics.items()},
+            **family_stats,
         }
         self._samples = [(problems[i // r.num_generations], texts[i], graded[i], rewards[i].item(),
                           seq_adv[i].item()) for i in range(len(texts))]
         return batch, stats
 
-    def _estimator_extras(self, spec, completions, texts, variant_infos) -> dict:
-        """What the estimator's ``needs`` asks for (grail_exp/estimators/__init__.py lists the names)."""
-        available = {"completion_texts": lambda: texts,
-                     "completion_token_ids": lambda: [c.token_ids for c in completions], "tokenizer": lambda: self.tokenizer, "verifier": lambda: self.verifier,
-                     "rollout_variants": lambda: variant_infos or [None] * len(texts)}
-        return {k: available[k]() for k in spec.needs if k in available}
+    # ------------------------------------------------------------------ GRPO family hooks (issue 15)
+    def _generate_and_grade(self, problems: list, n: int, temperature: float, timings: dict, plan=None):
+        """Sample ``n`` completions per problem (temperature 0 = greedy) and grade them. With a ``plan`` (an
+        estimator's ``prompt_variants``, e.g. SCRL) each problem's n rollouts come from its variants, in plan order;
+        returns (completions, texts, graded, per-row variant infos or None)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        params = SamplingParams(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty,
+                                logprobs=True)
+        with _timer(timings, "rollout"), self.full_parameters():
+            if plan is None:
+                prompts = encode_prompts([p.question for p in problems], self.tokenizer, cfg.model, cfg.data.instruction)
+                completions, variant_infos = self.engine.generate(prompts, params), None
+            else:
+                completions, variant_infos = sample_variants(self.engine, self.tokenizer, cfg.model,
+                                                             cfg.data.instruction, plan, params)
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        with _timer(timings, "scoring"):
+            golds = [p.answer for p in problems for _ in range(n)]
+            graded = self.verifier.score([strip_think(t) if cfg.model.strip_think else t for t in texts], golds)
+        return completions, texts, graded, variant_infos
+
+    def _sample_groups(self, round_index: int, P: int, timings: dict):
+        """The step's P groups of G completions. Without dynamic sampling: prompts round·P_total + rank·P onwards
+        (through the estimator's prompt plan when it has one, e.g. SCRL).
+        With ``rollout.dynamic_sampling`` (DAPO §3.2): draw P prompts at a time from ``self.prompt_cursor``, keep the
+        groups whose rewards differ, at most ``max_extra_rounds`` extra rounds, then top up with dropped groups
+        (validate() rejects it with an estimator that plans its prompts)."""
+        cfg, G = self.cfg, self.cfg.rollout.num_generations
+        ds = cfg.rollout.get("dynamic_sampling")
+        if ds is None or not ds.enabled:
+            first = round_index * cfg.trainer.prompts_per_step + self.rank * P  # this rank's slice of the step's prompts
+            problems = [self.source[i] for i in range(first, first + P)]
+            spec = ESTIMATORS[cfg.estimator.name]
+            # Estimators that sample from several prompts per problem (SCRL) plan them; the others get G of the problem.
+            plan = spec.prompt_variants(cfg.estimator, problems, G, cfg.data) if spec.prompt_variants else None
+            completions, texts, graded, variant_infos = self._generate_and_grade(
+                problems, G, cfg.rollout.temperature, timings, plan)
+            return problems, completions, texts, graded, variant_infos, {}
+        from grail_exp.family import informative_groups
+
+        kept, dropped, rounds = [], [], 0
+        while len(kept) < P and rounds <= ds.max_extra_rounds:
+            problems = [self.source[i] for i in range(self.prompt_cursor, self.prompt_cursor + P)]
+            self.prompt_cursor += P
+            rounds += 1
+            completions, texts, graded, _ = self._generate_and_grade(problems, G, cfg.rollout.temperature, timings)
+            good = informative_groups(torch.tensor([float(g.correct) for g in graded]), G).tolist()
+            for j, p in enumerate(problems):
+                group = (p, completions[j * G:(j + 1) * G], texts[j * G:(j + 1) * G], graded[j * G:(j + 1) * G])
+                (kept if good[j] else dropped).append(group)
+        n_kept = min(len(kept), P)
+        groups = (kept + dropped)[:P]  # verl raises when the bound is hit; we train on a full batch and log it
+        stats = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(n_kept),
+                 "dynamic_sampling/dropped_groups": float(len(dropped)),
+                 "dynamic_sampling/filled_with_dropped": float(P - n_kept),
+                 "dynamic_sampling/prompt_cursor": float(self.prompt_cursor)}
+        return ([g[0] for g in groups], [c for g in groups for c in g[1]], [t for g in groups for t in g[2]],
+                [x for g in groups for x in g[3]], None, stats)
+
+    def _estimator_extras(self, batch: TrainingBatch, problems: list, completions, texts, variant_infos,
+                          rewards: torch.Tensor, stats: dict, timings: dict):
+        """What the estimator's ``needs`` asks for (grail_exp/estimators/__init__.py lists the names), computed only
+        when asked, and the KL-in-reward penalty; returns (extras, rewards)."""
+        cfg = self.cfg
+
+        def greedy_rewards():  # ReMax: one greedy completion per prompt, graded
+            graded = self._generate_and_grade(problems, 1, 0.0, timings)[2]
+            return {"greedy_rewards": torch.tensor([float(g.correct) for g in graded])}
+
+        def sum_pi_squared():  # OTB: π(o_t) and Σπ² of the rollout policy, chunked over the vocabulary
+            from grail_exp.estimators.otb import sum_pi_squared_from_hidden
+
+            logps, spps = [], []
+            with _timer(timings, "sum_pi_squared"), torch.no_grad(), self.full_parameters():
+                for s, e in batch.micro_batches(self.micro_batch_size):
+                    logp, _, fwd = self.forward_policy(self.policy, batch.input_ids[s:e], batch.attention_mask[s:e],
+                                                       batch.position_ids[s:e], batch.completion_ids[s:e])
+                    h = predicting_window(fwd.hidden, batch.prompt_length, batch.completion_ids.shape[1])
+                    spps.append(sum_pi_squared_from_hidden(h, fwd.head_weight, fwd.head_bias,
+                                                           cfg.rollout.temperature, cfg.trainer.logprob_chunk_tokens))
+                    logps.append(logp)
+            return {"logp": torch.cat(logps).cpu(), "sum_pi_squared": torch.cat(spps).cpu()}
+
+        available = {"completion_texts": lambda: {"completion_texts": texts},
+                     "completion_token_ids": lambda: {"completion_token_ids": [c.token_ids for c in completions]},
+                     "tokenizer": lambda: {"tokenizer": self.tokenizer}, "verifier": lambda: {"verifier": self.verifier},
+                     "rollout_variants": lambda: {"rollout_variants": variant_infos or [None] * len(texts)},
+                     "greedy_rewards": greedy_rewards, "sum_pi_squared": sum_pi_squared}
+        extras: dict = {}
+        for k in ESTIMATORS[cfg.estimator.name].needs:
+            if k in available:
+                extras.update(available[k]())
+        kir = cfg.loss.get("kl_in_reward")
+        if kir is not None and kir.enabled:  # r_i <- r_i - β Σ_t KL_t (needs the reference before the advantages)
+            from grail_exp.family import KLInRewardController
+            from grail_exp.loss import KL_ESTIMATORS
+
+            if self.kl_controller is None:
+                self.kl_controller = KLInRewardController(kir)
+            with _timer(timings, "old_logp"):
+                if batch.old_logp is None:
+                    batch.old_logp = self._logps_no_grad(self.policy, batch)
+                batch.ref_logp = self._logps_no_grad(self.ref_model, batch)
+            kl = KL_ESTIMATORS[kir.estimator](batch.old_logp, batch.ref_logp).cpu()
+            rewards, m = self.kl_controller.penalise(rewards, kl, batch.loss_mask.cpu())
+            stats.update(m)
+        return extras, rewards
 
     def scheme_batch(self, batch: TrainingBatch, s: int | None = None, e: int | None = None) -> SchemeBatch:
         """The scheme's view of rows s:e (all rows when None), with the rollout-batch context."""
@@ -426,9 +523,9 @@ class GRPOModule(L.LightningModule):
             batch, stats = self.make_batch(round_index, timings)
             self.prepare_batch(batch, timings)
             with _timer(timings, "old_logp"):
-                if self._needs_old_logp():
+                if self._needs_old_logp() and batch.old_logp is None:
                     batch.old_logp = self._logps_no_grad(self.policy, batch)
-                if cfg.loss.beta > 0 or any(t.needs_reference for t in self.terms):
+                if (cfg.loss.beta > 0 or any(t.needs_reference for t in self.terms)) and batch.ref_logp is None:
                     batch.ref_logp = self._logps_no_grad(self.ref_model, batch)
             if batch.old_logp is not None and batch.sampler_logp is not None:
                 stats.update(self._check_sampler(batch))
@@ -561,6 +658,10 @@ class GRPOModule(L.LightningModule):
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "logp_diff_history": list(self.logp_diff_history),
             "mlflow_run_id": getattr(self.tracker, "run_id", None),
+            # GRPO family (issue 15): data cursor of dynamic sampling, KL-in-reward β, stateful loss terms.
+            "prompt_cursor": self.prompt_cursor,
+            "kl_controller": self.kl_controller.state_dict() if self.kl_controller is not None else None,
+            "terms": {t.name: t.state_dict() for t in self.terms},
         }
 
     def on_train_start(self) -> None:
@@ -585,6 +686,14 @@ class GRPOModule(L.LightningModule):
         self.scheme_generator.set_state(mine["scheme_generator"])
         self.nonfinite_total, self.nonfinite_in_a_row = st["nonfinite_total"], st["nonfinite_in_a_row"]
         self.logp_diff_history = list(st.get("logp_diff_history", []))
+        if st.get("kl_controller") is not None:  # GRPO family (issue 15)
+            from grail_exp.family import KLInRewardController
+
+            self.kl_controller = KLInRewardController(self.cfg.loss.kl_in_reward)
+            self.kl_controller.load_state_dict(st["kl_controller"])
+        for term in self.terms:
+            if term.name in st.get("terms", {}):
+                term.load_state_dict(st["terms"][term.name])
 
     # ------------------------------------------------------------------ one optimiser step
     def _weights(self, batch: TrainingBatch, s: int, e: int, iteration: int, fwd: PolicyForward):
@@ -622,6 +731,8 @@ class GRPOModule(L.LightningModule):
                 self.policy, batch.input_ids[s:e], batch.attention_mask[s:e], batch.position_ids[s:e],
                 batch.completion_ids[s:e], hidden_states=need_states)
 
+            mask, mask_metrics = self._family_token_mask(batch, s, e, mask, logp, entropy)  # GRPO family hook
+
             ts = time.perf_counter()
             w, scheme_metrics, fresh = self._weights(batch, s, e, iteration, fwd)
             t_scheme += time.perf_counter() - ts
@@ -644,6 +755,7 @@ class GRPOModule(L.LightningModule):
             loss = out.loss
             metrics = {k: v.item() for k, v in out.metrics.items()}
             metrics.update(is_metrics)
+            metrics.update(mask_metrics)
             if self.terms:
                 loss, term_metrics = self._add_terms(loss, batch, s, e, logp, entropy, fwd, mask, token_adv, old,
                                                      agg_ctx)
@@ -702,6 +814,28 @@ class GRPOModule(L.LightningModule):
                     "iteration": float(iteration), "nonfinite_steps_total": float(self.nonfinite_total),
                     "scheme/recompute_per_rollout": float(self.scheme.cfg.get("recompute") == "per_rollout")})
         return avg
+
+    def _family_token_mask(self, batch, s, e, mask, logp, entropy):
+        """GRPO family (issue 15): top-entropy token mask (``loss.top_entropy_quantile``) and OPSM
+        (``loss.off_policy_mask_threshold``) applied to the micro-batch's loss mask. Normalisers keep the unmasked
+        token counts (dapo's global count, dr_grpo's constant), as TRL does."""
+        L = self.cfg.loss
+        rho, delta = L.get("top_entropy_quantile", 1.0), L.get("off_policy_mask_threshold")
+        if rho >= 1.0 and delta is None:
+            return mask, {}
+        from grail_exp.family import off_policy_sequence_mask, top_entropy_mask
+
+        n0 = mask.float().sum().clamp(min=1.0)
+        metrics = {}
+        if delta is not None:
+            behaviour = batch.sampler_logp[s:e] if batch.sampler_logp is not None else (
+                batch.old_logp[s:e] if batch.old_logp is not None else logp.detach())
+            mask = off_policy_sequence_mask(batch.advantages[s:e], logp, behaviour, mask, delta)
+            metrics["opsm/masked_token_frac"] = 1.0 - float(mask.float().sum() / n0)
+        if rho < 1.0:
+            mask = top_entropy_mask(entropy, mask, rho)
+            metrics["top_entropy/kept_token_frac"] = float(mask.float().sum() / n0)
+        return mask, metrics
 
     def _add_terms(self, loss, batch, s, e, logp, entropy, fwd, mask, token_adv, old, agg_ctx):
         cfg = self.cfg

@@ -116,7 +116,8 @@ def train(cfg: DictConfig, on_eval=None) -> dict:
         policy_cfg = OmegaConf.merge(cfg, {"model": {"dtype": "float32"}}) if cfg.trainer.strategy == "fsdp" else cfg
         policy = load_causal_lm(policy_path, policy_cfg, trainable=True)
         terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
-        needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms)
+        needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms) \
+            or cfg.loss.kl_in_reward.enabled  # GRPO family (issue 15): KL-in-reward needs the reference too
         ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
         log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
 

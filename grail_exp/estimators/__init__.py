@@ -98,6 +98,8 @@ def group_zero_std(rewards: torch.Tensor, G: int) -> torch.Tensor:
 
 # Importing the estimator modules registers them.
 from grail_exp.estimators import grpo as _grpo  # noqa: E402,F401
+from grail_exp.estimators import gpg as _gpg, opo as _opo, otb as _otb, passk as _passk  # noqa: E402,F401
+from grail_exp.estimators import reinforce_pp as _rpp, remax as _remax, rloo as _rloo  # noqa: E402,F401
 from grail_exp.estimators import scrl as _scrl  # noqa: E402,F401
 
 __all__ = ["ESTIMATORS", "EstimatorConfig", "EstimatorInput", "EstimatorOutput", "PromptVariant", "estimate",

@@ -24,6 +24,8 @@ from grail_exp.loss.kl import KL_ESTIMATORS, register_kl
 from grail_exp.loss.logprobs import entropy_from_logits, linear_logprob, selective_log_softmax
 from grail_exp.loss.policy import POLICY_LOSSES, PolicyLossOutput, masked_mean, register_policy_loss
 from grail_exp.loss.terms import LOSS_TERMS, LossTerm, TermContext, build_terms, register_loss_term
+from grail_exp.loss import policies as _family  # noqa: E402,F401  (registers the GRPO family's losses, issue 15)
+from grail_exp.loss import entropy_bonus as _entropy_bonus  # noqa: E402,F401  (loss.terms.entropy_bonus)
 
 
 @dataclass
@@ -63,6 +65,9 @@ def policy_loss(
         if ref_logp is None:
             raise ValueError("loss.beta > 0 needs reference log-probs")
         kl = KL_ESTIMATORS[kl_estimator](logp, ref_logp)
+        if getattr(cfg, "kl_bias_correction", False):
+            # TRL use_bias_correction_kl: the samples come from π_old, so weight the estimator by ρ = π_θ/π_old.
+            kl = kl * torch.exp(logp - old_logp)
         per_token = per_token + beta * kl
         metrics["kl"] = masked_mean(kl.detach(), mask)
     ctx = AggregationContext(max_completion_length, accumulation_steps, global_num_tokens, world_size)

@@ -42,3 +42,25 @@ def k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     delta = ref_logp - logp
     return torch.exp(delta) - delta - 1.0
+
+
+# --- GRPO family additions (issue 15) -----------------------------------------------------------------------------
+@register_kl("abs")
+def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """|log π − log π_ref| (verl ``abs``)."""
+    return (logp - ref_logp).abs()
+
+
+def _straight_through(value_fn):
+    """Forward value of ``value_fn``, gradient of k2 (verl's ``k1+`` / ``k3+``): k2 + sg(value − k2). k2's gradient
+    (log π − log π_ref)·∇log π is the unbiased gradient of KL(π‖π_ref) in expectation, whichever value is logged."""
+
+    def fn(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        low_var = k2(logp, ref_logp)
+        return low_var + (value_fn(logp, ref_logp) - low_var).detach()
+
+    return fn
+
+
+register_kl("k1+")(_straight_through(k1))
+register_kl("k3+")(_straight_through(k3))

@@ -50,12 +50,22 @@ def ppo_clip(logp, old_logp, adv, mask, cfg) -> PolicyLossOutput:
         ℓ = −min(ρ·Â, clip(ρ, 1 − ε, 1 + ε_high)·Â)
 
     ``loss.epsilon`` (ε, 0.2), ``loss.epsilon_high`` (ε_high; null = ε). This is what TRL's GRPOTrainer and the
-    GRAIL reference compute (method spec §2.2, §3)."""
+    GRAIL reference compute (method spec §2.2, §3).
+
+    Optional bounds for Â < 0 (both off by default, so the default objective is unchanged):
+    ``loss.clip_ratio_c`` c > 1, dual-clip (Ye et al. arXiv 1912.09729; verl):  ℓ = min(ℓ, −c·Â) where Â < 0;
+    ``loss.delta`` δ > 1, two-sided clipping (INTELLECT-2 arXiv 2505.07291; TRL): ρ in the unclipped branch is
+    min(ρ, δ) — the same bound as dual-clip with c = δ."""
     eps_lo = cfg.epsilon
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     ratio = torch.exp(logp - old_logp)  # (B, T)
     clipped = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi)
-    per_token = -torch.min(ratio * adv, clipped * adv)
+    delta = getattr(cfg, "delta", None)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # TRL two-sided clipping
+    per_token = -torch.min(unclipped * adv, clipped * adv)
+    c = getattr(cfg, "clip_ratio_c", None)
+    if c is not None:  # dual-clip: for Â < 0 the loss is at most −c·Â (verl vanilla's clip_ratio_c)
+        per_token = torch.where(adv < 0, torch.min(per_token, -c * adv), per_token)
     with torch.no_grad():
         # A token is "clipped" when the clipped branch is active (TRL's clip_ratio metrics).
         low = (ratio < 1.0 - eps_lo) & (adv < 0)

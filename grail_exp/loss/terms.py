@@ -59,6 +59,14 @@ class LossTerm:
     def __call__(self, ctx: TermContext) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    # Stateful terms (an adaptive coefficient) save and restore their state with checkpoints (module.py saves
+    # ``{name: term.state_dict()}`` in the training state). Stateless terms keep these defaults.
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
 
 def register_loss_term(name: str, config_class: type):
     def deco(cls):

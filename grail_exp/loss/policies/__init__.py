@@ -1,0 +1,88 @@
+"""The GRPO family's policy losses (issue 15), one file each; importing this package registers them.
+
+Every loss here has the ``grail_exp.loss.policy`` signature fn(logp, old_logp, adv, mask, cfg) -> PolicyLossOutput
+with Â = sg(w)·A (B, T), so it composes with every token-weight scheme (GRAIL, OAR, ...). With μ = 1 (ratio 1,
+old = sg(logp)) every loss except ``kl_cov``'s extra penalty and ``clip_cov``'s detached tokens has the gradient
+of −Â·logp (tested in tests/test_family_losses.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grail_exp.loss.policies import cispo, cov, dppo, gmpo, gpg, gspo, sapo, vespo  # noqa: F401  (registration)
+
+
+def seq_log_ratio_mean(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, 1) length-normalised sequence log-ratio (1/|o_i|) Σ_t (logp − old_logp) (GSPO's s_i in log space)."""
+    m = mask.float()
+    return ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+
+
+def check_family_config(cfg) -> list[str]:
+    """Validation of the family's ``loss.*`` knobs (called from grail_exp.config.validate)."""
+    L, e = cfg.loss, []
+
+    def check(ok, key, why):
+        if not ok:
+            e.append(f"loss.{key} = {L.get(key)!r}: {why}")
+
+    check(L.get("clip_ratio_c") is None or L.clip_ratio_c > 1.0, "clip_ratio_c", "must be > 1 or null (dual-clip)")
+    check(L.get("delta") is None or L.delta > 1.0, "delta", "must be > 1 or null (two-sided clipping)")
+    for k in ("sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+              "kl_cov_coef"):
+        check(L.get(k, 1.0) > 0, k, "must be > 0")
+    for k in ("clip_cov_ratio", "kl_cov_ratio"):
+        check(0 < L.get(k, 1e-4) <= 1, k, "must be in (0, 1]")
+    check(L.get("clip_cov_lb", 1.0) <= L.get("clip_cov_ub", 5.0), "clip_cov_lb", "must be <= loss.clip_cov_ub")
+    check(0 < L.get("top_entropy_quantile", 1.0) <= 1, "top_entropy_quantile", "must be in (0, 1] (1 = off)")
+    check(L.get("off_policy_mask_threshold") is None or L.off_policy_mask_threshold >= 0, "off_policy_mask_threshold",
+          "must be >= 0 or null")
+    kir = L.get("kl_in_reward")
+    if kir is not None and kir.enabled:
+        from grail_exp.loss.kl import KL_ESTIMATORS
+
+        if kir.estimator not in KL_ESTIMATORS:
+            e.append(f"loss.kl_in_reward.estimator = {kir.estimator!r}: must be one of: {', '.join(sorted(KL_ESTIMATORS))}")
+        if kir.controller not in ("fixed", "adaptive"):
+            e.append(f"loss.kl_in_reward.controller = {kir.controller!r}: must be fixed or adaptive")
+        if kir.coef < 0 or kir.target <= 0 or kir.horizon < 1:
+            e.append(f"loss.kl_in_reward: coef = {kir.coef} must be >= 0, target = {kir.target} > 0, "
+                     f"horizon = {kir.horizon} >= 1")
+    ob = cfg.get("reward", {}).get("overlong_buffer") if hasattr(cfg, "get") else None
+    if ob is not None and ob.enabled:
+        L_max = cfg.rollout.max_completion_length
+        if not 0 < ob.length <= L_max:
+            e.append(f"reward.overlong_buffer.length = {ob.length!r}: must be in (0, rollout.max_completion_length = {L_max}]")
+        if ob.penalty_factor < 0:
+            e.append(f"reward.overlong_buffer.penalty_factor = {ob.penalty_factor!r}: must be >= 0")
+    ds = cfg.get("rollout", {}).get("dynamic_sampling") if hasattr(cfg, "get") else None
+    if ds is not None and ds.enabled:
+        t = cfg.trainer
+        world = (t.devices if isinstance(t.devices, int) else 1) * t.num_nodes
+        if ds.max_extra_rounds < 0:
+            e.append(f"rollout.dynamic_sampling.max_extra_rounds = {ds.max_extra_rounds!r}: must be >= 0")
+        if world != 1:
+            e.append("rollout.dynamic_sampling.enabled = true: only implemented for one process (world size "
+                     f"{world}); every rank would need to agree on the kept groups")
+        from grail_exp.estimators import ESTIMATORS
+
+        est = cfg.get("estimator", {}).get("name")
+        if est in ESTIMATORS and ESTIMATORS[est].prompt_variants is not None:
+            e.append(f"rollout.dynamic_sampling.enabled = true: not with estimator={est} (it plans its own prompts "
+                     "per problem and replaces the rewards dynamic sampling filters on)")
+    from omegaconf import OmegaConf
+
+    from grail_exp.loss.terms import LOSS_TERMS
+
+    for name, node in (L.get("terms") or {}).items():  # the terms' own checks (e.g. entropy_bonus's bounds)
+        if name in LOSS_TERMS and node is not None:
+            try:
+                typed = OmegaConf.merge(OmegaConf.structured(LOSS_TERMS[name].config_class), node)
+            except Exception as exc:  # omegaconf names the offending key
+                e.append(f"loss.terms.{name}: {exc}".split("\n")[0])
+                continue
+            e.extend(f"loss.terms.{name}.{msg}" for msg in LOSS_TERMS[name].check_config(typed))
+    if L.policy_loss == "cispo":
+        check(L.epsilon <= 1.0, "epsilon", "cispo clips the weight to [1 - epsilon, 1 + epsilon_high]: must be <= 1")
+    return e

@@ -18,6 +18,9 @@ scheme order (ABC, CBA: drift of a shared machine cancels); medians over all tim
   this is the probe's extra backward only — the forward is counted in the update);
 - ``update_s``: forward + backward + optimiser step, per optimiser step, without the scheme's work;
 - ``step_s``: scheme_s + update_s, the whole update phase of one optimiser step;
+- ``step_per_old_logp``: step_s / old_logp_s of the same rollout batch (median of the per-batch ratios). The old-logp
+  pass is the same work for every scheme and runs moments before the step, so on a shared, noisy machine the ratio of
+  this column to GRPO's ("load-normalised step / grpo") compares schemes at equal machine speed;
 - ``peak_mem_mb``: on CUDA the peak allocated memory during the steps above the memory held before them; on CPU
   the peak resident-set growth during them (sampled every 2 ms; freed heap is returned to the OS before each
   batch so earlier schemes' freed memory does not hide a later scheme's growth).
@@ -241,7 +244,10 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
         scheme_s = (t1 - t0 + timings.get("scheme", 0.0)) / mu
         if r >= int(bench.warmup):
             rows.append({"old_logp_s": t2 - t1, "scheme_s": scheme_s, "update_s": steps_s / mu - scheme_s,
-                         "step_s": steps_s / mu, "peak_mem_mb": mem.peak_mb})
+                         "step_s": steps_s / mu, "peak_mem_mb": mem.peak_mb,
+                         # the same no-grad pass for every scheme, timed moments before: a speed reference that
+                         # cancels how busy a shared machine was during this batch
+                         "step_per_old_logp": (steps_s / mu) / max(t2 - t1, 1e-9)})
     if hasattr(opt, "remove_hooks"):  # fp32-master hooks on the shared policy's parameters
         opt.remove_hooks()
     del module, opt, sched
@@ -258,16 +264,19 @@ def medians(rows: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------------------ the table
 def table_markdown(results: dict, baseline: str = "grpo") -> str:
     base = results.get(baseline)
-    head = "| scheme | old_logp_s | scheme_s | update_s | step_s | step / grpo | peak_mem_mb | mem / grpo |"
-    lines = [head, "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    head = ("| scheme | old_logp_s | scheme_s | update_s | step_s | step / grpo | load-normalised step / grpo "
+            "| peak_mem_mb | mem / grpo |")
+    lines = [head, "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"| {name} | error: {r['error']} | | | | | | |")
             continue
         ratio = f"{r['step_s'] / base['step_s']:.2f}×" if base and "step_s" in base else "—"
         mem = f"{r['peak_mem_mb'] / base['peak_mem_mb']:.2f}×" if base and base.get("peak_mem_mb", 0) > 0 else "—"
+        norm = (f"{r['step_per_old_logp'] / base['step_per_old_logp']:.2f}×"
+                if base and base.get("step_per_old_logp") else "—")
         lines.append(f"| {name} | {r['old_logp_s']:.3f} | {r['scheme_s']:.3f} | {r['update_s']:.3f} | "
-                     f"{r['step_s']:.3f} | {ratio} | {r['peak_mem_mb']:.0f} | {mem} |")
+                     f"{r['step_s']:.3f} | {ratio} | {norm} | {r['peak_mem_mb']:.0f} | {mem} |")
     return "\n".join(lines)
 
 

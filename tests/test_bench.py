@@ -18,7 +18,7 @@ def test_bench_times_every_scheme_through_the_trainer(tmp_path, tiny_model_dir):
     written = json.loads(out.read_text())
     assert list(written["schemes"]) == ["grpo", "grail", "grail_per_rollout", "oar_g"]
     for name, r in written["schemes"].items():
-        assert set(r) == {"old_logp_s", "scheme_s", "update_s", "step_s", "peak_mem_mb"}, name
+        assert set(r) == {"old_logp_s", "scheme_s", "update_s", "step_s", "peak_mem_mb", "step_per_old_logp"}, name
         assert r["step_s"] == pytest.approx(r["scheme_s"] + r["update_s"])
         assert r["step_s"] > 0 and r["old_logp_s"] > 0  # μ = 2 needs the old log-probs
     # grpo has no scheme work beyond the trivial weights; grail pays for its probe

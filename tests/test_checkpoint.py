@@ -32,7 +32,8 @@ def _state_equal(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("scheme, mu, first_leg", [("grpo", 1, 2), ("grail", 1, 2), ("grail", 2, 1), ("oar_g", 1, 2)])
+@pytest.mark.parametrize("scheme, mu, first_leg", [("grpo", 1, 2), ("grail", 1, 2), ("grail", 2, 1),
+                                                     pytest.param("oar_g", 1, 2, marks=pytest.mark.slow)])
 def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir, monkeypatch, scheme, mu, first_leg):
     """Bit-identical parameters and optimiser state; (grail, mu=2, 1) resumes mid-rollout-batch from the buffer."""
     import grail_exp.rewards

@@ -69,7 +69,7 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path, model_dir, trainer):
 
 
 @pytest.mark.parametrize("scheme, loss_type", [
-    ("grail", "dapo"), ("grpo", "dr_grpo"),
+    ("grail", "dapo"), pytest.param("grpo", "dr_grpo", marks=pytest.mark.slow),
     pytest.param("grail", "dr_grpo", marks=pytest.mark.slow), pytest.param("grpo", "dapo", marks=pytest.mark.slow),
 ])
 def test_two_ranks_equal_one_process(tmp_path, model_dir, scheme, loss_type):

@@ -53,14 +53,14 @@ DASH = "—"
 
 
 # ----------------------------------------------------------------------------------------------- config schema
-# Schemes whose weights are per rollout batch by construction (their only valid recompute): no suffix.
-PER_ROLLOUT_BY_DESIGN = ("delta", "shear")
-
-
 def arm_scheme(scheme: str, params: dict) -> str:
     """The row label of a run's scheme: ``grail+per_rollout`` when its weights were computed once per rollout batch
-    (``advantage.recompute=per_rollout``), a different arm from the faithful per-update one."""
-    if params.get("advantage.recompute") == "per_rollout" and scheme not in PER_ROLLOUT_BY_DESIGN:
+    (``advantage.recompute=per_rollout``), a different arm from the faithful per-update one. Batch-level schemes
+    (DelTA, SHEAR) are per rollout by construction: no suffix."""
+    from grail_exp.advantages import SCHEMES
+
+    by_design = scheme in SCHEMES and SCHEMES[scheme].batch_level
+    if params.get("advantage.recompute") == "per_rollout" and not by_design:
         return f"{scheme}+per_rollout"
     return scheme
 

@@ -183,10 +183,16 @@ def scheme_config_class(name: str) -> type:
     return SCHEMES[name].config_class
 
 
-def check_common(cfg) -> list[str]:
-    """Checks of the keys every scheme has."""
+def check_common(cfg, batch_level: str | None = None) -> list[str]:
+    """Checks of the keys every scheme has. ``batch_level``: the name of a scheme whose weights are statistics of the
+    whole rollout batch (``AdvantageScheme.batch_level``), which only ``recompute: per_rollout`` can give."""
     rc = cfg.get("recompute", "per_update") if hasattr(cfg, "get") else getattr(cfg, "recompute", "per_update")
-    return [] if rc in RECOMPUTE else [f"recompute = {rc!r}: must be one of {', '.join(RECOMPUTE)}"]
+    if rc not in RECOMPUTE:
+        return [f"recompute = {rc!r}: must be one of {', '.join(RECOMPUTE)}"]
+    if batch_level and rc != "per_rollout":
+        return [f"recompute = {rc!r}: {batch_level} computes its batch-level weights once per rollout batch; "
+                "use per_rollout"]
+    return []
 
 
 def build_scheme(cfg, tokenizer=None, context: dict | None = None) -> AdvantageScheme:

@@ -206,10 +206,7 @@ class DeltaScheme(AdvantageScheme):
 
     @staticmethod
     def check_config(cfg) -> list[str]:
-        e = check_common(cfg)
-        if cfg.recompute != "per_rollout":
-            e.append(f"recompute = {cfg.recompute!r}: delta computes its batch-level weights once per rollout batch "
-                     "(the official code); use per_rollout")
+        e = check_common(cfg, batch_level="delta")  # once per rollout batch, as the official code
         if int(cfg.K) != cfg.K or cfg.K < 0:
             e.append(f"K = {cfg.K}: must be an integer >= 0")
         if not 0 < cfg.lambda_min <= cfg.lambda_max:

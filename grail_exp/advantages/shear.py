@@ -219,10 +219,7 @@ class ShearScheme(AdvantageScheme):
 
     @staticmethod
     def check_config(cfg) -> list[str]:
-        e = check_common(cfg)
-        if cfg.recompute != "per_rollout":
-            e.append(f"recompute = {cfg.recompute!r}: shear computes its batch-level weights once per rollout batch; "
-                     "use per_rollout")
+        e = check_common(cfg, batch_level="shear")
         for key in ("window", "stride", "max_iter", "max_pairs", "chunk_rows"):
             if getattr(cfg, key) < 1:
                 e.append(f"{key} = {getattr(cfg, key)}: must be >= 1")

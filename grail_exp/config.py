@@ -316,6 +316,8 @@ class TrainerConfig:
     num_nodes: int = 1  # data-parallel nodes (world size = devices x num_nodes)
     process_group_backend: Optional[str] = None  # null = nccl on GPU, gloo on CPU
     sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
+    # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/deepspeed_zero.py), e.g. zero_optimization
+    deepspeed: Optional[Any] = None
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/loss/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
@@ -541,14 +543,23 @@ def validate(cfg: DictConfig) -> DictConfig:
     sharded = str(t.strategy).startswith("fsdp")
     _check(e, t.sharding_strategy in (None, "FULL_SHARD", "SHARD_GRAD_OP"), "trainer.sharding_strategy",
            t.sharding_strategy, "must be FULL_SHARD or SHARD_GRAD_OP (trainer=fsdp)")
-    _check(e, not str(t.strategy).startswith("deepspeed"), "trainer.strategy", t.strategy,
-           "DeepSpeed is not supported (its engine owns backward, accumulation, clipping and the step, which this "
-           "trainer's multi-backward step does its own way); the paper's ZeRO-2 layout is trainer=fsdp_zero2 "
-           "(fp32 masters, gradients and Adam state sharded)")
+    if str(t.strategy) == "deepspeed":
+        import importlib.util
+
+        _check(e, importlib.util.find_spec("deepspeed") is not None, "trainer.strategy", t.strategy,
+               "needs DeepSpeed: pip install -e '.[deepspeed]' (pinned deepspeed==0.19.8)")
+        stage = ((t.deepspeed or {}).get("zero_optimization") or {}).get("stage", 2)
+        _check(e, stage in (1, 2), "trainer.deepspeed.zero_optimization.stage", stage,
+               "must be 1 or 2 (ZeRO-3 partitions the parameters that generation and the probes read whole; "
+               "trainer=fsdp shards them the way this trainer needs)")
+        sharded = True  # DeepSpeed keeps the fp32 master partition itself
+    elif str(t.strategy).startswith("deepspeed"):
+        e.append(f"trainer.strategy = {t.strategy!r}: DeepSpeed runs as strategy 'deepspeed' (trainer=deepspeed_zero2), "
+                 "under this trainer's own step; Lightning's DeepSpeed strategies own the step and do not fit it")
     if cfg.model.dtype in ("bfloat16", "float16") and o.master_weights is False and not sharded:
         e.append(f"model.dtype = {cfg.model.dtype!r} with optim.master_weights = false: AdamW would update "
                  f"{cfg.model.dtype} weights in place and steps of lr = {o.lr} vanish in rounding; set "
-                 "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / trainer=fsdp_zero2")
+                 "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / fsdp_zero2 / deepspeed_zero2")
     _check(e, cfg.model.dtype != "float16", "model.dtype", cfg.model.dtype,
            "float16 training needs loss scaling, which is not implemented; use bfloat16 (evaluation may use float16)")
     _check(e, t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", t.logprob_chunk_tokens, "must be >= 1")

@@ -16,11 +16,11 @@ in ``model.dtype`` (``MixedPrecisionPolicy``), gradients are reduce-scattered in
 Lightning's own FSDPStrategy (FSDP1) refuses CPU and wraps ``training_step`` in one root forward, which does not fit
 a step with several forwards and backwards; FSDP2 runs on CPU (gloo), so it is tested here.
 
-The paper's DeepSpeed ZeRO-2 layout (fp32 masters, gradients and Adam state sharded, parameters replicated) is
-``trainer=fsdp_zero2`` (FSDP2 with ``reshard_after_forward=False``). DeepSpeed itself is refused by ``validate``: its
-engine owns backward, gradient accumulation, clipping and the optimiser step, while this trainer's step runs several
-backwards (micro-batches, the probe) before one optimiser step and computes its own gradient norm; on an H100 Lightning's
-DeepSpeedStrategy also rejected the configuration before training (see results/gpu.md).
+``trainer=deepspeed_zero2`` is the paper's own setup, DeepSpeed ZeRO-2, launched the same way: the module builds the
+engine itself in DeepSpeed's unmanaged accumulation mode (``grail_exp.deepspeed_zero``), because Lightning's
+DeepSpeedStrategy owns backward, accumulation and the step in a way this trainer's multi-backward step does not fit
+(on an H100 it rejected the configuration before training; results/gpu.md). ``trainer=fsdp_zero2`` (FSDP2 with
+``reshard_after_forward=False``) is the same memory layout without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def build_strategy(cfg):
     name = str(t.strategy)
     if name == "ddp":
         return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"))
-    if name == "fsdp":  # launching as DDP; the module shards the policy itself (shard_policy) in configure_model
-        return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"))
+    if name in ("fsdp", "deepspeed"):  # launching as DDP; the module shards the policy (shard_policy) or builds the
+        return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"))  # ZeRO engine itself
     return name
 
 

@@ -204,6 +204,7 @@ class GRPOModule(L.LightningModule):
         self.scheme_generator = torch.Generator(device="cpu").manual_seed(int(cfg.seed) + 7919)
         self.fsdp = str(cfg.trainer.strategy) == "fsdp"
         self.core = None  # trainer=fsdp: the sharded root unit running policy_forward (configure_model)
+        self.zero = None  # trainer=deepspeed_zero2: the DeepSpeed ZeRO engine around the policy (configure_optimizers)
 
     # ------------------------------------------------------------------ distributed
     @property
@@ -272,7 +273,14 @@ class GRPOModule(L.LightningModule):
             master = False  # FSDP's fp32 sharded parameters are the master weights
         # fp32 gradient accumulation hooks move gradients off the parameters during backward: fine on one
         # process; under data parallelism the all-reduce needs them on the parameters first.
-        opt = build_optimizer(self.policy, o, master_weights=bool(master), accumulate_fp32=self.world_size == 1)
+        if str(self.cfg.trainer.strategy) == "deepspeed":
+            from grail_exp import deepspeed_zero
+
+            # ZeRO keeps the fp32 master partition and Adam state; the client AdamW it steps is plain.
+            opt = build_optimizer(self.policy, o, master_weights=False)
+            self.zero = deepspeed_zero.initialize(self.policy, opt, self.cfg)
+        else:
+            opt = build_optimizer(self.policy, o, master_weights=bool(master), accumulate_fp32=self.world_size == 1)
         warmup = o.warmup_steps
 
         def constant_with_warmup(step: int) -> float:  # transformers' get_constant_schedule_with_warmup
@@ -624,7 +632,11 @@ class GRPOModule(L.LightningModule):
 
         return {"rng": rng_state(), "scheme_generator": self.scheme_generator.get_state(), "buffer": position["buffer"]}
 
-    def _optimizer_state(self) -> dict:
+    def _optimizer_state(self) -> dict | list:
+        if self.zero is not None:  # a collective: every rank's ZeRO partition, gathered to rank 0
+            from grail_exp import deepspeed_zero
+
+            return deepspeed_zero.optimizer_state(self.zero, self.world_size, self.rank)
         if self.fsdp:  # a collective: the full (unsharded) state, gathered to CPU
             from grail_exp.distributed import full_optimizer_state
 
@@ -678,6 +690,10 @@ class GRPOModule(L.LightningModule):
             from grail_exp.distributed import load_full_optimizer_state
 
             load_full_optimizer_state(self.core, self.optimizers().optimizer, st["optimizer"])
+        elif self.zero is not None:
+            from grail_exp import deepspeed_zero
+
+            deepspeed_zero.load_optimizer_state(self.zero, st["optimizer"])
         else:
             self.optimizers().optimizer.load_state_dict(st["optimizer"])
         self.lr_schedulers().load_state_dict(st["scheduler"])
@@ -760,7 +776,10 @@ class GRPOModule(L.LightningModule):
                 loss, term_metrics = self._add_terms(loss, batch, s, e, logp, entropy, fwd, mask, token_adv, old,
                                                      agg_ctx)
                 metrics.update(term_metrics)
-            self.manual_backward(loss)
+            if self.zero is not None:
+                self.zero.backward(loss, scale_wrt_gas=False)  # reduce-scatter into this rank's ZeRO partition
+            else:
+                self.manual_backward(loss)
             loss_total += loss.item()
             with torch.no_grad():
                 m = mask.float()
@@ -783,14 +802,22 @@ class GRPOModule(L.LightningModule):
         avg = {k: v / counts[k] for k, v in sums.items() if counts[k] > 0}
         avg.pop("loss_tokens", None)
 
-        params = self._sync_gradients(opt)
-        grad_norm = _grad_norm(params) if not self.fsdp else _sharded_grad_norm(params)
+        if self.zero is not None:
+            from grail_exp import deepspeed_zero
+
+            # DeepSpeed's step: norm, clipping, the fp32 master update; it skips the update itself when the norm is
+            # inf / NaN, which the bookkeeping below counts like any other skipped step.
+            grad_norm = deepspeed_zero.step(self.zero)
+        else:
+            params = self._sync_gradients(opt)
+            grad_norm = _grad_norm(params) if not self.fsdp else _sharded_grad_norm(params)
         finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
         if finite:
             self.nonfinite_in_a_row = 0
-            if cfg.optim.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-            opt.step()
+            if self.zero is None:
+                if cfg.optim.max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+                opt.step()
         else:
             # A NaN/inf update would poison the weights: skip it, count it, abort after too many in a row.
             self.nonfinite_in_a_row += 1
@@ -802,10 +829,11 @@ class GRPOModule(L.LightningModule):
                 raise NonFiniteLossError(
                     f"{self.nonfinite_in_a_row} non-finite losses/gradients in a row (trainer.max_nonfinite_in_a_row"
                     f"={limit}); aborting. Lower optim.lr, check model.dtype, or inspect the last sample table.")
-            # With every grad None, AdamW leaves parameters and state untouched; the call still advances
-            # Lightning's optimiser-step counter, so the skipped step is counted like any other.
-            opt.zero_grad(set_to_none=True)
-            opt.step()
+            if self.zero is None:
+                # With every grad None, AdamW leaves parameters and state untouched; the call still advances
+                # Lightning's optimiser-step counter, so the skipped step is counted like any other.
+                opt.zero_grad(set_to_none=True)
+                opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         timings["scheme"] = timings.get("scheme", 0.0) + t_scheme

@@ -92,11 +92,13 @@ def test_validate_rejects_bf16_without_master_weights(compose_cfg):
     validate(compose_cfg(["model.dtype=bfloat16"]))  # null = masters on for half precision
 
 
-def test_validate_refuses_deepspeed_and_unknown_sharding(compose_cfg):
+def test_validate_refuses_lightning_deepspeed_and_unknown_sharding(compose_cfg):
     from grail_exp.config import ConfigError, validate
 
-    with pytest.raises(ConfigError, match=r"trainer.strategy = 'deepspeed'.*trainer=fsdp_zero2"):
-        validate(compose_cfg(["trainer=fsdp", "trainer.strategy=deepspeed"]))
+    with pytest.raises(ConfigError, match=r"trainer.strategy = 'deepspeed_stage_2'.*trainer=deepspeed_zero2"):
+        validate(compose_cfg(["trainer=fsdp", "trainer.strategy=deepspeed_stage_2"]))
+    # DeepSpeed keeps the fp32 masters itself: bf16 without the trainer's master-weight AdamW is fine there
+    validate(compose_cfg(["trainer=deepspeed_zero2", "model.dtype=bfloat16", "optim.master_weights=false"]))
     with pytest.raises(ConfigError, match=r"trainer.sharding_strategy = 'HYBRID_SHARD'"):
         validate(compose_cfg(["trainer=fsdp", "trainer.sharding_strategy=HYBRID_SHARD"]))
     cfg = validate(compose_cfg(["trainer=fsdp_zero2", "model.dtype=bfloat16", "optim.master_weights=false"]))

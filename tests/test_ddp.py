@@ -91,12 +91,37 @@ def test_two_ranks_equal_one_process(tmp_path, model_dir, scheme, loss_type):
     assert state["world_size"] == 2 and len(state["ranks"]) == 2
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_resume_is_exact_per_rank(tmp_path, model_dir, strategy):
-    """2 ranks: 4 straight steps == 2 steps + resume=auto + 2 steps (optimizer state, both ranks' RNG streams)."""
-    common = ["advantage=grail", "advantage.symmetry=both", f"trainer={strategy}", "trainer.accelerator=cpu",
-              "trainer.devices=2", "optim.lr=1e-3", "optim.eps=1e-8", "loss.num_iterations=2"]
+def test_deepspeed_zero2_two_ranks_equal_one_process(tmp_path, model_dir):
+    """trainer=deepspeed_zero2 (DeepSpeed ZeRO-2 on gloo, unmanaged accumulation): two micro-batch backwards and the
+    GRAIL probe per rank, gradients reduce-scattered into each rank's fp32 partition, one engine step — the parameters
+    of one process on the whole batch; rank 0's checkpoint holds both ranks' partitions as plain data."""
+    extra = ["advantage=grail", "advantage.symmetry=both", "loss.loss_type=dr_grpo"]
+    one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
+    w1 = _weights(one, _run(one, model_dir, extra))
+    w2 = _weights(two, _run(two, model_dir, [*extra, "trainer=deepspeed_zero2", "trainer.accelerator=cpu",
+                                             "trainer.devices=2", "trainer.micro_batch_size=4"]))
+    start = load_file(Path(model_dir) / "model.safetensors")
+    moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
+    assert moved > 1e-3
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-6
+    from grail_exp.checkpoint import load_training_state
+
+    state = load_training_state(two / "checkpoints" / "step-1")  # torch.load(weights_only=True)
+    parts = [r["single_partition_of_fp32_groups"][0] for r in state["optimizer"]]
+    assert len(parts) == 2 and sum(p.numel() for p in parts) >= sum(t.numel() for t in start.values())
+
+
+@pytest.mark.parametrize("strategy, devices", [
+    pytest.param("ddp", 2, marks=pytest.mark.slow), pytest.param("fsdp", 2, marks=pytest.mark.slow),
+    pytest.param("deepspeed_zero2", 2, marks=pytest.mark.slow), ("deepspeed_zero2_bf16", 1)])
+def test_resume_is_exact_per_rank(tmp_path, model_dir, strategy, devices):
+    """4 straight steps == 1 step + resume=auto + 3 steps (optimizer state — for DeepSpeed each rank's fp32 master
+    partition and Adam moments, saved as plain data —, every rank's RNG streams). In bf16 the masters are not the
+    weights, so only a restored master partition resumes bit-exactly."""
+    dtype = ["model.dtype=bfloat16", "optim.master_weights=false"] if strategy.endswith("_bf16") else []
+    common = ["advantage=grail", "advantage.symmetry=both", f"trainer={strategy.removesuffix('_bf16')}",
+              "trainer.accelerator=cpu", f"trainer.devices={devices}", "optim.lr=1e-3", "optim.eps=1e-8",
+              "loss.num_iterations=2", *dtype]
     straight, split = tmp_path / "a" / "run", tmp_path / "b" / "run"
     out = _run(straight, model_dir, [*common, "trainer.max_steps=4"])
     out1 = _run(split, model_dir, [*common, "trainer.max_steps=1"])

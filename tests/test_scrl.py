@@ -297,7 +297,6 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-@pytest.mark.slow
 def test_scrl_run_end_to_end_on_arithmetic(compose_cfg, tmp_path):
     """`python -m grail_exp.run data=arithmetic estimator=scrl`: 2 steps on a shortened warm start."""
     from grail_exp.run import train

@@ -296,6 +296,9 @@ def describe(cfg: DictConfig, policy, bench: DictConfig, device) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):  # the other entry points get Hydra's help; this one composes by hand
+        print(__doc__ + "\nKnobs: conf/bench.yaml (bench.*, json=, markdown=); any run override (model=..., advantage.*).")
+        return {}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     bench, overrides = parse_args(argv)
     device = torch.device("cuda" if bench.device == "auto" and torch.cuda.is_available()

@@ -35,3 +35,11 @@ def test_bench_rejects_unknown_schemes_and_keys():
         main(["bench.schemes=[grpo,nope]"])
     with pytest.raises(SystemExit, match="bench.yaml"):
         main(["bench.not_a_key=1"])
+
+
+def test_bench_help_prints_the_phases_instead_of_composing(capsys):
+    from grail_exp.bench import main
+
+    assert main(["--help"]) == {}
+    out = capsys.readouterr().out
+    assert "step_per_old_logp" in out and "conf/bench.yaml" in out

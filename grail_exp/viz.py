@@ -33,7 +33,7 @@ def _row_html(row: dict, index: int) -> str:
 def weights_html(rows: list[dict], title: str = "token weights") -> str:
     correct = [(i, r) for i, r in enumerate(rows) if r.get("advantage", 0) > 0]
     wrong = [(i, r) for i, r in enumerate(rows) if r.get("advantage", 0) <= 0]
-    legend = "".join(f'<span class="t" style="background:{_color(w)}">{w:g}</span>' for w in (0.25, 0.5, 1, 2, 4))
+    legend = " ".join(f'<span class="t key" style="background:{_color(w)}">{w:g}</span>' for w in (0.25, 0.5, 1, 2, 4))
     col = lambda name, items: (f'<div class="col"><h2>{name} ({len(items)})</h2>'
                                + "".join(_row_html(r, i) for i, r in items) + "</div>")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -45,6 +45,7 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }}
 .meta {{ font-size: .8em; color: #666; margin-bottom: .3em; }}
 .text {{ font-family: ui-monospace, monospace; font-size: .9em; line-height: 1.7; word-break: break-word; }}
 .t {{ padding: 1px 0; border-radius: 2px; white-space: pre-wrap; }}
+.key {{ padding: 1px 6px; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
 <p>Token colour = weight w (Â = w·A): {legend} &nbsp; hover a token for its value.</p>

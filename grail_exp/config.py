@@ -297,6 +297,9 @@ class TrainerConfig:
     prompts_per_step: int = 16  # prompts per rollout batch (x G completions); paper: 32 x 8 = 256
     micro_batch_size: int = 64  # completions per forward/backward; gradient accumulation covers the rest
     log_every: int = 1  # optimiser steps between metric logs
+    # Optimiser steps between one-line INFO progress logs (step, reward, loss, length, s/step, ETA): what a log
+    # redirected to a file (SLURM, CI, nohup) shows, where the progress bar does not reach; 0 = off
+    progress_log_every: int = 10
     sample_table_every: int = 50  # optimiser steps between logged tables of sample completions (0 = off)
     num_logged_samples: int = 8  # completions per sample table
     eval_every: int = 0  # optimiser steps between in-training evaluations (0 = only at the end)

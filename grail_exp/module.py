@@ -559,6 +559,7 @@ class GRPOModule(L.LightningModule):
             self.last_metrics = step_metrics
             if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
                 self.tracker.log_metrics(step_metrics, step=step)
+            self._progress_line(step, step_metrics)
             self.log_dict({"reward": stats["reward/mean"], "loss": step_metrics["loss"]},
                           prog_bar=True, logger=False, on_step=True, batch_size=1)
             if cfg.trainer.sample_table_every and getattr(self, "_samples", None) \
@@ -583,6 +584,21 @@ class GRPOModule(L.LightningModule):
                 raise Preempted(f"stopped by signal after step {step}; checkpoint written")
             timings = {}
             t_step = time.perf_counter()
+
+    def _progress_line(self, step: int, m: dict[str, float]) -> None:
+        """One INFO line every trainer.progress_log_every steps: what a redirected log (SLURM, CI, nohup) shows of
+        the run, where the progress bar does not reach. Rank 0 only; the ETA extrapolates this session's pace."""
+        every, total = self.cfg.trainer.progress_log_every, self.cfg.trainer.max_steps
+        if not every or self.rank != 0 or not (step % every == 0 or step == total):
+            return
+        now = time.perf_counter()
+        first = getattr(self, "_progress_origin", None)
+        if first is None:  # the first step of this session (a resumed run starts mid-way)
+            first = self._progress_origin = (step - 1, now - m["timing/step_s"])
+        pace = (now - first[1]) / max(1, step - first[0])
+        log.info("step %d/%d  reward %.3f  loss %+.4f  length %.0f  %.2f s/step  ETA %s", step, total,
+                 m["reward/mean"], m["loss"], m.get("completions/mean_length", math.nan), pace,
+                 time.strftime("%H:%M:%S", time.gmtime(pace * (total - step))))
 
     def _check_sampler(self, batch: TrainingBatch) -> dict[str, float]:
         """Sampler-vs-trainer agreement on the sampled tokens: ~0 for rollout=hf (same weights, same distribution);

@@ -156,17 +156,25 @@ def test_gradient_accumulation_equals_one_big_batch(compose_cfg, tiny_model_dir)
             assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4), loss_type
 
 
-def test_fit_of_the_composed_default_config_logs_to_mlflow(compose_cfg, tmp_path):
+def test_fit_of_the_composed_default_config_logs_to_mlflow(compose_cfg, tmp_path, caplog):
     """A 3-step fit of the default config (embedded model, warm start shortened) end to end, into MLflow."""
+    import logging
+
     from mlflow.tracking import MlflowClient
 
     from grail_exp.run import run
 
     cfg = compose_cfg(["trainer.max_steps=3", "trainer.prompts_per_step=4", "trainer.micro_batch_size=16",
                        "model.warm_start.max_steps=20", "model.warm_start.eval_every=10",
-                       "trainer.sample_table_every=2", "benchmark.limit=8", "eval.n=2", "loss.num_iterations=2"])
-    value = run(cfg)
+                       "trainer.sample_table_every=2", "benchmark.limit=8", "eval.n=2", "loss.num_iterations=2",
+                       "trainer.progress_log_every=2"])
+    with caplog.at_level(logging.INFO, logger="grail_exp.module"):
+        value = run(cfg)
     assert 0.0 <= value <= 1.0
+    # the one-line progress log of redirected runs: every 2nd step and the last
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [m.split()[1] for m in progress] == ["2/3", "3/3"], progress
+    assert all(" reward " in m and " s/step  ETA " in m for m in progress), progress
     client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
     exp = client.get_experiment_by_name("grail_exp")
     (r,) = client.search_runs([exp.experiment_id])

@@ -128,6 +128,11 @@ class ReportConfig:
     models: Optional[list[str]] = None  # row order / rows that must appear (missing ones read "—"); null = found
     schemes: Optional[list[str]] = None  # likewise for schemes; null = found, baseline first
     seeds: Optional[list[str]] = None  # the seeds every arm should have; missing ones are footnoted
+    # The cells a study planned per model where they differ from schemes / seeds (keys: schemes, seeds; an absent
+    # key = the top-level one), e.g. the CPU study's +design.tiny_llama="{schemes: [grpo, grail], seeds: [1, 2, 3]}"
+    # beside tiny Qwen3 x three schemes x seeds 1-5: a cell outside its model's plan is no row and not "missing";
+    # a planned cell without a finished run still is. (Untyped: OmegaConf cannot add typed values with +key=.)
+    design: dict[str, Any] = field(default_factory=dict)
     benchmarks: Optional[list[str]] = None  # columns; null = every benchmark found (paper order first)
     metrics: list[str] = field(default_factory=lambda: ["acc", "pass@n"])  # acc | pass@<k> | pass@n | maj
     average: str = "unweighted"  # the avg column: unweighted over benchmarks (paper) | weighted by problems
@@ -162,6 +167,15 @@ def validate_report(cfg: DictConfig) -> None:
         errors.append(f"stats.alpha = {cfg.stats.alpha}: must be in (0, 1)")
     if cfg.stats.n_boot < 1 or cfg.stats.n_perm < 1:
         errors.append("stats.n_boot and stats.n_perm must be >= 1")
+    for model, plan in (cfg.design or {}).items():
+        if not isinstance(plan, DictConfig) or set(plan) - {"schemes", "seeds"}:
+            errors.append(f"design.{model} = {plan}: must be a mapping with keys schemes and/or seeds")
+            continue
+        if plan.get("schemes") is not None and cfg.baseline not in plan.schemes:
+            errors.append(f"design.{model}.schemes = {list(plan.schemes)}: must include the baseline "
+                          f"{cfg.baseline!r} (every row is paired with it)")
+        if cfg.models is not None and model not in cfg.models:
+            errors.append(f"design.{model}: not one of models = {list(cfg.models)}")
     for key, v in dict(cfg.runs.tags).items():
         if "'" in str(v) or "`" in str(key):
             errors.append(f"runs.tags.{key}: quotes are not supported in tag filters")
@@ -425,10 +439,23 @@ def build_tables(arms: dict, row_notes: dict, cfg: DictConfig, notes: Notes) -> 
             table_notes.append(notes.mark(f"{label}: needs at least {k} samples per problem; benchmarks of runs "
                                           f"with fewer count as missing"))
         rows = [_row(model, scheme, arms, values, row_notes, benches, cfg, notes)
-                for model in models for scheme in schemes]
+                for model in models for scheme in _planned(model, schemes, cfg)]
         # one benchmark: its column already is the average
         tables.append(MetricTable(spec, label, benches + ([AVG] if len(benches) > 1 else []), rows, table_notes))
     return tables
+
+
+def _planned(model: str, schemes: list[str], cfg) -> list[str]:
+    """A model's rows: its design's schemes (baseline first) or every scheme."""
+    planned = (cfg.design or {}).get(model, {}).get("schemes")
+    if planned is None:
+        return schemes
+    return [s for s in schemes if s in planned] + [str(s) for s in planned if s not in schemes]
+
+
+def _expected_seeds(model: str, cfg) -> Optional[list]:
+    planned = (cfg.design or {}).get(model, {}).get("seeds")
+    return [str(s) for s in planned] if planned is not None else cfg.seeds
 
 
 def _row(model, scheme, arms, values, row_notes, benches, cfg, notes) -> Row:
@@ -439,8 +466,9 @@ def _row(model, scheme, arms, values, row_notes, benches, cfg, notes) -> Row:
     rnotes = list(dict.fromkeys(row_notes.get(arm, [])))
     if arm not in arms or not seeds:
         rnotes.append(notes.mark(f"{model} × {scheme}: no finished run with per-sample results"))
-    if cfg.seeds:
-        lacking = [str(s) for s in cfg.seeds if str(s) not in mine]
+    expected = _expected_seeds(model, cfg)
+    if expected:
+        lacking = [str(s) for s in expected if str(s) not in mine]
         if lacking and seeds:
             rnotes.append(notes.mark(f"{model} × {scheme}: seed(s) {', '.join(lacking)} missing"))
     theirs = values.get(base, {}) if not is_base else {}
@@ -644,7 +672,16 @@ def _legend(cfg: DictConfig) -> str:
             f"benchmark; {s.n_boot} replicates). p: two-sided paired sign-flip test on the seed-averaged "
             f"per-problem differences, stratified by benchmark (exact up to {s.exact_max} non-zero problems, "
             f"else {s.n_perm} random flips). per-seed Δ: mean ± sd over the paired seeds "
-            f"(grail_exp/stats.py).")
+            f"(grail_exp/stats.py)." + _design_text(cfg))
+
+
+def _design_text(cfg: DictConfig) -> str:
+    plans = []
+    for model, plan in (cfg.design or {}).items():
+        schemes = ", ".join(map(str, plan.schemes)) if plan.get("schemes") is not None else "every scheme"
+        seeds = ", ".join(map(str, _expected_seeds(model, cfg) or [])) or "the seeds found"
+        plans.append(f"{model}: {schemes} × seeds {seeds}")
+    return f" Planned cells (others not run by design): {'; '.join(plans)}." if plans else ""
 
 
 _LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",

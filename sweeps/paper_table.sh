@@ -44,7 +44,7 @@ if [[ $CPU == 1 ]]; then
       for s in 1 2 3; do echo "tiny_llama grpo,grail $s"; done; } |
         xargs -P "$LANES" -L 1 bash -c 'run_group "$@"' _
     $PY -m grail_exp.report "+runs.tags.study=$STUDY" "models=[tiny,tiny_llama]" "schemes=[grpo,grail,oar_g]" \
-        "seeds=[1,2,3,4,5]" output.name="$STUDY"
+        "seeds=[1,2,3,4,5]" '+design.tiny_llama={schemes: [grpo, grail], seeds: [1, 2, 3]}' output.name="$STUDY"
     exit 0
 fi
 

@@ -367,3 +367,33 @@ def test_per_rollout_runs_are_their_own_arm():
     assert arm_scheme("grail", {"advantage.recompute": "per_update"}) == "grail"
     assert arm_scheme("grail", {}) == "grail"
     assert arm_scheme("delta", {"advantage.recompute": "per_rollout"}) == "delta"  # per rollout by design
+
+
+def test_design_limits_a_models_rows_and_expected_seeds(store):
+    """A planned subset (the CPU study: tiny Llama x grpo, grail x seeds 1-3): cells outside it are no rows and
+    no "missing" notes; planned cells without runs still are missing; a plan without the baseline is refused."""
+    from grail_exp.config import ConfigError
+    from grail_exp.report import build_report, validate_report
+
+    plan = "+design.tiny_llama={schemes: [grpo, grail], seeds: [1, 2]}"
+    out = build_report(_cfg(store, "schemes=[grpo,grail,oar_g]", "seeds=[1,2,3]", "log_to=none", plan))
+    payload = out["payload"]
+    acc = next(t for t in payload["tables"] if t["metric"] == "acc")
+    assert [r["scheme"] for r in acc["rows"] if r["model"] == "tiny"] == ["grpo", "grail", "oar_g"]
+    assert [r["scheme"] for r in acc["rows"] if r["model"] == "tiny_llama"] == ["grpo", "grail"]
+    notes = payload["notes"]
+    llama_grpo = [notes[k] for k in _row(acc, "tiny_llama", "grpo")["notes"]]
+    assert llama_grpo == ["tiny_llama × grpo: seed(s) 2 missing"]  # its plan's seeds 1, 2, not the top-level 1-3
+    assert any("no finished run" in notes[k] for k in _row(acc, "tiny_llama", "grail")["notes"])  # planned, absent
+    assert not any("tiny_llama × oar_g" in t for t in notes.values())
+    tiny_grpo = [notes[k] for k in _row(acc, "tiny", "grpo")["notes"]]
+    assert tiny_grpo == ["tiny × grpo: seed(s) 3 missing"]  # other models keep the top-level seeds
+    assert "Planned cells (others not run by design): tiny_llama: grpo, grail × seeds 1, 2." in out["markdown"]
+
+    bad = compose(["+design={tiny_llama: {schemes: [grail]}}", "models=[tiny]"], None, config_name="report")
+    with pytest.raises(ConfigError) as e:
+        validate_report(bad)
+    assert "design.tiny_llama.schemes = ['grail']: must include the baseline 'grpo'" in str(e.value)
+    assert "design.tiny_llama: not one of models = ['tiny']" in str(e.value)
+    with pytest.raises(ConfigError, match=r"design.tiny_llama = .*: must be a mapping with keys schemes and/or seeds"):
+        validate_report(compose(["+design.tiny_llama={seed: [1]}"], None, config_name="report"))

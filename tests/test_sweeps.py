@@ -229,3 +229,37 @@ def test_submitit_local_job_preempted_checkpoints_and_is_requeued_with_resume_au
     text = log_out.read_text() + log_out.with_name(log_out.name.replace(".out", ".err")).read_text()
     assert "resume=auto" in text and "resuming from" in text and "step-" + str(stopped_at) in text
     assert (sweep / "0" / "checkpoints" / f"step-{stopped_at}").is_dir()
+
+
+def test_paper_table_cpu_script_queues_model_seed_groups_over_lanes(tmp_path):
+    """`LANES=2 bash sweeps/paper_table.sh --cpu <overrides>`: one multirun per (model, seed) with that seed's
+    warm start and arms, single-threaded lanes, the caller's overrides intact, then the report with the study's
+    plan. The interpreter is a recorder (the real runs are the study itself, hours)."""
+    import shutil
+    import uuid
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "{calls}/$$"; printf "%s\\n" ---- >> "{calls}/$$"\n')
+    fake.chmod(0o755)
+    calls.mkdir()
+    study = f"pytest-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PY": str(fake), "STUDY": study, "LANES": "2"}
+    try:
+        done = subprocess.run(["bash", "sweeps/paper_table.sh", "--cpu", "trainer.max_steps=2", "+x=a b"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(ROOT / "outputs" / "paper_table_cpu" / study, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    argvs = [f.read_text().split("\n----\n")[0].split("\n") for f in calls.iterdir()]
+    runs = sorted((a for a in argvs if a[1] == "grail_exp.run"), key=lambda a: (a[3], a[5]))
+    groups = [(a[3], a[4], a[5]) for a in runs]
+    assert groups == [("model=tiny", "advantage=grpo,grail,oar_g", f"seed={s}") for s in range(1, 6)] + [
+        ("model=tiny_llama", "advantage=grpo,grail", f"seed={s}") for s in range(1, 4)]
+    for a in runs:
+        assert a[2] == "-m" and "model.build.seed=${seed}" in a and "trainer.num_threads=1" in a
+        assert f"+logger.tags.study={study}" in a and a[-2:] == ["trainer.max_steps=2", "+x=a b"]
+    (report,) = [a for a in argvs if a[1] == "grail_exp.report"]
+    assert "+design.tiny_llama={schemes: [grpo, grail], seeds: [1, 2, 3]}" in report
+    assert "seeds=[1,2,3,4,5]" in report and f"output.name={study}" in report
+    assert done.stdout.count("done: ") == 8

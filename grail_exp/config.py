@@ -85,6 +85,7 @@ class ModelConfig:
     init_seed: int = 0  # seed of the random weights (independent of the run seed)
     tokenizer_name_or_path: Optional[str] = None  # null = the model's (random_init: the architecture's packaged one) | dir | hub id | pkg:qwen3 | pkg:llama3 | pkg:r1_distill_llama
     # Embedded model only
+    shipped_weights: bool = True  # load the packaged warm-started model when model.build/warm_start/data match its build exactly (docs/embedded-model.md); false = always build locally
     build: Optional[BuildConfig] = None
     warm_start: Optional[WarmStartConfig] = None
 

@@ -22,6 +22,14 @@ Three steps, each deterministic given the config:
 The result is cached under ``<cache_dir>/embedded/<key>/`` where ``key`` hashes everything that
 determines it; a second run reuses it. Builds are atomic (a temp dir renamed into place) and
 serialised with a file lock, so parallel sweep jobs build once.
+
+**Shipped artifact.** The default build (``model=tiny``) also ships, warm-started, as package data in
+``grail_exp/data/embedded/<name>/`` with a manifest (``grail_exp_manifest.json``: the key, the build spec, the
+sha256 of every file, the commit and ``BUILD_VERSION`` that built it, the warm start's accuracy and steps).
+``ensure_embedded_model`` loads it in place (read-only is fine) when, and only when, the requested key equals
+the manifest's and every file's sha256 matches; any other build (another seed, shape, task, architecture or
+``BUILD_VERSION``) goes through the builder as before. ``python sweeps/build_shipped_model.py`` rebuilds it
+(docs/embedded-model.md).
 """
 
 from __future__ import annotations
@@ -292,22 +300,79 @@ def cache_key(spec: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_template_kwargs: dict,
-                          instruction: str, cache_dir: str | os.PathLike) -> Path:
-    """Return the directory of the warm-started embedded model, building and caching it if needed."""
-    from filelock import FileLock
-
+def embedded_spec(build: dict, warm: dict, task: ArithmeticTask, chat_template_kwargs: dict,
+                  instruction: str) -> dict:
+    """Everything that determines the built model (``cache_key`` hashes it together with ``BUILD_VERSION``)."""
     if not warm.get("curriculum_fraction"):  # SCRL keys off: the key (and the cached model) of a plain build
         warm = {k: v for k, v in warm.items() if not k.startswith("curriculum_")}
-    spec = {"build": build, "warm_start": warm, "task": asdict(task), "chat": chat_template_kwargs,
+    return {"build": build, "warm_start": warm, "task": asdict(task), "chat": chat_template_kwargs,
             "instruction": instruction}
+
+
+# ---------------------------------------------------------------------------------------------- shipped artifact
+SHIPPED_DIR = Path(__file__).resolve().parent / "data" / "embedded"
+MANIFEST = "grail_exp_manifest.json"
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
+    f = Path(directory) / MANIFEST
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def shipped_mismatches(directory: str | os.PathLike, manifest: dict) -> list[str]:
+    """Files of a shipped artifact that are missing or whose sha256 differs from the manifest's (empty: intact)."""
+    d = Path(directory)
+    return [name for name, sha in manifest["files"].items()
+            if not (d / name).is_file() or file_sha256(d / name) != sha]
+
+
+def find_shipped_model(key: str, shipped_dir: str | os.PathLike = SHIPPED_DIR) -> Path | None:
+    """The packaged warm-started model built for exactly ``key``, if one ships and is intact; else None."""
+    for manifest_file in sorted(Path(shipped_dir).glob(f"*/{MANIFEST}")):
+        manifest = json.loads(manifest_file.read_text())
+        if manifest.get("cache_key") != key:
+            continue
+        bad = shipped_mismatches(manifest_file.parent, manifest)
+        if bad:  # a damaged install: the builder still produces a correct model, only slower
+            log.warning("shipped embedded model %s: %s missing or not matching the manifest's sha256; building "
+                        "instead", manifest_file.parent, ", ".join(bad))
+            return None
+        return manifest_file.parent
+    return None
+
+
+def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_template_kwargs: dict,
+                          instruction: str, cache_dir: str | os.PathLike, use_shipped: bool = True) -> Path:
+    """Return the directory of the warm-started embedded model: the shipped artifact when it was built for exactly
+    this spec (and ``use_shipped``), else the cached build, building and caching it if needed."""
+    from filelock import FileLock
+
+    spec = embedded_spec(build, warm, task, chat_template_kwargs, instruction)
+    warm = spec["warm_start"]
+    key = cache_key(spec)
+    if use_shipped and (shipped := find_shipped_model(key)) is not None:
+        manifest = read_manifest(shipped)
+        log.info("embedded model: the shipped warm-started weights %s (key %s, built at commit %s, greedy validation "
+                 "accuracy %.1f %%); no build needed", shipped, key, manifest["git_commit"][:12],
+                 100 * manifest["warm_start"]["greedy_val_accuracy"])
+        return shipped
     root = Path(cache_dir).expanduser() / "embedded"
     root.mkdir(parents=True, exist_ok=True)
-    target = root / f"{build['architecture']}-{cache_key(spec)}"
+    target = root / f"{build['architecture']}-{key}"
     if (target / "grail_exp_build.json").exists():
+        log.info("embedded model: the cached build %s", target)
         return target
     with FileLock(str(target) + ".lock"):
         if (target / "grail_exp_build.json").exists():  # built by a concurrent job while we waited
+            log.info("embedded model: the cached build %s", target)
             return target
         log.info("building the embedded model (cached afterwards) at %s", target)
         t0 = time.time()

@@ -1,8 +1,9 @@
 """Policy / reference / tokenizer loading.
 
 ``model.name_or_path`` is a hub id (loaded with its pinned ``revision``) or a local Hugging Face
-directory; null builds (once, then cached) the embedded model of ``model.build``. Loading is safe by
-default: safetensors only, ``trust_remote_code=false`` unless the config says otherwise.
+directory; null builds (once, then cached) the embedded model of ``model.build``, or loads the shipped
+warm-started one when the build is exactly the one that ships (``model.shipped_weights``, ``embedded.py``).
+Loading is safe by default: safetensors only, ``trust_remote_code=false`` unless the config says otherwise.
 
 ``model.random_init=true`` builds the model's exact architecture with random weights, offline
 (``grail_exp/architectures.py``); ``model.tokenizer_name_or_path`` picks another tokenizer, e.g. a real
@@ -42,22 +43,10 @@ def resolve_model_path(cfg) -> str:
         except ArchitectureError as exc:
             raise ModelLoadError(str(exc)) from exc
     if m.name_or_path is None:
-        from omegaconf import OmegaConf
-
-        from grail_exp.data import arithmetic_task
-        from grail_exp.data.sources import DataConfigLike
         from grail_exp.embedded import ensure_embedded_model
 
-        # The warm start trains on the same task distribution the run trains on.
-        task = arithmetic_task(cfg.data if cfg.data.name == "arithmetic" else DataConfigLike())
-        path = ensure_embedded_model(
-            build=OmegaConf.to_container(m.build, resolve=True),
-            warm=OmegaConf.to_container(m.warm_start, resolve=True) if m.warm_start else {"enabled": False},
-            task=task,
-            chat_template_kwargs=OmegaConf.to_container(m.chat_template_kwargs, resolve=True) or {},
-            instruction=cfg.data.instruction if cfg.data.name == "arithmetic" else "",
-            cache_dir=cfg.paths.cache_dir,
-        )
+        path = ensure_embedded_model(**embedded_build_args(cfg), cache_dir=cfg.paths.cache_dir,
+                                     use_shipped=m.get("shipped_weights", True))
         return str(path)
     name = str(m.name_or_path)
     if _looks_local(name):
@@ -69,6 +58,25 @@ def resolve_model_path(cfg) -> str:
             )
         return str(p)
     return name
+
+
+def embedded_build_args(cfg) -> dict:
+    """What determines the embedded model of ``cfg`` (the arguments of ``embedded.embedded_spec``)."""
+    from omegaconf import OmegaConf
+
+    from grail_exp.data import arithmetic_task
+    from grail_exp.data.sources import DataConfigLike
+
+    m = cfg.model
+    # The warm start trains on the same task distribution the run trains on.
+    task = arithmetic_task(cfg.data if cfg.data.name == "arithmetic" else DataConfigLike())
+    return dict(
+        build=OmegaConf.to_container(m.build, resolve=True),
+        warm=OmegaConf.to_container(m.warm_start, resolve=True) if m.warm_start else {"enabled": False},
+        task=task,
+        chat_template_kwargs=OmegaConf.to_container(m.chat_template_kwargs, resolve=True) or {},
+        instruction=cfg.data.instruction if cfg.data.name == "arithmetic" else "",
+    )
 
 
 def _hub_error(name: str, exc: Exception) -> ModelLoadError:

@@ -334,9 +334,9 @@ def shipped_mismatches(directory: str | os.PathLike, manifest: dict) -> list[str
             if not (d / name).is_file() or file_sha256(d / name) != sha]
 
 
-def find_shipped_model(key: str, shipped_dir: str | os.PathLike = SHIPPED_DIR) -> Path | None:
+def find_shipped_model(key: str, shipped_dir: str | os.PathLike | None = None) -> Path | None:
     """The packaged warm-started model built for exactly ``key``, if one ships and is intact; else None."""
-    for manifest_file in sorted(Path(shipped_dir).glob(f"*/{MANIFEST}")):
+    for manifest_file in sorted(Path(shipped_dir or SHIPPED_DIR).glob(f"*/{MANIFEST}")):
         manifest = json.loads(manifest_file.read_text())
         if manifest.get("cache_key") != key:
             continue

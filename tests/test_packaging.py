@@ -51,6 +51,9 @@ def test_run_composes_from_an_installed_wheel(tmp_path):
     assert "grail_exp/conf/config.yaml" in names and "grail_exp/conf/experiment/paper/qwen3_4b_grail.yaml" in names
     assert any(n.startswith("grail_exp/data/benchmark_files/") and n.endswith(".jsonl") for n in names)
     assert "grail_exp/data/architectures/qwen3_8b.json" in names  # model.random_init needs them in a wheel
+    shipped = sorted(p.name for p in (ROOT / "grail_exp" / "data" / "embedded" / "tiny").iterdir())
+    assert "model.safetensors" in shipped and "grail_exp_manifest.json" in shipped
+    assert {f"grail_exp/data/embedded/tiny/{n}" for n in shipped} <= set(names)  # the warm-started default
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     env = dict(os.environ, PYTHONPATH=str(site))
@@ -58,6 +61,37 @@ def test_run_composes_from_an_installed_wheel(tmp_path):
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert where.stdout.strip() == str(site / "grail_exp" / "conf"), where.stderr
     assert "name: grpo" in _job_config(tmp_path, env)
+    # A read-only install: the default run loads the shipped model in place, builds nothing, writes nothing there.
+    pkg = site / "grail_exp"
+    for p in [pkg, *pkg.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~0o222)
+    try:
+        loaded = subprocess.run([sys.executable, "-c", _LOAD_SHIPPED, str(tmp_path / "cache")], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=180)
+    finally:
+        for p in [pkg, *pkg.rglob("*")]:
+            p.chmod(p.stat().st_mode | 0o200)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split() == [str(pkg / "data" / "embedded" / "tiny"), "loaded"]
+    assert not (tmp_path / "cache" / "embedded").exists() or not any((tmp_path / "cache" / "embedded").iterdir())
+
+
+_LOAD_SHIPPED = """
+import sys
+from hydra import compose, initialize_config_dir
+import grail_exp.embedded as embedded
+from grail_exp.conf_path import CONFIG_DIR
+from grail_exp.config import register_configs
+from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+embedded.build_model = embedded.warm_start = None  # a build would fail at once instead of running for minutes
+register_configs()
+with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    cfg = compose(config_name="config", overrides=[f"paths.cache_dir={sys.argv[1]}"])
+path = resolve_model_path(cfg)
+load_tokenizer(path, cfg), load_causal_lm(path, cfg, trainable=True)
+print(path, "loaded")
+"""
 
 
 @pytest.mark.parametrize("entry", ["grail_exp.evaluate", "grail_exp.weights"])

@@ -337,6 +337,8 @@ def shipped_mismatches(directory: str | os.PathLike, manifest: dict) -> list[str
 def find_shipped_model(key: str, shipped_dir: str | os.PathLike | None = None) -> Path | None:
     """The packaged warm-started model built for exactly ``key``, if one ships and is intact; else None."""
     for manifest_file in sorted(Path(shipped_dir or SHIPPED_DIR).glob(f"*/{MANIFEST}")):
+        if manifest_file.parent.name.startswith("."):  # the rebuild script's temp dir
+            continue
         manifest = json.loads(manifest_file.read_text())
         if manifest.get("cache_key") != key:
             continue

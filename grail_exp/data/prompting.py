@@ -5,6 +5,10 @@
   ``enable_thinking: false`` (the GRAIL paper's non-thinking mode); no system turn unless configured.
 - ``prompt_style: plain``: ``model.plain_template`` formatted with the problem — for base models
   without a chat template (OctoThinker *-Base).
+- ``model.few_shot`` (default: none, zero-shot as in the GRAIL paper): worked examples shown before the problem,
+  each ``{question, answer}``; with ``chat`` as earlier user / assistant turns (the instruction is appended to each
+  example's question as to the problem's), with ``plain`` as filled-in templates separated by blank lines. Small
+  instruct models (SmolLM2-135M, ``experiment=real/smollm2_*``) need them to write a ``\boxed{}`` answer at all.
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ PAPER_INSTRUCTION_REFERENCE_BYTES = " Please reason step by step, and put your f
 def render_prompt(question: str, tokenizer, model_cfg, instruction: str = "") -> str:
     """The prompt text for one problem (special tokens included, ready to encode without adding more)."""
     content = question + instruction
+    shots = [(str(ex["question"]) + instruction, str(ex["answer"])) for ex in (model_cfg.get("few_shot") or [])]
     if model_cfg.prompt_style == "plain":
-        return model_cfg.plain_template.format(problem=content)
+        examples = "".join(model_cfg.plain_template.format(problem=q) + " " + a + "\n\n" for q, a in shots)
+        return examples + model_cfg.plain_template.format(problem=content)
     messages = []
     if model_cfg.system_prompt:
         messages.append({"role": "system", "content": model_cfg.system_prompt})
+    for q, a in shots:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     messages.append({"role": "user", "content": content})
     kwargs = dict(model_cfg.chat_template_kwargs or {})
     if model_cfg.chat_template:

@@ -267,6 +267,14 @@ class LossConfig:
     top_entropy_quantile: float = 1.0  # rho: keep only the top-rho highest-entropy tokens in the loss (arXiv 2506.01939; 0.2 there); 1 = off
     kl_in_reward: KLInRewardConfig = field(default_factory=lambda: KLInRewardConfig())  # KL folded into the reward (issue 15)
     off_policy_mask_threshold: Optional[float] = None  # OPSM delta: drop A < 0 sequences with mean KL(sampler||policy) > delta (DeepSeek-V3.2); null = off
+    # The two masks above multiply the policy term only. unmasked (TRL, DeepSeek-V3.2): the normaliser counts every loss
+    # token and beta*KL stays on masked tokens | kept: they shrink the loss mask itself (before issue 23; docs/deviations.md)
+    family_mask_normaliser: str = "unmasked"
+    # Tokens whose entropies give the top_entropy_quantile threshold: all (the micro-batch's loss tokens, before the
+    # off-policy mask: TRL) | off_policy_kept (only the rows OPSM keeps: before issue 23)
+    top_entropy_population: str = "all"
+    # gmpo with rollout IS weights: geometric (their per-sequence geometric mean, verl geo_mean) | arithmetic (before issue 23)
+    gmpo_is_mean: str = "geometric"
 
 
 @dataclass

@@ -144,9 +144,11 @@ def test_every_page_is_in_the_nav_once():
 
 
 def test_site_builds_with_warnings_as_errors(tmp_path):
-    """What `make docs` runs: broken links or anchors, and pages left out of the nav, fail the build."""
+    """What `make docs` runs: broken links or anchors, and pages left out of the nav, fail the build.
+
+    Not `-q`: mkdocs --quiet drops warnings before --strict counts them, and a broken link would pass."""
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     home = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")

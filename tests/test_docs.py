@@ -103,6 +103,23 @@ def test_relative_links_resolve():
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
 
 
+DOC_PATH = re.compile(r"(?<![\w/.-])docs/[\w./-]*\w\.md\b")  # a repository path such as docs/notes/shapes.md
+
+
+def test_docs_paths_named_in_code_comments_and_files_exist():
+    """A page that moves must take every mention along: code comments, tests, scripts, configs, results."""
+    sources = [ROOT / "Makefile", ROOT / ".ci" / "run", ROOT / "pyproject.toml", ROOT / "mkdocs.yml", *markdown_files()]
+    for folder, pattern in (("grail_exp", "*.py"), ("tests", "*.py"), ("sweeps", "*"), ("conf", "*.yaml"),
+                            ("hydra_plugins", "*.py"), ("results", "*.md")):
+        sources += [p for p in (ROOT / folder).rglob(pattern) if p.is_file()]
+    missing = []
+    for path in sources:
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            missing += [f"{path.relative_to(ROOT)}:{number}: {m}" for m in DOC_PATH.findall(line)
+                        if not (ROOT / m).is_file()]
+    assert not missing, "documentation paths that do not exist:\n" + "\n".join(missing)
+
+
 def test_readme_links_resolve_on_the_site_home_page():
     sys.path.insert(0, str(ROOT))
     try:

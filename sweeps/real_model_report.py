@@ -61,6 +61,15 @@ def per_problem(samples: pd.DataFrame) -> pd.Series:
     return samples.groupby("problem_index")["correct"].mean().sort_index()
 
 
+def markdown(df) -> str:
+    """A DataFrame as a Markdown table (without pandas' optional tabulate dependency)."""
+    cols = [df.index.name or ""] + [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for idx, row in df.iterrows():
+        lines.append("| " + " | ".join([str(idx)] + [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -117,7 +126,7 @@ def main() -> None:
     table["run_id"] = rid
     (args.results / f"summary_{args.tag}.json").write_text(json.dumps(table, indent=2))
     print(json.dumps(table, indent=2))
-    print(curve.round(4).to_markdown())
+    print(markdown(curve))
 
     import matplotlib
 

@@ -13,6 +13,15 @@ from pathlib import Path
 import numpy as np
 
 
+def markdown(df) -> str:
+    """A DataFrame as a Markdown table (without pandas' optional tabulate dependency)."""
+    cols = [df.index.name or ""] + [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for idx, row in df.iterrows():
+        lines.append("| " + " | ".join([str(idx)] + [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir", type=Path)
@@ -61,8 +70,8 @@ def main() -> None:
     counts = prof.groupby("bin")["n_tokens"].sum()
     table = allrows.to_frame().join(counts)
     table.index = [f"{(b + 0.5) / args.bins:.2f}" for b in table.index]
-    print(table.round(3).to_markdown())
-    (args.out / "grail_weights_profile.md").write_text(table.round(3).to_markdown() + "\n")
+    print(markdown(table))
+    (args.out / "grail_weights_profile.md").write_text(markdown(table) + "\n")
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot([(b + 0.5) / args.bins for b in allrows.index], allrows.values, marker="o")
     ax.axhline(1.0, color="grey", ls=":")

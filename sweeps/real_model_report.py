@@ -1,7 +1,8 @@
 """The numbers of results/real_model.md from a sweeps/real_model.sh run (and, when the run was stopped before its
 final evaluation, the evaluation of its last checkpoint with the run's own protocol).
 
-    python sweeps/real_model_report.py outputs/real_model --tag grpo_s1 [--evaluate <checkpoint dir>] [--out results/real_model]
+    python sweeps/real_model_report.py outputs/real_model --tag grpo_s1 [--evaluate <checkpoint dir>] \
+        [--results results/real_model]
 
 - the training curve (reward, length, step time and its phases per step) from the run's MLflow database;
 - held-out accuracy before vs after, paired over problems: acc@n per problem (the run's evaluation: benchmark
@@ -66,7 +67,8 @@ def markdown(df) -> str:
     cols = [df.index.name or ""] + [str(c) for c in df.columns]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for idx, row in df.iterrows():
-        lines.append("| " + " | ".join([str(idx)] + [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]) + " |")
+        cells = [str(idx)] + [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -90,8 +92,8 @@ def main() -> None:
 
     # ---- curve and step time
     keys = ["reward/mean", "completions/mean_length", "completions/truncated_rate", "frac_reward_zero_std", "loss",
-            "grad_norm", "entropy", "timing/rollout_s", "timing/scoring_s", "timing/old_logp_s", "timing/scheme_prepare_s",
-            "timing/scheme_s", "timing/update_s", "timing/weight_sync_s", "timing/step_s"]
+            "grad_norm", "entropy", "timing/rollout_s", "timing/scoring_s", "timing/old_logp_s",
+            "timing/scheme_prepare_s", "timing/scheme_s", "timing/update_s", "timing/weight_sync_s", "timing/step_s"]
     cols = {}
     for k in keys:
         h = client.get_metric_history(rid, k)
@@ -108,7 +110,8 @@ def main() -> None:
     if args.evaluate is not None:
         after = per_problem(evaluate_checkpoint(args.out, scheme, args.evaluate))
     elif "eval/final/samples.parquet" in final:
-        after = per_problem(pd.read_parquet(client.download_artifacts(rid, "eval/final/samples.parquet", str(args.out))))
+        path = client.download_artifacts(rid, "eval/final/samples.parquet", str(args.out))
+        after = per_problem(pd.read_parquet(path))
     else:
         raise SystemExit("no final evaluation in the run: pass --evaluate <checkpoint dir>")
     assert list(before.index) == list(after.index), "before / after must be the same problems"

@@ -18,7 +18,8 @@ def markdown(df) -> str:
     cols = [df.index.name or ""] + [str(c) for c in df.columns]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for idx, row in df.iterrows():
-        lines.append("| " + " | ".join([str(idx)] + [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]) + " |")
+        cells = [str(idx)] + [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -36,8 +36,8 @@ def smollm2_dir(smollm2_cache) -> Path:
 def _cfg(cache: Path, tmp: Path, overrides=(), scheme: str = "grpo"):
     from grail_exp.config import validate
 
-    return validate(compose([f"experiment=real/smollm2_{scheme}", f"paths.root_dir={tmp}", f"paths.output_dir={tmp}/run",
-                             f"paths.cache_dir={cache}", *overrides]))
+    return validate(compose([f"experiment=real/smollm2_{scheme}", f"paths.root_dir={tmp}",
+                             f"paths.output_dir={tmp}/run", f"paths.cache_dir={cache}", *overrides]))
 
 
 @pytest.fixture(scope="session")

@@ -250,3 +250,35 @@ def test_one_rl_step_of_the_real_model_per_scheme(scheme, smollm2_dir, smollm2_c
     assert metrics["train/steps"] == 1
     assert all(v == v for k, v in metrics.items() if k.startswith("train/") and isinstance(v, float))  # no NaN
     assert 0.0 <= metrics["train/reward/mean"] <= 1.0 and metrics["train/completions/mean_length"] > 0
+
+
+def test_hub_id_at_the_pinned_revision_loads_through_the_hub_path(smollm2_dir, tmp_path):
+    """model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct (the released weights' hub id, model.revision pinned) goes
+    through transformers' hub resolution: here from an offline hub cache laid out as a download at that revision
+    leaves it, holding the converted files (the hub itself is unreachable from CI)."""
+    import subprocess
+    import sys
+
+    from grail_exp.packaged_models import PACKAGED_MODELS
+
+    entry = PACKAGED_MODELS["smollm2"]
+    repo = tmp_path / "hub" / ("models--" + entry.hub_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / entry.hub_revision
+    snapshot.mkdir(parents=True)
+    for f in smollm2_dir.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)  # "main" points elsewhere: only the pinned revision can resolve
+    code = (
+        "import sys; from tests.conftest import compose; from grail_exp.config import validate\n"
+        "from grail_exp.models import resolve_model_path, load_tokenizer, load_causal_lm\n"
+        f"cfg = validate(compose(['model=smollm2_135m', 'model.name_or_path={entry.hub_id}'], __import__('pathlib')"
+        f".Path(sys.argv[1])))\n"
+        "path = resolve_model_path(cfg); tok = load_tokenizer(path, cfg); m = load_causal_lm(path, cfg, trainable=False)\n"
+        "print(path, cfg.model.revision, tok.eos_token, sum(p.numel() for p in m.parameters()))\n")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(Path(__file__).parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-4:] == [entry.hub_id, entry.hub_revision, EOS, "134515008"]

@@ -274,7 +274,8 @@ def test_hub_id_at_the_pinned_revision_loads_through_the_hub_path(smollm2_dir, t
         "from grail_exp.models import resolve_model_path, load_tokenizer, load_causal_lm\n"
         f"cfg = validate(compose(['model=smollm2_135m', 'model.name_or_path={entry.hub_id}'], __import__('pathlib')"
         f".Path(sys.argv[1])))\n"
-        "path = resolve_model_path(cfg); tok = load_tokenizer(path, cfg); m = load_causal_lm(path, cfg, trainable=False)\n"
+        "path = resolve_model_path(cfg); tok = load_tokenizer(path, cfg)\n"
+        "m = load_causal_lm(path, cfg, trainable=False)\n"
         "print(path, cfg.model.revision, tok.eos_token, sum(p.numel() for p in m.parameters()))\n")
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1",
                PYTHONPATH=str(Path(__file__).parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -321,7 +321,7 @@ class TrainerConfig:
     sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
     # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/deepspeed_zero.py), e.g. zero_optimization
     deepspeed: Optional[Any] = None
-    # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/loss/logprobs.py):
+    # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
@@ -638,6 +638,10 @@ def validate(cfg: DictConfig) -> DictConfig:
         else:
             e.extend(f"estimator.{msg}" for msg in (spec.check(typed_est) if spec.check else []))
             e.extend(spec.check_run(typed_est, cfg) if spec.check_run else [])
+            ds = r.get("dynamic_sampling")
+            if ds is not None and ds.enabled and spec.prompt_variants is not None:
+                e.append(f"rollout.dynamic_sampling.enabled = true: not with estimator={est_name} (it plans its own "
+                         "prompts per problem and replaces the rewards dynamic sampling filters on)")
             with open_dict(cfg):
                 cfg.estimator = typed_est
 

@@ -3,7 +3,7 @@
 Three modes, chosen by config (the same names for the training reward and for evaluation):
 
 ``last_balanced`` (default for both)
-    The content of the balanced ``\\boxed{...}`` that starts last (``rewards.extract_last_boxed``):
+    The content of the balanced ``\\boxed{...}`` that starts last (``boxed.extract_last_boxed``):
     an unterminated box is skipped; a box nested in another box wins over its parent.
 
 ``paper``
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from grail_exp.rewards import _BOX_LEN, _BOX_OPEN, _matching_close, extract_last_boxed
+from grail_exp.boxed import _BOX_LEN, _BOX_OPEN, _matching_close, extract_last_boxed
 
 MODES = ("paper", "last_balanced", "math_verify")  # the values of reward.extraction / benchmark.extraction
 WHOLE_COMPLETION = "math_verify"  # the rule that hands the whole completion to math-verify

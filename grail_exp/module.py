@@ -929,7 +929,7 @@ class GRPOModule(L.LightningModule):
         n_rows = min(e - s, budget)
         if n_rows <= 0:
             return
-        from grail_exp.advantages.spans import answer_spans
+        from grail_exp.spans import answer_spans
 
         prepared = getattr(batch, "prepared", None)
         if isinstance(prepared, dict) and "spans" in prepared:

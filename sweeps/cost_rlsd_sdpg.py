@@ -112,7 +112,7 @@ def main(rows: int = 64, completion_len: int = 48, reps: int = 5) -> None:
         with torch.no_grad():
             fwd()
 
-    from grail_exp.advantages.teacher import build_teacher_batch
+    from grail_exp.teacher import build_teacher_batch
 
     p_rlsd = build_teacher_batch(b, tok, cfg.model, "rlsd").prompt_length
     p_sdpg = build_teacher_batch(b, tok, cfg.model, "sdpg").prompt_length

@@ -11,7 +11,8 @@ from pinned_step import build_model_and_tokenizer, rollout_batch
 def _module(dtype, overrides=()):
     from test_pinned_step import _cfg
 
-    from grail_exp.advantages import build_scheme, group_advantages
+    from grail_exp.advantages import build_scheme
+    from grail_exp.estimators.group import group_advantages
     from grail_exp.module import GRPOModule, TrainingBatch, position_ids_from_mask
 
     cfg = _cfg(["advantage=grpo", *overrides])

@@ -21,7 +21,8 @@ def _cfg(overrides):
 
 def run_case_legacy(overrides):
     """The pre-refactor trainer API (commit 2d87701): used once to write the pinned file."""
-    from grail_exp.advantages import build_scheme, group_advantages
+    from grail_exp.advantages import build_scheme
+    from grail_exp.estimators.group import group_advantages
     from grail_exp.module import GRPOModule, TrainingBatch, position_ids_from_mask
 
     cfg = _cfg(overrides)
@@ -63,7 +64,8 @@ def run_case_legacy(overrides):
 
 def run_case(overrides, extra=()):
     """Today's trainer on the pinned batch: prepare (spans, probe rows grouped first), then one optimiser step."""
-    from grail_exp.advantages import build_scheme, group_advantages
+    from grail_exp.advantages import build_scheme
+    from grail_exp.estimators.group import group_advantages
     from grail_exp.module import GRPOModule, TrainingBatch, position_ids_from_mask
 
     cfg = _cfg([*overrides, *extra])

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from grail_exp.advantages.spans import answer_spans
+from grail_exp.spans import answer_spans
 from grail_exp.data.prompting import PAPER_INSTRUCTION, encode_prompts, render_prompt
 from grail_exp.rewards import extract_last_boxed, strip_think
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from grail_exp.advantages import SchemeBatch, build_scheme
 from grail_exp.advantages.rlsd import RlsdConfig, RlsdScheme, rlsd_lambda, rlsd_weights
-from grail_exp.advantages.teacher import TEMPLATES, build_teacher_batch, teacher_logprobs, teacher_prompt_texts
+from grail_exp.teacher import TEMPLATES, build_teacher_batch, teacher_logprobs, teacher_prompt_texts
 
 MODEL_CFG = OmegaConf.create({"prompt_style": "chat", "system_prompt": None, "chat_template": None,
                               "chat_template_kwargs": {"enable_thinking": False}, "name_or_path": "tiny"})

@@ -105,7 +105,7 @@ def _forward(model, batch):
 
 def test_opd_term_matches_brute_force_teacher_and_gate(tiny_model, tiny_tokenizer):
     from test_rlsd import MODEL_CFG, ROWS, _batch
-    from grail_exp.advantages.teacher import TEMPLATES
+    from grail_exp.teacher import TEMPLATES
     from grail_exp.data.prompting import render_prompt
 
     tok, model = tiny_tokenizer, tiny_model

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from grail_exp.advantages.spans import AnswerSpans, answer_spans, find_last_boxed_span
+from grail_exp.spans import AnswerSpans, answer_spans, find_last_boxed_span
 from grail_exp.rewards import extract_last_boxed, find_first_boxed_span
 
 MODES = ("reference", "exact")

@@ -543,22 +543,16 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check_vllm(cfg, e)
     # Half precision needs fp32 master weights (or a strategy that keeps them): an Adam step of ~lr vanishes in
     # bf16 rounding, so the model would silently not train.
-    sharded = str(t.strategy).startswith("fsdp")
-    _check(e, t.sharding_strategy in (None, "FULL_SHARD", "SHARD_GRAD_OP"), "trainer.sharding_strategy",
-           t.sharding_strategy, "must be FULL_SHARD or SHARD_GRAD_OP (trainer=fsdp)")
-    if str(t.strategy) == "deepspeed":
-        import importlib.util
+    from grail_exp.training.backends import BACKENDS
 
-        _check(e, importlib.util.find_spec("deepspeed") is not None, "trainer.strategy", t.strategy,
-               "needs DeepSpeed: pip install -e '.[deepspeed]' (pinned deepspeed==0.19.8)")
-        stage = ((t.deepspeed or {}).get("zero_optimization") or {}).get("stage", 2)
-        _check(e, stage in (1, 2), "trainer.deepspeed.zero_optimization.stage", stage,
-               "must be 1 or 2 (ZeRO-3 partitions the parameters that generation and the probes read whole; "
-               "trainer=fsdp shards them the way this trainer needs)")
-        sharded = True  # DeepSpeed keeps the fp32 master partition itself
-    elif str(t.strategy).startswith("deepspeed"):
-        e.append(f"trainer.strategy = {t.strategy!r}: DeepSpeed runs as strategy 'deepspeed' (trainer=deepspeed_zero2), "
-                 "under this trainer's own step; Lightning's DeepSpeed strategies own the step and do not fit it")
+    backend = BACKENDS.get(str(t.strategy))
+    if backend is None:
+        e.append(f"trainer.strategy = {t.strategy!r}: must be one of {', '.join(sorted(BACKENDS))} (the update backends "
+                 "in grail_exp/training/backends; DeepSpeed runs as 'deepspeed', trainer=deepspeed_zero2, under this "
+                 "trainer's own step: Lightning's DeepSpeed strategies own the step and do not fit it)")
+    else:
+        e.extend(backend.check_config(cfg))
+    sharded = backend is not None and backend.owns_master_weights  # FSDP / ZeRO keep the fp32 masters themselves
     if cfg.model.dtype in ("bfloat16", "float16") and o.master_weights is False and not sharded:
         e.append(f"model.dtype = {cfg.model.dtype!r} with optim.master_weights = false: AdamW would update "
                  f"{cfg.model.dtype} weights in place and steps of lr = {o.lr} vanish in rounding; set "

@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from grail_exp.advantages import SCHEMES, build_scheme, scheme_config_class
 from grail_exp.loss import policy_loss, selective_log_softmax
-from grail_exp.module import completion_logits
+from grail_exp.forward import completion_logits
 from grail_exp.weights import scheme_batch
 
 EOS = "<|im_end|>"

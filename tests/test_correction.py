@@ -71,11 +71,11 @@ def test_sampler_check_fails_loudly_on_a_stale_engine(compose_cfg, tiny_model_di
     batch.old_logp = module.rollout.logps(module.policy, batch)
     ok = module.rollout.check_sampler(batch)["sampling/logp_abs_diff_mean"]
     assert ok < 1e-4  # rollout=hf samples from the policy itself
-    module.logp_diff_history = [0.03, 0.03, 0.03]
+    module.rollout.logp_diff_history = [0.03, 0.03, 0.03]
     batch.sampler_logp = batch.sampler_logp - 0.5 * batch.loss_mask  # a 0.5-nat jump
     with pytest.raises(SamplerMismatchError, match="jumped"):
         module.rollout.check_sampler(batch)
-    module.logp_diff_history = []
+    module.rollout.logp_diff_history = []
     batch.sampler_logp = batch.sampler_logp - 2.0 * batch.loss_mask
     with pytest.raises(SamplerMismatchError, match="max_abs_diff"):
         module.rollout.check_sampler(batch)

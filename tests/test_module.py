@@ -102,7 +102,7 @@ def test_truncated_completions_carry_no_loss(compose_cfg, tiny_model_dir):
     cfg2 = _small(compose_cfg, tiny_model_dir, ["rollout.max_completion_length=3", "loss.mask_truncated_completions=false"])
     module2 = _build_module(cfg2, tiny_model_dir)
     torch.manual_seed(0)
-    batch2, _ = module2.make_batch(0, {})
+    batch2, _ = module2.rollout.make_batch(0, {})
     assert batch2.loss_mask.sum() > batch.loss_mask.sum()
 
 

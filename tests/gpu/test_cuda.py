@@ -148,7 +148,7 @@ def test_grail_step_peak_memory_within_1_15x_of_grpo(tmp_path):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         module.rollout.prepare(batch, {})
         module.update.step(copy.copy(batch), opt, sched, float(batch.loss_mask.sum()), {}, 0)  # Adam state
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         module.update.step(batch, opt, sched, float(batch.loss_mask.sum()), {}, epoch=0)

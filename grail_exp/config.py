@@ -249,7 +249,7 @@ class LossConfig:
     terms: dict = field(default_factory=dict)  # auxiliary loss terms: {name: {its config}} (grail_exp/loss/terms.py)
     num_iterations: int = 1  # mu: optimiser steps per rollout batch, with old log-probs (paper: 4)
     mask_truncated_completions: bool = True  # completions without EOS add no loss (DAPO overlong filtering)
-    # --- GRPO family (issue 15; grail_exp/loss/policies/, docs/readme/family.md). Defaults = off / the papers'.
+    # --- GRPO family (issue 15; grail_exp/loss/policies/, docs/grpo-family.md). Defaults = off / the papers'.
     clip_ratio_c: Optional[float] = None  # ppo_clip dual-clip c > 1: loss <= -c*A for A < 0 (arXiv 1912.09729; verl: 3.0); dppo_*: ratio cap; null = off
     delta: Optional[float] = None  # ppo_clip two-sided clipping: ratio <= delta in the unclipped branch (INTELLECT-2 arXiv 2505.07291; TRL); null = off
     sapo_tau_pos: float = 1.0  # sapo gate temperature for A > 0 (SAPO arXiv 2511.20347; TRL/verl default 1.0)
@@ -267,6 +267,14 @@ class LossConfig:
     top_entropy_quantile: float = 1.0  # rho: keep only the top-rho highest-entropy tokens in the loss (arXiv 2506.01939; 0.2 there); 1 = off
     kl_in_reward: KLInRewardConfig = field(default_factory=lambda: KLInRewardConfig())  # KL folded into the reward (issue 15)
     off_policy_mask_threshold: Optional[float] = None  # OPSM delta: drop A < 0 sequences with mean KL(sampler||policy) > delta (DeepSeek-V3.2); null = off
+    # The two masks above multiply the policy term only. unmasked (TRL, DeepSeek-V3.2): the normaliser counts every loss
+    # token and beta*KL stays on masked tokens | kept: they shrink the loss mask itself (before issue 23; docs/deviations.md)
+    family_mask_normaliser: str = "unmasked"
+    # Tokens whose entropies give the top_entropy_quantile threshold: all (the micro-batch's loss tokens, before the
+    # off-policy mask: TRL) | off_policy_kept (only the rows OPSM keeps: before issue 23)
+    top_entropy_population: str = "all"
+    # gmpo with rollout IS weights: geometric (their per-sequence geometric mean, verl geo_mean) | arithmetic (before issue 23)
+    gmpo_is_mean: str = "geometric"
 
 
 @dataclass
@@ -319,7 +327,7 @@ class TrainerConfig:
     num_nodes: int = 1  # data-parallel nodes (world size = devices x num_nodes)
     process_group_backend: Optional[str] = None  # null = nccl on GPU, gloo on CPU
     sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
-    # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/deepspeed_zero.py), e.g. zero_optimization
+    # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/training/backends/deepspeed.py), e.g. zero_optimization
     deepspeed: Optional[Any] = None
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.

@@ -19,9 +19,11 @@ Templates (``TEMPLATES``; a config may also give a literal string with ``{proble
   answer, "After understanding the reference solution, please try to solve this problem using your own approach
   below."). Its format sentence (``<thought>`` / ``<answer>`` tags, a multimodal-benchmark format) is replaced by
   the run's own ``data.instruction``, so teacher and student are asked for the same answer format (CHOSEN).
-- ``sdpg``: SDPG's privileged context "The correct answer to this problem is: {answer}. Use this to verify your
-  reasoning, but show your full solution process." Where SDPG's data column puts it relative to the problem is
-  UNVERIFIED; here it follows the problem and the instruction, in the same user turn.
+- ``sdpg``: SDPG's privileged context, as its README gives it: "The correct answer to this problem is: {answer}",
+  a newline, "Use this to verify your reasoning, but show your full solution process." The official data loader
+  (``rl_dataset._split_teacher_context``) gives the teacher the actor's user message (problem and answer-format
+  instruction) with the context appended in the same message; the separator between the two is inside the
+  (unreleased) dataset file, and here it is a blank line (CHOSEN).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from grail_exp.forward import decoder_body, predicting_window
 TEMPLATES = {
     "rlsd": ("{problem}\n\nHere is a reference solution:\n{answer}\n\nAfter understanding the reference solution, "
              "please try to solve this problem using your own approach below.{instruction}"),
-    "sdpg": ("{problem}{instruction}\n\nThe correct answer to this problem is: {answer}. Use this to verify your "
+    "sdpg": ("{problem}{instruction}\n\nThe correct answer to this problem is: {answer}\nUse this to verify your "
              "reasoning, but show your full solution process."),
 }
 

@@ -194,6 +194,19 @@ def test_why_the_reference_shifts(request, family):
     assert len(tok.encode("\\boxed{", add_special_tokens=False)) == 3  # the reference marker length k
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_marker_length_in_context_on_real_tokenizers(request, family):
+    """The marker's k is counted behind "a" (enc("a\\boxed{")[len(enc("a")):]); on these tokenizers it equals the
+    reference's standalone count, 3: a \\ boxed {."""
+    from grail_exp.spans import _tokenizer_consts
+
+    tok = request.getfixturevalue(family)
+    a = tok.encode("a", add_special_tokens=False)
+    full = tok.encode("a\\boxed{", add_special_tokens=False)
+    assert full[:len(a)] == a and toks(tok, full[len(a):]) == ["\\", "boxed", "{"]
+    assert _tokenizer_consts(tok) == (len(a), 3)
+
+
 # ------------------------------------------------------------------------------- strip_think
 @needs_llama
 def test_strip_think_on_r1_style_output(r1):

@@ -46,7 +46,7 @@ def test_rlsd_live_teacher_rollout_student_trains(tmp_path, tiny_model_dir, monk
 
 @pytest.mark.slow
 def test_cli_on_the_embedded_default(tmp_path):
-    """The README's commands, on the embedded default model (builds it into the cache when missing)."""
+    """The commands of docs/self-distillation.md, on the embedded default (built into the cache when missing)."""
     for extra in (["advantage=rlsd"], ["advantage=grpo", "+loss_term=[sdpg_opd,sdpg_ref_kl]"]):
         proc = subprocess.run([sys.executable, "-m", "grail_exp.run", *extra, "debug=fast", "logger=none",
                                f"paths.root_dir={tmp_path}", "trainer.eval_before_training=false"],

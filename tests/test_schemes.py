@@ -68,6 +68,23 @@ def test_grail_std0_without_overrides_is_exactly_grpo(setup):
         out.loss.backward()
         grads.append((out.loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     assert grads[0][0] == grads[1][0] and torch.equal(grads[0][1], grads[1][1])
+    # σ_w = 0 alone is not GRPO: with the overrides on (the default) boxed content still gets w_max
+    with_overrides = build_scheme(cfg_of("grail", std=0.0, symmetry="both"), tok)
+    spans = with_overrides.spans(batch)
+    w = with_overrides.weights(model, batch).weights
+    assert spans.content.any() and (w[spans.content] == 5.0).all() and not torch.equal(w, grpo)
+
+
+def test_grail_clip_rates_count_weights_on_the_bounds():
+    """The reference's clip rates use <= w_min and >= w_max: a pre-clip weight exactly on a bound counts."""
+    from types import SimpleNamespace
+
+    scheme = build_scheme(cfg_of("grail"), None)
+    raw = torch.tensor([[0.5, 0.49, 1.0, 5.0, 5.1, 2.0]])  # w_min = 0.5, w_max = 5
+    mask = torch.ones(1, 6)
+    m = scheme._diagnostics(raw.clamp(0.5, 5.0), raw, mask, SimpleNamespace(has_box=torch.tensor([True])),
+                            torch.tensor([False]), torch.tensor([True]), torch.tensor([-1.0]))
+    assert m["clip_low_frac"] == pytest.approx(2 / 6) and m["clip_high_frac"] == pytest.approx(2 / 6)
 
 
 def test_grail_overrides_and_fallbacks(setup):

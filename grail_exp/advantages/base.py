@@ -4,7 +4,7 @@ A scheme turns a rollout batch into detached token weights w (B, C); the trainer
 trainer drives a scheme in three calls, all optional but the last:
 
 1. ``prepare(model, batch)`` once per rollout batch, with the **whole** rollout batch (complete groups of G
-   rollouts, rewards, advantages, gold answers, problem texts, the step counter), after the advantages and before
+   rollouts, rewards, advantages, gold answers, problem texts, the step counters), after the advantages and before
    the μ updates. Batch-level schemes (DelTA's centroids, SHEAR's group distances) compute their weights here; the
    answer spans that GRAIL / OAR need are found here once instead of at every micro-batch. The return value comes
    back as ``batch.prepared`` (sliced to the micro-batch's rows by the trainer via ``SchemeBatch.prepared_rows``).
@@ -73,8 +73,17 @@ class SchemeBatch:
     gold_answers: list[str] | None = None  # the reference answer of each row (RLSD's teacher, ...)
     prompt_ids: list[list[int]] | None = None  # unpadded prompt token ids per row
     token_advantages: torch.Tensor | None = None  # (B, C) when the estimator is token-level
-    step: int = 0  # optimiser steps done so far (schedules)
+    step: int = 0  # optimiser steps done so far
     prepared: Any = None  # what ``prepare`` returned for the rollout batch
+    # 1-based index of the rollout batch these rows come from: 1 for the run's first rollout batch, +1 per rollout
+    # batch, the same for every optimiser step (inner iteration, mini-batch) taken on it; after a resume it continues
+    # (rollout batches completed before + 1). It is the official verl-based trainers' ``global_step(s)`` (RLSD, SDPG:
+    # incremented before each batch is generated). None = step + 1 (exact when each rollout batch gives one optimiser
+    # step). Schedules read it through ``rollout_index()``.
+    rollout_step: int | None = None
+
+    def rollout_index(self) -> int:
+        return self.rollout_step if self.rollout_step is not None else self.step + 1
 
     def rows(self, idx: torch.Tensor) -> "SchemeBatch":
         """The sub-batch of the given row indices (same P and C)."""

@@ -31,6 +31,12 @@ def check_family_config(cfg) -> list[str]:
     check(0 < L.get("top_entropy_quantile", 1.0) <= 1, "top_entropy_quantile", "must be in (0, 1] (1 = off)")
     check(L.get("off_policy_mask_threshold") is None or L.off_policy_mask_threshold >= 0, "off_policy_mask_threshold",
           "must be >= 0 or null")
+    from grail_exp.family import NORMALISERS, POPULATIONS
+    from grail_exp.loss.policies.gmpo import IS_MEANS
+
+    for key, valid, default in (("family_mask_normaliser", NORMALISERS, "unmasked"),
+                                ("top_entropy_population", POPULATIONS, "all"), ("gmpo_is_mean", IS_MEANS, "geometric")):
+        check(L.get(key, default) in valid, key, f"must be one of {', '.join(valid)}")
     kir = L.get("kl_in_reward")
     if kir is not None and kir.enabled:
         from grail_exp.loss.kl import KL_ESTIMATORS

@@ -301,9 +301,13 @@ class TrainerConfig:
     devices: Any = 1
     strategy: str = "auto"
     precision: str = "32-true"
-    max_steps: int = 200  # optimiser steps (each rollout batch gives loss.num_iterations of them)
+    max_steps: int = 200  # optimiser steps (each rollout batch gives mini_batches_per_rollout x loss.num_iterations)
     prompts_per_step: int = 16  # prompts per rollout batch (x G completions); paper: 32 x 8 = 256
     micro_batch_size: int = 64  # completions per forward/backward; gradient accumulation covers the rest
+    # k: optimiser steps per pass over a rollout batch, each on 1/k of its prompts (whole groups, in rollout order),
+    # for loss.num_iterations passes: k x mu steps per rollout batch. verl's ppo_mini_batch_size = prompts_per_step / k
+    # (its dp_actor splits the batch in order, ppo_epochs = mu); 1 = TRL's layout, the whole batch per step.
+    mini_batches_per_rollout: int = 1
     log_every: int = 1  # optimiser steps between metric logs
     # Optimiser steps between one-line INFO progress logs (step, reward, loss, length, s/step, ETA): what a log
     # redirected to a file (SLURM, CI, nohup) shows, where the progress bar does not reach; 0 = off
@@ -700,10 +704,16 @@ def validate(cfg: DictConfig) -> DictConfig:
                f"for a benchmark in benchmark.names ({', '.join(cfg.benchmark.names)})")
 
     # Micro-batches must tile the rollout batch exactly, otherwise gradient accumulation is ill-defined.
-    completions = t.prompts_per_step * r.num_generations // max(1, world)  # per rank
+    k = t.mini_batches_per_rollout
+    _check(e, k >= 1, "trainer.mini_batches_per_rollout", k, "must be >= 1")
+    prompts_per_rank = t.prompts_per_step // max(1, world)
+    if k >= 1 and prompts_per_rank % k:
+        e.append(f"trainer.mini_batches_per_rollout = {k}: must divide the prompts of a rank's rollout batch "
+                 f"(trainer.prompts_per_step / world size = {prompts_per_rank}): a mini-batch holds whole groups")
+    completions = t.prompts_per_step * r.num_generations // max(1, world) // max(1, k)  # per rank and mini-batch
     if completions >= 1 and t.micro_batch_size >= 1 and completions % min(t.micro_batch_size, completions):
         e.append(f"trainer.micro_batch_size = {t.micro_batch_size}: must divide trainer.prompts_per_step x "
-                 f"rollout.num_generations / world size = {completions}")
+                 f"rollout.num_generations / world size / trainer.mini_batches_per_rollout = {completions}")
 
     # The advantage estimator: known name, then its typed schema and checks.
     from grail_exp.estimators import ESTIMATORS

@@ -100,7 +100,7 @@ class TrainingBatch:
             problems=self.problems[sl] if self.problems else None,
             gold_answers=self.golds[sl] if self.golds else None,
             token_advantages=self.token_advantages[sl] if self.token_advantages is not None else None,
-            step=ctx.progress.step,
+            step=ctx.progress.step, rollout_step=ctx.progress.rollouts or None,
             prepared=slice_prepared(self.prepared, rows) if s is not None else None,
         )
 
@@ -124,6 +124,11 @@ def rank_rows(cfg) -> int:
     return cfg.trainer.prompts_per_step * cfg.rollout.num_generations // world.world_size()
 
 
+def mini_batch_rows(cfg) -> int:
+    """Rows of one mini-batch (one optimiser step) on this rank: 1/k of the rank's rollout batch."""
+    return rank_rows(cfg) // cfg.trainer.get("mini_batches_per_rollout", 1)
+
+
 def micro_batch_rows(cfg) -> int:
     """Rows of one micro-batch (one forward / backward) on this rank."""
-    return min(cfg.trainer.micro_batch_size, rank_rows(cfg))
+    return min(cfg.trainer.micro_batch_size, mini_batch_rows(cfg))

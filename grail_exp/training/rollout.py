@@ -25,7 +25,7 @@ from grail_exp.rewards import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
 from grail_exp.rollout.variants import sample_variants
 from grail_exp.training import world
-from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows
+from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
 from grail_exp.training.timing import timed
 
 # Aggregations whose value does not depend on how rows are split into micro-batches: rows may be reordered.
@@ -136,7 +136,8 @@ class RolloutPhase:
 
     def prepare(self, batch: TrainingBatch, timings: dict) -> None:
         """Once per rollout batch: the scheme's ``prepare`` on the whole batch, then (when the loss allows it) group the
-        rows whose weights need the model into the first micro-batches, so the others skip the probe."""
+        rows whose weights need the model into the first micro-batches of their mini-batch, so the others skip the
+        probe."""
         with timed(timings, "scheme_prepare"), self.backend.full_parameters():
             batch.prepared = self.scheme.prepare(self.policy, batch.scheme_view(self.scheme_ctx))
             needs = None
@@ -145,7 +146,10 @@ class RolloutPhase:
                 whole.prepared = batch.prepared
                 needs = self.scheme.rows_needing_model(whole)
             if needs is not None and 0 < int(needs.sum()) < needs.numel():
-                perm = torch.cat([needs.nonzero().squeeze(1), (~needs).nonzero().squeeze(1)])  # stable within each part
+                # Within each mini-batch (its rows stay its own): probe rows first, stable within each part.
+                size = mini_batch_rows(self.cfg)
+                perm = torch.cat([torch.cat([a + part.nonzero().squeeze(1), a + (~part).nonzero().squeeze(1)])
+                                  for a in range(0, needs.numel(), size) for part in [needs[a:a + size]]])
                 batch.permute(perm)
 
     @torch.no_grad()

@@ -569,7 +569,16 @@ class ReportConfig:
     task_name: str = "report"
 
 
+def rollout_batches(max_steps, num_iterations, mini_batches) -> int:
+    """``${rollout_batches:max_steps,mu,k}``: rollout batches a run of ``max_steps`` optimiser steps draws (each gives
+    k mini-batches x mu epochs of steps); schedules that count rollout batches (SDPG's T) use it."""
+    per = int(num_iterations) * int(mini_batches)
+    return -(-int(max_steps) // per)
+
+
 def register_configs() -> None:
+    if not OmegaConf.has_resolver("rollout_batches"):
+        OmegaConf.register_new_resolver("rollout_batches", rollout_batches)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="weights_schema", node=WeightsConfig)

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from grail_exp.advantages import SchemeBatch, build_scheme
 from grail_exp.advantages.rlsd import RlsdConfig, RlsdScheme, rlsd_lambda, rlsd_weights
-from grail_exp.advantages.teacher import TEMPLATES, build_teacher_batch, teacher_logprobs, teacher_prompt_texts
+from grail_exp.teacher import TEMPLATES, build_teacher_batch, teacher_logprobs, teacher_prompt_texts
 
 MODEL_CFG = OmegaConf.create({"prompt_style": "chat", "system_prompt": None, "chat_template": None,
                               "chat_template_kwargs": {"enable_thinking": False}, "name_or_path": "tiny"})
@@ -83,7 +83,7 @@ def test_weights_formula_by_hand():
 def _batch(tok, rows, step=0):
     """A SchemeBatch like the trainer's from (problem, answer, completion text, advantage) rows."""
     from grail_exp.data.prompting import encode_prompts
-    from grail_exp.module import position_ids_from_mask
+    from grail_exp.forward import position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
 
     prompts = encode_prompts([r[0] for r in rows], tok, MODEL_CFG)
@@ -157,7 +157,7 @@ def test_weights_match_a_brute_force_teacher(tiny_model, tiny_tokenizer, teacher
 
 
 def test_shared_forward_batching_and_negative_only(tiny_model, tiny_tokenizer):
-    from grail_exp.module import policy_forward
+    from grail_exp.forward import policy_forward
 
     tok = tiny_tokenizer
     scheme = RlsdScheme(_cfg(teacher="live"), tok, {"model": MODEL_CFG})
@@ -265,8 +265,8 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
     extra = ["advantage=rlsd", "advantage.clip=0.9"]
     module = _module(_small(compose_cfg, tiny_model_dir, extra), tiny_model_dir)
     torch.manual_seed(0)
-    batch, _ = module.make_batch(0, {})
-    module.prepare_batch(batch, {})
+    batch, _ = module.rollout.make_batch(0, {})
+    module.rollout.prepare(batch, {})
     captured = []
     real = module.scheme.weights_from_forward
 
@@ -286,8 +286,8 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
         def zero_grad(self, set_to_none=True):
             opt.zero_grad(set_to_none=set_to_none)
 
-    module._optimizer_step(batch, Opt(), torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                           batch.loss_mask.sum().item(), {}, 0)
+    module.update.step(batch, Opt(), torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       batch.loss_mask.sum().item(), {}, 0)
     b, w_train = captured[0]
     assert (b.advantages != 0).any()
     P = b.prompt_length

@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from grail_exp.advantages import SCHEMES, build_scheme, scheme_config_class
 from grail_exp.loss import policy_loss, selective_log_softmax
-from grail_exp.module import completion_logits
+from grail_exp.forward import completion_logits
 from grail_exp.weights import scheme_batch
 
 EOS = "<|im_end|>"
@@ -92,7 +92,7 @@ def test_grail_overrides_and_fallbacks(setup):
     cfg = cfg_of("grail")  # paper values: std 0.5, mean 1, w in [0.5, 5], symmetry wrong
     scheme = build_scheme(cfg, tok)
     w = scheme.weights(model, batch).weights
-    from grail_exp.advantages.spans import answer_spans
+    from grail_exp.spans import answer_spans
 
     sp = answer_spans(batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts)
     assert sp.has_box.tolist() == [True, True, False, True]
@@ -135,9 +135,9 @@ def test_grail_zero_saliency_post_answer_switch(setup):
     model, tok, rows, batch = setup
     inc = build_scheme(cfg_of("grail", symmetry="both"), tok)
     exc = build_scheme(cfg_of("grail", symmetry="both", zscore_post_answer="exclude"), tok)
-    sal = inc.saliency(model, batch, __import__("grail_exp.advantages.spans", fromlist=["x"]).answer_spans(
+    sal = inc.saliency(model, batch, __import__("grail_exp.spans", fromlist=["x"]).answer_spans(
         batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts).span, torch.tensor([3]))
-    from grail_exp.advantages.spans import answer_spans
+    from grail_exp.spans import answer_spans
 
     sp = answer_spans(batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts)
     assert torch.all(sal[0][sp.post[3]] == 0)  # J cannot depend on tokens after the box (causal attention)
@@ -164,7 +164,7 @@ def test_oar_g_weights_average_one_over_scored_tokens(setup):
         scheme = build_scheme(cfg_of("oar_g", variant=variant, noise_std=1e-2, log_compression="log1p"), tok)
         w = scheme.weights(model, batch).weights
         valid = batch.completion_mask.bool()
-        from grail_exp.advantages.spans import answer_spans
+        from grail_exp.spans import answer_spans
 
         sp = answer_spans(batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts)
         for r in (0, 1, 3):
@@ -222,7 +222,7 @@ def test_oar_p_importance_matches_brute_force_single_token_masking(setup):
     model, tok, rows, batch = setup
     scheme = build_scheme(cfg_of("oar_p", max_batch_tokens=80), tok)  # small budget -> several chunks
     from grail_exp.advantages.oar import _reasoning_mask
-    from grail_exp.advantages.spans import answer_spans
+    from grail_exp.spans import answer_spans
 
     sp = answer_spans(batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts)
     scored = _reasoning_mask(sp, batch.completion_mask)

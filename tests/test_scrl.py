@@ -299,7 +299,7 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
     module = GRPOModule(cfg, tiny_model, tiny_tokenizer, build_scheme(cfg.advantage, tiny_tokenizer),
                         _ScriptedEngine(tiny_tokenizer), build_source(cfg.data), verifier, None)
     module.manual_backward = lambda loss: loss.backward()
-    batch, stats = module.make_batch(0, {})
+    batch, stats = module.rollout.make_batch(0, {})
     G, N = 8, 16
     assert batch.token_advantages.shape[0] == N
     for g in range(2):
@@ -319,7 +319,7 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
     assert stats["estimator/curriculum/format_ok"] == 1.0
     opt = build_optimizer(module.policy, cfg.optim, master_weights=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    m = module._optimizer_step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
+    m = module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, epoch=0)
     assert m["grad_norm"] > 0
     verifier.close()
 

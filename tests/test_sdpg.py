@@ -125,7 +125,7 @@ def _ctx(model, tok, batch, *, hidden=None, W=None, logp=None, mask=None, ref_lo
 
 
 def _forward(model, batch):
-    from grail_exp.module import policy_forward
+    from grail_exp.forward import policy_forward
     from grail_exp.advantages.probe import predicting_window
 
     logp, ent, fwd = policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids,
@@ -135,7 +135,7 @@ def _forward(model, batch):
 
 def test_opd_term_matches_brute_force_teacher_and_gate(tiny_model, tiny_tokenizer):
     from test_rlsd import MODEL_CFG, ROWS, _batch
-    from grail_exp.advantages.teacher import TEMPLATES
+    from grail_exp.teacher import TEMPLATES
     from grail_exp.data.prompting import render_prompt
 
     tok, model = tiny_tokenizer, tiny_model
@@ -171,7 +171,7 @@ def test_opd_teacher_temperature(tiny_model, tiny_tokenizer, mode):
     """At T = 0.7 the official SDPG divides only the student's logits by T (teacher_temperature: raw); the brute
     force below builds both distributions from full logits with its own choice of divisor."""
     from test_rlsd import MODEL_CFG, ROWS, _batch
-    from grail_exp.advantages.teacher import TEMPLATES
+    from grail_exp.teacher import TEMPLATES
     from grail_exp.data.prompting import render_prompt
 
     tok, model, T = tiny_tokenizer, tiny_model, 0.7

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from grail_exp.advantages.spans import AnswerSpans, answer_spans, find_last_boxed_span
+from grail_exp.spans import AnswerSpans, answer_spans, find_last_boxed_span
 from grail_exp.rewards import extract_last_boxed, find_first_boxed_span
 
 MODES = ("reference", "exact")
@@ -495,7 +495,7 @@ def _prefixing_tokenizer():
 def test_marker_length_is_counted_in_context():
     """The marker's token count is encoded behind "a" like the span's own counts: on a tokenizer that prefixes a
     string's first token, "\\boxed{" alone would give k = 4 and swallow the answer into the marker."""
-    from grail_exp.advantages.spans import _tokenizer_consts
+    from grail_exp.spans import _tokenizer_consts
 
     tok = _prefixing_tokenizer()
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731

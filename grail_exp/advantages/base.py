@@ -28,6 +28,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from grail_exp.forward import PolicyForward  # noqa: F401  (part of the scheme contract)
+
 SCHEMES: dict[str, type["AdvantageScheme"]] = {}
 RECOMPUTE = ("per_update", "per_rollout")
 
@@ -102,17 +104,6 @@ class SchemeOutput:
     metrics: dict[str, float] = field(default_factory=dict)  # logged as "<scheme>/<key>"
 
 
-@dataclass
-class PolicyForward:
-    """What the trainer's policy forward of a micro-batch exposes to ``weights_from_forward`` (all in the graph)."""
-
-    embeds: torch.Tensor  # (B, P+C, d) input embeddings (a node of the graph, not a leaf)
-    hidden: torch.Tensor  # (B, P+C, d) last hidden state (after the final norm)
-    hidden_states: tuple | None  # all layers' outputs when the scheme asked for them (``forward_outputs``)
-    head_weight: torch.Tensor  # (V, d) output layer weight (live: detach it for probes)
-    head_bias: torch.Tensor | None
-
-
 class AdvantageScheme:
     """Base class. Subclasses set ``name`` / ``config_class`` (via ``register_scheme``) and implement ``weights``."""
 
@@ -153,7 +144,7 @@ class AdvantageScheme:
     def spans(self, batch: SchemeBatch):
         """The answer-span token masks of the batch, with this scheme's ``span_mapping`` and ``box`` switches
         (taken from ``prepare``'s result when the rollout batch's spans were found there)."""
-        from grail_exp.advantages.spans import answer_spans
+        from grail_exp.spans import answer_spans
 
         prepared = batch.prepared
         if isinstance(prepared, dict) and "spans" in prepared:

@@ -50,7 +50,7 @@ from grail_exp.advantages.probe import (
     masked_mean_std,
     predicting_window,
 )
-from grail_exp.loss import selective_log_softmax
+from grail_exp.logprobs import selective_log_softmax
 
 
 @dataclass

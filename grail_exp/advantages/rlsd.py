@@ -1,7 +1,7 @@
 """RLSD: Self-Distilled RLVR (Yang et al., arXiv 2604.03128; code iie-ycx/RLSD ``dp_opsd_actor._build_stgca_advantages``,
 ``opsd_trainer`` λ schedule; other-methods.md §4).
 
-The teacher is the model itself conditioned on the gold answer (``grail_exp/advantages/teacher.py``); it scores the
+The teacher is the model itself conditioned on the gold answer (``grail_exp/teacher.py``); it scores the
 student's sampled tokens. Per token of row i, in rollout batch k (``SchemeBatch.rollout_index()``: 1 for the run's
 first rollout batch, the same for every optimiser step taken on it — the official trainer's ``global_step``):
 
@@ -44,7 +44,7 @@ from grail_exp.advantages.base import (
     register_scheme,
 )
 from grail_exp.advantages.probe import masked_mean_std
-from grail_exp.advantages.teacher import build_teacher_batch, check_template, teacher_logprobs
+from grail_exp.teacher import build_teacher_batch, check_template, teacher_logprobs
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RlsdConfig(SchemeConfig):
     teacher: str = "frozen"  # frozen: a copy of the actor re-synced every teacher_sync_every steps (official) | live
     teacher_sync_every: int = 20  # frozen teacher: copy the actor's weights after every N-th rollout batch (official 20)
     student_logp: str = "live"  # live: the live actor's log-prob, detached (official) | rollout: the rollout params'
-    template: str = "rlsd"  # teacher prompt: a name in advantages/teacher.py TEMPLATES or a literal with {answer}
+    template: str = "rlsd"  # teacher prompt: a name in teacher.py TEMPLATES or a literal with {answer}
     instruction: Optional[str] = None  # appended via {instruction}; null = data.instruction (the student's)
     chunk_tokens: int = 4096  # rows of (chunk, V) logits alive at once in the log-prob passes
 
@@ -147,7 +147,7 @@ class RlsdScheme(AdvantageScheme):
             tb = build_teacher_batch(sub, self.tokenizer, self.context.get("model"), self.cfg.template,
                                      self._instruction())
             return teacher_logprobs(model, tb, sub.sampling_temperature, self.cfg.chunk_tokens)
-        from grail_exp.module import policy_forward
+        from grail_exp.forward import policy_forward
 
         with torch.no_grad():
             logp, _, _ = policy_forward(model, sub.input_ids, sub.attention_mask, sub.position_ids,
@@ -212,8 +212,8 @@ class RlsdScheme(AdvantageScheme):
         return SchemeOutput(w.detach(), self._diagnostics(w, e, mask, rows, batch.advantages, lam))
 
     def _student_from_forward(self, batch: SchemeBatch, forward: PolicyForward, idx: torch.Tensor) -> torch.Tensor:
-        from grail_exp.advantages.probe import predicting_window
-        from grail_exp.loss.logprobs import linear_logprob
+        from grail_exp.forward import predicting_window
+        from grail_exp.logprobs import linear_logprob
 
         P, C = batch.prompt_length, batch.completion_ids.shape[1]
         with torch.no_grad():

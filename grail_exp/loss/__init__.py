@@ -29,7 +29,7 @@ import torch
 from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext, register_aggregation
 from grail_exp.loss.correction import is_weights
 from grail_exp.loss.kl import KL_ESTIMATORS, register_kl
-from grail_exp.loss.logprobs import entropy_from_logits, linear_logprob, selective_log_softmax
+from grail_exp.logprobs import entropy_from_logits, linear_logprob, selective_log_softmax
 from grail_exp.loss.policy import POLICY_LOSSES, PolicyLossOutput, masked_mean, register_policy_loss
 from grail_exp.loss.terms import LOSS_TERMS, LossTerm, TermContext, build_terms, register_loss_term
 from grail_exp.loss import policies as _family  # noqa: E402,F401  (registers the GRPO family's losses, issue 15)

@@ -60,7 +60,7 @@ class SdpgOpdConfig:
     total_steps: Optional[int] = None  # T: the run's length in rollout batches (official total_training_steps; the recipe sets ${trainer.max_steps}); needed by decay
     positive_only: bool = False  # the A > 0 gate L_OPD⁺ (project page; beta_distill_positive_advantage_only, scripts: off)
     clamp: float = 20.0  # per-token KL clamp (SDPG code: 20)
-    template: str = "sdpg"  # teacher prompt: a name in advantages/teacher.py TEMPLATES or a literal with {answer}
+    template: str = "sdpg"  # teacher prompt: a name in teacher.py TEMPLATES or a literal with {answer}
     instruction: str = ""  # the {instruction} field (the recipe sets ${data.instruction}, the student's)
     chunk_tokens: int = 1024  # positions per chunk: (chunk, V) float32 student and teacher logits alive at once
     # raw: the teacher's logits are not divided by the rollout temperature (official SDPG) | sampling: they are (before issue 23)
@@ -141,7 +141,7 @@ def opd_kl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 class SdpgOpdTerm(LossTerm):
     @staticmethod
     def check_config(cfg) -> list[str]:
-        from grail_exp.advantages.teacher import check_template
+        from grail_exp.teacher import check_template
 
         e = []
         if cfg.beta < 0:
@@ -161,7 +161,7 @@ class SdpgOpdTerm(LossTerm):
         return e
 
     def __call__(self, ctx: TermContext):
-        from grail_exp.advantages.teacher import build_teacher_batch, teacher_hidden
+        from grail_exp.teacher import build_teacher_batch, teacher_hidden
 
         cfg = self.cfg
         beta = sdpg_beta(cfg, ctx.rollout_index() if hasattr(ctx, "rollout_index") else ctx.step + 1)

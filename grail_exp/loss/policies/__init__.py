@@ -8,15 +8,8 @@ of −Â·logp (tested in tests/test_family_losses.py).
 
 from __future__ import annotations
 
-import torch
 
 from grail_exp.loss.policies import cispo, cov, dppo, gmpo, gpg, gspo, sapo, vespo  # noqa: F401  (registration)
-
-
-def seq_log_ratio_mean(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, 1) length-normalised sequence log-ratio (1/|o_i|) Σ_t (logp − old_logp) (GSPO's s_i in log space)."""
-    m = mask.float()
-    return ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 def check_family_config(cfg) -> list[str]:
@@ -71,12 +64,6 @@ def check_family_config(cfg) -> list[str]:
         if world != 1:
             e.append("rollout.dynamic_sampling.enabled = true: only implemented for one process (world size "
                      f"{world}); every rank would need to agree on the kept groups")
-        from grail_exp.estimators import ESTIMATORS
-
-        est = cfg.get("estimator", {}).get("name")
-        if est in ESTIMATORS and ESTIMATORS[est].prompt_variants is not None:
-            e.append(f"rollout.dynamic_sampling.enabled = true: not with estimator={est} (it plans its own prompts "
-                     "per problem and replaces the rewards dynamic sampling filters on)")
     from omegaconf import OmegaConf
 
     from grail_exp.loss.terms import LOSS_TERMS

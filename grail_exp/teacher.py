@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.advantages.probe import decoder_body, predicting_window
+from grail_exp.forward import decoder_body, predicting_window
 
 TEMPLATES = {
     "rlsd": ("{problem}\n\nHere is a reference solution:\n{answer}\n\nAfter understanding the reference solution, "
@@ -123,7 +123,7 @@ def output_layer(model) -> tuple[torch.Tensor, torch.Tensor | None]:
 @torch.no_grad()
 def teacher_logprobs(model, tb: TeacherBatch, temperature: float = 1.0, chunk_tokens: int = 4096) -> torch.Tensor:
     """(B, C) float32 log P_T(o_t) of the sampled tokens, with (chunk, V) logits alive at a time."""
-    from grail_exp.loss.logprobs import linear_logprob
+    from grail_exp.logprobs import linear_logprob
 
     weight, bias = output_layer(model)
     logp, _ = linear_logprob(teacher_hidden(model, tb), weight, bias, tb.completion_ids, temperature, chunk_tokens)

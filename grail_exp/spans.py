@@ -101,7 +101,7 @@ from typing import Callable
 import torch
 
 from grail_exp.checkpoint import checkpointable
-from grail_exp.rewards import _BOX_LEN, _BOX_OPEN, find_first_boxed_span, find_last_boxed_span
+from grail_exp.boxed import _BOX_LEN, _BOX_OPEN, find_first_boxed_span, find_last_boxed_span
 
 __all__ = ["AnswerSpans", "answer_spans", "find_last_boxed_span", "SPAN_MAPPINGS", "BOX_MODES"]
 

@@ -89,6 +89,17 @@ class ModelConfig:
     warm_start: Optional[WarmStartConfig] = None
 
 
+@dataclass
+class RecipeConfig:
+    """Which recipe composed the run, recorded with it (conf/recipe*, docs/recipes-card.md). A model config declares
+    its family (`- override /recipe: paper` in its defaults list); ``recipe=<family>`` on the command line wins."""
+
+    name: str = "demo"  # the family: demo (embedded models: conf/config.yaml's keys) | paper (the GRAIL paper's, its five models) | none
+    base: Optional[str] = None  # the family's file: its groups (data, benchmark, rollout, eval, trainer) and shared keys
+    scheme: Optional[str] = None  # the scheme's part layered on it (conf/recipe_scheme/<family>_<advantage>.yaml); null = none
+    batch_sizes: dict = field(default_factory=dict)  # paper: per-engine per-rank generate()/eval rows {hf: {rollout, eval}, vllm: ...}
+
+
 # ---------------------------------------------------------------------------------------------- data
 @dataclass
 class DataConfig:
@@ -380,6 +391,7 @@ class PathsConfig:
 class RunConfig:
     """Root schema: the config groups plus run-level keys."""
 
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # which recipe composed the run (conf/recipe*)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     rollout: RolloutConfig = MISSING
@@ -406,6 +418,7 @@ class RunConfig:
 class WeightsConfig:
     """Schema of ``python -m grail_exp.weights`` (conf/weights.yaml)."""
 
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     advantage: Any = MISSING
@@ -424,6 +437,7 @@ class WeightsConfig:
 class EvaluateConfig:
     """Schema of ``python -m grail_exp.evaluate`` (conf/evaluate.yaml)."""
 
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING  # builds the embedded model; the arithmetic benchmark uses its knobs
     benchmark: BenchmarkConfig = MISSING

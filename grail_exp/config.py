@@ -293,6 +293,9 @@ class OptimConfig:
     # fp32 master weights + fp32 Adam state for a bf16 model (grail_exp/optim.py); null = on for half-precision
     # models. Without them, Adam steps of ~lr = 1e-6 vanish in bf16 rounding (the paper's DeepSpeed keeps masters).
     master_weights: Optional[bool] = None
+    # validate() refuses optim.lr > 1e-5 on a pretrained hub model (the demo's 1e-4 wrecks 4-8B weights within tens
+    # of steps; the paper: 1e-6). true = "I mean this learning rate". Default false.
+    allow_high_lr: bool = False
 
 
 @dataclass
@@ -505,6 +508,20 @@ def _check(errors: list[str], ok: bool, key: str, value: Any, why: str) -> None:
         errors.append(f"{key} = {value!r}: {why}")
 
 
+HUB_MODEL_MAX_LR = 1e-5  # above this, a pretrained hub model needs optim.allow_high_lr=true
+
+
+def is_hub_model(model_cfg) -> bool:
+    """A pretrained model loaded from the Hugging Face hub by id: not the embedded model (name_or_path null), not
+    random weights (model.random_init), not a local directory, not a packaged model (``pkg:...``)."""
+    name = model_cfg.get("name_or_path")
+    if name is None or model_cfg.get("random_init"):
+        return False
+    from grail_exp.models import _looks_local
+
+    return ":" not in str(name) and not _looks_local(str(name))
+
+
 def validate(cfg: DictConfig) -> DictConfig:
     """Reject impossible configurations before anything expensive happens.
 
@@ -596,6 +613,11 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     e.extend(check_family_config(cfg))
     _check(e, o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    if o.lr > HUB_MODEL_MAX_LR and is_hub_model(cfg.model) and not o.get("allow_high_lr", False):
+        recipe = (cfg.get("recipe") or {}).get("name", "?")
+        e.append(f"optim.lr = {o.lr!r}: above {HUB_MODEL_MAX_LR:g} for the pretrained model {cfg.model.name_or_path!r} "
+                 f"(recipe {recipe}); rates like the demo's 1e-4 destroy 4-8B weights within tens of steps (the paper: "
+                 "1e-6, recipe=paper). Set optim.allow_high_lr=true if you mean it")
     _check(e, o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _check(e, o.max_grad_norm is None or o.max_grad_norm > 0, "optim.max_grad_norm", o.max_grad_norm,
            "must be > 0 or null")

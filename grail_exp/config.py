@@ -338,6 +338,9 @@ class TrainerConfig:
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/loss/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
+    # GiB of one device for the memory plan (grail_exp/plan.py) when planning offline; null = torch.cuda.mem_get_info
+    # of this rank's device (no CUDA device: no verdict; CPU runs are never refused). docs/memory-planner.md
+    device_memory_gb: Optional[float] = None
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
 
@@ -692,6 +695,12 @@ def validate(cfg: DictConfig) -> DictConfig:
             if not e:
                 with open_dict(cfg):
                     cfg.advantage = typed
+    if not e:  # the memory plan of a valid config, before any model is loaded (grail_exp/plan.py)
+        from grail_exp.plan import check as check_memory_plan
+
+        refusal = check_memory_plan(cfg)
+        if refusal:
+            e.append(refusal)
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
     return cfg

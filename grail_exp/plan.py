@@ -51,10 +51,11 @@ DEFAULT_PROMPT_TOKENS = 512
 # Output layer (grail_exp/loss/logprobs.py), in fp32 (chunk, V) tensors alive at once, measured on CPU with the real
 # function (tests/test_plan.py::test_logprob_peak_matches_the_function): several chunks, bf16 weights: forward 5.5
 # (the previous chunk's logits, log-probs and probabilities while the next chunk's bf16 + fp32 logits are built),
-# fp32 weights 5.0; one chunk: 4.0 (its probabilities kept for the backward). Backward ≈ the forward's, plus the
-# fp32 output-layer gradient (4·V·h) and, per chunk, its bf16 + fp32 contribution (6·V·h).
+# fp32 weights 5.0; one chunk: 4.0 (its probabilities kept for the backward). Backward: 5.4 (several chunks) / 5.1
+# (one chunk, its kept probabilities included), plus the fp32 output-layer gradient (4·V·h) and, per chunk, its bf16 +
+# fp32 contribution (6·V·h) when that outweighs 2.4 units of the chunk's tensors (measured with h = 64 ... 2,048).
 LOGITS_FWD_UNITS = {"multi_half": 5.5, "multi_fp32": 5.0, "single": 4.0}
-LOGITS_BWD_UNITS = {"multi": 5.4, "single": 4.1}
+LOGITS_BWD_UNITS = {"multi": 5.4, "single": 5.1}  # single: 4.1 above the forward's kept probabilities (1.0)
 
 
 class PlanError(ValueError):
@@ -236,8 +237,9 @@ def logits_bytes(rows: int, chunk: int, s: Shape, b: int) -> tuple[float, float,
     return fwd, bwd, how
 
 
-def plan(cfg) -> MemoryPlan:
-    """The per-device memory plan of the composed run config ``cfg`` (resolved lazily; nothing is loaded)."""
+def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
+    """The per-device memory plan of the composed run config ``cfg`` (resolved lazily; nothing is loaded).
+    ``prompt_tokens``: the padded prompt length of training rows (default: ``PROMPT_TOKENS`` of ``data.name``)."""
     t, r, L, m = cfg.trainer, cfg.rollout, cfg.loss, cfg.model
     s = model_shape(m)
     b = _dtype_bytes(m.dtype)
@@ -296,7 +298,7 @@ def plan(cfg) -> MemoryPlan:
     local_rows = max(1, t.prompts_per_step * G // W)
     mb = min(int(t.micro_batch_size), local_rows)
     C = int(r.max_completion_length)
-    P = _prompt_tokens([cfg.data.name])
+    P = int(prompt_tokens) if prompt_tokens else _prompt_tokens([cfg.data.name])
     T = P + C
     tok = mb * T
     chunk = int(t.logprob_chunk_tokens)
@@ -434,6 +436,8 @@ def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
         engines.append(["rollout=hf"])
     if strat in ("fsdp_grad_op", "zero2", "zero1", "ddp"):
         fam.append([["trainer=fsdp", f"trainer.devices={t.devices}"]])
+    if strat == "single" and str(t.accelerator) != "cpu":  # one device: shard the state over several (ZeRO-2)
+        fam.append([["trainer=fsdp_zero2", f"trainer.devices={d}"] for d in (2, 4, 8) if t.prompts_per_step % d == 0])
     if strat != "single":  # more ranks shard more state and each rank samples fewer rows
         d, nodes, opts = (t.devices if isinstance(t.devices, int) else 1), int(t.get("num_nodes", 1) or 1), []
         while d < 8 and t.prompts_per_step % (2 * d * nodes) == 0:
@@ -445,7 +449,7 @@ def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
 
 def replan(cfg, overrides: list[str]):
     """``cfg`` with ``key=value`` overrides applied, as a new config. Group switches offered by ``suggest``:
-    ``trainer=fsdp`` (FULL_SHARD on the same devices), ``rollout=vllm`` / ``rollout=hf`` (the engine)."""
+    ``trainer=fsdp`` / ``trainer=fsdp_zero2`` (with a ``trainer.devices`` override), ``rollout=vllm`` / ``rollout=hf``."""
     import yaml
     from omegaconf import OmegaConf, open_dict
 
@@ -453,8 +457,10 @@ def replan(cfg, overrides: list[str]):
     with open_dict(new):
         for o in overrides:
             k, v = o.split("=", 1)
-            if k == "trainer":
-                new.trainer.name, new.trainer.strategy, new.trainer.sharding_strategy = "fsdp", "fsdp", "FULL_SHARD"
+            if k == "trainer":  # fsdp (FULL_SHARD) | fsdp_zero2 (SHARD_GRAD_OP); devices come as their own override
+                new.trainer.name, new.trainer.strategy = v, "fsdp"
+                new.trainer.sharding_strategy = "SHARD_GRAD_OP" if v == "fsdp_zero2" else "FULL_SHARD"
+                new.trainer.accelerator = "gpu"
             elif k == "rollout":
                 new.rollout.engine = v
             else:

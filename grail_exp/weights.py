@@ -60,7 +60,7 @@ def scheme_batch(rows: list[dict], pad_id: int, device, sampling_temperature: fl
     groups (``group`` field, else rows with the same prompt), problems / gold answers (``problem`` / ``answer``
     fields, for schemes that build teacher prompts) and rewards (``reward`` field, else A > 0)."""
     from grail_exp.advantages import SchemeBatch
-    from grail_exp.module import position_ids_from_mask
+    from grail_exp.forward import position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
 
     rb = pad_completions([Completion(r["prompt_ids"], r["completion_ids"], None, False) for r in rows], pad_id)

@@ -11,8 +11,10 @@ from pinned_step import build_model_and_tokenizer, rollout_batch
 def _module(dtype, overrides=()):
     from test_pinned_step import _cfg
 
-    from grail_exp.advantages import build_scheme, group_advantages
-    from grail_exp.module import GRPOModule, TrainingBatch, position_ids_from_mask
+    from grail_exp.advantages import build_scheme
+    from grail_exp.estimators.group import group_advantages
+    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.module import GRPOModule, TrainingBatch
 
     cfg = _cfg(["advantage=grpo", *overrides])
     torch.manual_seed(0)
@@ -41,7 +43,7 @@ def _train(dtype, steps: int, lr: float, master_weights=None):
     start = [p.detach().float().clone() for p in module.policy.parameters()]
     losses = []
     for _ in range(steps):
-        losses.append(module._optimizer_step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)["loss"])
+        losses.append(module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)["loss"])
     params = opt.masters if isinstance(opt, MasterWeightAdamW) else [p.detach().float() for p in module.policy.parameters()]
     return losses, start, params, module.policy
 
@@ -137,7 +139,7 @@ def test_oar_g_teacher_mean_stays_in_the_logits_dtype():
 def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
     """bf16 weights (1 + 2^-7, a bf16 number) times A are formed in float32: w·A = -0.755859375 for A = -0.75, which a
     bf16 product would round to -0.7578125."""
-    import grail_exp.module as mod
+    import grail_exp.training.update as mod
 
     module, batch = _module(torch.bfloat16)
     seen = {}
@@ -149,12 +151,12 @@ def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
 
     monkeypatch.setattr(mod, "policy_loss", spy)
     w = torch.full(batch.loss_mask.shape, 1.0078125, dtype=torch.bfloat16)  # exactly representable in bf16
-    module._weights = lambda b, s, e, it, fwd: (w[s:e], {}, True)
+    module.update.weights = lambda b, s, e, it, fwd: (w[s:e], {}, True)
     from grail_exp.optim import build_optimizer
 
     opt = build_optimizer(module.policy, module.cfg.optim, master_weights=True)
-    module._optimizer_step(batch, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                           batch.loss_mask.sum().item(), {}, 0)
+    module.update.step(batch, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       batch.loss_mask.sum().item(), {}, 0)
     assert seen["dtype"] == torch.float32
     a = batch.advantages[-4:].float().unsqueeze(1) * 1.0078125  # float32 product, not rounded to bf16
     assert torch.equal(seen["adv"], a.expand_as(seen["adv"]))
@@ -165,12 +167,12 @@ def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
 def test_grail_probe_in_bf16_shared_forward_equals_separate_probe():
     """In bf16 the probe keeps the reference's dtypes (log-softmax in the logits' dtype) on both paths."""
     from grail_exp.advantages import build_scheme
-    from grail_exp.module import policy_forward
+    from grail_exp.forward import policy_forward
 
     module, batch = _module(torch.bfloat16, ["advantage=grail", "advantage.symmetry=both"])
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
-    module.prepare_batch(batch, {})
-    sb = module.scheme_batch(batch, 0, 4)
+    module.rollout.prepare(batch, {})
+    sb = batch.scheme_view(module.scheme_ctx, 0, 4)
     with torch.enable_grad():
         _, _, fwd = policy_forward(module.policy, batch.input_ids[:4], batch.attention_mask[:4],
                                    batch.position_ids[:4], batch.completion_ids[:4], 1.0)

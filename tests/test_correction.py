@@ -67,15 +67,15 @@ def test_sampler_check_fails_loudly_on_a_stale_engine(compose_cfg, tiny_model_di
     cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])
     module = _build_module(cfg, tiny_model_dir)
     torch.manual_seed(0)
-    batch, _ = module.make_batch(0, {})
-    batch.old_logp = module._logps_no_grad(module.policy, batch)
-    ok = module._check_sampler(batch)["sampling/logp_abs_diff_mean"]
+    batch, _ = module.rollout.make_batch(0, {})
+    batch.old_logp = module.rollout.logps(module.policy, batch)
+    ok = module.rollout.check_sampler(batch)["sampling/logp_abs_diff_mean"]
     assert ok < 1e-4  # rollout=hf samples from the policy itself
-    module.logp_diff_history = [0.03, 0.03, 0.03]
+    module.rollout.logp_diff_history = [0.03, 0.03, 0.03]
     batch.sampler_logp = batch.sampler_logp - 0.5 * batch.loss_mask  # a 0.5-nat jump
     with pytest.raises(SamplerMismatchError, match="jumped"):
-        module._check_sampler(batch)
-    module.logp_diff_history = []
+        module.rollout.check_sampler(batch)
+    module.rollout.logp_diff_history = []
     batch.sampler_logp = batch.sampler_logp - 2.0 * batch.loss_mask
     with pytest.raises(SamplerMismatchError, match="max_abs_diff"):
-        module._check_sampler(batch)
+        module.rollout.check_sampler(batch)

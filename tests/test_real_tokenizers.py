@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from grail_exp.advantages.spans import answer_spans
+from grail_exp.spans import answer_spans
 from grail_exp.data.prompting import PAPER_INSTRUCTION, encode_prompts, render_prompt
 from grail_exp.rewards import extract_last_boxed, strip_think
 
@@ -192,6 +192,19 @@ def test_why_the_reference_shifts(request, family):
     assert live[-5:] == ["Ġ\\", "boxed", "{", "9", "}"]
     assert toks(tok, tok.encode("a" + before, add_special_tokens=False))[-1] == "Ġ"
     assert len(tok.encode("\\boxed{", add_special_tokens=False)) == 3  # the reference marker length k
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_marker_length_in_context_on_real_tokenizers(request, family):
+    """The marker's k is counted behind "a" (enc("a\\boxed{")[len(enc("a")):]); on these tokenizers it equals the
+    reference's standalone count, 3: a \\ boxed {."""
+    from grail_exp.spans import _tokenizer_consts
+
+    tok = request.getfixturevalue(family)
+    a = tok.encode("a", add_special_tokens=False)
+    full = tok.encode("a\\boxed{", add_special_tokens=False)
+    assert full[:len(a)] == a and toks(tok, full[len(a):]) == ["\\", "boxed", "{"]
+    assert _tokenizer_consts(tok) == (len(a), 3)
 
 
 # ------------------------------------------------------------------------------- strip_think

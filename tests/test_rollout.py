@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grail_exp.loss import selective_log_softmax
-from grail_exp.module import completion_logits, position_ids_from_mask
+from grail_exp.forward import completion_logits, position_ids_from_mask
 from grail_exp.rollout import SamplingParams, build_engine, pad_completions
 
 

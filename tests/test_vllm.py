@@ -102,7 +102,7 @@ def _perturb(model, scale=0.02, seed=0):
 def _trainer_logprobs(model, completions, pad_id, temperature):
     """The trainer's quantity: log softmax(z/T)[token] from the HF forward (positions = cumsum(mask) - 1)."""
     from grail_exp.loss import selective_log_softmax
-    from grail_exp.module import completion_logits
+    from grail_exp.forward import completion_logits
     from grail_exp.rollout import pad_completions
 
     rb = pad_completions(completions, pad_id)

@@ -1,7 +1,7 @@
 """Grading throughput: answers per second of the reward path (last ``\\boxed{}`` + math-verify).
 
-    python -m grail_exp.bench_grading                       # workers 0 (in-process), 1 and 2
-    python -m grail_exp.bench_grading --workers 1 2 --machine "2 cores, shared"
+    python sweeps/bench_grading.py                       # workers 0 (in-process), 1 and 2
+    python sweeps/bench_grading.py --workers 1 2 --machine "2 cores, shared"
 
 Grades typical completions with ``MathVerifier`` (the settings of ``conf/config.yaml``: hard timeout
 15 s, math-verify parse/verify timeouts 5 s) and writes a Markdown table (default
@@ -111,7 +111,7 @@ def to_markdown(rows: list[dict], machine: str, command: str, repeats: int, load
         "math-verify in worker processes; workers 0 = in the calling process, no hard timeout).",
         f"Seconds: median of {repeats} passes, each with a fresh pool (cold sympy cache) warmed up on 100 OlympiadBench",
         "gold answers first (parser caches warm, as in a long-lived training pool). Worker start-up is excluded.",
-        "Produced by `grail_exp/bench_grading.py`.",
+        "Produced by `sweeps/bench_grading.py`.",
         "",
         f"- date: {now}",
         f"- machine: {machine} ({platform.machine()}, {os.cpu_count()} CPUs visible); "

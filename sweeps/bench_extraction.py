@@ -1,7 +1,7 @@
 """Which answer forms each extraction mode accepts, measured on the MATH-500 golds.
 
-    python -m grail_exp.bench_extraction                     # writes results/extraction_modes.md
-    python -m grail_exp.bench_extraction --limit 50 --out /tmp/x.md
+    python sweeps/bench_extraction.py                     # writes results/extraction_modes.md
+    python sweeps/bench_extraction.py --limit 50 --out /tmp/x.md
 
 For every vendored MATH-500 gold ``g`` a few completions are crafted that state ``g`` in a different way
 (``\\boxed {g}`` with a space, ``\\fbox{g}``, one box per element of a list answer, an earlier box with another
@@ -83,7 +83,7 @@ def to_markdown(counts: dict, totals: dict, seconds: float, limit: int | None) -
     lines = [
         "# Extraction modes on crafted MATH-500 completions",
         "",
-        f"Completions graded correct against their own gold, per extraction rule (`python -m grail_exp.bench_extraction"
+        f"Completions graded correct against their own gold, per extraction rule (`python sweeps/bench_extraction.py"
         f"{f' --limit {limit}' if limit else ''}`; math-verify {version('math-verify')}; "
         f"{seconds:.0f} s). `paper_reward` / `paper_eval` are `reward.extraction=paper` / `benchmark.extraction=paper`.",
         "",

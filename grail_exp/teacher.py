@@ -19,9 +19,11 @@ Templates (``TEMPLATES``; a config may also give a literal string with ``{proble
   answer, "After understanding the reference solution, please try to solve this problem using your own approach
   below."). Its format sentence (``<thought>`` / ``<answer>`` tags, a multimodal-benchmark format) is replaced by
   the run's own ``data.instruction``, so teacher and student are asked for the same answer format (CHOSEN).
-- ``sdpg``: SDPG's privileged context "The correct answer to this problem is: {answer}. Use this to verify your
-  reasoning, but show your full solution process." Where SDPG's data column puts it relative to the problem is
-  UNVERIFIED; here it follows the problem and the instruction, in the same user turn.
+- ``sdpg``: SDPG's privileged context, as its README gives it: "The correct answer to this problem is: {answer}",
+  a newline, "Use this to verify your reasoning, but show your full solution process." The official data loader
+  (``rl_dataset._split_teacher_context``) gives the teacher the actor's user message (problem and answer-format
+  instruction) with the context appended in the same message; the separator between the two is inside the
+  (unreleased) dataset file, and here it is a blank line (CHOSEN).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.advantages.probe import decoder_body, predicting_window
+from grail_exp.forward import decoder_body, predicting_window
 
 TEMPLATES = {
     "rlsd": ("{problem}\n\nHere is a reference solution:\n{answer}\n\nAfter understanding the reference solution, "
              "please try to solve this problem using your own approach below.{instruction}"),
-    "sdpg": ("{problem}{instruction}\n\nThe correct answer to this problem is: {answer}. Use this to verify your "
+    "sdpg": ("{problem}{instruction}\n\nThe correct answer to this problem is: {answer}\nUse this to verify your "
              "reasoning, but show your full solution process."),
 }
 
@@ -121,7 +123,7 @@ def output_layer(model) -> tuple[torch.Tensor, torch.Tensor | None]:
 @torch.no_grad()
 def teacher_logprobs(model, tb: TeacherBatch, temperature: float = 1.0, chunk_tokens: int = 4096) -> torch.Tensor:
     """(B, C) float32 log P_T(o_t) of the sampled tokens, with (chunk, V) logits alive at a time."""
-    from grail_exp.loss.logprobs import linear_logprob
+    from grail_exp.logprobs import linear_logprob
 
     weight, bias = output_layer(model)
     logp, _ = linear_logprob(teacher_hidden(model, tb), weight, bias, tb.completion_ids, temperature, chunk_tokens)

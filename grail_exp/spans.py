@@ -31,9 +31,10 @@ Per row:
        length = len(enc("a" + text[s:e])) - len(enc("a"))
        end    = min(start + length, C)            # start >= end -> no box
 
-5. ``marker`` = the first ``k = len(enc("\\\\boxed{"))`` tokens of ``[start, end)`` (clamped to the
-   span), ``closing`` = the single last span token, ``content`` = everything strictly between
-   (possibly empty). Marker wins where they overlap (a span shorter than ``k + 1`` tokens).
+5. ``marker`` = the first ``k = len(enc("a\\\\boxed{")) - len(enc("a"))`` tokens of ``[start, end)`` (clamped
+   to the span; the reference encodes ``"\\\\boxed{"`` alone, which gives the same k = 3 on Qwen3 and Llama 3 but
+   one token more where a tokenizer prefixes a string's first token), ``closing`` = the single last
+   span token, ``content`` = everything strictly between (possibly empty). Marker wins where they overlap (a span shorter than ``k + 1`` tokens).
 6. ``post`` = every position ``>= end`` (ANDed with ``completion_mask``).
 
 Quirks of the reference, reproduced on purpose (they are what the published method did):
@@ -100,7 +101,7 @@ from typing import Callable
 import torch
 
 from grail_exp.checkpoint import checkpointable
-from grail_exp.rewards import _BOX_LEN, _BOX_OPEN, find_first_boxed_span, find_last_boxed_span
+from grail_exp.boxed import _BOX_LEN, _BOX_OPEN, find_first_boxed_span, find_last_boxed_span
 
 __all__ = ["AnswerSpans", "answer_spans", "find_last_boxed_span", "SPAN_MAPPINGS", "BOX_MODES"]
 
@@ -138,8 +139,11 @@ class AnswerSpans:
 
 
 # ------------------------------------------------------------------------------- tokenizer constants
-# id(tokenizer) -> (weak or strong ref, len(enc("a")), len(enc("\boxed{"))). The ref check guards
-# against id reuse after a tokenizer is garbage collected.
+# id(tokenizer) -> (weak or strong ref, len(enc("a")), marker length). The marker length is the token count of
+# "\boxed{" encoded in context, len(enc("a\boxed{")) − len(enc("a")), like every other count of the reference
+# mapping (all encode behind "a"): a tokenizer that prepends a word-start marker to a string's first token
+# (SentencePiece's "▁") would count one token too many on "\boxed{" alone. The two agree on Qwen3 and Llama 3
+# (3 tokens; tests/test_real_tokenizers.py). The ref check guards against id reuse after a tokenizer is collected.
 _CONSTS: dict[int, tuple[Callable[[], object], int, int]] = {}
 
 
@@ -153,13 +157,14 @@ def _tokenizer_consts(tokenizer) -> tuple[int, int]:
     entry = _CONSTS.get(id(tokenizer))
     if entry is not None and entry[0]() is tokenizer:
         return entry[1], entry[2]
-    a_ids, marker_ids = _encode_many(tokenizer, ["a", _BOX_OPEN])
+    a_ids, a_marker_ids = _encode_many(tokenizer, ["a", "a" + _BOX_OPEN])
+    marker_len = len(a_marker_ids) - len(a_ids)
     try:
         ref: Callable[[], object] = weakref.ref(tokenizer)
     except TypeError:  # not weak-referenceable: keep it alive instead
         ref = lambda tok=tokenizer: tok  # noqa: E731
-    _CONSTS[id(tokenizer)] = (ref, len(a_ids), len(marker_ids))
-    return len(a_ids), len(marker_ids)
+    _CONSTS[id(tokenizer)] = (ref, len(a_ids), marker_len)
+    return len(a_ids), marker_len
 
 
 # ------------------------------------------------------------------------------------ public entry

@@ -1,11 +1,12 @@
-"""``trainer=deepspeed_zero2``: DeepSpeed ZeRO stage 2 — the GRAIL paper's setup — under this trainer's own step.
+"""``trainer.strategy: deepspeed`` (``trainer=deepspeed_zero2``): DeepSpeed ZeRO stage 2 — the GRAIL paper's setup — under this trainer's own step.
 
 One optimiser step here runs several forwards and backwards (micro-batches, and the GRAIL / OAR probes' input
 gradients inside the policy forward) before a single update, with a step size the trainer decides. DeepSpeed's default
 *managed* gradient accumulation counts ``backward`` calls against a fixed ``gradient_accumulation_steps`` to find the
 boundary, and Lightning's ``DeepSpeedStrategy`` owns that count (on an H100 it refused this trainer's configuration;
 results/gpu.md). DeepSpeed's *unmanaged* mode (``managed_gradient_accumulation: false``, DeepSpeed >= 0.18) is the
-contract this trainer needs, so the engine is built here, under Lightning's DDP launcher (``GradSyncDDPStrategy``):
+contract this trainer needs, so the engine is built here (``DeepSpeedBackend``), under Lightning's DDP launcher
+(``GradSyncDDPStrategy``):
 
 - **backward** — ``engine.backward(loss, scale_wrt_gas=False)``: ZeRO-2 reduce-scatters each micro-batch's gradients
   into this rank's partition; the loss normalisers already count micro-batches and ranks, so no extra scaling.
@@ -30,9 +31,14 @@ Tested on CPU (gloo, DeepSpeed's CPU accelerator) against the plain trainer: tes
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
+
+from grail_exp.optim import build_optimizer
+from grail_exp.training import world
+from grail_exp.training.backends.base import StepResult, UpdateBackend, register_backend
 
 
 def deepspeed_config(cfg) -> dict:
@@ -124,3 +130,49 @@ def _is_plain(obj) -> bool:
     if isinstance(obj, (list, tuple)):
         return all(_is_plain(v) for v in obj)
     return obj is None or isinstance(obj, torch.Tensor) or type(obj) in (bool, int, float, str)  # not IntEnum
+
+
+@register_backend("deepspeed")
+class DeepSpeedBackend(UpdateBackend):
+    owns_master_weights = True  # ZeRO's fp32 master partition
+
+    def __init__(self, cfg, module):
+        super().__init__(cfg, module)
+        self.engine = None
+
+    @classmethod
+    def check_config(cls, cfg) -> list[str]:
+        import importlib.util
+
+        e = []
+        if importlib.util.find_spec("deepspeed") is None:
+            e.append(f"trainer.strategy = {cfg.trainer.strategy!r}: needs DeepSpeed: pip install -e '.[deepspeed]' "
+                     "(pinned deepspeed==0.19.8)")
+        ds = cfg.trainer.get("deepspeed") or {}
+        stage = (ds.get("zero_optimization") or {}).get("stage", 2)
+        if stage not in (1, 2):
+            e.append(f"trainer.deepspeed.zero_optimization.stage = {stage!r}: must be 1 or 2 (ZeRO-3 partitions the "
+                     "parameters themselves; trainer=fsdp shards them the way this trainer needs)")
+        return e
+
+    def build_optimizer(self, policy):
+        # ZeRO keeps the fp32 master partition and Adam state; the client AdamW it steps is plain.
+        opt = build_optimizer(policy, self.cfg.optim, master_weights=False)
+        self.engine = initialize(policy, opt, self.cfg)
+        return opt
+
+    def backward(self, loss):
+        self.engine.backward(loss, scale_wrt_gas=False)  # reduce-scatter into this rank's ZeRO partition
+
+    def step(self, optimizer, loss_finite):
+        # DeepSpeed's step: norm, clipping, the fp32 master update; it skips the update itself when the norm is inf /
+        # NaN, which the trainer counts like any other skipped step.
+        norm = step(self.engine)
+        return StepResult(norm, loss_finite and math.isfinite(norm))
+
+    def optimizer_state(self, optimizer):
+        """Every rank's ZeRO partition, gathered to rank 0."""
+        return optimizer_state(self.engine, world.world_size(), world.rank())
+
+    def load_optimizer_state(self, optimizer, state):
+        load_optimizer_state(self.engine, state)

@@ -350,7 +350,7 @@ class TrainerConfig:
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
-    # GiB of one device for the memory plan (grail_exp/plan.py) when planning offline; null = torch.cuda.mem_get_info
+    # GiB of one device for the memory plan (grail_exp/memory.py) when planning offline; null = torch.cuda.mem_get_info
     # of this rank's device (no CUDA device: no verdict; CPU runs are never refused). docs/memory-planner.md
     device_memory_gb: Optional[float] = None
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
@@ -801,8 +801,8 @@ def validate(cfg: DictConfig) -> DictConfig:
             if not e:
                 with open_dict(cfg):
                     cfg.advantage = typed
-    if not e:  # the memory plan of a valid config, before any model is loaded (grail_exp/plan.py)
-        from grail_exp.plan import check as check_memory_plan
+    if not e:  # the memory plan of a valid config, before any model is loaded (grail_exp/memory.py)
+        from grail_exp.memory import check as check_memory_plan
 
         refusal = check_memory_plan(cfg)
         if refusal:

@@ -101,7 +101,7 @@ def _expected_phases(model: str, trainer: str) -> dict[str, float]:
 @pytest.mark.parametrize("trainer", TRAINERS)
 @pytest.mark.parametrize("model", PAPER_MODELS)
 def test_plan_matches_the_hand_computation(model, trainer):
-    from grail_exp.plan import plan
+    from grail_exp.memory import plan
 
     p = plan(_cfg(f"model={model}", "advantage=grpo", f"trainer={trainer}", "rollout=hf", f"trainer.device_memory_gb={H200}"))
     got = {k: v / GiB for k, v in p.phases.items()}
@@ -113,7 +113,7 @@ def test_plan_matches_the_hand_computation(model, trainer):
 
 
 def test_vllm_reserve_and_the_engine_minimum():
-    from grail_exp.plan import plan
+    from grail_exp.memory import plan
 
     c = _arch("qwen3_8b")
     N, kv_token = _params(c), 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2
@@ -131,7 +131,7 @@ def test_vllm_reserve_and_the_engine_minimum():
 PEAK = r"""
 import sys, torch
 torch.set_num_threads(1)
-from grail_exp.loss.logprobs import linear_logprob
+from grail_exp.logprobs import linear_logprob
 
 def hwm():
     return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
@@ -156,9 +156,9 @@ print(fwd, hwm() - base)
 
 @pytest.mark.parametrize("hidden, rows", [(64, 1536), (64, 512), (1024, 1536), (2048, 1536)])
 def test_logprob_peak_matches_the_function(hidden, rows):
-    """The output layer's forward / backward peak of grail_exp/loss/logprobs.py, measured as peak RSS on CPU (every
+    """The output layer's forward / backward peak of grail_exp/logprobs.py, measured as peak RSS on CPU (every
     (chunk, V) tensor is 128 MiB, so glibc maps it on its own and returns it on free), against the plan's figures."""
-    from grail_exp.plan import Shape, logits_bytes
+    from grail_exp.memory import Shape, logits_bytes
 
     proc = subprocess.run([sys.executable, "-c", PEAK, str(hidden), str(rows)], capture_output=True, text=True,
                           timeout=600)
@@ -202,7 +202,7 @@ print(sum(v for (ptr, n), v in seen.items() if ptr not in params))
 def test_layer_activations_match_the_saved_tensors(model_type, checkpointing):
     """Bytes autograd saves per token for one more decoder layer of the real HF model (saved-tensor hooks, deduplicated
     by storage), against layer_activation_bytes (checkpointing: the layer's b-byte input)."""
-    from grail_exp.plan import Shape, layer_activation_bytes
+    from grail_exp.memory import Shape, layer_activation_bytes
 
     def saved(layers):
         proc = subprocess.run([sys.executable, "-c", SAVED, model_type, str(layers), str(int(checkpointing))],
@@ -222,7 +222,8 @@ def test_layer_activations_match_the_saved_tensors(model_type, checkpointing):
 # ---------------------------------------------------------------------------------------------- recorded GPU peaks
 def test_plan_within_20_percent_of_the_recorded_gpu_peaks():
     """Every CUDA peak of results/gpu.md (results/gpu/*.json, tests_final.log) against the plan: results/memory_plan.md."""
-    from grail_exp.plan_compare import recorded_cases, planned_mib
+    sys.path.insert(0, str(ROOT / "sweeps"))
+    from memory_plan import planned_mib, recorded_cases  # sweeps/memory_plan.py, which writes the results table
 
     cases = recorded_cases()
     assert len(cases) == 12  # 2 benchmarks x 4 schemes, 2 steps and 2 generations of make test-gpu
@@ -337,7 +338,7 @@ def test_gpu_commands_pass_the_planner_on_their_hardware(command):
 
 
 def test_every_gpu_command_of_the_docs_passes_or_has_its_correction():
-    from grail_exp.plan import plan
+    from grail_exp.memory import plan
 
     found, gpu = _doc_commands(), []
     assert any("experiment=paper/qwen3_8b_grail" in c for _, c in found)  # the extraction sees the README's lines
@@ -387,7 +388,7 @@ def test_validate_refuses_before_loading_and_names_what_fits(monkeypatch):
 
 
 def test_cpu_runs_and_unknown_devices_are_not_refused():
-    from grail_exp.plan import check, plan
+    from grail_exp.memory import check, plan
 
     big_on_cpu = compose(["model=qwen3_8b", "recipe=demo", "optim.lr=1e-6"], Path("/nonexistent"))
     p = plan(big_on_cpu)
@@ -404,7 +405,7 @@ def test_cpu_runs_and_unknown_devices_are_not_refused():
 
 @pytest.mark.parametrize("model", PAPER_MODELS)
 def test_paper_recipes_fit_with_hf_on_h100_and_as_the_reference_on_h200(model):
-    from grail_exp.plan import plan
+    from grail_exp.memory import plan
 
     for scheme in ("grpo", "grail", "oar_g"):
         hf = plan(_cfg(f"model={model}", f"advantage={scheme}", "rollout=hf", f"trainer.device_memory_gb={H100}"))

@@ -290,8 +290,8 @@ GPU_COMMANDS = {  # command -> GiB of the GPU it is meant for
     "trainer=gpu": H100,
     "experiment=rlsd/official trainer=fsdp_zero2 trainer.devices=4 rollout.generation_batch_size=32 "
     "eval.batch_size=24": H100,
-    "experiment=sdpg/qwen3_4b trainer=fsdp_zero2 trainer.devices=4 rollout.generation_batch_size=32 "
-    "eval.batch_size=24": H100,
+    # SDPG's dynamic sampling runs in one process only: one H200 (an 80 GB GPU cannot hold 4B + masters + reference)
+    "experiment=sdpg/qwen3_4b rollout.generation_batch_size=64 eval.batch_size=48": H200,
     "data=scrl_jsonl estimator=scrl model=qwen3_4b recipe=demo optim.lr=1e-6 trainer=fsdp_zero2 trainer.devices=4 "
     "rollout.max_completion_length=4096 rollout.generation_batch_size=32 eval=paper eval.batch_size=24": H100,
 }
@@ -310,8 +310,7 @@ DOC_CORRECTIONS = {  # README line -> (corrected command, GiB of the GPU it name
          "trainer=gpu", H100),
     "experiment=rlsd/official": ("experiment=rlsd/official trainer=fsdp_zero2 trainer.devices=4 "
                                  "rollout.generation_batch_size=32 eval.batch_size=24", H100),
-    "experiment=sdpg/qwen3_4b": ("experiment=sdpg/qwen3_4b trainer=fsdp_zero2 trainer.devices=4 "
-                                 "rollout.generation_batch_size=32 eval.batch_size=24", H100),
+    "experiment=sdpg/qwen3_4b": ("experiment=sdpg/qwen3_4b rollout.generation_batch_size=64 eval.batch_size=48", H200),
     "data=scrl_jsonl data.path=my_curricula.jsonl estimator=scrl model=qwen3_4b trainer=gpu":
         ("data=scrl_jsonl estimator=scrl model=qwen3_4b recipe=demo optim.lr=1e-6 trainer=fsdp_zero2 trainer.devices=4 "
          "rollout.max_completion_length=4096 rollout.generation_batch_size=32 eval=paper eval.batch_size=24", H100),

@@ -87,6 +87,9 @@ def compose_run_config(overrides: list[str], scheme: str, bench: DictConfig, out
              "logger=none"]
     if scheme.endswith("_per_rollout"):
         fixed.append("advantage.recompute=per_rollout")
+    # One process's update step is what is timed: a paper model's own recipe (4 GPUs under FSDP, vLLM) is not.
+    if not any(o.lstrip("+~").split("=", 1)[0] == "recipe" for o in overrides):
+        fixed.insert(0, "recipe=demo")
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*overrides, *fixed])
     return validate(cfg)

@@ -90,6 +90,17 @@ class ModelConfig:
     warm_start: Optional[WarmStartConfig] = None
 
 
+@dataclass
+class RecipeConfig:
+    """Which recipe composed the run, recorded with it (conf/recipe*, docs/recipes-card.md). A model config declares
+    its family (`- override /recipe: paper` in its defaults list); ``recipe=<family>`` on the command line wins."""
+
+    name: str = "demo"  # the family: demo (embedded models: conf/config.yaml's keys) | paper (the GRAIL paper's, its five models) | none
+    base: Optional[str] = None  # the family's file: its groups (data, benchmark, rollout, eval, trainer) and shared keys
+    scheme: Optional[str] = None  # the scheme's part layered on it (conf/recipe_scheme/<family>_<advantage>.yaml); null = none
+    batch_sizes: dict = field(default_factory=dict)  # paper: per-engine per-rank generate()/eval rows {hf: {rollout, eval}, vllm: ...}
+
+
 # ---------------------------------------------------------------------------------------------- data
 @dataclass
 class DataConfig:
@@ -291,6 +302,9 @@ class OptimConfig:
     # fp32 master weights + fp32 Adam state for a bf16 model (grail_exp/optim.py); null = on for half-precision
     # models. Without them, Adam steps of ~lr = 1e-6 vanish in bf16 rounding (the paper's DeepSpeed keeps masters).
     master_weights: Optional[bool] = None
+    # validate() refuses optim.lr > 1e-5 on a pretrained hub model (the demo's 1e-4 wrecks 4-8B weights within tens
+    # of steps; the paper: 1e-6). true = "I mean this learning rate". Default false.
+    allow_high_lr: bool = False
 
 
 @dataclass
@@ -337,6 +351,9 @@ class TrainerConfig:
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
+    # GiB of one device for the memory plan (grail_exp/memory.py) when planning offline; null = torch.cuda.mem_get_info
+    # of this rank's device (no CUDA device: no verdict; CPU runs are never refused). docs/memory-planner.md
+    device_memory_gb: Optional[float] = None
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
 
@@ -393,6 +410,7 @@ class PathsConfig:
 class RunConfig:
     """Root schema: the config groups plus run-level keys."""
 
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # which recipe composed the run (conf/recipe*)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     rollout: RolloutConfig = MISSING
@@ -419,6 +437,7 @@ class RunConfig:
 class WeightsConfig:
     """Schema of ``python -m grail_exp.weights`` (conf/weights.yaml)."""
 
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     advantage: Any = MISSING
@@ -437,6 +456,7 @@ class WeightsConfig:
 class EvaluateConfig:
     """Schema of ``python -m grail_exp.evaluate`` (conf/evaluate.yaml)."""
 
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING  # builds the embedded model; the arithmetic benchmark uses its knobs
     benchmark: BenchmarkConfig = MISSING
@@ -594,6 +614,20 @@ def _check(errors: list[str], ok: bool, key: str, value: Any, why: str) -> None:
         errors.append(f"{key} = {value!r}: {why}")
 
 
+HUB_MODEL_MAX_LR = 1e-5  # above this, a pretrained hub model needs optim.allow_high_lr=true
+
+
+def is_hub_model(model_cfg) -> bool:
+    """A pretrained model loaded from the Hugging Face hub by id: not the embedded model (name_or_path null), not
+    random weights (model.random_init), not a local directory, not a packaged model (``pkg:...``)."""
+    name = model_cfg.get("name_or_path")
+    if name is None or model_cfg.get("random_init"):
+        return False
+    from grail_exp.models import _looks_local
+
+    return ":" not in str(name) and not _looks_local(str(name))
+
+
 def validate(cfg: DictConfig) -> DictConfig:
     """Reject impossible configurations before anything expensive happens.
 
@@ -679,6 +713,11 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     e.extend(check_family_config(cfg))
     _check(e, o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    if o.lr > HUB_MODEL_MAX_LR and is_hub_model(cfg.model) and not o.get("allow_high_lr", False):
+        recipe = (cfg.get("recipe") or {}).get("name", "?")
+        e.append(f"optim.lr = {o.lr!r}: above {HUB_MODEL_MAX_LR:g} for the pretrained model {cfg.model.name_or_path!r} "
+                 f"(recipe {recipe}); rates like the demo's 1e-4 destroy 4-8B weights within tens of steps (the paper: "
+                 "1e-6, recipe=paper). Set optim.allow_high_lr=true if you mean it")
     _check(e, o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _check(e, o.max_grad_norm is None or o.max_grad_norm > 0, "optim.max_grad_norm", o.max_grad_norm,
            "must be > 0 or null")
@@ -763,6 +802,12 @@ def validate(cfg: DictConfig) -> DictConfig:
             if not e:
                 with open_dict(cfg):
                     cfg.advantage = typed
+    if not e:  # the memory plan of a valid config, before any model is loaded (grail_exp/memory.py)
+        from grail_exp.memory import check as check_memory_plan
+
+        refusal = check_memory_plan(cfg)
+        if refusal:
+            e.append(refusal)
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
     return cfg

@@ -65,6 +65,20 @@ def test_card_command_composes_the_paper_recipe(model, scheme):
     assert card["recipe.scheme"] == f"conf/recipe_scheme/paper_{scheme}.yaml"
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_smollm2_brings_its_own_recipe(scheme):
+    """model=smollm2_135m (a real pretrained model, issue 24) brings recipe=smollm2: the run of
+    experiment=real/smollm2_<scheme>, not the embedded demo's lr 1e-4 / arithmetic / 64 tokens."""
+    card = _composed("model=smollm2_135m", f"advantage={scheme}")
+    real = _composed(f"experiment=real/smollm2_{scheme}")
+    differ = {k: (card.get(k), real.get(k)) for k in card.keys() | real.keys()
+              if json.dumps(card.get(k)) != json.dumps(real.get(k))}
+    assert set(differ) <= {"task_name", "experiment"}, differ
+    assert (card["recipe.name"], card["optim.lr"], card["data.name"], card["rollout.max_completion_length"]) == \
+        ("smollm2", 3e-5, "arithmetic", 24)
+    assert len(card["model.few_shot"]) == 3 and card["data.max_steps"] == 1  # one operation, three worked examples
+
+
 @pytest.mark.parametrize("overrides", [[], ["model=tiny_llama"], ["model=tiny", "advantage=grpo"],
                                        ["model=tiny_llama", "advantage=oar_g"]])
 def test_embedded_models_keep_the_demo(overrides):

@@ -113,3 +113,38 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     h = hidden.reshape(-1, hidden.shape[-1])
     logp, ent = _LinearLogprob.apply(h, weight, bias, ids.reshape(-1), 1.0 / temperature, max(1, int(chunk_tokens)))
     return logp.view(shape), ent.view(shape)
+
+
+
+@torch.no_grad()
+def kept_log_mass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int = 0,
+                  top_p: float = 1.0, temperature: float = 1.0, chunk_tokens: int = 4096) -> torch.Tensor:
+    """log M_t = log Σ_{v kept} softmax(z_t / T)_v, the log of the probability mass top-k / top-p sampling keeps:
+    hidden (..., d) -> (...) float32, ≤ 0 (0 when neither filter is on).
+
+    Kept, as vLLM's sampler filters (``apply_top_k_top_p``): top-k keeps every token whose logit is ≥ the k-th largest
+    (ties at the threshold included); top-p then keeps, within those, the most probable tokens whose renormalised mass
+    reaches p (ascending order, dropping while the cumulative mass is ≤ 1 − p; the top token always stays). With both
+    on, top-p runs over exactly k candidates (ties at the k-th logit are then not added). A sampler that renormalises
+    over the kept tokens (vLLM's ``processed_logprobs``) reports log p_t − log M_t for a kept token, so
+    ``processed − raw = −log M_t``."""
+    shape = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    out = h.new_zeros(h.shape[0], dtype=torch.float32)
+    if top_k <= 0 and top_p >= 1.0:
+        return out.view(shape)
+    chunk = max(1, int(chunk_tokens))
+    for s in range(0, h.shape[0], chunk):
+        z = _chunk_logits(h[s:s + chunk], weight, bias, 1.0 / temperature)
+        if top_p >= 1.0:  # top-k only: a threshold, no sort
+            kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
+            kept = torch.logsumexp(z.masked_fill(z < kth, float("-inf")), -1)
+        else:
+            k = min(top_k, z.shape[-1]) if top_k > 0 else z.shape[-1]
+            asc = torch.topk(z, k, dim=-1).values.flip(-1)  # the candidates, ascending (a full sort without top-k)
+            cum = torch.softmax(asc, -1).cumsum(-1)
+            drop = cum <= 1 - top_p
+            drop[:, -1] = False
+            kept = torch.logsumexp(asc.masked_fill(drop, float("-inf")), -1)
+        out[s:s + chunk] = kept - torch.logsumexp(z, -1)
+    return out.view(shape)

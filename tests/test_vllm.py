@@ -307,12 +307,12 @@ class TestProcessedLogprobs:
     def test_sequence_ratio_by_hand_and_masked_above_3(self, processed_engine, tokenizer, hf_model):
         """rollout=vllm_paper's correction on real processed log-probs: w_i = exp(Σ_t (old − sampler)) on every token
         of sequence i, 0 when above 3 (TRL's sequence_mask, clip_max 3). Same weights: w_i = Π_t M_t <= 1. A policy
-        that moved since sampling (a stale sampler) gives ratios on both sides of 3."""
+        that moved since sampling (here: sharper, as a stale sampler would see it) gives ratios on both sides of 3."""
         import math
 
         from grail_exp.loss import is_weights
 
-        sampler_model = _perturb(hf_model, seed=13)
+        sampler_model = hf_model
         processed_engine.sync_weights(sampler_model)
         torch.manual_seed(14)
         out = processed_engine.generate(_prompts(tokenizer, 4), SamplingParams(
@@ -320,8 +320,11 @@ class TestProcessedLogprobs:
         same, rb = _trainer_logprobs(sampler_model, out, tokenizer.pad_token_id, 1.0)
         mask = rb.completion_mask.float()
         sampler = rb.sampling_logprobs
-        for old, expect_masked in ((same, False), (_trainer_logprobs(_perturb(copy.deepcopy(sampler_model), 0.05, 15),
-                                                                      out, tokenizer.pad_token_id, 1.0)[0], True)):
+        sharper = copy.deepcopy(sampler_model)
+        with torch.no_grad():
+            sharper.model.norm.weight.mul_(3.0)  # logits x 3: likely tokens gain, unlikely ones lose
+        moved = _trainer_logprobs(sharper, out, tokenizer.pad_token_id, 1.0)[0]
+        for old, expect_masked in ((same, False), (moved, True)):
             w, _ = is_weights(old, sampler, mask, "sequence_mask", None, 3.0)
             ratios = []
             for i in range(len(out)):
@@ -382,7 +385,8 @@ def test_two_training_steps_with_vllm_paper(tmp_path, model_dir):
     which adds log M_t back, sees no mismatch."""
     done = _run(["grail_exp.run", "rollout=vllm_paper", "rollout.top_k=5", "debug=fast", "logger=none",
                  f"model.name_or_path={model_dir}", "rollout.vllm.max_model_len=256", "rollout.max_completion_length=24",
-                 "eval.max_tokens=24", "benchmark.limit=2", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+                 "eval.max_tokens=24", "benchmark.limit=2", "loss.mask_truncated_completions=false",  # every row has loss
+                 f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     import json
 

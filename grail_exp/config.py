@@ -125,8 +125,9 @@ class DataConfig:
 class ISCorrectionConfig:
     """Truncated importance sampling of the sampler/trainer mismatch (grail_exp/loss/correction.py)."""
 
-    # none | token_truncate (TIS) | token_mask (IcePop) | sequence_truncate | sequence_mask.
-    # Off for rollout=hf (the sampler is the policy), on for rollout=vllm (TRL / verl do the same).
+    # none | token_truncate (TIS) | token_mask (IcePop) | sequence_truncate | sequence_mask (TRL's / verl's modes).
+    # Off for rollout=hf (the sampler is the policy); token_truncate at 2 for rollout=vllm (the TIS blog's; TRL's
+    # default is sequence_mask at 3, verl's is off); sequence_mask at 3 for rollout=vllm_paper (TRL, the reference).
     mode: str = "none"
     clip_min: Optional[float] = None  # C_min: lower bound of the ratio (null: none for truncation, 0 for masks)
     clip_max: float = 2.0  # C_max: upper cap (TIS blog: 2; TRL's vllm_importance_sampling_clip_max: 3)
@@ -163,7 +164,9 @@ class VLLMConfig:
     dtype: Optional[str] = None  # engine dtype; null = model.dtype (weights are pushed in this dtype)
     # Which vLLM log-prob the engine reads: raw_logprobs = log softmax(z) of the unprocessed logits, which the
     # engine rescales to log softmax(z/T) (see rollout/vllm.py). processed_logprobs = vLLM's own after temperature,
-    # penalties AND top-k/top-p renormalisation (not the trainer's quantity when top_k/top_p are on).
+    # penalties AND top-k/top-p renormalisation (not the trainer's quantity when top_k/top_p are on; the GRAIL
+    # reference's, rollout=vllm_paper: the old-log-prob forward then also measures the kept mass M_t, logged as
+    # sampling/{seq,token}_log_kept_mass and added back in the sampler check).
     logprobs_mode: str = "raw_logprobs"
     seed: Optional[int] = None  # engine construction seed; null = the run's seed. Per-request seeds come from torch's RNG
     kwargs: dict = field(default_factory=dict)  # any further vllm.LLM(...) keyword arguments, passed as is

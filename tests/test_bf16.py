@@ -136,6 +136,41 @@ def test_oar_g_teacher_mean_stays_in_the_logits_dtype():
     assert torch.equal(out, (logits * span.unsqueeze(-1).to(logits.dtype)).sum(1) / n)
 
 
+def test_oar_g_gathered_span_sum_accumulates_in_float32_and_rounds_once():
+    """The gathered teacher sums a row's span logits in float32 and rounds to bf16 once, bit for bit what the reference's
+    dense (B, C, V) bf16 ``sum(1)`` gives; the old bf16 ``index_add_`` rounded after every add. Logits are multiples
+    of 1/8 in [-4, 4] (exact in bf16) so every float32 partial sum here is exact and the once-rounded value is known."""
+    from grail_exp.advantages.oar import span_mean_logits, span_sum_rows
+
+    g = torch.Generator().manual_seed(0)
+    B, C, V = 2, 400, 64
+    dense = (torch.randint(-32, 33, (B, C, V), generator=g).double() / 8).bfloat16()
+    span = torch.zeros(B, C, dtype=torch.bool)
+    span[0, :300] = True  # many adds: partial sums reach ~100, where bf16's spacing is 0.5
+    span[1, 350:380] = True
+    rows, slots = span.nonzero(as_tuple=True)
+    gathered = dense[rows, slots]  # (n_span, V), row-major as the scheme gathers them
+    counts = span.long().sum(1)
+    got = span_sum_rows(gathered, counts)
+    exact = torch.stack([dense[b][span[b]].double().sum(0) for b in range(B)])  # exact: ≤ 300 multiples of 1/8
+    assert got.dtype == torch.bfloat16 and torch.equal(got, exact.bfloat16())
+    n = counts.unsqueeze(1)
+    assert torch.equal(got / n, span_mean_logits(dense, span))  # = the reference's dense bf16 mean
+    # The previous code, ``index_add_`` into a bf16 buffer: on CUDA each add is an atomic bf16 add, rounded to bf16
+    # (in whatever order the threads run). Emulated here in row order (CPU's own bf16 index_add_ happens to accumulate
+    # more precisely, so it cannot show the CUDA rounding):
+    old = torch.zeros(B, V, dtype=torch.bfloat16)
+    for r, x in zip(rows.tolist(), gathered):
+        old[r] = old[r] + x  # bf16 + bf16 -> rounded to bf16
+    assert not torch.equal(old, exact.bfloat16())
+    assert (old.double() - exact).abs().max().item() >= 0.5  # errors of many roundings, not one
+    # another order of the same adds gives yet another result: the CUDA sum is not even reproducible
+    rev = torch.zeros(B, V, dtype=torch.bfloat16)
+    for r, x in zip(reversed(rows.tolist()), gathered.flip(0)):
+        rev[r] = rev[r] + x
+    assert not torch.equal(rev, old)
+
+
 def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
     """bf16 weights (1 + 2^-7, a bf16 number) times A are formed in float32: w·A = -0.755859375 for A = -0.75, which a
     bf16 product would round to -0.7578125."""

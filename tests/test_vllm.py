@@ -225,6 +225,36 @@ class TestEngine:
         with pytest.raises(ValueError, match="rollout.vllm.sleep_mode"):
             VLLMRolloutEngine(model_dir, tokenizer, sleep_mode=True)
 
+    def test_sleep_then_sync_wakes_and_samples_the_updated_weights(self, engine, tokenizer, hf_model, monkeypatch):
+        """The GPU-only sleep / wake calls, driven on the CPU engine with vLLM's own sleep and wake_up recorded
+        (the CPU platform refuses real sleep mode): sleep() = level 2; generate refuses while asleep; sync_weights wakes
+        the weights, pushes the policy, then wakes the KV cache and scheduler; the next rollout samples the updated
+        weights. The memory freed by level 2 can only be measured on a GPU."""
+        calls = []
+        monkeypatch.setattr(engine, "sleep_mode", True)
+        monkeypatch.setattr(engine.llm, "sleep", lambda level=1: calls.append(("sleep", level)), raising=False)
+        monkeypatch.setattr(engine.llm, "wake_up", lambda tags=None: calls.append(("wake_up", tuple(tags or ()))),
+                            raising=False)
+        rpc = engine.llm.collective_rpc
+        monkeypatch.setattr(engine.llm, "collective_rpc",
+                            lambda method, *a, **k: (calls.append(("rpc", method)), rpc(method, *a, **k))[1],
+                            raising=False)
+        engine.sync_weights(hf_model)
+        calls.clear()
+        engine.sleep()
+        assert engine.sleeping and calls == [("sleep", 2)]
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.generate(_prompts(tokenizer, 1), SamplingParams(n=1, temperature=1.0, max_new_tokens=4))
+        model = _perturb(hf_model, seed=9)
+        engine.sync_weights(model)
+        assert calls[1:] == [("wake_up", ("weights",)), ("rpc", "reload_weights"), ("wake_up", ("kv_cache", "scheduling"))]
+        assert not engine.sleeping
+        torch.manual_seed(10)
+        out = engine.generate(_prompts(tokenizer, 2), SamplingParams(n=2, temperature=1.0, max_new_tokens=16,
+                                                                    logprobs=True))
+        want, rb = _trainer_logprobs(model, out, tokenizer.pad_token_id, 1.0)
+        assert (rb.sampling_logprobs - want).abs()[rb.completion_mask.bool()].max().item() < TOL
+
     def test_build_engine_from_config_syncs_the_live_policy(self, engine, compose_cfg, model_dir, tokenizer, hf_model):
         """build_engine('vllm') starts from the directory, then pushes the (here: changed) policy."""
         engine.close()  # one CPU engine at a time keeps memory low; the fixture's engine is not used after this

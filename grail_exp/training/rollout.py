@@ -24,6 +24,7 @@ from grail_exp.forward import position_ids_from_mask, predicting_window
 from grail_exp.logprobs import kept_log_mass
 from grail_exp.rewards import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
+from grail_exp.rollout.base import release
 from grail_exp.rollout.variants import sample_variants
 from grail_exp.training import world
 from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
@@ -53,6 +54,8 @@ class RolloutPhase:
         """The round's scored, prepared batch and its statistics."""
         cfg = self.cfg
         batch, stats = self.make_batch(round_index, timings)
+        with timed(timings, "engine_sleep"):
+            release(self.engine)  # every generation of the round is done: free the engine's memory for the update
         self.prepare(batch, timings)
         with timed(timings, "old_logp"):
             if self.needs_old_logp() and batch.old_logp is None:

@@ -247,7 +247,8 @@ class TestEngine:
             engine.generate(_prompts(tokenizer, 1), SamplingParams(n=1, temperature=1.0, max_new_tokens=4))
         model = _perturb(hf_model, seed=9)
         engine.sync_weights(model)
-        assert calls[1:] == [("wake_up", ("weights",)), ("rpc", "reload_weights"), ("wake_up", ("kv_cache", "scheduling"))]
+        assert calls[1:] == [("wake_up", ("weights",)), ("rpc", "reload_weights"),
+                             ("wake_up", ("kv_cache", "scheduling"))]
         assert not engine.sleeping
         torch.manual_seed(10)
         out = engine.generate(_prompts(tokenizer, 2), SamplingParams(n=2, temperature=1.0, max_new_tokens=16,
@@ -414,8 +415,9 @@ def test_two_training_steps_with_vllm_paper(tmp_path, model_dir):
     sampler in sync, every sequence ratio is Π_t M_t <= 1 and its log is Σ_t log M_t (logged); the sampler check,
     which adds log M_t back, sees no mismatch."""
     done = _run(["grail_exp.run", "rollout=vllm_paper", "rollout.top_k=5", "debug=fast", "logger=none",
-                 f"model.name_or_path={model_dir}", "rollout.vllm.max_model_len=256", "rollout.max_completion_length=24",
-                 "eval.max_tokens=24", "benchmark.limit=2", "loss.mask_truncated_completions=false",  # every row has loss
+                 f"model.name_or_path={model_dir}", "rollout.vllm.max_model_len=256",
+                 "rollout.max_completion_length=24", "eval.max_tokens=24", "benchmark.limit=2",
+                 "loss.mask_truncated_completions=false",  # every row carries loss
                  f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     import json

@@ -339,6 +339,10 @@ class TrainerConfig:
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
+    # Precision of the policy's token log-probs (grail_exp/logprobs.py): float32 = the softmax in float32 (default);
+    # model = logits / T and log_softmax in the model's dtype, as the GRAIL reference (TRL) rounds them (bf16: most
+    # ratios are exactly 1 after a small update). The ratio arithmetic, entropies and the backward stay float32.
+    logprob_dtype: str = "float32"
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
 
@@ -665,6 +669,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, cfg.model.dtype != "float16", "model.dtype", cfg.model.dtype,
            "float16 training needs loss scaling, which is not implemented; use bfloat16 (evaluation may use float16)")
     _check(e, t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", t.logprob_chunk_tokens, "must be >= 1")
+    from grail_exp.logprobs import LOGPROB_DTYPES
+
+    _check(e, t.logprob_dtype in LOGPROB_DTYPES, "trainer.logprob_dtype", t.logprob_dtype,
+           f"must be one of: {', '.join(LOGPROB_DTYPES)}")
     _check(e, t.weights_table_every >= 0, "trainer.weights_table_every", t.weights_table_every, "must be >= 0")
     world = (t.devices if isinstance(t.devices, int) else len(t.devices) if isinstance(t.devices, (list, ListConfig)) else 1) * t.num_nodes
     _check(e, t.prompts_per_step % max(1, world) == 0, "trainer.prompts_per_step", t.prompts_per_step,

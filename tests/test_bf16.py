@@ -214,3 +214,63 @@ def test_grail_probe_in_bf16_shared_forward_equals_separate_probe():
         shared = module.scheme.weights_from_forward(module.policy, sb, fwd).weights
     separate = module.scheme.weights(module.policy, sb).weights
     assert torch.allclose(shared, separate, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- trainer.logprob_dtype
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_dtype_model_is_the_references_bf16_log_softmax(temperature):
+    """``trainer.logprob_dtype: model`` on a bf16 policy = TRL's computation, written independently: the model's own
+    bf16 logits (its forward, lm_head included), ``/ T`` in bf16, ``log_softmax`` in bf16, the sampled token's value —
+    bit for bit. ``float32`` (the default) is the float32 softmax of the same bf16 logits, unchanged by the option."""
+    from grail_exp.forward import completion_logits, policy_forward
+
+    module, batch = _module(torch.bfloat16)
+    model, C = module.policy, batch.completion_ids.shape[1]
+    args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, temperature)
+    with torch.no_grad():
+        model_lp, model_ent, _ = policy_forward(*args, logprob_dtype="model")
+        f32_lp, f32_ent, _ = policy_forward(*args, logprob_dtype="float32")
+        default_lp, _, _ = policy_forward(*args)
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                    use_cache=False)
+    logits = out.logits[:, batch.prompt_length - 1:batch.prompt_length + C - 1]  # bf16, the model's own head
+    assert logits.dtype == torch.bfloat16
+    scaled = logits / temperature if temperature != 1.0 else logits  # TRL: logits /= temperature, in bf16
+    want = torch.stack([torch.log_softmax(row, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # TRL's row loop
+                        for row, ids in zip(scaled, batch.completion_ids)])
+    assert want.dtype == torch.bfloat16 and model_lp.dtype == torch.float32
+    assert torch.equal(model_lp, want.float())
+    assert torch.equal(f32_lp, default_lp)  # the default path is the float32 one, untouched
+    f32_want = torch.log_softmax(logits.float() / temperature, -1).gather(-1, batch.completion_ids.unsqueeze(-1))
+    assert torch.allclose(f32_lp, f32_want.squeeze(-1), atol=1e-5)  # fp32 softmax of the same bf16 logits
+    assert not torch.equal(f32_lp, model_lp)  # the float32 values are not bf16-rounded
+    assert torch.equal(f32_ent, model_ent)  # entropies stay float32 either way
+
+
+def test_logprob_dtype_model_gives_exact_ratio_one_after_a_small_update():
+    """What the reference's bf16 log-probs do to the PPO ratio: after a tiny change of the weights most tokens' bf16
+    log-probs are unchanged, so ρ = exp(logp − logp_old) is exactly 1 for them; in float32 almost none are."""
+    from grail_exp.forward import policy_forward
+
+    module, batch = _module(torch.bfloat16)
+    model = module.policy
+    args = (batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, 1.0)
+    with torch.no_grad():
+        old = {d: policy_forward(model, *args, logprob_dtype=d)[0] for d in ("model", "float32")}
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():  # one bf16 ulp on 2 % of the weights: a small optimiser step
+            bump = (torch.rand(p.shape, generator=g) < 0.02).to(torch.int16)
+            p.copy_((p.view(torch.int16) + bump).view(torch.bfloat16))  # +1 in the bit pattern: the next bf16
+        new = {d: policy_forward(model, *args, logprob_dtype=d)[0] for d in ("model", "float32")}
+    m = batch.loss_mask.bool()
+    exact = {d: (torch.exp(new[d] - old[d])[m] == 1.0).float().mean().item() for d in new}
+    assert exact["model"] > 0.5 and exact["float32"] < 0.1, exact
+
+
+def test_logprob_dtype_is_validated(compose_cfg):
+    from grail_exp.config import ConfigError, validate
+
+    assert validate(compose_cfg([])).trainer.logprob_dtype == "float32"
+    assert validate(compose_cfg(["trainer.logprob_dtype=model"])).trainer.logprob_dtype == "model"
+    with pytest.raises(ConfigError, match=r"trainer\.logprob_dtype"):
+        validate(compose_cfg(["trainer.logprob_dtype=bfloat16"]))

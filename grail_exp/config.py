@@ -293,6 +293,11 @@ class OptimConfig:
     # fp32 master weights + fp32 Adam state for a bf16 model (grail_exp/optim.py); null = on for half-precision
     # models. Without them, Adam steps of ~lr = 1e-6 vanish in bf16 rounding (the paper's DeepSpeed keeps masters).
     master_weights: Optional[bool] = None
+    # Gradient accumulation over a step's micro-batches for a bf16 model: fp32 (the fp32 masters collect each
+    # backward's gradient) | bf16 (summed in the parameters' bf16 .grad, as DeepSpeed ZeRO's bf16 default, the
+    # reference's) | null = the strategy's own (one process: fp32; DDP: bf16 .grad, fp32 all-reduce; FSDP: fp32;
+    # ZeRO-2: DeepSpeed's data_types.grad_accum_dtype, default the model's dtype). Explicit values: trainer.strategy=auto.
+    grad_accum_dtype: Optional[str] = None
 
 
 @dataclass

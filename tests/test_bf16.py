@@ -274,3 +274,56 @@ def test_logprob_dtype_is_validated(compose_cfg):
     assert validate(compose_cfg(["trainer.logprob_dtype=model"])).trainer.logprob_dtype == "model"
     with pytest.raises(ConfigError, match=r"trainer\.logprob_dtype"):
         validate(compose_cfg(["trainer.logprob_dtype=bfloat16"]))
+
+
+# ---------------------------------------------------------------------------------------------- optim.grad_accum_dtype
+@pytest.mark.parametrize("acc", ["fp32", "bf16"])
+def test_grad_accum_dtype_sums_the_micro_batches_as_named(acc):
+    """A bf16 model, one step over 4 micro-batches: ``fp32`` (our default) hands the optimiser the float32 sum of the
+    four bf16 micro-batch gradients; ``bf16`` (ZeRO's bf16 default) their sum in bf16, rounded after every add, then
+    converted once. Both computed here from the gradients recorded per backward, bit for bit."""
+    from grail_exp.optim import MasterWeightAdamW
+    from grail_exp.training.backends.local import LocalBackend
+
+    module, batch = _module(torch.bfloat16, ["trainer.micro_batch_size=2", f"optim.grad_accum_dtype={acc}"])
+    assert batch.num_rows // 2 == 4
+    opt = LocalBackend(module.cfg, module).build_optimizer(module.policy)
+    assert isinstance(opt, MasterWeightAdamW)
+    params = list(module.policy.parameters())
+    seen = [[] for _ in params]
+    for i, p in enumerate(params):  # each backward's incoming bf16 gradient, before any accumulation
+        p.register_hook(lambda g, i=i: seen[i].append(g.detach().clone()))
+    got = {}
+
+    def capture(closure=None):
+        got["grads"] = [m.grad.clone() for m in opt.masters]  # what AdamW steps with
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    opt.step = capture
+    module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
+    for i, p in enumerate(params):
+        gs = seen[i]
+        assert len(gs) == 4 and all(g.dtype == torch.bfloat16 for g in gs)
+        if acc == "fp32":
+            want = gs[0].float() + gs[1].float() + gs[2].float() + gs[3].float()
+        else:
+            total = gs[0]
+            for g in gs[1:]:
+                total = total + g  # bf16 + bf16: rounded each time
+            want = total.float()
+        assert torch.equal(got["grads"][i], want), (acc, i)
+    if acc == "bf16":  # and the two differ somewhere: bf16 accumulation is not the fp32 sum
+        fp32 = [sum(g.float() for g in gs) for gs in seen]
+        assert any(not torch.equal(a, b) for a, b in zip(got["grads"], fp32))
+
+
+def test_grad_accum_dtype_is_validated(compose_cfg):
+    from grail_exp.config import ConfigError, validate
+
+    assert validate(compose_cfg([])).optim.grad_accum_dtype is None
+    with pytest.raises(ConfigError, match=r"optim\.grad_accum_dtype"):
+        validate(compose_cfg(["optim.grad_accum_dtype=fp16"]))
+    with pytest.raises(ConfigError, match=r"optim\.grad_accum_dtype.*trainer=ddp"):
+        validate(compose_cfg(["trainer=ddp", "optim.grad_accum_dtype=bf16"]))
+    with pytest.raises(ConfigError, match=r"optim\.grad_accum_dtype.*FSDP"):
+        validate(compose_cfg(["trainer=fsdp", "optim.grad_accum_dtype=fp32"]))

@@ -115,6 +115,9 @@ class FSDPBackend(UpdateBackend):
         s = cfg.trainer.get("sharding_strategy")
         if s is not None and s not in SHARDING_STRATEGIES:
             return [f"trainer.sharding_strategy = {s!r}: must be FULL_SHARD or SHARD_GRAD_OP (trainer=fsdp)"]
+        if cfg.optim.get("grad_accum_dtype") is not None:
+            return [f"optim.grad_accum_dtype = {cfg.optim.grad_accum_dtype!r}: FSDP accumulates in its fp32 sharded "
+                    "gradients (reduce_dtype fp32); leave it null"]
         return []
 
     def configure_model(self, policy):

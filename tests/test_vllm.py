@@ -305,6 +305,27 @@ def _kept_logsoftmax(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
+@pytest.mark.parametrize("top_k, top_p, temperature", [(5, 1.0, 1.0), (50, 1.0, 0.7), (0, 0.9, 1.3), (20, 0.8, 1.0)])
+def test_kept_log_mass_uses_vllms_own_filter(top_k, top_p, temperature):
+    """log M_t of grail_exp.logprobs.kept_log_mass = log of the mass vLLM's own top-k / top-p filter keeps."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from grail_exp.logprobs import kept_log_mass
+
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(37, 16, generator=g), torch.randn(300, 16, generator=g)
+    z = (h @ W.T) / temperature
+    n = z.shape[0]
+    kept = apply_top_k_top_p_pytorch(z.clone(), torch.full((n,), top_k) if top_k else None,
+                                     torch.full((n,), top_p) if top_p < 1 else None)
+    want = torch.logsumexp(kept, -1) - torch.logsumexp(z, -1)
+    got = kept_log_mass(h, W, None, top_k, top_p, temperature, chunk_tokens=8)
+    assert (got - want).abs().max().item() < 1e-5  # fp32 logsumexp of |z| ≲ 30 over 300 logits
+    assert want.min().item() < -1e-3  # the filter drops mass: a real comparison
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 class TestProcessedLogprobs:
     @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 5, 1.0), (0.7, 20, 0.9)])
     def test_processed_logprobs_are_the_renormalised_kept_set(self, processed_engine, tokenizer, hf_model,

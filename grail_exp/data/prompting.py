@@ -64,7 +64,9 @@ def encode_prompts(questions: list[str], tokenizer, model_cfg, instruction: str 
 
 def prompt_bos(tokenizer, model_cfg, instruction: str = "") -> str:
     """How a prompt starts, for the evaluation protocol: ``<bos> (id N, added)``, ``<bos> (id N, in the template)`` or
-    ``none``."""
+    ``none`` (``unknown`` without a tokenizer)."""
+    if tokenizer is None:
+        return "unknown (no tokenizer)"
     text = render_prompt("{problem}", tokenizer, model_cfg, instruction)
     ids = encode_prompt_texts([text], tokenizer)[0]
     bos = getattr(tokenizer, "bos_token_id", None)

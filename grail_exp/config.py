@@ -137,8 +137,9 @@ class DataConfig:
 class ISCorrectionConfig:
     """Truncated importance sampling of the sampler/trainer mismatch (grail_exp/loss/correction.py)."""
 
-    # none | token_truncate (TIS) | token_mask (IcePop) | sequence_truncate | sequence_mask.
-    # Off for rollout=hf (the sampler is the policy), on for rollout=vllm (TRL / verl do the same).
+    # none | token_truncate (TIS) | token_mask (IcePop) | sequence_truncate | sequence_mask (TRL's / verl's modes).
+    # Off for rollout=hf (the sampler is the policy); token_truncate at 2 for rollout=vllm (the TIS blog's; TRL's
+    # default is sequence_mask at 3, verl's is off); sequence_mask at 3 for rollout=vllm_paper (TRL, the reference).
     mode: str = "none"
     clip_min: Optional[float] = None  # C_min: lower bound of the ratio (null: none for truncation, 0 for masks)
     clip_max: float = 2.0  # C_max: upper cap (TIS blog: 2; TRL's vllm_importance_sampling_clip_max: 3)
@@ -175,7 +176,9 @@ class VLLMConfig:
     dtype: Optional[str] = None  # engine dtype; null = model.dtype (weights are pushed in this dtype)
     # Which vLLM log-prob the engine reads: raw_logprobs = log softmax(z) of the unprocessed logits, which the
     # engine rescales to log softmax(z/T) (see rollout/vllm.py). processed_logprobs = vLLM's own after temperature,
-    # penalties AND top-k/top-p renormalisation (not the trainer's quantity when top_k/top_p are on).
+    # penalties AND top-k/top-p renormalisation (not the trainer's quantity when top_k/top_p are on; the GRAIL
+    # reference's, rollout=vllm_paper: the old-log-prob forward then also measures the kept mass M_t, logged as
+    # sampling/{seq,token}_log_kept_mass and added back in the sampler check).
     logprobs_mode: str = "raw_logprobs"
     seed: Optional[int] = None  # engine construction seed; null = the run's seed. Per-request seeds come from torch's RNG
     kwargs: dict = field(default_factory=dict)  # any further vllm.LLM(...) keyword arguments, passed as is
@@ -305,6 +308,11 @@ class OptimConfig:
     # validate() refuses optim.lr > 1e-5 on a pretrained hub model (the demo's 1e-4 wrecks 4-8B weights within tens
     # of steps; the paper: 1e-6). true = "I mean this learning rate". Default false.
     allow_high_lr: bool = False
+    # Gradient accumulation over a step's micro-batches for a bf16 model: fp32 (the fp32 masters collect each
+    # backward's gradient) | bf16 (summed in the parameters' bf16 .grad, as DeepSpeed ZeRO's bf16 default, the
+    # reference's) | null = the strategy's own (one process: fp32; DDP: bf16 .grad, fp32 all-reduce; FSDP: fp32;
+    # ZeRO-2: DeepSpeed's data_types.grad_accum_dtype, default the model's dtype). Explicit values: trainer.strategy=auto.
+    grad_accum_dtype: Optional[str] = None
 
 
 @dataclass
@@ -354,6 +362,10 @@ class TrainerConfig:
     # GiB of one device for the memory plan (grail_exp/memory.py) when planning offline; null = torch.cuda.mem_get_info
     # of this rank's device (no CUDA device: no verdict; CPU runs are never refused). docs/memory-planner.md
     device_memory_gb: Optional[float] = None
+    # Precision of the policy's token log-probs (grail_exp/logprobs.py): float32 = the softmax in float32 (default);
+    # model = logits / T and log_softmax in the model's dtype, as the GRAIL reference (TRL) rounds them (bf16: most
+    # ratios are exactly 1 after a small update). The ratio arithmetic, entropies and the backward stay float32.
+    logprob_dtype: str = "float32"
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
 
@@ -697,6 +709,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, cfg.model.dtype != "float16", "model.dtype", cfg.model.dtype,
            "float16 training needs loss scaling, which is not implemented; use bfloat16 (evaluation may use float16)")
     _check(e, t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", t.logprob_chunk_tokens, "must be >= 1")
+    from grail_exp.logprobs import LOGPROB_DTYPES
+
+    _check(e, t.logprob_dtype in LOGPROB_DTYPES, "trainer.logprob_dtype", t.logprob_dtype,
+           f"must be one of: {', '.join(LOGPROB_DTYPES)}")
     _check(e, t.weights_table_every >= 0, "trainer.weights_table_every", t.weights_table_every, "must be >= 0")
     world = (t.devices if isinstance(t.devices, int) else len(t.devices) if isinstance(t.devices, (list, ListConfig)) else 1) * t.num_nodes
     _check(e, t.prompts_per_step % max(1, world) == 0, "trainer.prompts_per_step", t.prompts_per_step,

@@ -62,13 +62,15 @@ def completion_logits(model, input_ids, attention_mask, position_ids, completion
 
 
 def policy_forward(model, input_ids, attention_mask, position_ids, completion_ids, temperature: float, *,
-                   chunk_tokens: int = 4096, hidden_states: bool = False):
+                   chunk_tokens: int = 4096, hidden_states: bool = False, logprob_dtype: str = "float32"):
     """The trainer's policy forward of a micro-batch: token log-probs and entropies (B, C) in float32, and the
     forward's embeddings / hidden states for schemes that reuse it (``PolicyForward``).
 
     Runs the decoder body on the embeddings (so GRAIL can take gradients w.r.t. them) and the output layer through
     ``linear_logprob`` (chunks of ``chunk_tokens`` rows; no (B, C, V) float32 logits). For causal LMs whose head
     is a plain linear layer (Qwen3, Llama, Mistral, ...) this is the model's own forward, computed differently.
+    ``logprob_dtype`` (``trainer.logprob_dtype``): ``float32`` or ``model`` (rounded as the reference's bf16 log-probs;
+    ``grail_exp.logprobs``).
     """
     P, C = input_ids.shape[1] - completion_ids.shape[1], completion_ids.shape[1]
     embeds = model.get_input_embeddings()(input_ids)
@@ -79,6 +81,6 @@ def policy_forward(model, input_ids, attention_mask, position_ids, completion_id
     bias = getattr(head, "bias", None)
     bias = bias if bias is not None and bias.numel() else None
     logp, entropy = linear_logprob(predicting_window(h, P, C), head.weight, bias, completion_ids, temperature,
-                                   chunk_tokens)
+                                   chunk_tokens, logprob_dtype)
     fwd = PolicyForward(embeds, h, out.hidden_states if hidden_states else None, head.weight, bias)
     return logp, entropy, fwd

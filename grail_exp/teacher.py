@@ -88,8 +88,10 @@ def build_teacher_batch(batch, tokenizer, model_cfg, template: str, instruction:
     if batch.problems is None or batch.gold_answers is None:
         raise ValueError("the privileged teacher needs the problem text and gold answer of every row "
                          "(SchemeBatch.problems / gold_answers; weights CLI: 'problem' and 'answer' fields)")
+    from grail_exp.data.prompting import encode_prompt_texts
+
     texts = teacher_prompt_texts(batch.problems, batch.gold_answers, tokenizer, model_cfg, template, instruction)
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    ids = encode_prompt_texts(texts, tokenizer)  # BOS as the student's prompts
     B, C = batch.completion_ids.shape
     P = max(len(x) for x in ids)
     device = batch.completion_ids.device

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
 from grail_exp.data.jsonl import iter_jsonl_objects
+from grail_exp.data.prompting import encode_prompt_texts
 
 log = logging.getLogger("grail_exp.weights")
 register_configs()
@@ -38,7 +39,7 @@ def read_rows(path: str | Path, tokenizer) -> list[dict]:
     rows = []
     for lineno, r in iter_jsonl_objects(path, InputError):
         if "prompt_ids" not in r and "prompt" in r:
-            r["prompt_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+            r["prompt_ids"] = encode_prompt_texts([r["prompt"]], tokenizer)[0]  # as training encodes it (BOS)
         if "completion_ids" not in r and "completion" in r:
             r["completion_ids"] = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
         for key in ("prompt_ids", "completion_ids"):

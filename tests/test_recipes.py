@@ -37,6 +37,10 @@ SHARED = {  # every paper recipe
     "eval.n": 3, "eval.temperature": 0.6, "eval.top_p": 0.95, "eval.top_k": 20, "eval.max_tokens": 8192,
     "rollout.num_generations": 8, "rollout.max_completion_length": 4096, "rollout.temperature": 1.0,
     "rollout.top_p": 1.0, "rollout.top_k": 50,
+    # the reference's colocated vLLM (rollout=vllm_paper): processed log-probs, TRL's sequence mask at 3
+    "rollout.engine": "vllm", "rollout.vllm.logprobs_mode": "processed_logprobs",
+    "rollout.is_correction.mode": "sequence_mask", "rollout.is_correction.clip_min": None,
+    "rollout.is_correction.clip_max": 3.0, "rollout.vllm.gpu_memory_utilization": 0.2,
     "loss.scale_rewards": "none", "loss.epsilon": 0.2, "loss.epsilon_high": 0.28, "loss.loss_type": "dr_grpo",
     "loss.beta": 0.0, "loss.num_iterations": 4, "loss.mask_truncated_completions": True,
     "optim.lr": 1e-6, "optim.warmup_steps": 0, "optim.max_grad_norm": 1.0, "optim.weight_decay": 0.0,

@@ -52,6 +52,9 @@ class TrainingBatch:
     old_logp: torch.Tensor | None = None  # (N, C) trainer log-probs at the rollout parameters (μ > 1 or IS)
     ref_logp: torch.Tensor | None = None  # (N, C) when beta > 0
     sampler_logp: torch.Tensor | None = None  # (N, C) the rollout engine's log-probs
+    # (N, C) log M_t, the log top-k mass the sampler's processed (top-k-renormalised) log-probs drop: sampler + this =
+    # the full-vocabulary log-prob. Only with an engine in processed_logprobs mode (rollout=vllm_paper).
+    sampler_log_mass: torch.Tensor | None = None
     token_advantages: torch.Tensor | None = None  # (N, C) token-level estimators
     group_ids: torch.Tensor | None = None  # (N,) prompt index within the rank's batch
     problems: list[str] | None = None
@@ -61,7 +64,8 @@ class TrainingBatch:
     prepared: Any = None  # what the scheme's ``prepare`` returned for the whole batch (rows in this batch's order)
 
     _TENSORS = ("input_ids", "attention_mask", "position_ids", "completion_ids", "loss_mask", "advantages", "rewards",
-                "old_logp", "ref_logp", "sampler_logp", "token_advantages", "group_ids", "cached_weights", "order")
+                "old_logp", "ref_logp", "sampler_logp", "sampler_log_mass", "token_advantages", "group_ids",
+                "cached_weights", "order")
 
     @property
     def num_rows(self) -> int:

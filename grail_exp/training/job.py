@@ -202,9 +202,11 @@ class Evaluator:
 
         t = time.perf_counter()
         p = self.parts
-        if self.cfg.rollout.engine == "vllm":
-            p.engine.sync_weights(p.policy)  # vLLM holds its own copy: evaluate the weights trained so far
+        from grail_exp.rollout.base import release
+
+        p.engine.sync_weights(p.policy)  # vLLM holds its own copy (and may sleep): evaluate the weights trained so far
         res = evaluate_benchmarks(p.policy, p.tokenizer, p.engine, p.verifier, self.cfg, desc=f"eval ({tag})")
+        release(p.engine)  # sleep mode: the engine's memory goes back to training until the next sync
         log_eval_result(self.tracker, res, tag, step)
         self.phases[f"eval_{tag}_s"] = self.phases.get(f"eval_{tag}_s", 0.0) + time.perf_counter() - t
         self.tables[tag] = res.table()

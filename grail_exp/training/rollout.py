@@ -21,8 +21,10 @@ import torch
 from grail_exp.data.prompting import encode_prompts
 from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
 from grail_exp.forward import position_ids_from_mask, predicting_window
+from grail_exp.logprobs import kept_log_mass
 from grail_exp.rewards import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
+from grail_exp.rollout.base import release
 from grail_exp.rollout.variants import sample_variants
 from grail_exp.training import world
 from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
@@ -52,14 +54,18 @@ class RolloutPhase:
         """The round's scored, prepared batch and its statistics."""
         cfg = self.cfg
         batch, stats = self.make_batch(round_index, timings)
+        with timed(timings, "engine_sleep"):
+            release(self.engine)  # every generation of the round is done: free the engine's memory for the update
         self.prepare(batch, timings)
         with timed(timings, "old_logp"):
             if self.needs_old_logp() and batch.old_logp is None:
-                batch.old_logp = self.logps(self.policy, batch)
+                self.old_logps(batch)
             if (cfg.loss.beta > 0 or any(t.needs_reference for t in self.terms)) and batch.ref_logp is None:
                 batch.ref_logp = self.logps(self.ref_model, batch)
         if batch.old_logp is not None and batch.sampler_logp is not None:
             stats.update(self.check_sampler(batch))
+        if batch.sampler_log_mass is not None:
+            stats.update(self.log_mass_stats(batch.loss_mask, batch.sampler_log_mass))
         return batch, stats
 
     @torch.no_grad()
@@ -162,14 +168,59 @@ class RolloutPhase:
             out.append(logp)
         return torch.cat(out)
 
+    def sampler_filter(self) -> tuple[int, float] | None:
+        """(top_k, top_p) when the engine reports log-probs renormalised over the tokens top-k / top-p keep (vLLM's
+        ``processed_logprobs``, ``rollout=vllm_paper``) and a filter is on; else None. Then the old-log-prob forward
+        also measures the mass M_t the sampler's log-probs drop."""
+        r = self.cfg.rollout
+        processed = getattr(self.engine, "logprobs_mode", "raw_logprobs") == "processed_logprobs"
+        return (int(r.top_k), float(r.top_p)) if processed and (r.top_k > 0 or r.top_p < 1) else None
+
+    @torch.no_grad()
+    def old_logps(self, batch: TrainingBatch) -> None:
+        """``batch.old_logp`` under the policy; with a ``sampler_filter()`` also ``batch.sampler_log_mass``: the (N, C)
+        log M_t = log Σ_{kept} softmax(z_t / T) from the same forward (``logprobs.kept_log_mass``)."""
+        kp = self.sampler_filter()
+        if kp is None:
+            batch.old_logp = self.logps(self.policy, batch)
+            return
+        logps, masses = [], []
+        P, C = batch.prompt_length, batch.completion_ids.shape[1]
+        with self.backend.full_parameters():  # the output layer is read outside the forward
+            for s, e in batch.micro_batches(micro_batch_rows(self.cfg)):
+                logp, _, fwd = self.backend.forward(self.policy, batch.input_ids[s:e], batch.attention_mask[s:e],
+                                                    batch.position_ids[s:e], batch.completion_ids[s:e])
+                logps.append(logp)
+                masses.append(kept_log_mass(predicting_window(fwd.hidden, P, C), fwd.head_weight, fwd.head_bias, *kp,
+                                            self.cfg.rollout.temperature, self.cfg.trainer.logprob_chunk_tokens))
+        batch.old_logp, batch.sampler_log_mass = torch.cat(logps), torch.cat(masses)
+
+    @staticmethod
+    def log_mass_stats(mask: torch.Tensor, log_mass: torch.Tensor) -> dict[str, float]:
+        """The mass the processed log-probs drop, over the tokens that carry loss: ``sampling/seq_log_kept_mass``
+        = mean over sequences (with a loss token) of Σ_t log M_{i,t} — the log of the factor Π_t M_t by which a
+        sequence-level IS ratio on processed log-probs scales that sequence's loss — and
+        ``sampling/token_log_kept_mass`` = its mean per token. Both ≤ 0, summed over ranks."""
+        m = mask.float()
+        per_seq = (log_mass.float() * m).sum(1)
+        rows = m.sum(1) > 0
+        sums = torch.stack([per_seq[rows].sum(), rows.sum(), m.sum()]).double().cpu()
+        seq_sum, n_seq, n_tok = world.all_reduce_sum(sums).tolist()
+        return {"sampling/seq_log_kept_mass": seq_sum / max(n_seq, 1),
+                "sampling/token_log_kept_mass": seq_sum / max(n_tok, 1)}
+
     def needs_old_logp(self) -> bool:
         return self.cfg.loss.num_iterations > 1 or self.cfg.rollout.is_correction.mode != "none"
 
     def check_sampler(self, batch: TrainingBatch) -> dict[str, float]:
         """Sampler-vs-trainer agreement on the sampled tokens: ~0 for rollout=hf (same weights, same distribution);
-        for vLLM the mismatch the IS correction handles — and the alarm for a stale weight sync."""
+        for vLLM the mismatch the IS correction handles — and the alarm for a stale weight sync. With processed
+        (top-k-renormalised) sampler log-probs, ``batch.sampler_log_mass`` (log M_t) puts them back on the full
+        vocabulary first (raw = processed + log M_t), so the check measures the weights, not the top-k truncation."""
         m = batch.loss_mask
-        diff = ((batch.old_logp - batch.sampler_logp).abs() * m).sum() / m.sum().clamp(min=1)
+        mass = batch.sampler_log_mass
+        sampler = batch.sampler_logp if mass is None else batch.sampler_logp + mass
+        diff = ((batch.old_logp - sampler).abs() * m).sum() / m.sum().clamp(min=1)
         value = float(world.all_reduce_sum(diff.detach().double().cpu()) / world.world_size())
         chk = self.cfg.rollout.sampler_check
         history = self.logp_diff_history
@@ -290,7 +341,7 @@ class RolloutPhase:
                 self.kl_controller = KLInRewardController(kir)
             with timed(timings, "old_logp"):
                 if batch.old_logp is None:
-                    batch.old_logp = self.logps(self.policy, batch)
+                    self.old_logps(batch)
                 batch.ref_logp = self.logps(self.ref_model, batch)
             kl = KL_ESTIMATORS[kir.estimator](batch.old_logp, batch.ref_logp).cpu()
             rewards, m = self.kl_controller.penalise(rewards, kl, batch.loss_mask.cpu())

@@ -89,7 +89,8 @@ class UpdateBackend:
         """``grail_exp.forward.policy_forward`` of ``model`` on a micro-batch: (logp, entropy, PolicyForward)."""
         return policy_forward(model, input_ids, attention_mask, position_ids, completion_ids,
                               self.cfg.rollout.temperature, chunk_tokens=self.cfg.trainer.logprob_chunk_tokens,
-                              hidden_states=hidden_states)
+                              hidden_states=hidden_states,
+                              logprob_dtype=self.cfg.trainer.get("logprob_dtype", "float32"))
 
     def full_parameters(self):
         """Context in which every parameter of the policy is present on this rank (a collective when sharded)."""

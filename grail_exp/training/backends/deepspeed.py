@@ -153,6 +153,10 @@ class DeepSpeedBackend(UpdateBackend):
         if stage not in (1, 2):
             e.append(f"trainer.deepspeed.zero_optimization.stage = {stage!r}: must be 1 or 2 (ZeRO-3 partitions the "
                      "parameters themselves; trainer=fsdp shards them the way this trainer needs)")
+        if cfg.optim.get("grad_accum_dtype") is not None:
+            e.append(f"optim.grad_accum_dtype = {cfg.optim.grad_accum_dtype!r}: under ZeRO, DeepSpeed accumulates "
+                     "(default: in the model's dtype); set trainer.deepspeed.data_types.grad_accum_dtype instead and "
+                     "leave optim.grad_accum_dtype null")
         return e
 
     def build_optimizer(self, policy):

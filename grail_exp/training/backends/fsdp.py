@@ -37,9 +37,10 @@ class PolicyCore(torch.nn.Module):
         self.policy = policy
 
     def forward(self, input_ids, attention_mask, position_ids, completion_ids, temperature: float, chunk_tokens: int,
-                hidden_states: bool):
+                hidden_states: bool, logprob_dtype: str = "float32"):
         logp, entropy, fwd = policy_forward(self.policy, input_ids, attention_mask, position_ids, completion_ids,
-                                            temperature, chunk_tokens=chunk_tokens, hidden_states=hidden_states)
+                                            temperature, chunk_tokens=chunk_tokens, hidden_states=hidden_states,
+                                            logprob_dtype=logprob_dtype)
         return logp.clone(), entropy.clone(), fwd  # not views: FSDP hooks the outputs for its backward
 
 
@@ -114,6 +115,9 @@ class FSDPBackend(UpdateBackend):
         s = cfg.trainer.get("sharding_strategy")
         if s is not None and s not in SHARDING_STRATEGIES:
             return [f"trainer.sharding_strategy = {s!r}: must be FULL_SHARD or SHARD_GRAD_OP (trainer=fsdp)"]
+        if cfg.optim.get("grad_accum_dtype") is not None:
+            return [f"optim.grad_accum_dtype = {cfg.optim.grad_accum_dtype!r}: FSDP accumulates in its fp32 sharded "
+                    "gradients (reduce_dtype fp32); leave it null"]
         return []
 
     def configure_model(self, policy):
@@ -128,7 +132,8 @@ class FSDPBackend(UpdateBackend):
             return super().forward(model, input_ids, attention_mask, position_ids, completion_ids,
                                    hidden_states=hidden_states)
         return self.core(input_ids, attention_mask, position_ids, completion_ids, self.cfg.rollout.temperature,
-                         self.cfg.trainer.logprob_chunk_tokens, hidden_states)
+                         self.cfg.trainer.logprob_chunk_tokens, hidden_states,
+                         self.cfg.trainer.get("logprob_dtype", "float32"))
 
     def full_parameters(self):
         return full_parameters(self.core) if self.core is not None else super().full_parameters()

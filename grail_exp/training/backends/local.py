@@ -16,20 +16,33 @@ import math
 
 import torch
 
-from grail_exp.optim import build_optimizer, grad_params
+from grail_exp.optim import GRAD_ACCUM_DTYPES, build_optimizer, grad_params
 from grail_exp.training import world
 from grail_exp.training.backends.base import StepResult, UpdateBackend, raw_optimizer, register_backend
 
 
 @register_backend("auto", "ddp")
 class LocalBackend(UpdateBackend):
+    @classmethod
+    def check_config(cls, cfg) -> list[str]:
+        acc = cfg.optim.get("grad_accum_dtype")
+        if acc is not None and acc not in GRAD_ACCUM_DTYPES:
+            return [f"optim.grad_accum_dtype = {acc!r}: must be null, fp32 or bf16"]
+        if acc is not None and str(cfg.trainer.strategy) != "auto":
+            return [f"optim.grad_accum_dtype = {acc!r}: only one process (trainer.strategy=auto) implements a choice; "
+                    "under trainer=ddp gradients accumulate in the parameters' .grad: set it to null"]
+        return []
+
     def build_optimizer(self, policy):
         o = self.cfg.optim
         half = next(policy.parameters()).dtype in (torch.bfloat16, torch.float16)
         master = o.master_weights if o.master_weights is not None else half
         # fp32 accumulation hooks move gradients off the parameters during backward: fine on one process; under data
-        # parallelism the all-reduce needs them on the parameters first.
-        return build_optimizer(policy, o, master_weights=bool(master), accumulate_fp32=world.world_size() == 1)
+        # parallelism the all-reduce needs them on the parameters first. optim.grad_accum_dtype=bf16 leaves them there:
+        # autograd sums each micro-batch's gradient into the bf16 .grad (one rounding per add, as ZeRO's bf16 default),
+        # converted to fp32 once at the step.
+        fp32 = (o.get("grad_accum_dtype") or "fp32") == "fp32"
+        return build_optimizer(policy, o, master_weights=bool(master), accumulate_fp32=world.world_size() == 1 and fp32)
 
     def backward(self, loss):
         self.module.manual_backward(loss)

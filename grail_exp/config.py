@@ -76,7 +76,8 @@ class ModelConfig:
     chat_template: Optional[str] = None  # Jinja override for tokenizers without a (suitable) template
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})  # Qwen3 non-thinking mode
     plain_template: str = "Question: {problem}\nAnswer:"  # prompt_style=plain (base models)
-    system_prompt: Optional[str] = None  # null = no system turn (as in the GRAIL paper)
+    system_prompt: Optional[str] = None  # null = no system turn of ours (as in the GRAIL paper); a template may add its own default (SmolLM2 does)
+    few_shot: list = field(default_factory=list)  # worked examples [{question, answer}] before the problem (chat: earlier turns); [] = zero-shot (paper)
     strip_think: bool = False  # grade only the text after the last </think> (thinking models, e.g. R1-Distill)
     # Random weights with the real architecture, offline (benchmarks, GPU smoke tests; grail_exp/architectures.py)
     random_init: bool = False  # true: build the architecture with seeded random weights; never touches the hub
@@ -88,6 +89,17 @@ class ModelConfig:
     shipped_weights: bool = True  # load the packaged warm-started model when model.build/warm_start/data match its build exactly (docs/embedded-model.md); false = always build locally
     build: Optional[BuildConfig] = None
     warm_start: Optional[WarmStartConfig] = None
+
+
+@dataclass
+class RecipeConfig:
+    """Which recipe composed the run, recorded with it (conf/recipe*, docs/recipes-card.md). A model config declares
+    its family (`- override /recipe: paper` in its defaults list); ``recipe=<family>`` on the command line wins."""
+
+    name: str = "demo"  # the family: demo (embedded models: conf/config.yaml's keys) | paper (the GRAIL paper's, its five models) | none
+    base: Optional[str] = None  # the family's file: its groups (data, benchmark, rollout, eval, trainer) and shared keys
+    scheme: Optional[str] = None  # the scheme's part layered on it (conf/recipe_scheme/<family>_<advantage>.yaml); null = none
+    batch_sizes: dict = field(default_factory=dict)  # paper: per-engine per-rank generate()/eval rows {hf: {rollout, eval}, vllm: ...}
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -126,8 +138,9 @@ class DataConfig:
 class ISCorrectionConfig:
     """Truncated importance sampling of the sampler/trainer mismatch (grail_exp/loss/correction.py)."""
 
-    # none | token_truncate (TIS) | token_mask (IcePop) | sequence_truncate | sequence_mask.
-    # Off for rollout=hf (the sampler is the policy), on for rollout=vllm (TRL / verl do the same).
+    # none | token_truncate (TIS) | token_mask (IcePop) | sequence_truncate | sequence_mask (TRL's / verl's modes).
+    # Off for rollout=hf (the sampler is the policy); token_truncate at 2 for rollout=vllm (the TIS blog's; TRL's
+    # default is sequence_mask at 3, verl's is off); sequence_mask at 3 for rollout=vllm_paper (TRL, the reference).
     mode: str = "none"
     clip_min: Optional[float] = None  # C_min: lower bound of the ratio (null: none for truncation, 0 for masks)
     clip_max: float = 2.0  # C_max: upper cap (TIS blog: 2; TRL's vllm_importance_sampling_clip_max: 3)
@@ -164,7 +177,9 @@ class VLLMConfig:
     dtype: Optional[str] = None  # engine dtype; null = model.dtype (weights are pushed in this dtype)
     # Which vLLM log-prob the engine reads: raw_logprobs = log softmax(z) of the unprocessed logits, which the
     # engine rescales to log softmax(z/T) (see rollout/vllm.py). processed_logprobs = vLLM's own after temperature,
-    # penalties AND top-k/top-p renormalisation (not the trainer's quantity when top_k/top_p are on).
+    # penalties AND top-k/top-p renormalisation (not the trainer's quantity when top_k/top_p are on; the GRAIL
+    # reference's, rollout=vllm_paper: the old-log-prob forward then also measures the kept mass M_t, logged as
+    # sampling/{seq,token}_log_kept_mass and added back in the sampler check).
     logprobs_mode: str = "raw_logprobs"
     seed: Optional[int] = None  # engine construction seed; null = the run's seed. Per-request seeds come from torch's RNG
     kwargs: dict = field(default_factory=dict)  # any further vllm.LLM(...) keyword arguments, passed as is
@@ -250,7 +265,7 @@ class LossConfig:
     terms: dict = field(default_factory=dict)  # auxiliary loss terms: {name: {its config}} (grail_exp/loss/terms.py)
     num_iterations: int = 1  # mu: optimiser steps per rollout batch, with old log-probs (paper: 4)
     mask_truncated_completions: bool = True  # completions without EOS add no loss (DAPO overlong filtering)
-    # --- GRPO family (issue 15; grail_exp/loss/policies/, docs/readme/family.md). Defaults = off / the papers'.
+    # --- GRPO family (issue 15; grail_exp/loss/policies/, docs/grpo-family.md). Defaults = off / the papers'.
     clip_ratio_c: Optional[float] = None  # ppo_clip dual-clip c > 1: loss <= -c*A for A < 0 (arXiv 1912.09729; verl: 3.0); dppo_*: ratio cap; null = off
     delta: Optional[float] = None  # ppo_clip two-sided clipping: ratio <= delta in the unclipped branch (INTELLECT-2 arXiv 2505.07291; TRL); null = off
     sapo_tau_pos: float = 1.0  # sapo gate temperature for A > 0 (SAPO arXiv 2511.20347; TRL/verl default 1.0)
@@ -268,6 +283,14 @@ class LossConfig:
     top_entropy_quantile: float = 1.0  # rho: keep only the top-rho highest-entropy tokens in the loss (arXiv 2506.01939; 0.2 there); 1 = off
     kl_in_reward: KLInRewardConfig = field(default_factory=lambda: KLInRewardConfig())  # KL folded into the reward (issue 15)
     off_policy_mask_threshold: Optional[float] = None  # OPSM delta: drop A < 0 sequences with mean KL(sampler||policy) > delta (DeepSeek-V3.2); null = off
+    # The two masks above multiply the policy term only. unmasked (TRL, DeepSeek-V3.2): the normaliser counts every loss
+    # token and beta*KL stays on masked tokens | kept: they shrink the loss mask itself (before issue 23; docs/deviations.md)
+    family_mask_normaliser: str = "unmasked"
+    # Tokens whose entropies give the top_entropy_quantile threshold: all (the micro-batch's loss tokens, before the
+    # off-policy mask: TRL) | off_policy_kept (only the rows OPSM keeps: before issue 23)
+    top_entropy_population: str = "all"
+    # gmpo with rollout IS weights: geometric (their per-sequence geometric mean, verl geo_mean) | arithmetic (before issue 23)
+    gmpo_is_mean: str = "geometric"
 
 
 @dataclass
@@ -283,6 +306,14 @@ class OptimConfig:
     # fp32 master weights + fp32 Adam state for a bf16 model (grail_exp/optim.py); null = on for half-precision
     # models. Without them, Adam steps of ~lr = 1e-6 vanish in bf16 rounding (the paper's DeepSpeed keeps masters).
     master_weights: Optional[bool] = None
+    # validate() refuses optim.lr > 1e-5 on a pretrained hub model (the demo's 1e-4 wrecks 4-8B weights within tens
+    # of steps; the paper: 1e-6). true = "I mean this learning rate". Default false.
+    allow_high_lr: bool = False
+    # Gradient accumulation over a step's micro-batches for a bf16 model: fp32 (the fp32 masters collect each
+    # backward's gradient) | bf16 (summed in the parameters' bf16 .grad, as DeepSpeed ZeRO's bf16 default, the
+    # reference's) | null = the strategy's own (one process: fp32; DDP: bf16 .grad, fp32 all-reduce; FSDP: fp32;
+    # ZeRO-2: DeepSpeed's data_types.grad_accum_dtype, default the model's dtype). Explicit values: trainer.strategy=auto.
+    grad_accum_dtype: Optional[str] = None
 
 
 @dataclass
@@ -294,9 +325,13 @@ class TrainerConfig:
     devices: Any = 1
     strategy: str = "auto"
     precision: str = "32-true"
-    max_steps: int = 200  # optimiser steps (each rollout batch gives loss.num_iterations of them)
+    max_steps: int = 200  # optimiser steps (each rollout batch gives mini_batches_per_rollout x loss.num_iterations)
     prompts_per_step: int = 16  # prompts per rollout batch (x G completions); paper: 32 x 8 = 256
     micro_batch_size: int = 64  # completions per forward/backward; gradient accumulation covers the rest
+    # k: optimiser steps per pass over a rollout batch, each on 1/k of its prompts (whole groups, in rollout order),
+    # for loss.num_iterations passes: k x mu steps per rollout batch. verl's ppo_mini_batch_size = prompts_per_step / k
+    # (its dp_actor splits the batch in order, ppo_epochs = mu); 1 = TRL's layout, the whole batch per step.
+    mini_batches_per_rollout: int = 1
     log_every: int = 1  # optimiser steps between metric logs
     # Optimiser steps between one-line INFO progress logs (step, reward, loss, length, s/step, ETA): what a log
     # redirected to a file (SLURM, CI, nohup) shows, where the progress bar does not reach; 0 = off
@@ -320,11 +355,18 @@ class TrainerConfig:
     num_nodes: int = 1  # data-parallel nodes (world size = devices x num_nodes)
     process_group_backend: Optional[str] = None  # null = nccl on GPU, gloo on CPU
     sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
-    # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/deepspeed_zero.py), e.g. zero_optimization
+    # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/training/backends/deepspeed.py), e.g. zero_optimization
     deepspeed: Optional[Any] = None
-    # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/loss/logprobs.py):
+    # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
+    # GiB of one device for the memory plan (grail_exp/memory.py) when planning offline; null = torch.cuda.mem_get_info
+    # of this rank's device (no CUDA device: no verdict; CPU runs are never refused). docs/memory-planner.md
+    device_memory_gb: Optional[float] = None
+    # Precision of the policy's token log-probs (grail_exp/logprobs.py): float32 = the softmax in float32 (default);
+    # model = logits / T and log_softmax in the model's dtype, as the GRAIL reference (TRL) rounds them (bf16: most
+    # ratios are exactly 1 after a small update). The ratio arithmetic, entropies and the backward stay float32.
+    logprob_dtype: str = "float32"
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
 
@@ -381,6 +423,7 @@ class PathsConfig:
 class RunConfig:
     """Root schema: the config groups plus run-level keys."""
 
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # which recipe composed the run (conf/recipe*)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     rollout: RolloutConfig = MISSING
@@ -407,6 +450,7 @@ class RunConfig:
 class WeightsConfig:
     """Schema of ``python -m grail_exp.weights`` (conf/weights.yaml)."""
 
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     advantage: Any = MISSING
@@ -425,6 +469,7 @@ class WeightsConfig:
 class EvaluateConfig:
     """Schema of ``python -m grail_exp.evaluate`` (conf/evaluate.yaml)."""
 
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING  # builds the embedded model; the arithmetic benchmark uses its knobs
     benchmark: BenchmarkConfig = MISSING
@@ -475,14 +520,104 @@ class ExtrapolateConfig:
     task_name: str = "extrapolate"
 
 
+# ---------------------------------------------------------------------------------------------- report schema
+@dataclass
+class RunSelection:
+    """Which MLflow runs the report reads (all filters are ANDed)."""
+
+    experiment_names: Optional[list[str]] = None  # experiments searched; null = [logger.experiment_name]
+    run_ids: list[str] = field(default_factory=list)  # explicit runs; when given, the filters below are ignored
+    parent_run_id: Optional[str] = None  # children of this run (tag mlflow.parentRunId): one sweep or study
+    tags: dict = field(default_factory=dict)  # tag filters, e.g. {task_name: paper_table}
+    filter: Optional[str] = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
+
+
+@dataclass
+class RunFields:
+    """Where a run says what it is: the first run tag or param of each list that exists (run.py sets the tags)."""
+
+    model: list[str] = field(default_factory=lambda: ["model", "model.name"])
+    scheme: list[str] = field(default_factory=lambda: ["advantage", "advantage.name"])
+    seed: list[str] = field(default_factory=lambda: ["seed"])
+
+
+@dataclass
+class StatsConfig:
+    """Paired statistics (grail_exp/stats.py)."""
+
+    n_boot: int = 10_000  # bootstrap replicates of the two-level (seeds × problems) paired bootstrap
+    alpha: float = 0.05  # 1 − confidence level of the interval; also the significance level marked with *
+    seed: int = 0  # RNG seed of the bootstrap and Monte-Carlo sign flips (the report is reproducible)
+    n_perm: int = 10_000  # Monte-Carlo sign-flip patterns when the exact test is too large
+    exact_max: int = 16  # exact sign-flip test (all 2^m patterns) up to m non-zero per-problem differences
+    resample_seeds: bool = True  # resample training seeds too (when there are >= 2); false = problems only
+
+
+@dataclass
+class OutputConfig:
+    dir: str = MISSING  # where <name>.md, <name>.tex, <name>.json and <name>_plots/ go (default results/report)
+    name: str = "report"  # file stem
+    title: Optional[str] = None  # heading; null = "Paired comparison vs <baseline>"
+
+
+@dataclass
+class PlotsConfig:
+    enabled: bool = True  # training curves, pass@k vs k and token-weight plots per model (grail_exp/plots.py)
+    curves: list[str] = field(default_factory=lambda: ["reward/mean", "accuracy", "completions/mean_length",
+                                                       "entropy", "kl", "clip_ratio/region_mean"])
+    weights: bool = True  # positional profile and weight-vs-entropy from the runs' weights/step_*.parquet
+    weights_max_files: int = 10  # weight tables read per run, evenly spread over training
+
+
+@dataclass
+class ReportConfig:
+    """Schema of ``python -m grail_exp.report`` (conf/report.yaml)."""
+
+    logger: LoggerConfig = MISSING  # where the runs are (tracking_uri, experiment_name) and the report is logged
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    runs: RunSelection = field(default_factory=RunSelection)
+    fields: RunFields = field(default_factory=RunFields)
+    # per-sample artifacts, the first that exists wins: training runs' final evaluation, then evaluate runs
+    samples_artifacts: list[str] = field(default_factory=lambda: ["eval/final/samples.parquet",
+                                                                  "eval/eval/samples.parquet"])
+    baseline: str = "grpo"  # the scheme every other scheme is compared with (the paper: GRPO)
+    models: Optional[list[str]] = None  # row order / rows that must appear (missing ones read "—"); null = found
+    schemes: Optional[list[str]] = None  # likewise for schemes; null = found, baseline first
+    seeds: Optional[list[str]] = None  # the seeds every arm should have; missing ones are footnoted
+    # The cells a study planned per model where they differ from schemes / seeds (keys: schemes, seeds; an absent
+    # key = the top-level one), e.g. the CPU study's +design.tiny_llama="{schemes: [grpo, grail], seeds: [1, 2, 3]}"
+    # beside tiny Qwen3 x three schemes x seeds 1-5: a cell outside its model's plan is no row and not "missing";
+    # a planned cell without a finished run still is. (Untyped: OmegaConf cannot add typed values with +key=.)
+    design: dict[str, Any] = field(default_factory=dict)
+    benchmarks: Optional[list[str]] = None  # columns; null = every benchmark found (paper order first)
+    metrics: list[str] = field(default_factory=lambda: ["acc", "pass@n"])  # acc | pass@<k> | pass@n | maj
+    average: str = "unweighted"  # the avg column: unweighted over benchmarks (paper) | weighted by problems
+    # run params that must agree between paired runs for common random numbers (those both runs have)
+    pairing_params: list[str] = field(default_factory=lambda: [
+        "eval.seed", "eval.n", "eval.temperature", "eval.top_p", "eval.top_k", "eval.max_tokens", "eval.sampling",
+        "benchmark.limit", "benchmark.olympiad_gold"])
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    log_to: str = "auto"  # auto (the parent run if runs.parent_run_id, else a new report run) | report | parent | none
+    plots: PlotsConfig = field(default_factory=PlotsConfig)
+    task_name: str = "report"
+
+
+def rollout_batches(max_steps, num_iterations, mini_batches) -> int:
+    """``${rollout_batches:max_steps,mu,k}``: rollout batches a run of ``max_steps`` optimiser steps draws (each gives
+    k mini-batches x mu epochs of steps); schedules that count rollout batches (SDPG's T) use it."""
+    per = int(num_iterations) * int(mini_batches)
+    return -(-int(max_steps) // per)
+
+
 def register_configs() -> None:
+    if not OmegaConf.has_resolver("rollout_batches"):
+        OmegaConf.register_new_resolver("rollout_batches", rollout_batches)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="weights_schema", node=WeightsConfig)
     cs.store(name="evaluate_schema", node=EvaluateConfig)
     cs.store(name="extrapolate_schema", node=ExtrapolateConfig)
-    from grail_exp.report import ReportConfig  # the report's schema lives beside its code (grail_exp/report.py)
-
     cs.store(name="report_schema", node=ReportConfig)
 
 
@@ -490,6 +625,20 @@ def register_configs() -> None:
 def _check(errors: list[str], ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         errors.append(f"{key} = {value!r}: {why}")
+
+
+HUB_MODEL_MAX_LR = 1e-5  # above this, a pretrained hub model needs optim.allow_high_lr=true
+
+
+def is_hub_model(model_cfg) -> bool:
+    """A pretrained model loaded from the Hugging Face hub by id: not the embedded model (name_or_path null), not
+    random weights (model.random_init), not a local directory, not a packaged model (``pkg:...``)."""
+    name = model_cfg.get("name_or_path")
+    if name is None or model_cfg.get("random_init"):
+        return False
+    from grail_exp.models import _looks_local
+
+    return ":" not in str(name) and not _looks_local(str(name))
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -544,22 +693,16 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check_vllm(cfg, e)
     # Half precision needs fp32 master weights (or a strategy that keeps them): an Adam step of ~lr vanishes in
     # bf16 rounding, so the model would silently not train.
-    sharded = str(t.strategy).startswith("fsdp")
-    _check(e, t.sharding_strategy in (None, "FULL_SHARD", "SHARD_GRAD_OP"), "trainer.sharding_strategy",
-           t.sharding_strategy, "must be FULL_SHARD or SHARD_GRAD_OP (trainer=fsdp)")
-    if str(t.strategy) == "deepspeed":
-        import importlib.util
+    from grail_exp.training.backends import BACKENDS
 
-        _check(e, importlib.util.find_spec("deepspeed") is not None, "trainer.strategy", t.strategy,
-               "needs DeepSpeed: pip install -e '.[deepspeed]' (pinned deepspeed==0.19.8)")
-        stage = ((t.deepspeed or {}).get("zero_optimization") or {}).get("stage", 2)
-        _check(e, stage in (1, 2), "trainer.deepspeed.zero_optimization.stage", stage,
-               "must be 1 or 2 (ZeRO-3 partitions the parameters that generation and the probes read whole; "
-               "trainer=fsdp shards them the way this trainer needs)")
-        sharded = True  # DeepSpeed keeps the fp32 master partition itself
-    elif str(t.strategy).startswith("deepspeed"):
-        e.append(f"trainer.strategy = {t.strategy!r}: DeepSpeed runs as strategy 'deepspeed' (trainer=deepspeed_zero2), "
-                 "under this trainer's own step; Lightning's DeepSpeed strategies own the step and do not fit it")
+    backend = BACKENDS.get(str(t.strategy))
+    if backend is None:
+        e.append(f"trainer.strategy = {t.strategy!r}: must be one of {', '.join(sorted(BACKENDS))} (the update backends "
+                 "in grail_exp/training/backends; DeepSpeed runs as 'deepspeed', trainer=deepspeed_zero2, under this "
+                 "trainer's own step: Lightning's DeepSpeed strategies own the step and do not fit it)")
+    else:
+        e.extend(backend.check_config(cfg))
+    sharded = backend is not None and backend.owns_master_weights  # FSDP / ZeRO keep the fp32 masters themselves
     if cfg.model.dtype in ("bfloat16", "float16") and o.master_weights is False and not sharded:
         e.append(f"model.dtype = {cfg.model.dtype!r} with optim.master_weights = false: AdamW would update "
                  f"{cfg.model.dtype} weights in place and steps of lr = {o.lr} vanish in rounding; set "
@@ -567,6 +710,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, cfg.model.dtype != "float16", "model.dtype", cfg.model.dtype,
            "float16 training needs loss scaling, which is not implemented; use bfloat16 (evaluation may use float16)")
     _check(e, t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", t.logprob_chunk_tokens, "must be >= 1")
+    from grail_exp.logprobs import LOGPROB_DTYPES
+
+    _check(e, t.logprob_dtype in LOGPROB_DTYPES, "trainer.logprob_dtype", t.logprob_dtype,
+           f"must be one of: {', '.join(LOGPROB_DTYPES)}")
     _check(e, t.weights_table_every >= 0, "trainer.weights_table_every", t.weights_table_every, "must be >= 0")
     world = (t.devices if isinstance(t.devices, int) else len(t.devices) if isinstance(t.devices, (list, ListConfig)) else 1) * t.num_nodes
     _check(e, t.prompts_per_step % max(1, world) == 0, "trainer.prompts_per_step", t.prompts_per_step,
@@ -583,6 +730,11 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     e.extend(check_family_config(cfg))
     _check(e, o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    if o.lr > HUB_MODEL_MAX_LR and is_hub_model(cfg.model) and not o.get("allow_high_lr", False):
+        recipe = (cfg.get("recipe") or {}).get("name", "?")
+        e.append(f"optim.lr = {o.lr!r}: above {HUB_MODEL_MAX_LR:g} for the pretrained model {cfg.model.name_or_path!r} "
+                 f"(recipe {recipe}); rates like the demo's 1e-4 destroy 4-8B weights within tens of steps (the paper: "
+                 "1e-6, recipe=paper). Set optim.allow_high_lr=true if you mean it")
     _check(e, o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _check(e, o.max_grad_norm is None or o.max_grad_norm > 0, "optim.max_grad_norm", o.max_grad_norm,
            "must be > 0 or null")
@@ -618,10 +770,16 @@ def validate(cfg: DictConfig) -> DictConfig:
                f"for a benchmark in benchmark.names ({', '.join(cfg.benchmark.names)})")
 
     # Micro-batches must tile the rollout batch exactly, otherwise gradient accumulation is ill-defined.
-    completions = t.prompts_per_step * r.num_generations // max(1, world)  # per rank
+    k = t.mini_batches_per_rollout
+    _check(e, k >= 1, "trainer.mini_batches_per_rollout", k, "must be >= 1")
+    prompts_per_rank = t.prompts_per_step // max(1, world)
+    if k >= 1 and prompts_per_rank % k:
+        e.append(f"trainer.mini_batches_per_rollout = {k}: must divide the prompts of a rank's rollout batch "
+                 f"(trainer.prompts_per_step / world size = {prompts_per_rank}): a mini-batch holds whole groups")
+    completions = t.prompts_per_step * r.num_generations // max(1, world) // max(1, k)  # per rank and mini-batch
     if completions >= 1 and t.micro_batch_size >= 1 and completions % min(t.micro_batch_size, completions):
         e.append(f"trainer.micro_batch_size = {t.micro_batch_size}: must divide trainer.prompts_per_step x "
-                 f"rollout.num_generations / world size = {completions}")
+                 f"rollout.num_generations / world size / trainer.mini_batches_per_rollout = {completions}")
 
     # The advantage estimator: known name, then its typed schema and checks.
     from grail_exp.estimators import ESTIMATORS
@@ -639,6 +797,10 @@ def validate(cfg: DictConfig) -> DictConfig:
         else:
             e.extend(f"estimator.{msg}" for msg in (spec.check(typed_est) if spec.check else []))
             e.extend(spec.check_run(typed_est, cfg) if spec.check_run else [])
+            ds = r.get("dynamic_sampling")
+            if ds is not None and ds.enabled and spec.prompt_variants is not None:
+                e.append(f"rollout.dynamic_sampling.enabled = true: not with estimator={est_name} (it plans its own "
+                         "prompts per problem and replaces the rewards dynamic sampling filters on)")
             with open_dict(cfg):
                 cfg.estimator = typed_est
 
@@ -657,6 +819,12 @@ def validate(cfg: DictConfig) -> DictConfig:
             if not e:
                 with open_dict(cfg):
                     cfg.advantage = typed
+    if not e:  # the memory plan of a valid config, before any model is loaded (grail_exp/memory.py)
+        from grail_exp.memory import check as check_memory_plan
+
+        refusal = check_memory_plan(cfg)
+        if refusal:
+            e.append(refusal)
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
     return cfg
@@ -682,6 +850,12 @@ def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
     from grail_exp.architectures import check_model_config
 
     e.extend(check_model_config(cfg.model))  # random_init / tokenizer keys
+    from grail_exp.packaged_models import check_spec as check_packaged_model
+
+    e.extend(check_packaged_model(cfg.model.name_or_path))  # pkg:<name>: known, installed, convertible
+    for i, ex in enumerate(cfg.model.get("few_shot") or []):
+        _check(e, hasattr(ex, "keys") and {"question", "answer"} <= set(ex.keys()), f"model.few_shot[{i}]", ex,
+               "must be a mapping with 'question' and 'answer'")
     if cfg.model.name_or_path is None and not cfg.model.get("random_init"):
         _check(e, cfg.model.build is not None, "model.build", None,
                "model.name_or_path is null, so the embedded model is built, which needs model.build")

@@ -246,7 +246,7 @@ def greedy_accuracy(model, tokenizer, problems, chat_template_kwargs, instructio
     Exact string match is enough for this integer-valued task and keeps the warm-start loop fast;
     RL and evaluation grade with math-verify.
     """
-    from grail_exp.rewards import extract_last_boxed
+    from grail_exp.boxed import extract_last_boxed
 
     was_training = model.training
     model.eval()

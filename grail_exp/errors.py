@@ -13,7 +13,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from grail_exp.checkpoint import CheckpointError
     from grail_exp.config import ConfigError
     from grail_exp.models import ModelLoadError
-    from grail_exp.module import NonFiniteLossError
+    from grail_exp.training.update import NonFiniteLossError
     from grail_exp.tracking import TrackingError
 
     return (ConfigError, ModelLoadError, TrackingError, CheckpointError, NonFiniteLossError, FileNotFoundError,
@@ -23,6 +23,10 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 class RunStopped(Exception):
     """Raised by a caller's hook to end a run early on purpose (e.g. ``grail_exp.tune`` pruning a trial): the
     MLflow run is KILLED, not FAILED, and keeps no traceback."""
+
+
+class Preempted(RuntimeError):
+    """Raised after SIGTERM once the current optimiser step is done and a checkpoint is written."""
 
 
 class DataError(ValueError):

@@ -38,7 +38,7 @@ from grail_exp import metrics as M
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
 from grail_exp.data import load_benchmark
-from grail_exp.data.prompting import render_prompt
+from grail_exp.data.prompting import bos_prefix, encode_prompt_texts, prompt_bos, render_prompt
 from grail_exp.rewards import strip_think
 from grail_exp.rollout import Completion, SamplingParams
 
@@ -158,12 +158,14 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
         problems = load_benchmark(name, cfg)
         instruction = cfg.data.instruction if name in ("arithmetic", "arithmetic_val") else cfg.benchmark.get("instruction", "")
         texts = [render_prompt(p.question, tokenizer, cfg.model, instruction) for p in problems]
-        prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        prompts = encode_prompt_texts(texts, tokenizer)  # + BOS where the tokenizer adds one (Llama 3 plain)
         shas = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
         cache = CompletionCache(None)
         if cache_dir is not None:
             what = {"model": model_key, "benchmark": name, "sampling": OmegaConf.to_container(ev, resolve=True),
                     "per_call": per_call}
+            if bos_prefix(tokenizer):  # prompts gained BOS (issue 22): not the completions cached without it
+                what["bos"] = bos_prefix(tokenizer)
             if cfg.rollout.engine != "hf":  # another engine samples other completions (hf keys stay as they were)
                 what["engine"] = str(cfg.rollout.engine)
             key = _sha(what)
@@ -217,6 +219,7 @@ def evaluation_params(cfg, tokenizer) -> dict:
     return {
         "eval.prompt_template": example,
         "eval.prompt_style": cfg.model.prompt_style,
+        "eval.prompt_bos": prompt_bos(tokenizer, cfg.model, cfg.benchmark.get("instruction", "") or ""),
         "eval.chat_template_kwargs": json.dumps(OmegaConf.to_container(cfg.model.chat_template_kwargs, resolve=True)),
         "eval.strip_think": cfg.model.strip_think,
         "eval.sampling": json.dumps(OmegaConf.to_container(cfg.eval, resolve=True)),
@@ -235,8 +238,8 @@ def protocol_note(protocol: dict) -> str:
     return "\n".join([
         f"- extraction: {p.get('extraction')}",
         f"- OlympiadBench gold: {p.get('olympiad_gold')}; grading: {p.get('verifier')}",
-        f"- prompt: {p.get('prompt_style')} {p.get('chat_template_kwargs')}, strip_think {p.get('strip_think')}, "
-        f"template {p.get('prompt_template')!r}",
+        f"- prompt: {p.get('prompt_style')} {p.get('chat_template_kwargs')}, BOS {p.get('prompt_bos')}, "
+        f"strip_think {p.get('strip_think')}, template {p.get('prompt_template')!r}",
         "- sampling: " + ", ".join(f"{k} {sampling[k]}" for k in ("n", "temperature", "top_p", "top_k", "max_tokens")
                                    if k in sampling),
     ])

@@ -3,7 +3,7 @@
 Three modes, chosen by config (the same names for the training reward and for evaluation):
 
 ``last_balanced`` (default for both)
-    The content of the balanced ``\\boxed{...}`` that starts last (``rewards.extract_last_boxed``):
+    The content of the balanced ``\\boxed{...}`` that starts last (``boxed.extract_last_boxed``):
     an unterminated box is skipped; a box nested in another box wins over its parent.
 
 ``paper``
@@ -24,7 +24,7 @@ Three modes, chosen by config (the same names for the training reward and for ev
     No box search of ours: math-verify's own extraction runs over the whole completion, configured as
     TRL's ``accuracy_reward`` (huggingface/trl ``trl/rewards/accuracy_rewards.py``): LaTeX only, boxed
     matched first, no anchor-free extraction, ``first_match``. Measured (math-verify 0.9.0,
-    ``python -m grail_exp.bench_extraction`` -> ``results/extraction_modes.md``): it reads several boxes as one
+    ``python sweeps/bench_extraction.py`` -> ``results/extraction_modes.md``): it reads several boxes as one
     list answer (``\\boxed{2}, \\boxed{3}`` is ``2,3``), and inside ``$...$`` after an anchor such as
     "the answer is" it also reads ``\\boxed {5}`` (a space), ``\\fbox{5}`` and an unboxed ``$5$``; in bare text
     (no ``$``, no anchor) it reads none of those three. An earlier ``\\boxed{4}`` before the final
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from grail_exp.rewards import _BOX_LEN, _BOX_OPEN, _matching_close, extract_last_boxed
+from grail_exp.boxed import _BOX_LEN, _BOX_OPEN, _matching_close, extract_last_boxed
 
 MODES = ("paper", "last_balanced", "math_verify")  # the values of reward.extraction / benchmark.extraction
 WHOLE_COMPLETION = "math_verify"  # the rule that hands the whole completion to math-verify

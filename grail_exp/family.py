@@ -3,13 +3,18 @@
     overlong_penalty     DAPO soft overlong punishment, a reward transform (arXiv 2503.14476 §3.4)
     KLInRewardController r_i ← r_i − β·Σ_t KL_t with a fixed or adaptive β (Ziegler et al. arXiv 1909.08593 §2.2)
     informative_groups   DAPO dynamic sampling's filter: groups whose rewards are not all equal (§3.2)
-    token_loss_mask      top-entropy token mask (Wang et al. "Beyond the 80/20 rule", arXiv 2506.01939) and
-                         off-policy sequence masking (OPSM, DeepSeek-V3.2 arXiv 2512.02556)
+    family_token_masks   top-entropy token mask (Wang et al. "Beyond the 80/20 rule", arXiv 2506.01939) and
+                         off-policy sequence masking (OPSM, DeepSeek-V3.2 arXiv 2512.02556): the policy term's mask
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+
+NORMALISERS = ("unmasked", "kept")  # loss.family_mask_normaliser
+POPULATIONS = ("all", "off_policy_kept")  # loss.top_entropy_population
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
@@ -78,3 +83,65 @@ def off_policy_sequence_mask(seq_adv: torch.Tensor, logp: torch.Tensor, behaviou
     seq_kl = ((behaviour_logp.float() - logp.detach().float()) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
     keep = (seq_adv >= 0) | (seq_kl <= delta)
     return mask * keep.unsqueeze(1).to(mask.dtype)
+
+
+@dataclass
+class FamilyMasks:
+    """The family masks of one micro-batch (``family_token_masks``)."""
+
+    policy: torch.Tensor | None  # (B, C) f: multiplies the policy term only (policy_loss(policy_mask=...)); None = off
+    top_entropy: torch.Tensor | None  # (B, C) the top-entropy mask alone (TRL's entropy bonus sums H over mask × it)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def term_mask(self, mask: torch.Tensor, loss_cfg) -> torch.Tensor:
+        """The loss mask the auxiliary terms aggregate with: the unmasked one (TRL), or mask · f under
+        ``loss.family_mask_normaliser: kept`` (before issue 23), so terms and policy loss share a normaliser."""
+        if self.policy is None or _get(loss_cfg, "family_mask_normaliser", "unmasked") != "kept":
+            return mask
+        return mask * self.policy.to(mask.dtype)
+
+
+def _get(cfg, key, default):
+    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+
+
+def family_token_masks(entropy: torch.Tensor, logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                       advantages: torch.Tensor, mask: torch.Tensor, loss_cfg) -> FamilyMasks:
+    """The policy term's mask f (B, C) of a micro-batch from ``loss.top_entropy_quantile`` (ρ) and
+    ``loss.off_policy_mask_threshold`` (δ), as TRL's GRPOTrainer builds it:
+
+        E   = top_entropy_mask(H, mask, ρ)          the quantile over every loss token of the micro-batch
+        O   = off_policy_sequence_mask(A, logp, logp_behaviour, mask, δ)
+        f   = E · O
+
+    ``loss.top_entropy_population: off_policy_kept`` takes the quantile over the tokens O keeps instead (the order
+    before issue 23). ``entropy`` (B, C) the token entropies, ``logp`` (B, C) the live log-probs (detached inside),
+    ``behaviour_logp`` (B, C) the log-probs of the policy that sampled (the rollout engine's, else the old ones),
+    ``advantages`` (B,) the sequence advantages, ``mask`` (B, C) the loss mask. Returns ``policy = None`` when both
+    masks are off. Metrics are fractions of the micro-batch's loss tokens."""
+    rho = float(_get(loss_cfg, "top_entropy_quantile", 1.0))
+    delta = _get(loss_cfg, "off_policy_mask_threshold", None)
+    if rho >= 1.0 and delta is None:
+        return FamilyMasks(None, None, {})
+    population = _get(loss_cfg, "top_entropy_population", "all")
+    if population not in POPULATIONS:
+        raise ValueError(f"loss.top_entropy_population = {population!r}: must be one of {', '.join(POPULATIONS)}")
+    n0 = mask.float().sum().clamp(min=1.0)
+    metrics: dict[str, float] = {}
+    off_policy = None
+    if delta is not None:
+        off_policy = off_policy_sequence_mask(advantages, logp, behaviour_logp, mask, float(delta))
+        metrics["opsm/masked_token_frac"] = 1.0 - float(off_policy.float().sum() / n0)
+    entropy_mask = None
+    if rho < 1.0:
+        over = off_policy if (off_policy is not None and population == "off_policy_kept") else mask
+        entropy_mask = top_entropy_mask(entropy, over, rho)
+        metrics["top_entropy/kept_token_frac"] = float(entropy_mask.float().sum() / n0)
+    if entropy_mask is None:
+        policy = off_policy
+    elif off_policy is None:
+        policy = entropy_mask
+    else:
+        policy = entropy_mask * off_policy
+    metrics["family/policy_token_frac"] = float(policy.float().sum() / n0)
+    return FamilyMasks(policy, entropy_mask, metrics)

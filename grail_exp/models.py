@@ -7,7 +7,8 @@ Loading is safe by default: safetensors only, ``trust_remote_code=false`` unless
 
 ``model.random_init=true`` builds the model's exact architecture with random weights, offline
 (``grail_exp/architectures.py``); ``model.tokenizer_name_or_path`` picks another tokenizer, e.g. a real
-one shipped by a package (``pkg:qwen3``, ``grail_exp/packaged_tokenizers.py``).
+one shipped by a package (``pkg:qwen3``, ``grail_exp/packaged_tokenizers.py``). ``model.name_or_path: pkg:smollm2``
+loads a real pretrained model shipped by a package (``grail_exp/packaged_models.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def resolve_model_path(cfg) -> str:
                                      use_shipped=m.get("shipped_weights", True))
         return str(path)
     name = str(m.name_or_path)
+    from grail_exp.packaged_models import PackagedModelError, is_packaged_model, resolve as resolve_packaged_model
+
+    if is_packaged_model(name):  # pkg:<name>: a model file shipped by a package, converted once into the cache
+        try:
+            return resolve_packaged_model(name, _cache_dir(cfg))
+        except PackagedModelError as exc:
+            raise ModelLoadError(str(exc)) from exc
     if _looks_local(name):
         p = Path(name).expanduser()
         if not (p / "config.json").is_file():
@@ -77,6 +85,49 @@ def embedded_build_args(cfg) -> dict:
         chat_template_kwargs=OmegaConf.to_container(m.chat_template_kwargs, resolve=True) or {},
         instruction=cfg.data.instruction if cfg.data.name == "arithmetic" else "",
     )
+
+
+# ---------------------------------------------------------------------------------------------- the hub, probed once
+HUB_PROBE_TIMEOUT_S = 3.0  # one HEAD request to the endpoint; a reachable hub answers in well under a second
+_hub_probes: dict[str, tuple[bool, str]] = {}  # endpoint -> (reachable, why not): one probe per process and endpoint
+
+
+def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> tuple[bool, str]:
+    """(whether the Hugging Face endpoint answers at all, the error if not), probed once per process.
+
+    Any HTTP answer counts as reachable (even 4xx/5xx: the hub's own error is then the right message). Without this,
+    transformers retries every file request five times with backoff before its error: 58-70 s offline."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    endpoint = constants.ENDPOINT
+    if endpoint not in _hub_probes:
+        try:
+            get_session().head(endpoint, timeout=timeout_s, follow_redirects=False)
+            _hub_probes[endpoint] = (True, "")
+        except Exception as exc:  # noqa: BLE001 - connection refused, DNS failure, timeout, proxy error: all mean offline
+            _hub_probes[endpoint] = (False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return _hub_probes[endpoint]
+
+
+def _hub_offline_kwargs(name: str, revision, probe_file: str) -> dict:
+    """Before loading hub id ``name``: {} when the hub answers (or HF_HUB_OFFLINE is set: the libraries then read
+    the cache without retrying); ``local_files_only`` when it does not but the cache holds the repo; otherwise the
+    ModelLoadError now, instead of a minute of retries."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or _looks_local(name):
+        return {}
+    ok, why = hub_reachable()
+    if ok:
+        return {}
+    cached = try_to_load_from_cache(name, probe_file, revision=revision)
+    if isinstance(cached, str):
+        log.warning("the Hugging Face hub (%s) is unreachable (%s): loading %r from the local cache", constants.ENDPOINT,
+                    why, name)
+        return {"local_files_only": True}
+    raise _hub_error(name, OSError(f"the hub {constants.ENDPOINT} is unreachable ({why}; probed once, "
+                                   f"{HUB_PROBE_TIMEOUT_S:g} s timeout) and {name!r} is not in the local cache"))
 
 
 def _hub_error(name: str, exc: Exception) -> ModelLoadError:
@@ -121,9 +172,10 @@ def load_tokenizer(path: str, cfg):
 
     m = cfg.model
     tok_path, own = resolve_tokenizer_path(path, cfg)
+    offline = _hub_offline_kwargs(tok_path, m.revision if own else None, "tokenizer_config.json")
     try:
         tok = AutoTokenizer.from_pretrained(tok_path, revision=m.revision if own else None,
-                                            trust_remote_code=m.trust_remote_code)
+                                            trust_remote_code=m.trust_remote_code, **offline)
     except (OSError, ValueError) as exc:
         raise _hub_error(tok_path, exc) from exc
     if m.get("strip_think") and "</think>" not in tok.decode(tok.encode("</think>", add_special_tokens=False),
@@ -151,7 +203,7 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
         model = build_random_model(path, DTYPES[m.dtype], m.attn_implementation)
     else:
         kwargs = dict(revision=m.revision, dtype=DTYPES[m.dtype], trust_remote_code=m.trust_remote_code,
-                      use_safetensors=True)
+                      use_safetensors=True, **_hub_offline_kwargs(path, m.revision, "config.json"))
         if m.attn_implementation:
             kwargs["attn_implementation"] = m.attn_implementation
         try:

@@ -13,11 +13,17 @@ Under the multi-GPU strategies the strategy owns the same split instead: FSDP ke
 bf16 ``MixedPrecision`` policy (trainer=fsdp, trainer=fsdp_zero2); under DDP this class is used with bf16 gradients reduced by DDP and accumulated in the
 parameters' ``.grad`` (fp32 accumulation hooks would run before DDP's reduction).
 Memory per parameter: 2 (bf16 weights) + 4 (master) + 8 (Adam) + 4 (fp32 gradient) = 18 bytes.
+
+``optim.grad_accum_dtype: bf16`` (one process) skips the accumulation hooks: autograd then sums each micro-batch's
+bf16 gradient into the parameter's bf16 ``.grad`` (rounded after every add, as DeepSpeed ZeRO's bf16 default, which
+the GRAIL reference ran), moved into the fp32 master once, at the step.
 """
 
 from __future__ import annotations
 
 import torch
+
+GRAD_ACCUM_DTYPES = ("fp32", "bf16")  # optim.grad_accum_dtype (null = the strategy's own)
 
 
 class MasterWeightAdamW(torch.optim.AdamW):

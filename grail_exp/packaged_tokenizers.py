@@ -50,7 +50,7 @@ from typing import Callable, Optional
 PREFIX = "pkg:"
 
 # R1-Distill-Llama's special tokens on top of the Llama 3 ids (third-party code maps them identically;
-# DeepSeek's own tokenizer.json was not reachable from here, see docs/readme/shapes.md).
+# DeepSeek's own tokenizer.json was not reachable from here, see docs/notes/shapes.md).
 R1_BOS, R1_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 R1_SPECIAL = {128000: (R1_BOS, True), 128001: (R1_EOS, True), 128011: ("<｜User｜>", True),
               128012: ("<｜Assistant｜>", True),

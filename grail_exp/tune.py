@@ -371,9 +371,9 @@ def optimize(cfg: DictConfig) -> dict:
     import optuna
     from optuna.trial import TrialState
 
-    from grail_exp.module import Preempted
+    from grail_exp.errors import Preempted
     from grail_exp.preemption import hand_back_to_submitit
-    from grail_exp.run import run
+    from grail_exp.training.job import run
 
     # The heartbeat / retry API and multivariate TPE are "experimental" in Optuna 5: stable enough for us, and
     # the warnings would repeat for every trial.

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
 from grail_exp.data.jsonl import iter_jsonl_objects
+from grail_exp.data.prompting import encode_prompt_texts
 
 log = logging.getLogger("grail_exp.weights")
 register_configs()
@@ -38,7 +39,7 @@ def read_rows(path: str | Path, tokenizer) -> list[dict]:
     rows = []
     for lineno, r in iter_jsonl_objects(path, InputError):
         if "prompt_ids" not in r and "prompt" in r:
-            r["prompt_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+            r["prompt_ids"] = encode_prompt_texts([r["prompt"]], tokenizer)[0]  # as training encodes it (BOS)
         if "completion_ids" not in r and "completion" in r:
             r["completion_ids"] = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
         for key in ("prompt_ids", "completion_ids"):
@@ -60,7 +61,7 @@ def scheme_batch(rows: list[dict], pad_id: int, device, sampling_temperature: fl
     groups (``group`` field, else rows with the same prompt), problems / gold answers (``problem`` / ``answer``
     fields, for schemes that build teacher prompts) and rewards (``reward`` field, else A > 0)."""
     from grail_exp.advantages import SchemeBatch
-    from grail_exp.module import position_ids_from_mask
+    from grail_exp.forward import position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
 
     rb = pad_completions([Completion(r["prompt_ids"], r["completion_ids"], None, False) for r in rows], pad_id)

@@ -32,7 +32,7 @@ def main(rows: int = 64, completion_len: int = 48, reps: int = 5) -> None:
     from grail_exp.loss import TermContext, policy_loss
     from grail_exp.loss.sdpg import SdpgOpdConfig, SdpgOpdTerm, SdpgRefKlConfig, SdpgRefKlTerm
     from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from grail_exp.module import policy_forward, position_ids_from_mask
+    from grail_exp.forward import policy_forward, position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
 
     torch.manual_seed(0)
@@ -112,7 +112,7 @@ def main(rows: int = 64, completion_len: int = 48, reps: int = 5) -> None:
         with torch.no_grad():
             fwd()
 
-    from grail_exp.advantages.teacher import build_teacher_batch
+    from grail_exp.teacher import build_teacher_batch
 
     p_rlsd = build_teacher_batch(b, tok, cfg.model, "rlsd").prompt_length
     p_sdpg = build_teacher_batch(b, tok, cfg.model, "sdpg").prompt_length

@@ -9,4 +9,4 @@ STAMP=$(date +%Y-%m-%d_%H-%M-%S)
 DIR=outputs/demo_seeds/$STAMP
 $PY -m grail_exp.run -m seed=1,2,3 'model.build.seed=${seed}' task_name=demo_seeds \
     hydra.sweep.dir="$DIR" "$@"
-$PY -m grail_exp.report_demo "$DIR" "${OUT:-results/demo_seeds.md}"
+$PY sweeps/demo_table.py "$DIR" "${OUT:-results/demo_seeds.md}"

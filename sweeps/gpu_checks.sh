@@ -12,7 +12,7 @@ out=${2:-results/gpu}
 mkdir -p "$out"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 GRAIL_EXP_CACHE=${GRAIL_EXP_CACHE:-/tmp/grail_exp_cache}
-QWEN=(model=qwen3_8b model.random_init=true model.tokenizer_name_or_path=pkg:qwen3)
+QWEN=(model=qwen3_8b recipe=demo model.random_init=true model.tokenizer_name_or_path=pkg:qwen3)  # demo: one-GPU checks, not the paper's 4-GPU recipe
 SMALL="model.random_init_overrides={num_hidden_layers: 2, hidden_size: 1024, intermediate_size: 3072, num_attention_heads: 16, num_key_value_heads: 8}"
 WIDE="model.random_init_overrides={num_hidden_layers: 8}"
 RUN=(trainer.max_steps=2 trainer.prompts_per_step=4 rollout.num_generations=4 trainer.micro_batch_size=8

@@ -9,7 +9,7 @@
 #
 # Knobs (environment): MODELS, SCHEMES, SEEDS (GPU); LANES (CPU); STUDY (tag and output name); PY (the interpreter).
 # GPU example: bash sweeps/paper_table.sh hydra.launcher.partition=gpu hydra.launcher.account=myproj
-# Preempted or timed-out jobs requeue themselves and continue with resume=auto (README: Running at scale).
+# Preempted or timed-out jobs requeue themselves and continue with resume=auto (docs/reliability.md, Preemption).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

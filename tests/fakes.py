@@ -44,3 +44,40 @@ class ScriptedEngine:
                 ids = self.tokenizer(body, add_special_tokens=False)["input_ids"][: params.max_new_tokens - 1]
                 out.append(Completion(list(p), ids + [self.tokenizer.eos_token_id], None, False))
         return out
+
+
+class SleepRecordingEngine:
+    """transformers ``generate`` on the policy, with vLLM's sleep-mode contract: ``sleep()`` releases the engine,
+    ``generate`` refuses while asleep (as ``VLLMRolloutEngine`` does), ``sync_weights`` wakes it. Every call is appended
+    to ``events`` and, when ``GRAIL_EXP_ENGINE_EVENTS`` names a file, written there (one per line) for a parent test."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 256):
+        from grail_exp.rollout.hf import HFRolloutEngine
+
+        self.inner = HFRolloutEngine(model, tokenizer, batch_size=batch_size)
+        self.sleeping = False
+        self.events: list[str] = []
+
+    def _record(self, event: str) -> None:
+        import os
+
+        self.events.append(event)
+        path = os.environ.get("GRAIL_EXP_ENGINE_EVENTS")
+        if path:
+            with open(path, "a") as f:
+                f.write(event + "\n")
+
+    def sync_weights(self, model) -> None:
+        self._record("sync")
+        self.sleeping = False
+        self.inner.sync_weights(model)
+
+    def generate(self, prompts, params):
+        if self.sleeping:
+            raise RuntimeError("generate() while the engine sleeps: sync_weights() must wake it first")
+        self._record("generate")
+        return self.inner.generate(prompts, params)
+
+    def sleep(self) -> None:
+        self._record("sleep")
+        self.sleeping = True

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from grail_exp.advantages import SCHEMES, build_scheme, group_advantages
+from grail_exp.advantages import SCHEMES, build_scheme
+from grail_exp.estimators.group import group_advantages
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # two groups of G = 4
 

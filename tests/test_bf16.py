@@ -11,8 +11,10 @@ from pinned_step import build_model_and_tokenizer, rollout_batch
 def _module(dtype, overrides=()):
     from test_pinned_step import _cfg
 
-    from grail_exp.advantages import build_scheme, group_advantages
-    from grail_exp.module import GRPOModule, TrainingBatch, position_ids_from_mask
+    from grail_exp.advantages import build_scheme
+    from grail_exp.estimators.group import group_advantages
+    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.module import GRPOModule, TrainingBatch
 
     cfg = _cfg(["advantage=grpo", *overrides])
     torch.manual_seed(0)
@@ -41,7 +43,7 @@ def _train(dtype, steps: int, lr: float, master_weights=None):
     start = [p.detach().float().clone() for p in module.policy.parameters()]
     losses = []
     for _ in range(steps):
-        losses.append(module._optimizer_step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)["loss"])
+        losses.append(module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)["loss"])
     params = opt.masters if isinstance(opt, MasterWeightAdamW) else [p.detach().float() for p in module.policy.parameters()]
     return losses, start, params, module.policy
 
@@ -134,10 +136,45 @@ def test_oar_g_teacher_mean_stays_in_the_logits_dtype():
     assert torch.equal(out, (logits * span.unsqueeze(-1).to(logits.dtype)).sum(1) / n)
 
 
+def test_oar_g_gathered_span_sum_accumulates_in_float32_and_rounds_once():
+    """The gathered teacher sums a row's span logits in float32 and rounds to bf16 once, bit for bit what the reference's
+    dense (B, C, V) bf16 ``sum(1)`` gives; the old bf16 ``index_add_`` rounded after every add. Logits are multiples
+    of 1/8 in [-4, 4] (exact in bf16) so every float32 partial sum here is exact and the once-rounded value is known."""
+    from grail_exp.advantages.oar import span_mean_logits, span_sum_rows
+
+    g = torch.Generator().manual_seed(0)
+    B, C, V = 2, 400, 64
+    dense = (torch.randint(-32, 33, (B, C, V), generator=g).double() / 8).bfloat16()
+    span = torch.zeros(B, C, dtype=torch.bool)
+    span[0, :300] = True  # many adds: partial sums reach ~100, where bf16's spacing is 0.5
+    span[1, 350:380] = True
+    rows, slots = span.nonzero(as_tuple=True)
+    gathered = dense[rows, slots]  # (n_span, V), row-major as the scheme gathers them
+    counts = span.long().sum(1)
+    got = span_sum_rows(gathered, counts)
+    exact = torch.stack([dense[b][span[b]].double().sum(0) for b in range(B)])  # exact: ≤ 300 multiples of 1/8
+    assert got.dtype == torch.bfloat16 and torch.equal(got, exact.bfloat16())
+    n = counts.unsqueeze(1)
+    assert torch.equal(got / n, span_mean_logits(dense, span))  # = the reference's dense bf16 mean
+    # The previous code, ``index_add_`` into a bf16 buffer: on CUDA each add is an atomic bf16 add, rounded to bf16
+    # (in whatever order the threads run). Emulated here in row order (CPU's own bf16 index_add_ happens to accumulate
+    # more precisely, so it cannot show the CUDA rounding):
+    old = torch.zeros(B, V, dtype=torch.bfloat16)
+    for r, x in zip(rows.tolist(), gathered):
+        old[r] = old[r] + x  # bf16 + bf16 -> rounded to bf16
+    assert not torch.equal(old, exact.bfloat16())
+    assert (old.double() - exact).abs().max().item() >= 0.5  # errors of many roundings, not one
+    # another order of the same adds gives yet another result: the CUDA sum is not even reproducible
+    rev = torch.zeros(B, V, dtype=torch.bfloat16)
+    for r, x in zip(reversed(rows.tolist()), gathered.flip(0)):
+        rev[r] = rev[r] + x
+    assert not torch.equal(rev, old)
+
+
 def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
     """bf16 weights (1 + 2^-7, a bf16 number) times A are formed in float32: w·A = -0.755859375 for A = -0.75, which a
     bf16 product would round to -0.7578125."""
-    import grail_exp.module as mod
+    import grail_exp.training.update as mod
 
     module, batch = _module(torch.bfloat16)
     seen = {}
@@ -149,12 +186,12 @@ def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
 
     monkeypatch.setattr(mod, "policy_loss", spy)
     w = torch.full(batch.loss_mask.shape, 1.0078125, dtype=torch.bfloat16)  # exactly representable in bf16
-    module._weights = lambda b, s, e, it, fwd: (w[s:e], {}, True)
+    module.update.weights = lambda b, s, e, it, fwd: (w[s:e], {}, True)
     from grail_exp.optim import build_optimizer
 
     opt = build_optimizer(module.policy, module.cfg.optim, master_weights=True)
-    module._optimizer_step(batch, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                           batch.loss_mask.sum().item(), {}, 0)
+    module.update.step(batch, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       batch.loss_mask.sum().item(), {}, 0)
     assert seen["dtype"] == torch.float32
     a = batch.advantages[-4:].float().unsqueeze(1) * 1.0078125  # float32 product, not rounded to bf16
     assert torch.equal(seen["adv"], a.expand_as(seen["adv"]))
@@ -165,15 +202,128 @@ def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
 def test_grail_probe_in_bf16_shared_forward_equals_separate_probe():
     """In bf16 the probe keeps the reference's dtypes (log-softmax in the logits' dtype) on both paths."""
     from grail_exp.advantages import build_scheme
-    from grail_exp.module import policy_forward
+    from grail_exp.forward import policy_forward
 
     module, batch = _module(torch.bfloat16, ["advantage=grail", "advantage.symmetry=both"])
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
-    module.prepare_batch(batch, {})
-    sb = module.scheme_batch(batch, 0, 4)
+    module.rollout.prepare(batch, {})
+    sb = batch.scheme_view(module.scheme_ctx, 0, 4)
     with torch.enable_grad():
         _, _, fwd = policy_forward(module.policy, batch.input_ids[:4], batch.attention_mask[:4],
                                    batch.position_ids[:4], batch.completion_ids[:4], 1.0)
         shared = module.scheme.weights_from_forward(module.policy, sb, fwd).weights
     separate = module.scheme.weights(module.policy, sb).weights
     assert torch.allclose(shared, separate, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- trainer.logprob_dtype
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_dtype_model_is_the_references_bf16_log_softmax(temperature):
+    """``trainer.logprob_dtype: model`` on a bf16 policy = TRL's computation, written independently: the model's own
+    bf16 logits (its forward, lm_head included), ``/ T`` in bf16, ``log_softmax`` in bf16, the sampled token's value —
+    bit for bit. ``float32`` (the default) is the float32 softmax of the same bf16 logits, unchanged by the option."""
+    from grail_exp.forward import completion_logits, policy_forward
+
+    module, batch = _module(torch.bfloat16)
+    model, C = module.policy, batch.completion_ids.shape[1]
+    args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, temperature)
+    with torch.no_grad():
+        model_lp, model_ent, _ = policy_forward(*args, logprob_dtype="model")
+        f32_lp, f32_ent, _ = policy_forward(*args, logprob_dtype="float32")
+        default_lp, _, _ = policy_forward(*args)
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                    use_cache=False)
+    logits = out.logits[:, batch.prompt_length - 1:batch.prompt_length + C - 1]  # bf16, the model's own head
+    assert logits.dtype == torch.bfloat16
+    scaled = logits / temperature if temperature != 1.0 else logits  # TRL: logits /= temperature, in bf16
+    want = torch.stack([torch.log_softmax(row, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # TRL's row loop
+                        for row, ids in zip(scaled, batch.completion_ids)])
+    assert want.dtype == torch.bfloat16 and model_lp.dtype == torch.float32
+    assert torch.equal(model_lp, want.float())
+    assert torch.equal(f32_lp, default_lp)  # the default path is the float32 one, untouched
+    f32_want = torch.log_softmax(logits.float() / temperature, -1).gather(-1, batch.completion_ids.unsqueeze(-1))
+    assert torch.allclose(f32_lp, f32_want.squeeze(-1), atol=1e-5)  # fp32 softmax of the same bf16 logits
+    assert not torch.equal(f32_lp, model_lp)  # the float32 values are not bf16-rounded
+    assert torch.equal(f32_ent, model_ent)  # entropies stay float32 either way
+
+
+def test_logprob_dtype_model_gives_exact_ratio_one_after_a_small_update():
+    """What the reference's bf16 log-probs do to the PPO ratio: after a tiny change of the weights most tokens' bf16
+    log-probs are unchanged, so ρ = exp(logp − logp_old) is exactly 1 for them; in float32 almost none are."""
+    from grail_exp.forward import policy_forward
+
+    module, batch = _module(torch.bfloat16)
+    model = module.policy
+    args = (batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, 1.0)
+    with torch.no_grad():
+        old = {d: policy_forward(model, *args, logprob_dtype=d)[0] for d in ("model", "float32")}
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():  # one bf16 ulp on 2 % of the weights: a small optimiser step
+            bump = (torch.rand(p.shape, generator=g) < 0.02).to(torch.int16)
+            p.copy_((p.view(torch.int16) + bump).view(torch.bfloat16))  # +1 in the bit pattern: the next bf16
+        new = {d: policy_forward(model, *args, logprob_dtype=d)[0] for d in ("model", "float32")}
+    m = batch.loss_mask.bool()
+    exact = {d: (torch.exp(new[d] - old[d])[m] == 1.0).float().mean().item() for d in new}
+    assert exact["model"] > 0.5 and exact["float32"] < 0.1, exact
+
+
+def test_logprob_dtype_is_validated(compose_cfg):
+    from grail_exp.config import ConfigError, validate
+
+    assert validate(compose_cfg([])).trainer.logprob_dtype == "float32"
+    assert validate(compose_cfg(["trainer.logprob_dtype=model"])).trainer.logprob_dtype == "model"
+    with pytest.raises(ConfigError, match=r"trainer\.logprob_dtype"):
+        validate(compose_cfg(["trainer.logprob_dtype=bfloat16"]))
+
+
+# ---------------------------------------------------------------------------------------------- optim.grad_accum_dtype
+@pytest.mark.parametrize("acc", ["fp32", "bf16"])
+def test_grad_accum_dtype_sums_the_micro_batches_as_named(acc):
+    """A bf16 model, one step over 4 micro-batches: ``fp32`` (our default) hands the optimiser the float32 sum of the
+    four bf16 micro-batch gradients; ``bf16`` (ZeRO's bf16 default) their sum in bf16, rounded after every add, then
+    converted once. Both computed here from the gradients recorded per backward, bit for bit."""
+    from grail_exp.optim import MasterWeightAdamW
+    from grail_exp.training.backends.local import LocalBackend
+
+    module, batch = _module(torch.bfloat16, ["trainer.micro_batch_size=2", f"optim.grad_accum_dtype={acc}"])
+    assert batch.num_rows // 2 == 4
+    opt = LocalBackend(module.cfg, module).build_optimizer(module.policy)
+    assert isinstance(opt, MasterWeightAdamW)
+    params = list(module.policy.parameters())
+    seen = [[] for _ in params]
+    for i, p in enumerate(params):  # each backward's incoming bf16 gradient, before any accumulation
+        p.register_hook(lambda g, i=i: seen[i].append(g.detach().clone()))
+    got = {}
+
+    def capture(closure=None):
+        got["grads"] = [m.grad.clone() for m in opt.masters]  # what AdamW steps with
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    opt.step = capture
+    module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
+    for i, p in enumerate(params):
+        gs = seen[i]
+        assert len(gs) == 4 and all(g.dtype == torch.bfloat16 for g in gs)
+        if acc == "fp32":
+            want = gs[0].float() + gs[1].float() + gs[2].float() + gs[3].float()
+        else:
+            total = gs[0]
+            for g in gs[1:]:
+                total = total + g  # bf16 + bf16: rounded each time
+            want = total.float()
+        assert torch.equal(got["grads"][i], want), (acc, i)
+    if acc == "bf16":  # and the two differ somewhere: bf16 accumulation is not the fp32 sum
+        fp32 = [sum(g.float() for g in gs) for gs in seen]
+        assert any(not torch.equal(a, b) for a, b in zip(got["grads"], fp32))
+
+
+def test_grad_accum_dtype_is_validated(compose_cfg):
+    from grail_exp.config import ConfigError, validate
+
+    assert validate(compose_cfg([])).optim.grad_accum_dtype is None
+    with pytest.raises(ConfigError, match=r"optim\.grad_accum_dtype"):
+        validate(compose_cfg(["optim.grad_accum_dtype=fp16"]))
+    with pytest.raises(ConfigError, match=r"optim\.grad_accum_dtype.*trainer=ddp"):
+        validate(compose_cfg(["trainer=ddp", "optim.grad_accum_dtype=bf16"]))
+    with pytest.raises(ConfigError, match=r"optim\.grad_accum_dtype.*FSDP"):
+        validate(compose_cfg(["trainer=fsdp", "optim.grad_accum_dtype=fp32"]))

@@ -135,6 +135,7 @@ def test_cli_two_steps_leaves_an_mlflow_run_with_params_metrics_and_eval_table(t
     client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("grail_exp").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["trainer.max_steps"] == "2"
+    assert run.data.params["recipe.name"] == "demo"  # the logged config says which recipe composed the run
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
     assert "eval/arithmetic/acc" in run.data.metrics
     assert "eval/final/pass_at_k.json" in {a.path for a in client.list_artifacts(run.info.run_id, "eval/final")}

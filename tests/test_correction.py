@@ -67,15 +67,81 @@ def test_sampler_check_fails_loudly_on_a_stale_engine(compose_cfg, tiny_model_di
     cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])
     module = _build_module(cfg, tiny_model_dir)
     torch.manual_seed(0)
-    batch, _ = module.make_batch(0, {})
-    batch.old_logp = module._logps_no_grad(module.policy, batch)
-    ok = module._check_sampler(batch)["sampling/logp_abs_diff_mean"]
+    batch, _ = module.rollout.make_batch(0, {})
+    batch.old_logp = module.rollout.logps(module.policy, batch)
+    ok = module.rollout.check_sampler(batch)["sampling/logp_abs_diff_mean"]
     assert ok < 1e-4  # rollout=hf samples from the policy itself
-    module.logp_diff_history = [0.03, 0.03, 0.03]
+    module.rollout.logp_diff_history = [0.03, 0.03, 0.03]
     batch.sampler_logp = batch.sampler_logp - 0.5 * batch.loss_mask  # a 0.5-nat jump
     with pytest.raises(SamplerMismatchError, match="jumped"):
-        module._check_sampler(batch)
-    module.logp_diff_history = []
+        module.rollout.check_sampler(batch)
+    module.rollout.logp_diff_history = []
     batch.sampler_logp = batch.sampler_logp - 2.0 * batch.loss_mask
     with pytest.raises(SamplerMismatchError, match="max_abs_diff"):
-        module._check_sampler(batch)
+        module.rollout.check_sampler(batch)
+
+
+def test_sequence_mask_at_3_is_trls_rule():
+    """TRL's sequence_mask (rollout=vllm_paper): ratio = exp(Σ_t (old − sampler)) per sequence, masked_fill(ratio > 3, 0),
+    the same weight on every token; a ratio of exactly 3 is kept, none is clipped from below."""
+    old = torch.zeros(4, 3)
+    logs = [math.log(3.0), math.log(3.0) + 1e-4, math.log(0.01), 0.2]  # per-sequence log-ratios
+    sampler = torch.tensor([[-v / 2, -v / 2, 0.0] for v in logs])  # spread over two tokens, third token padding
+    mask = torch.tensor([[1.0, 1.0, 0.0]] * 4)
+    sampler[:, 2] = 5.0  # a padding token's value never enters
+    w, m = is_weights(old, sampler, mask, "sequence_mask", None, 3.0)
+    want = [3.0, 0.0, 0.01, math.exp(0.2)]
+    for i, v in enumerate(want):
+        assert torch.allclose(w[i], torch.full((3,), v), rtol=1e-5), (i, w[i])
+    assert m["is/masked_frac"] == pytest.approx(2 / 8)
+
+
+def test_vllm_paper_composes_the_reference_settings(compose_cfg):
+    from grail_exp.config import validate
+
+    cfg = validate(compose_cfg(["rollout=vllm_paper"]))
+    r = cfg.rollout
+    assert r.engine == "vllm" and r.vllm.logprobs_mode == "processed_logprobs"
+    assert (r.is_correction.mode, r.is_correction.clip_min, r.is_correction.clip_max) == ("sequence_mask", None, 3.0)
+    assert r.vllm.gpu_memory_utilization == 0.2
+    base = validate(compose_cfg(["rollout=vllm"])).rollout  # everything else is rollout=vllm's
+    for k in ("num_generations", "max_completion_length", "temperature", "top_k", "sampler_check"):
+        assert r[k] == base[k]
+    assert r.vllm.enable_prefix_caching == base.vllm.enable_prefix_caching
+
+
+def test_kept_mass_stats_and_sampler_check_on_processed_logprobs(compose_cfg, tiny_model_dir):
+    """With processed sampler log-probs (sampler = raw − log M_t), the old-log-prob forward measures log M_t, the step
+    logs Σ_t log M_t per sequence, and the sampler check adds it back: no false alarm from the renormalisation."""
+    from test_module import _build_module, _small
+
+    from grail_exp.logprobs import kept_log_mass
+
+    cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2", "rollout.top_k=3"])
+    module = _build_module(cfg, tiny_model_dir)
+    module.rollout.engine.logprobs_mode = "processed_logprobs"  # the HF engine as if it reported processed ones
+    assert module.rollout.sampler_filter() == (3, 1.0)
+    torch.manual_seed(0)
+    batch, _ = module.rollout.make_batch(0, {})
+    module.rollout.old_logps(batch)
+    raw = batch.old_logp
+    log_mass = batch.sampler_log_mass
+    assert log_mass.shape == raw.shape and (log_mass <= 1e-6).all() and (log_mass < -1e-3).any()
+    # the same quantity from an independent forward: the model's own logits, the 3 largest per position
+    from grail_exp.forward import completion_logits
+
+    with torch.no_grad():
+        z = completion_logits(module.policy, batch.input_ids, batch.attention_mask, batch.position_ids,
+                              batch.completion_ids.shape[1], cfg.rollout.temperature).float()
+    want = torch.logsumexp(z.topk(3, -1).values, -1) - torch.logsumexp(z, -1)
+    m = batch.loss_mask.bool()
+    assert (log_mass - want).abs()[m].max().item() < 1e-5  # fp32 logsumexp over V = 320 logits
+    batch.sampler_logp = raw - log_mass  # what a processed-mode sampler in sync reports
+    stats = module.rollout.check_sampler(batch)
+    assert stats["sampling/logp_abs_diff_mean"] < 1e-6
+    ms = module.rollout.log_mass_stats(batch.loss_mask, log_mass)
+    per_seq = [(log_mass[i] * batch.loss_mask[i]).sum().item() for i in range(batch.num_rows) if batch.loss_mask[i].any()]
+    assert ms["sampling/seq_log_kept_mass"] == pytest.approx(sum(per_seq) / len(per_seq), rel=1e-6)
+    assert ms["sampling/token_log_kept_mass"] == pytest.approx(sum(per_seq) / batch.loss_mask.sum().item(), rel=1e-6)
+    module.rollout.engine.logprobs_mode = "raw_logprobs"
+    assert module.rollout.sampler_filter() is None

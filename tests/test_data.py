@@ -89,6 +89,31 @@ def test_prompt_styles(tiny_tokenizer):
     assert "\x08oxed" in PAPER_INSTRUCTION_REFERENCE_BYTES  # the reference's backspace quirk (spec §11.13)
 
 
+def test_few_shot_examples_come_before_the_problem_in_both_styles(tiny_tokenizer, tmp_path):
+    from omegaconf import OmegaConf
+
+    from grail_exp.config import ConfigError, validate
+    from grail_exp.data.prompting import render_prompt
+    from tests.conftest import compose
+
+    shots = [{"question": "Compute 1+1.", "answer": "1+1=2. \\boxed{2}"}]
+    chat = OmegaConf.create({"prompt_style": "chat", "chat_template": None, "chat_template_kwargs": {"enable_thinking": False},
+                             "system_prompt": None, "plain_template": "Q: {problem}\nA:", "name_or_path": "x",
+                             "few_shot": shots})
+    text = render_prompt("Compute 3+4.", tiny_tokenizer, chat, " Go.")
+    # the examples are earlier turns, the instruction appended to their questions as to the problem's
+    assert text == tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Compute 1+1. Go."}, {"role": "assistant", "content": "1+1=2. \\boxed{2}"},
+         {"role": "user", "content": "Compute 3+4. Go."}], add_generation_prompt=True, tokenize=False,
+        enable_thinking=False)
+    assert text.index("1+1=2. \\boxed{2}") < text.index("Compute 3+4. Go.")
+    plain = OmegaConf.merge(chat, {"prompt_style": "plain"})
+    assert render_prompt("Compute 3+4.", tiny_tokenizer, plain) == \
+        "Q: Compute 1+1.\nA: 1+1=2. \\boxed{2}\n\nQ: Compute 3+4.\nA:"
+    with pytest.raises(ConfigError, match=r"model.few_shot\[0\] = .*must be a mapping with 'question' and 'answer'"):
+        validate(compose(["model.few_shot=[{question: a}]"], tmp_path))
+
+
 def test_hub_source_from_local_jsonl(tmp_path):
     import json
 

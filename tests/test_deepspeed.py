@@ -1,4 +1,4 @@
-"""trainer=deepspeed_zero2 (grail_exp/deepspeed_zero.py): config, checkpointable state, bf16 master weights.
+"""trainer=deepspeed_zero2 (grail_exp/training/backends/deepspeed.py): config, checkpointable state, bf16 master weights.
 The 2-rank equality with one process and exact resume are in tests/test_ddp.py."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def test_recipe_composes_with_the_papers_zero2(compose_cfg):
-    from grail_exp.deepspeed_zero import deepspeed_config
+    from grail_exp.training.backends.deepspeed import deepspeed_config
 
     cfg = validate(compose_cfg(["trainer=deepspeed_zero2", "model.dtype=bfloat16", "optim.master_weights=false"]))
     ds = deepspeed_config(cfg)
@@ -43,7 +43,7 @@ def test_bad_deepspeed_settings_name_the_key(compose_cfg, override, key):
 
 
 def test_plain_state_drops_deepspeed_objects_and_keeps_tensors():
-    from grail_exp.deepspeed_zero import _plain
+    from grail_exp.training.backends.deepspeed import _plain
 
     import enum
 

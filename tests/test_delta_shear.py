@@ -175,7 +175,7 @@ def test_delta_weights_do_not_depend_on_the_micro_batch_split():
 def test_delta_features_on_a_real_model(tiny_model, tiny_tokenizer):
     """p and h from the chunked no-grad forward equal the trainer's log-prob path, for any chunk size."""
     from grail_exp.loss import selective_log_softmax
-    from grail_exp.module import completion_logits
+    from grail_exp.forward import completion_logits
 
     rows = rows_of(tiny_tokenizer, [("Compute 1+2.", "1+2=3. \\boxed{3}", 0.5), ("Compute 4-1.", "4-1=2 \\boxed{2}", -0.5),
                                     ("Compute 2+2.", "2+2=4, so \\boxed{4}", 0.0)])
@@ -337,6 +337,7 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
     same rows with their groups and rewards."""
     from test_conftest_helpers import compose_weights
     from test_module import _build_module, _small
+    from grail_exp.training.batch import micro_batch_rows
     from grail_exp.weights import compute
 
     extra = [f"advantage={scheme}", "trainer.micro_batch_size=4"] + (["advantage.window=6", "advantage.stride=3"]
@@ -344,12 +345,12 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
     cfg = _small(compose_cfg, tiny_model_dir, extra)
     module = _build_module(cfg, tiny_model_dir)
     torch.manual_seed(0)
-    batch, _ = module.make_batch(0, {})
-    module.prepare_batch(batch, {})
+    batch, _ = module.rollout.make_batch(0, {})
+    module.rollout.prepare(batch, {})
     N = batch.input_ids.shape[0]
     w_train = torch.zeros(batch.completion_ids.shape)
-    for s, e in batch.micro_batches(module.micro_batch_size):
-        w_train[s:e] = module.scheme.weights(module.policy, module.scheme_batch(batch, s, e)).weights
+    for s, e in batch.micro_batches(micro_batch_rows(module.cfg)):
+        w_train[s:e] = module.scheme.weights(module.policy, batch.scheme_view(module.scheme_ctx, s, e)).weights
     P = batch.prompt_length
     rows = []
     for i in range(N):

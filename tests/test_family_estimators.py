@@ -98,6 +98,38 @@ def test_optimal_token_baseline_matches_brute_force():
             assert adv[i, t].item() == pytest.approx(R[i].item() - num / (den + 1e-8), rel=1e-4, abs=1e-5)
 
 
+def _otb(rewards, mask, G, **cfg):
+    # π = 0.5 and Σπ² = 0.5 on every token: w = 1 − 2·0.5 + 0.5 = 0.5, so W_t = 0.5·(t + 1) along a row
+    shape = mask.shape
+    extras = {"logp": torch.full(shape, math.log(0.5)), "sum_pi_squared": torch.full(shape, 0.5)}
+    inp = EstimatorInput(torch.tensor(rewards), G, mask, extras=extras)
+    return ESTIMATORS["optimal_token_baseline"].fn(inp, SimpleNamespace(name="optimal_token_baseline", **cfg))
+
+
+@pytest.mark.filterwarnings("ignore:std.*degrees of freedom")  # the G = 1 case's zero-std flag (one sample)
+def test_optimal_token_baseline_zero_tail_as_verl():
+    """verl handle_zero_tail: the unique longest completion's positions ≥ the second-longest length get B = 0."""
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.float32)  # lengths 4, 2, 1
+    # B_0 = (1·0.5 + 0·0.5 + 1·0.5)/1.5 = 2/3 ; B_1 = (1·1 + 0·1)/2 = 1/2 ; t ≥ 2: row 0 alone, verl sets B = 0
+    out = _otb([1.0, 0.0, 1.0], mask, 3)
+    expected = torch.tensor([[1 / 3, 0.5, 1.0, 1.0], [-2 / 3, -0.5, 0, 0], [1 / 3, 0, 0, 0]])
+    # fp32: B_t = Σ/ (Σ + 1e-8) — relative error ~1e-7 of values ≤ 1
+    assert torch.allclose(out.advantages, expected, atol=1e-6), out.advantages
+    assert out.metrics["otb/zero_tail_tokens"] == 2.0
+    # before issue 23 (handle_zero_tail: false): B = r·W/(W + 1e-8) on the tail, A ≈ 0 (1e-8/1.5 relative)
+    old = _otb([1.0, 0.0, 1.0], mask, 3, handle_zero_tail=False).advantages
+    assert torch.allclose(old[0, 2:], torch.zeros(2), atol=1e-6) and torch.allclose(old[:, :2], expected[:, :2], atol=1e-6)
+    # a tie for the longest: no zero tail (verl requires a unique longest)
+    tie = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
+    out = _otb([1.0, 0.0, 1.0], tie, 3)
+    assert out.metrics["otb/zero_tail_tokens"] == 0.0
+    # t = 2: rows 0 and 1 alive, W = 1.5 each: B = 0.5, A = ±0.5
+    assert out.advantages[0, 2].item() == pytest.approx(0.5, abs=1e-6)
+    # a group of one rollout has no baseline: A = r on every token
+    single = _otb([1.0], torch.tensor([[1.0, 1.0, 0.0]]), 1).advantages
+    assert single.tolist() == [[1.0, 1.0, 0.0]]
+
+
 def test_sum_pi_squared_chunked_equals_full_softmax():
     torch.manual_seed(0)
     h, w, b = torch.randn(2, 5, 8), torch.randn(11, 8), torch.randn(11)

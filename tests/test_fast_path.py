@@ -9,19 +9,19 @@ from test_bf16 import _module
 
 def _shared_vs_separate(overrides):
     from grail_exp.advantages import build_scheme
-    from grail_exp.module import policy_forward
+    from grail_exp.forward import policy_forward
 
     module, batch = _module(torch.float32, overrides)
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
-    module.prepare_batch(batch, {})
+    module.rollout.prepare(batch, {})
     gen_state = module.scheme_generator.get_state()
-    sb = module.scheme_batch(batch, 0, 8)
+    sb = batch.scheme_view(module.scheme_ctx, 0, 8)
     with torch.enable_grad():
         _, _, fwd = policy_forward(module.policy, batch.input_ids, batch.attention_mask, batch.position_ids,
                                    batch.completion_ids, 1.0, hidden_states=True)
         shared = module.scheme.weights_from_forward(module.policy, sb, fwd)
     module.scheme_generator.set_state(gen_state)  # OAR-G: the same noise for both paths
-    sb = module.scheme_batch(batch, 0, 8)
+    sb = batch.scheme_view(module.scheme_ctx, 0, 8)
     separate = module.scheme.weights(module.policy, sb)
     return shared, separate
 
@@ -46,8 +46,8 @@ def test_probe_runs_only_on_rows_that_need_it():
 
     module, batch = _module(torch.float32, ["advantage=grail"])  # symmetry wrong: only A <= 0 rows with a box
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
-    module.prepare_batch(batch, {})
-    needs = module.scheme.rows_needing_model(module.scheme_batch(batch))
+    module.rollout.prepare(batch, {})
+    needs = module.scheme.rows_needing_model(batch.scheme_view(module.scheme_ctx))
     assert needs.tolist() == sorted(needs.tolist(), reverse=True)  # grouped into the first micro-batches
     assert int(needs.sum()) == 3  # rows 1, 2 (A < 0, boxed) and 6; row 3 has no box
 
@@ -60,7 +60,7 @@ def test_skip_zero_advantage_changes_neither_gradient_nor_diagnostics():
         module, batch = _module(torch.float32, ["advantage=grail", f"advantage.skip_zero_advantage={skip}"])
         module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
         batch.advantages[:4] = 0.0  # a zero-variance group
-        module.prepare_batch(batch, {})
+        module.rollout.prepare(batch, {})
         from grail_exp.optim import build_optimizer
 
         opt = build_optimizer(module.policy, module.cfg.optim, master_weights=False)
@@ -73,7 +73,7 @@ def test_skip_zero_advantage_changes_neither_gradient_nor_diagnostics():
             return real_step(closure)
 
         opt.step = capture
-        metrics = module._optimizer_step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
+        metrics = module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, epoch=0)
         results[skip] = (grads["g"], {k: v for k, v in metrics.items() if k.startswith("grail/")})
     assert torch.allclose(results[True][0], results[False][0], atol=1e-7)
     assert results[True][1] == pytest.approx(results[False][1], rel=1e-6, abs=1e-7)
@@ -90,22 +90,22 @@ def test_per_rollout_reuses_the_first_iteration_weights():
         module, batch = _module(torch.float32, ["advantage=grail", "advantage.symmetry=both",
                                                 f"advantage.recompute={mode}", "loss.num_iterations=2"])
         module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
-        module.prepare_batch(batch, {})
-        batch.old_logp = module._logps_no_grad(module.policy, batch)
+        module.rollout.prepare(batch, {})
+        batch.old_logp = module.rollout.logps(module.policy, batch)
         module.cfg.optim.lr = 1e-2
         opt = build_optimizer(module.policy, module.cfg.optim, master_weights=False)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         calls = []
-        real = module._weights
+        real = module.update.weights
 
         def spy(b, s, e, it, fwd, real=real, calls=calls):
             w, m, fresh = real(b, s, e, it, fwd)
             calls.append((it, fresh, w.clone()))
             return w, m, fresh
 
-        module._weights = spy
+        module.update.weights = spy
         for it in range(2):
-            module._optimizer_step(batch, opt, sched, batch.loss_mask.sum().item(), {}, it)
+            module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, epoch=it)
         seen[mode] = calls
     it0 = torch.cat([w for it, _, w in seen["per_rollout"] if it == 0])
     it1 = torch.cat([w for it, _, w in seen["per_rollout"] if it == 1])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grail_exp.loss import linear_logprob, selective_log_softmax
-from grail_exp.loss.logprobs import entropy_from_logits
+from grail_exp.logprobs import entropy_from_logits
 
 
 def _reference(h, W, b, ids, T):
@@ -62,7 +62,7 @@ def test_bf16_matches_float32_reference_within_bf16_precision():
 
 def test_chunking_bounds_the_live_logits():
     """With chunk_tokens = n the forward never builds more than (n, V) logits at once (counted via a matmul spy)."""
-    import grail_exp.loss.logprobs as lpmod
+    import grail_exp.logprobs as lpmod
 
     shapes = []
     real = lpmod._chunk_logits
@@ -79,3 +79,33 @@ def test_chunking_bounds_the_live_logits():
     finally:
         lpmod._chunk_logits = real
     assert max(shapes) == 4 and sum(shapes) == 2 * 18  # forward + backward recompute, 18 rows each
+
+
+@pytest.mark.parametrize("top_k, top_p, T", [(1, 1.0, 1.0), (5, 1.0, 0.7), (0, 0.9, 1.3), (20, 0.8, 1.0), (0, 1.0, 1.0)])
+def test_kept_log_mass_by_enumeration(top_k, top_p, T):
+    """log M_t against an enumeration of the kept set per row, in float64 (top-k: the k largest; top-p within them:
+    the fewest largest tokens whose renormalised mass reaches p, written as a loop)."""
+    import math
+
+    from grail_exp.logprobs import kept_log_mass
+
+    g = torch.Generator().manual_seed(0)
+    h, W, b = torch.randn(2, 7, 8, generator=g), torch.randn(60, 8, generator=g), torch.randn(60, generator=g)
+    got = kept_log_mass(h, W, b, top_k, top_p, T, chunk_tokens=4)  # several chunks
+    z = ((h @ W.T + b).double() / T).reshape(-1, 60)
+    want = []
+    for row in z:
+        p = torch.softmax(row, -1).tolist()
+        order = sorted(range(60), key=lambda v: -p[v])
+        cand = order[:top_k] if top_k else order
+        kept, mass_c = [], sum(p[v] for v in cand)
+        for v in cand:  # largest first, until the renormalised mass reaches p
+            kept.append(v)
+            if sum(p[u] for u in kept) / mass_c >= top_p:
+                break
+        want.append(math.log(sum(p[v] for v in kept)))
+    # fp32 logits (|z| ~ 10): logsumexp differences to ~1e-5
+    assert torch.allclose(got.reshape(-1).double(), torch.tensor(want, dtype=torch.float64), atol=1e-5)
+    assert got.shape == (2, 7) and (got <= 1e-6).all()
+    if top_k == 0 and top_p == 1.0:
+        assert torch.equal(got, torch.zeros(2, 7))

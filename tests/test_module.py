@@ -61,16 +61,16 @@ def _small(compose_cfg, model_dir, extra=()):
 
 def _step(module, iteration=0, round_index=0):
     torch.manual_seed(round_index)
-    batch, stats = module.make_batch(round_index, {})
+    batch, stats = module.rollout.make_batch(round_index, {})
     module.manual_backward = lambda loss: loss.backward()
     opt = torch.optim.AdamW(module.policy.parameters(), lr=1e-3)
     fake = _FakeOpt(opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     if module.cfg.loss.num_iterations > 1:
-        batch.old_logp = module._logps_no_grad(module.policy, batch)
+        batch.old_logp = module.rollout.logps(module.policy, batch)
     if module.cfg.loss.beta > 0:
-        batch.ref_logp = module._logps_no_grad(module.ref_model, batch)
-    return batch, module._optimizer_step(batch, fake, sched, batch.loss_mask.sum().item(), {}, iteration)
+        batch.ref_logp = module.rollout.logps(module.ref_model, batch)
+    return batch, module.update.step(batch, fake, sched, batch.loss_mask.sum().item(), {}, epoch=iteration)
 
 
 def test_first_inner_iteration_has_ratio_one_and_no_clipping(compose_cfg, tiny_model_dir):
@@ -93,7 +93,7 @@ def test_truncated_completions_carry_no_loss(compose_cfg, tiny_model_dir):
     cfg = _small(compose_cfg, tiny_model_dir, ["rollout.max_completion_length=3", "loss.mask_truncated_completions=true"])
     module = _build_module(cfg, tiny_model_dir)
     torch.manual_seed(0)
-    batch, stats = module.make_batch(0, {})
+    batch, stats = module.rollout.make_batch(0, {})
     assert stats["completions/truncated_rate"] > 0
     # loss mask = 0 on every truncated row, generated-token mask elsewhere
     trunc_rows = batch.attention_mask[:, batch.prompt_length:].sum(1) == 3  # no stop token within budget
@@ -102,7 +102,7 @@ def test_truncated_completions_carry_no_loss(compose_cfg, tiny_model_dir):
     cfg2 = _small(compose_cfg, tiny_model_dir, ["rollout.max_completion_length=3", "loss.mask_truncated_completions=false"])
     module2 = _build_module(cfg2, tiny_model_dir)
     torch.manual_seed(0)
-    batch2, _ = module2.make_batch(0, {})
+    batch2, _ = module2.rollout.make_batch(0, {})
     assert batch2.loss_mask.sum() > batch.loss_mask.sum()
 
 
@@ -137,7 +137,7 @@ def test_gradient_accumulation_equals_one_big_batch(compose_cfg, tiny_model_dir)
                                                        f"loss.loss_type={loss_type}"])
             module = _build_module(cfg, tiny_model_dir)
             torch.manual_seed(0)
-            batch, _ = module.make_batch(0, {})
+            batch, _ = module.rollout.make_batch(0, {})
             module.manual_backward = lambda loss: loss.backward()
             opt = torch.optim.SGD(module.policy.parameters(), lr=0.0)
             fake = _FakeOpt(opt)
@@ -148,8 +148,8 @@ def test_gradient_accumulation_equals_one_big_batch(compose_cfg, tiny_model_dir)
                 fake.opt.step()
 
             fake.step = capture_then_step
-            module._optimizer_step(batch, fake, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                                   batch.loss_mask.sum().item(), {}, 0)
+            module.update.step(batch, fake, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                               batch.loss_mask.sum().item(), {}, 0)
             grads.append(captured["g"])
         assert grads[0].abs().sum() > 0
         if loss_type in ("dr_grpo", "dapo"):  # normalisers independent of the micro-batch split

@@ -21,8 +21,10 @@ def _cfg(overrides):
 
 def run_case_legacy(overrides):
     """The pre-refactor trainer API (commit 2d87701): used once to write the pinned file."""
-    from grail_exp.advantages import build_scheme, group_advantages
-    from grail_exp.module import GRPOModule, TrainingBatch, position_ids_from_mask
+    from grail_exp.advantages import build_scheme
+    from grail_exp.estimators.group import group_advantages
+    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.module import GRPOModule, TrainingBatch
 
     cfg = _cfg(overrides)
     torch.manual_seed(0)
@@ -35,9 +37,9 @@ def run_case_legacy(overrides):
     batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
                           rb.completion_mask.float(), adv, rewards, texts)
     if cfg.loss.num_iterations > 1:
-        batch.old_logp = module._logps_no_grad(model, batch) - 0.05 * torch.arange(batch.completion_ids.shape[1])
+        batch.old_logp = module.rollout.logps(model, batch) - 0.05 * torch.arange(batch.completion_ids.shape[1])
     if cfg.loss.beta > 0:
-        batch.ref_logp = module._logps_no_grad(module.ref_model, batch)
+        batch.ref_logp = module.rollout.logps(module.ref_model, batch)
     module.manual_backward = lambda loss: loss.backward()
     captured = {}
     real = module.scheme.weights
@@ -57,14 +59,16 @@ def run_case_legacy(overrides):
             model.zero_grad(set_to_none=True)
 
     sched = type("S", (), {"step": lambda self: None, "get_last_lr": lambda self: [0.0]})()
-    metrics = module._optimizer_step(batch, Opt(), sched, batch.loss_mask.sum().item(), {}, 0)
+    metrics = module.update.step(batch, Opt(), sched, batch.loss_mask.sum().item(), {}, epoch=0)
     return summarise(metrics["loss"], captured["g"], torch.cat(captured["w"]))
 
 
 def run_case(overrides, extra=()):
     """Today's trainer on the pinned batch: prepare (spans, probe rows grouped first), then one optimiser step."""
-    from grail_exp.advantages import build_scheme, group_advantages
-    from grail_exp.module import GRPOModule, TrainingBatch, position_ids_from_mask
+    from grail_exp.advantages import build_scheme
+    from grail_exp.estimators.group import group_advantages
+    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.module import GRPOModule, TrainingBatch
 
     cfg = _cfg([*overrides, *extra])
     torch.manual_seed(0)
@@ -78,22 +82,22 @@ def run_case(overrides, extra=()):
     batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
                           rb.completion_mask.float(), adv, rewards, texts, order=torch.arange(N),
                           group_ids=torch.arange(N) // 4)
-    module.prepare_batch(batch, {})
+    module.rollout.prepare(batch, {})
     shift = 0.05 * torch.arange(batch.completion_ids.shape[1])  # makes ratios != 1 in the μ = 2 cases
     if cfg.loss.num_iterations > 1:
-        batch.old_logp = module._logps_no_grad(model, batch) - shift
+        batch.old_logp = module.rollout.logps(model, batch) - shift
     if cfg.loss.beta > 0:
-        batch.ref_logp = module._logps_no_grad(module.ref_model, batch)
+        batch.ref_logp = module.rollout.logps(module.ref_model, batch)
     module.manual_backward = lambda loss: loss.backward()
     captured = {"w": torch.zeros(N, batch.completion_ids.shape[1])}
-    real = module._weights
+    real = module.update.weights
 
     def spy(b, s, e, iteration, fwd):
         w, m, fresh = real(b, s, e, iteration, fwd)
         captured["w"][b.order[s:e]] = w.float()
         return w, m, fresh
 
-    module._weights = spy
+    module.update.weights = spy
 
     class Opt:
         def step(self):
@@ -103,7 +107,7 @@ def run_case(overrides, extra=()):
             model.zero_grad(set_to_none=True)
 
     sched = type("S", (), {"step": lambda self: None, "get_last_lr": lambda self: [0.0]})()
-    metrics = module._optimizer_step(batch, Opt(), sched, batch.loss_mask.sum().item(), {}, 0)
+    metrics = module.update.step(batch, Opt(), sched, batch.loss_mask.sum().item(), {}, epoch=0)
     return summarise(metrics["loss"], captured["g"], captured["w"])
 
 

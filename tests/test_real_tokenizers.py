@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from grail_exp.advantages.spans import answer_spans
+from grail_exp.spans import answer_spans
 from grail_exp.data.prompting import PAPER_INSTRUCTION, encode_prompts, render_prompt
 from grail_exp.rewards import extract_last_boxed, strip_think
 
@@ -132,6 +132,67 @@ def test_r1_distill_prompt_bytes(r1, compose_cfg):
     assert ids[:2] == [128000, 128011] and ids[-3:-1] == [128012, 128013] and toks(r1, ids[-1:]) == ["Ċ"]
 
 
+# ------------------------------------------------------------------------------- BOS (issue 22 §4)
+@needs_llama
+def test_octothinker_plain_prompt_starts_with_bos_once(llama3, compose_cfg):
+    """OctoThinker's plain prompt through Llama 3's tokenizer: <|begin_of_text|> first (the tokenizer adds it to any
+    text, so vLLM's text prompts and the reference carry it), never doubled when the template already writes it."""
+    from grail_exp.data.prompting import bos_prefix, prompt_bos
+
+    cfg = compose_cfg(["model=octothinker_3b", "advantage=grpo"])
+    ids = encode_prompts(["What is 2+3?"], llama3, cfg.model, PAPER_INSTRUCTION)[0]
+    assert ids[:3] == [128000, 14924, 25]  # <|begin_of_text|> Question :
+    assert ids[1:] == llama3(render_prompt("What is 2+3?", llama3, cfg.model, PAPER_INSTRUCTION),
+                             add_special_tokens=False)["input_ids"]
+    assert ids == llama3(render_prompt("What is 2+3?", llama3, cfg.model, PAPER_INSTRUCTION))["input_ids"]
+    assert bos_prefix(llama3) == [128000] and prompt_bos(llama3, cfg.model) == "<|begin_of_text|> (id 128000, added)"
+    written = compose_cfg(["model=octothinker_3b", "advantage=grpo",
+                           "model.plain_template='<|begin_of_text|>Question: {problem}\nAnswer:'"])
+    again = encode_prompts(["What is 2+3?"], llama3, written.model, PAPER_INSTRUCTION)[0]
+    assert again == ids  # the template's own BOS, not a second one
+    assert prompt_bos(llama3, written.model) == "<|begin_of_text|> (id 128000, in the template)"
+
+
+@needs_llama
+def test_r1_and_qwen3_prompts_keep_their_templates_bos(r1, qwen3, compose_cfg):
+    from grail_exp.data.prompting import prompt_bos
+
+    r1_cfg = compose_cfg(["model=r1_distill_llama_8b", "advantage=grpo"])
+    ids = encode_prompts(["What is 2+3?"], r1, r1_cfg.model)[0]
+    assert ids[:2] == [128000, 128011] and ids.count(128000) == 1  # the template's BOS, once
+    assert prompt_bos(r1, r1_cfg.model) == "<｜begin▁of▁sentence｜> (id 128000, in the template)"
+    q_cfg = compose_cfg(["model=qwen3_4b", "advantage=grpo"])
+    assert qwen3.bos_token_id is None and prompt_bos(qwen3, q_cfg.model) == "none"
+    plain = compose_cfg(["model=qwen3_4b", "advantage=grpo", "model.prompt_style=plain"])
+    assert toks(qwen3, encode_prompts(["What is 2+3?"], qwen3, plain.model)[0][:2]) == ["Question", ":"]
+
+
+@needs_llama
+def test_evaluation_prompts_carry_bos_and_the_protocol_says_so(llama3, compose_cfg):
+    """The evaluation path (its own encoding, not the training one) sends [128000, ...] to the engine and the table's
+    protocol line records the BOS."""
+    from grail_exp.evaluate import evaluate_benchmarks, protocol_note
+    from grail_exp.rewards import MathVerifier
+    from grail_exp.rollout.base import Completion
+
+    class Recording:
+        prompts: list = []
+
+        def generate(self, prompts, params):
+            self.prompts.extend(prompts)
+            return [Completion(p, [128001], None, False) for p in prompts for _ in range(params.n)]
+
+    cfg = compose_cfg(["model=octothinker_3b", "benchmark=paper", "benchmark.names=[math500]", "benchmark.limit=2",
+                       "eval.n=1", "eval.n_boot=10"])
+    engine = Recording()
+    with MathVerifier(num_workers=0) as mv:
+        result = evaluate_benchmarks(None, llama3, engine, mv, cfg)
+    assert len(engine.prompts) == 2 and all(p[:3] == [128000, 14924, 25] and p.count(128000) == 1
+                                            for p in engine.prompts)
+    assert result.protocol["eval.prompt_bos"] == "<|begin_of_text|> (id 128000, added)"
+    assert "BOS <|begin_of_text|> (id 128000, added)" in protocol_note(result.protocol)
+
+
 # ------------------------------------------------------------------------------- answer spans
 # Completions, and the live tokens `exact` assigns to marker / content / closing (Qwen3 writes digits one by
 # one, Llama 3 groups up to three). SHIFT: how many tokens right of the box the reference span starts.
@@ -192,6 +253,19 @@ def test_why_the_reference_shifts(request, family):
     assert live[-5:] == ["Ġ\\", "boxed", "{", "9", "}"]
     assert toks(tok, tok.encode("a" + before, add_special_tokens=False))[-1] == "Ġ"
     assert len(tok.encode("\\boxed{", add_special_tokens=False)) == 3  # the reference marker length k
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_marker_length_in_context_on_real_tokenizers(request, family):
+    """The marker's k is counted behind "a" (enc("a\\boxed{")[len(enc("a")):]); on these tokenizers it equals the
+    reference's standalone count, 3: a \\ boxed {."""
+    from grail_exp.spans import _tokenizer_consts
+
+    tok = request.getfixturevalue(family)
+    a = tok.encode("a", add_special_tokens=False)
+    full = tok.encode("a\\boxed{", add_special_tokens=False)
+    assert full[:len(a)] == a and toks(tok, full[len(a):]) == ["\\", "boxed", "{"]
+    assert _tokenizer_consts(tok) == (len(a), 3)
 
 
 # ------------------------------------------------------------------------------- strip_think

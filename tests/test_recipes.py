@@ -37,19 +37,28 @@ SHARED = {  # every paper recipe
     "eval.n": 3, "eval.temperature": 0.6, "eval.top_p": 0.95, "eval.top_k": 20, "eval.max_tokens": 8192,
     "rollout.num_generations": 8, "rollout.max_completion_length": 4096, "rollout.temperature": 1.0,
     "rollout.top_p": 1.0, "rollout.top_k": 50,
+    # the reference's colocated vLLM (rollout=vllm_paper): processed log-probs, TRL's sequence mask at 3
+    "rollout.engine": "vllm", "rollout.vllm.logprobs_mode": "processed_logprobs",
+    "rollout.is_correction.mode": "sequence_mask", "rollout.is_correction.clip_min": None,
+    "rollout.is_correction.clip_max": 3.0, "rollout.vllm.gpu_memory_utilization": 0.2,
     "loss.scale_rewards": "none", "loss.epsilon": 0.2, "loss.epsilon_high": 0.28, "loss.loss_type": "dr_grpo",
     "loss.beta": 0.0, "loss.num_iterations": 4, "loss.mask_truncated_completions": True,
     "optim.lr": 1e-6, "optim.warmup_steps": 0, "optim.max_grad_norm": 1.0, "optim.weight_decay": 0.0,
     "trainer.max_steps": 200, "trainer.prompts_per_step": 32, "trainer.checkpoint_every": 50,
     "trainer.eval_at_end": True, "model.dtype": "bfloat16",
+    # the reference's layout (spec §6.1): 4 GPUs under ZeRO-2, vLLM colocated at 0.2 of each GPU
+    "trainer.devices": 4, "trainer.name": "fsdp_zero2", "trainer.strategy": "fsdp",
+    "trainer.sharding_strategy": "SHARD_GRAD_OP", "rollout.engine": "vllm", "rollout.vllm.gpu_memory_utilization": 0.2,
+    "recipe.name": "paper", "recipe.base": "conf/recipe_base/paper.yaml",
 }
 PER_SCHEME = {
-    "grpo": {"advantage.name": "grpo", "trainer.micro_batch_size": 8},
+    "grpo": {"advantage.name": "grpo", "trainer.micro_batch_size": 8, "recipe.scheme": "conf/recipe_scheme/paper_grpo.yaml"},
     "grail": {"advantage.name": "grail", "advantage.std": 0.5, "advantage.mean": 1.0, "advantage.w_min": 0.5,
               "advantage.w_max": 5.0, "advantage.leaf_source": "embeddings", "advantage.symmetry": "wrong",
-              "trainer.micro_batch_size": 8},
+              "trainer.micro_batch_size": 8, "recipe.scheme": "conf/recipe_scheme/paper_grail.yaml"},
     "oar_g": {"advantage.name": "oar_g", "advantage.variant": "grail_repo", "advantage.tau": 0.4,
-              "advantage.beta": 2.0, "advantage.noise_std": 1e-3, "trainer.micro_batch_size": 2},
+              "advantage.beta": 2.0, "advantage.noise_std": 1e-3, "trainer.micro_batch_size": 2,
+              "recipe.scheme": "conf/recipe_scheme/paper_oar_g.yaml"},
 }
 
 
@@ -91,7 +100,7 @@ def test_recipes_differ_only_in_scheme_or_model_keys():
     for model in MODELS:  # one model, three schemes: the advantage.* keys, OAR-G's micro-batch and the run name
         for a, b in [("grpo", "grail"), ("grpo", "oar_g"), ("grail", "oar_g")]:
             d = _diff(_flat(model, a), _flat(model, b))
-            allowed = {k for k in d if k.startswith("advantage.")} | {"task_name"}
+            allowed = {k for k in d if k.startswith("advantage.")} | {"task_name", "recipe.scheme"}
             if "oar_g" in (a, b):
                 allowed.add("trainer.micro_batch_size")
             assert d <= allowed, (model, a, b, sorted(d - allowed))

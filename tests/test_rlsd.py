@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from grail_exp.advantages import SchemeBatch, build_scheme
 from grail_exp.advantages.rlsd import RlsdConfig, RlsdScheme, rlsd_lambda, rlsd_weights
-from grail_exp.advantages.teacher import TEMPLATES, build_teacher_batch, teacher_logprobs, teacher_prompt_texts
+from grail_exp.teacher import TEMPLATES, build_teacher_batch, teacher_logprobs, teacher_prompt_texts
 
 MODEL_CFG = OmegaConf.create({"prompt_style": "chat", "system_prompt": None, "chat_template": None,
                               "chat_template_kwargs": {"enable_thinking": False}, "name_or_path": "tiny"})
@@ -19,12 +19,53 @@ def _cfg(**kw):
     return OmegaConf.merge(OmegaConf.structured(RlsdConfig), kw)
 
 
+def _official_lambda(global_step, lam=0.5, warmup=0, decay=60):
+    """iie-ycx/RLSD opsd_trainer: ``global_step`` is incremented before each rollout batch (1 for the first), then
+    a piecewise rule (written here from the official code's arithmetic, independently of rlsd_lambda)."""
+    if warmup > 0 and global_step < warmup:
+        return lam * (global_step / warmup)
+    if decay > 0 and global_step >= warmup:
+        return lam * max(1.0 - (global_step - warmup) / decay, 0.0)
+    return lam
+
+
+def _lambda_seen(scheme, step, rollout_step):
+    """λ the scheme uses for a batch at optimiser step ``step`` of rollout batch ``rollout_step`` (A = 0 rows: no
+    teacher forward is needed, the metric still reports λ)."""
+    b = SchemeBatch(input_ids=torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3),
+                    position_ids=torch.arange(3)[None], prompt_length=1, completion_ids=torch.zeros(1, 2, dtype=torch.long),
+                    completion_mask=torch.ones(1, 2), advantages=torch.zeros(1), rewards=torch.zeros(1), step=step,
+                    rollout_step=rollout_step)
+    return scheme.weights(None, b).metrics["lambda"]
+
+
 def test_lambda_schedule_by_hand():
-    c = _cfg()  # official: 0.5 decayed linearly to 0 over 60 steps
-    assert [rlsd_lambda(c, k) for k in (0, 30, 45, 60, 100)] == pytest.approx([0.5, 0.25, 0.125, 0.0, 0.0])
+    c = _cfg()  # official: 0.5 decayed linearly to 0 over 60 rollout batches, counted from 1
+    assert [rlsd_lambda(c, k) for k in (1, 30, 45, 59, 60, 100)] == \
+        pytest.approx([0.5 * 59 / 60, 0.25, 0.125, 0.5 / 60, 0.0, 0.0])
     c = _cfg(lambda_warmup_steps=10, lambda_decay_steps=20)
-    assert [rlsd_lambda(c, k) for k in (0, 5, 10, 20, 30, 40)] == pytest.approx([0, 0.25, 0.5, 0.25, 0, 0])
+    assert [rlsd_lambda(c, k) for k in (1, 5, 10, 20, 30, 40)] == pytest.approx([0.05, 0.25, 0.5, 0.25, 0, 0])
     assert rlsd_lambda(_cfg(lambda_decay_steps=0), 1000) == 0.5  # both off: constant
+    for warm, decay in ((0, 60), (10, 20), (7, 0), (0, 0), (3, 5)):
+        cfg = _cfg(lambda_warmup_steps=warm, lambda_decay_steps=decay)
+        for k in range(1, 80):
+            assert rlsd_lambda(cfg, k) == pytest.approx(_official_lambda(k, 0.5, warm, decay), abs=1e-12), (warm, decay, k)
+
+
+def test_lambda_counts_rollout_batches_from_one():
+    """The issue's measurement: at rollout batches 1 / 59 / 60 the official λ is 0.4917 / 0.0083 / 0 (ours used to be
+    0.5 / 0.0167 / 0.0083: optimiser steps, counted from 0). With μ = 4 optimiser steps per rollout batch, λ stays
+    constant within a rollout batch and reaches 0 at the 60th, not after 15."""
+    scheme = RlsdScheme(_cfg(), None, {"model": MODEL_CFG})
+    for g in (1, 59, 60):
+        for j in range(4):  # μ = 4: optimiser steps 4(g−1) … 4(g−1)+3
+            assert _lambda_seen(scheme, 4 * (g - 1) + j, g) == pytest.approx(_official_lambda(g), abs=1e-12)
+    assert _lambda_seen(scheme, 0, 1) == pytest.approx(0.4916667, abs=1e-7)
+    assert _lambda_seen(scheme, 232, 59) == pytest.approx(0.0083333, abs=1e-7)
+    assert _lambda_seen(scheme, 236, 60) == 0.0
+    # without a rollout counter (the weights CLI, old callers): rollout batch = optimiser step + 1
+    assert _lambda_seen(scheme, 0, None) == pytest.approx(_official_lambda(1), abs=1e-12)
+    assert _lambda_seen(scheme, 58, None) == pytest.approx(_official_lambda(59), abs=1e-12)
 
 
 def test_weights_formula_by_hand():
@@ -42,7 +83,7 @@ def test_weights_formula_by_hand():
 def _batch(tok, rows, step=0):
     """A SchemeBatch like the trainer's from (problem, answer, completion text, advantage) rows."""
     from grail_exp.data.prompting import encode_prompts
-    from grail_exp.module import position_ids_from_mask
+    from grail_exp.forward import position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
 
     prompts = encode_prompts([r[0] for r in rows], tok, MODEL_CFG)
@@ -85,7 +126,9 @@ def test_teacher_prompt_goes_through_the_chat_template(tiny_tokenizer):
     n0 = int(tb.attention_mask[0, :tb.prompt_length].sum())
     assert tb.position_ids[0, tb.prompt_length].item() == n0
     sdpg = teacher_prompt_texts(["Compute 2+2."], ["4"], tiny_tokenizer, MODEL_CFG, "sdpg", " Box it.")[0]
-    assert "Compute 2+2. Box it.\n\nThe correct answer to this problem is: 4. Use this to verify" in sdpg
+    # SDPG: the README's two lines, after the student's question and instruction in the same user message
+    assert ("<|im_start|>user\nCompute 2+2. Box it.\n\nThe correct answer to this problem is: 4\nUse this to verify "
+            "your reasoning, but show your full solution process.<|im_end|>") in sdpg
     assert "{answer}" in TEMPLATES["rlsd"] and "{answer}" in TEMPLATES["sdpg"]
 
 
@@ -114,7 +157,7 @@ def test_weights_match_a_brute_force_teacher(tiny_model, tiny_tokenizer, teacher
 
 
 def test_shared_forward_batching_and_negative_only(tiny_model, tiny_tokenizer):
-    from grail_exp.module import policy_forward
+    from grail_exp.forward import policy_forward
 
     tok = tiny_tokenizer
     scheme = RlsdScheme(_cfg(teacher="live"), tok, {"model": MODEL_CFG})
@@ -141,25 +184,36 @@ def test_student_logp_rollout_is_computed_once_with_the_rollout_parameters(tiny_
     with torch.no_grad():  # the parameters move: live P_S and live teacher follow, the rollout P_S does not
         tiny_model.lm_head.weight.mul_(1.5)
     t = teacher_logprobs(tiny_model, build_teacher_batch(b, tok, MODEL_CFG, "rlsd"))
-    expected, _ = rlsd_weights(t, b.prepared["student_logp"], b.advantages, 0.5, 0.2)
+    expected, _ = rlsd_weights(t, b.prepared["student_logp"], b.advantages, _official_lambda(1), 0.2)
     assert torch.allclose(roll.weights(tiny_model, b).weights, expected * b.completion_mask, atol=1e-6)
     assert not torch.allclose(roll.weights(tiny_model, b).weights, live.weights(tiny_model, b).weights, atol=1e-4)
 
 
-def test_frozen_teacher_syncs_every_n_steps(tiny_model, tiny_tokenizer):
+def test_frozen_teacher_syncs_every_n_rollout_batches(tiny_model, tiny_tokenizer):
+    """Official dp_opsd_actor: after the update of rollout batch g, sync when g % 20 == 0; so batches 1-20 see the
+    initial actor and batch 21 the actor after batch 20, whatever the number of optimiser steps per batch."""
     tok = tiny_tokenizer
     scheme = RlsdScheme(_cfg(teacher="frozen", teacher_sync_every=20), tok, {"model": MODEL_CFG})
     b = _batch(tok, ROWS[:2], step=0)
+    b.rollout_step = 1
     scheme.prepare(tiny_model, b)
     initial = scheme.frozen.lm_head.weight.clone()
     with torch.no_grad():
         tiny_model.lm_head.weight.add_(0.1)
-    b.step = 19
+    b.step, b.rollout_step = 20, 6  # μ = 4: optimiser step 20 is rollout batch 6 (the old code synced here)
     scheme.prepare(tiny_model, b)
-    assert torch.equal(scheme.frozen.lm_head.weight, initial)  # not yet
-    b.step = 20
+    assert torch.equal(scheme.frozen.lm_head.weight, initial)
+    b.step, b.rollout_step = 79, 20
     scheme.prepare(tiny_model, b)
-    assert torch.equal(scheme.frozen.lm_head.weight, tiny_model.lm_head.weight)  # synced
+    assert torch.equal(scheme.frozen.lm_head.weight, initial)  # not yet: batch 20 still uses the initial actor
+    b.step, b.rollout_step = 80, 21
+    scheme.prepare(tiny_model, b)
+    assert torch.equal(scheme.frozen.lm_head.weight, tiny_model.lm_head.weight)  # synced: the actor after batch 20
+    with torch.no_grad():
+        tiny_model.lm_head.weight.add_(0.1)
+    b.rollout_step = 40
+    scheme.prepare(tiny_model, b)
+    assert not torch.equal(scheme.frozen.lm_head.weight, tiny_model.lm_head.weight)  # batches 21-40: one copy
     assert not scheme.frozen.lm_head.weight.requires_grad
 
 
@@ -211,8 +265,8 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
     extra = ["advantage=rlsd", "advantage.clip=0.9"]
     module = _module(_small(compose_cfg, tiny_model_dir, extra), tiny_model_dir)
     torch.manual_seed(0)
-    batch, _ = module.make_batch(0, {})
-    module.prepare_batch(batch, {})
+    batch, _ = module.rollout.make_batch(0, {})
+    module.rollout.prepare(batch, {})
     captured = []
     real = module.scheme.weights_from_forward
 
@@ -232,8 +286,8 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
         def zero_grad(self, set_to_none=True):
             opt.zero_grad(set_to_none=set_to_none)
 
-    module._optimizer_step(batch, Opt(), torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                           batch.loss_mask.sum().item(), {}, 0)
+    module.update.step(batch, Opt(), torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       batch.loss_mask.sum().item(), {}, 0)
     b, w_train = captured[0]
     assert (b.advantages != 0).any()
     P = b.prompt_length

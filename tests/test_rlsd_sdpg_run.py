@@ -28,9 +28,10 @@ def _run(tmp_path, model_dir, extra, monkeypatch):
 
 
 def test_rlsd_with_both_sdpg_terms_trains_two_steps(tmp_path, tiny_model_dir, monkeypatch):
-    logged = _run(tmp_path, tiny_model_dir, ["advantage=rlsd", "advantage.lambda_decay_steps=2",
+    logged = _run(tmp_path, tiny_model_dir, ["advantage=rlsd", "advantage.lambda_decay_steps=3",
                                              "+loss_term=[sdpg_opd,sdpg_ref_kl]"], monkeypatch)
-    assert [m["rlsd/lambda"] for m in logged] == pytest.approx([0.5, 0.25])  # λ decays over 2 steps
+    # λ_k = λ (1 − k / T_decay) at rollout batch k = 1, 2 (the official counter starts at 1): 0.5·2/3, 0.5·1/3
+    assert [m["rlsd/lambda"] for m in logged] == pytest.approx([1 / 3, 1 / 6])
     for m in logged:
         assert m["sdpg_opd/beta"] == pytest.approx(1e-3) and m["sdpg_opd/kl_mean"] > 0
         assert "sdpg_ref_kl/loss" in m and "sdpg_opd/loss" in m
@@ -46,7 +47,7 @@ def test_rlsd_live_teacher_rollout_student_trains(tmp_path, tiny_model_dir, monk
 
 @pytest.mark.slow
 def test_cli_on_the_embedded_default(tmp_path):
-    """The README's commands, on the embedded default model (builds it into the cache when missing)."""
+    """The commands of docs/self-distillation.md, on the embedded default (built into the cache when missing)."""
     for extra in (["advantage=rlsd"], ["advantage=grpo", "+loss_term=[sdpg_opd,sdpg_ref_kl]"]):
         proc = subprocess.run([sys.executable, "-m", "grail_exp.run", *extra, "debug=fast", "logger=none",
                                f"paths.root_dir={tmp_path}", "trainer.eval_before_training=false"],
@@ -66,4 +67,5 @@ def test_recipes_compose_and_validate(experiment):
     else:
         assert cfg.advantage.name == "grpo" and set(cfg.loss.terms) == {"sdpg_opd", "sdpg_ref_kl"}
         assert cfg.loss.terms.sdpg_opd.beta == cfg.loss.terms.sdpg_ref_kl.alpha == 1e-3
-        assert cfg.loss.terms.sdpg_opd.total_steps == cfg.trainer.max_steps  # interpolation
+        t = cfg.trainer  # T counts rollout batches: max_steps / (mu x k) (interpolation)
+        assert cfg.loss.terms.sdpg_opd.total_steps * cfg.loss.num_iterations * t.mini_batches_per_rollout == t.max_steps

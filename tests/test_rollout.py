@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grail_exp.loss import selective_log_softmax
-from grail_exp.module import completion_logits, position_ids_from_mask
+from grail_exp.forward import completion_logits, position_ids_from_mask
 from grail_exp.rollout import SamplingParams, build_engine, pad_completions
 
 
@@ -125,3 +125,64 @@ def test_vllm_engine_is_a_clear_error(tiny_model, tiny_tokenizer, tiny_model_dir
     cfg = compose_cfg(["rollout=vllm"])
     with pytest.raises(ImportError, match=r"pip install -e \"\.\[gpu\]\".*make test-vllm"):
         build_engine("vllm", tiny_model, tiny_tokenizer, cfg=cfg, model_path=str(tiny_model_dir))
+
+
+# ---------------------------------------------------------------------------------------------- sleep mode
+def test_engine_sleeps_after_the_rounds_generation_and_wakes_in_the_sync(compose_cfg, tiny_model_dir):
+    """rollout.vllm.sleep_mode: the rollout phase puts the engine to sleep once all of the round's generation and
+    scoring is done — before the old-log-prob forward and the update — and the next round's sync wakes it. (vLLM's
+    CPU build refuses sleep mode, so the order is checked on an engine with its contract; tests/test_vllm.py drives
+    VLLMRolloutEngine's own sleep / wake calls.)"""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from fakes import SleepRecordingEngine
+    from test_module import _build_module, _FakeOpt, _small
+
+    cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])  # μ = 2: an old-log-prob forward
+    module = _build_module(cfg, tiny_model_dir)
+    engine = SleepRecordingEngine(module.policy, module.tokenizer)
+    module.rollout.engine = engine
+    forward = module.backend.forward
+
+    def recording_forward(*args, **kwargs):
+        engine.events.append("forward:" + ("asleep" if engine.sleeping else "awake"))
+        return forward(*args, **kwargs)
+
+    module.backend.forward = recording_forward
+    module.manual_backward = lambda loss: loss.backward()
+    opt = torch.optim.AdamW(module.policy.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for r in range(2):
+        torch.manual_seed(r)
+        batch, _ = module.rollout.collect(r, {})
+        module.update.step(batch, _FakeOpt(opt), sched, batch.loss_mask.sum().item(), {}, epoch=0)
+    rounds = "|".join(engine.events).split("|sync|")
+    assert engine.events[0] == "sync" and len(rounds) == 2
+    for r in rounds:
+        ev = r.removeprefix("sync|").split("|")
+        assert ev[0] == "generate" and ev[1] == "sleep", ev  # one generate call per round here, then sleep
+        assert ev[2:] and all(e == "forward:asleep" for e in ev[2:]), ev  # old log-probs + update: engine asleep
+
+
+def test_a_run_sleeps_the_engine_between_rounds_and_evaluations(tmp_path, tiny_model_dir):
+    """End to end (``python -m grail_exp.run`` with a plug-in engine that refuses to generate while asleep): every
+    evaluation and every round syncs (waking the engine) before generating and puts it to sleep afterwards."""
+    import os
+    from pathlib import Path
+
+    events = tmp_path / "events.txt"
+    tests = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", GRAIL_EXP_ENGINE_EVENTS=str(events))
+    args = ["logger=none", "rollout.engine=fakes:SleepRecordingEngine", f"model.name_or_path={tiny_model_dir}",
+            "debug=fast", "rollout.max_completion_length=8", "eval.max_tokens=8", "benchmark.limit=2",
+            f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path}/run"]
+    done = subprocess.run([sys.executable, "-m", "grail_exp.run", *args], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ev = events.read_text().split()
+    # before-training evaluation, 2 rounds (debug=fast: 2 steps, μ = 1), final evaluation: each sync…generate…sleep
+    phases = " ".join(ev).split("sync")[1:]
+    assert len(phases) == 4, ev
+    for p in phases:
+        calls = p.split()
+        assert calls[-1] == "sleep" and set(calls[:-1]) == {"generate"}, ev

@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from grail_exp.advantages import SCHEMES, build_scheme, scheme_config_class
 from grail_exp.loss import policy_loss, selective_log_softmax
-from grail_exp.module import completion_logits
+from grail_exp.forward import completion_logits
 from grail_exp.weights import scheme_batch
 
 EOS = "<|im_end|>"
@@ -68,6 +68,23 @@ def test_grail_std0_without_overrides_is_exactly_grpo(setup):
         out.loss.backward()
         grads.append((out.loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     assert grads[0][0] == grads[1][0] and torch.equal(grads[0][1], grads[1][1])
+    # σ_w = 0 alone is not GRPO: with the overrides on (the default) boxed content still gets w_max
+    with_overrides = build_scheme(cfg_of("grail", std=0.0, symmetry="both"), tok)
+    spans = with_overrides.spans(batch)
+    w = with_overrides.weights(model, batch).weights
+    assert spans.content.any() and (w[spans.content] == 5.0).all() and not torch.equal(w, grpo)
+
+
+def test_grail_clip_rates_count_weights_on_the_bounds():
+    """The reference's clip rates use <= w_min and >= w_max: a pre-clip weight exactly on a bound counts."""
+    from types import SimpleNamespace
+
+    scheme = build_scheme(cfg_of("grail"), None)
+    raw = torch.tensor([[0.5, 0.49, 1.0, 5.0, 5.1, 2.0]])  # w_min = 0.5, w_max = 5
+    mask = torch.ones(1, 6)
+    m = scheme._diagnostics(raw.clamp(0.5, 5.0), raw, mask, SimpleNamespace(has_box=torch.tensor([True])),
+                            torch.tensor([False]), torch.tensor([True]), torch.tensor([-1.0]))
+    assert m["clip_low_frac"] == pytest.approx(2 / 6) and m["clip_high_frac"] == pytest.approx(2 / 6)
 
 
 def test_grail_overrides_and_fallbacks(setup):
@@ -75,7 +92,7 @@ def test_grail_overrides_and_fallbacks(setup):
     cfg = cfg_of("grail")  # paper values: std 0.5, mean 1, w in [0.5, 5], symmetry wrong
     scheme = build_scheme(cfg, tok)
     w = scheme.weights(model, batch).weights
-    from grail_exp.advantages.spans import answer_spans
+    from grail_exp.spans import answer_spans
 
     sp = answer_spans(batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts)
     assert sp.has_box.tolist() == [True, True, False, True]
@@ -118,9 +135,9 @@ def test_grail_zero_saliency_post_answer_switch(setup):
     model, tok, rows, batch = setup
     inc = build_scheme(cfg_of("grail", symmetry="both"), tok)
     exc = build_scheme(cfg_of("grail", symmetry="both", zscore_post_answer="exclude"), tok)
-    sal = inc.saliency(model, batch, __import__("grail_exp.advantages.spans", fromlist=["x"]).answer_spans(
+    sal = inc.saliency(model, batch, __import__("grail_exp.spans", fromlist=["x"]).answer_spans(
         batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts).span, torch.tensor([3]))
-    from grail_exp.advantages.spans import answer_spans
+    from grail_exp.spans import answer_spans
 
     sp = answer_spans(batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts)
     assert torch.all(sal[0][sp.post[3]] == 0)  # J cannot depend on tokens after the box (causal attention)
@@ -147,7 +164,7 @@ def test_oar_g_weights_average_one_over_scored_tokens(setup):
         scheme = build_scheme(cfg_of("oar_g", variant=variant, noise_std=1e-2, log_compression="log1p"), tok)
         w = scheme.weights(model, batch).weights
         valid = batch.completion_mask.bool()
-        from grail_exp.advantages.spans import answer_spans
+        from grail_exp.spans import answer_spans
 
         sp = answer_spans(batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts)
         for r in (0, 1, 3):
@@ -205,7 +222,7 @@ def test_oar_p_importance_matches_brute_force_single_token_masking(setup):
     model, tok, rows, batch = setup
     scheme = build_scheme(cfg_of("oar_p", max_batch_tokens=80), tok)  # small budget -> several chunks
     from grail_exp.advantages.oar import _reasoning_mask
-    from grail_exp.advantages.spans import answer_spans
+    from grail_exp.spans import answer_spans
 
     sp = answer_spans(batch.completion_ids, batch.completion_mask, tok, texts=batch.completion_texts)
     scored = _reasoning_mask(sp, batch.completion_mask)

@@ -4,6 +4,7 @@ against hand-computed values, curricula against the generator's own solutions, l
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -187,6 +188,33 @@ def test_validate_rejects_nonsense_combinations(compose_cfg):
     assert cfg.model.warm_start.curriculum_fraction == 0.5
 
 
+def test_estimator_scrl_composes_the_papers_loss_and_both_halves_share_a_scale(compose_cfg):
+    """estimator=scrl sets scale_rewards: group and a token-mean loss (paper Eq. 5). On rewards [1, 0, 1, 0] in both
+    halves the original rows and the curriculum spans then get the same ±0.5/(std + 1e-4), std = sqrt(1/3) (with
+    scale_rewards: none the originals got ±0.5: 1.73x less)."""
+    from grail_exp.config import validate
+
+    cfg = validate(compose_cfg(["estimator=scrl"]))
+    assert cfg.loss.scale_rewards == "group" and cfg.loss.loss_type == "dapo"
+    assert validate(compose_cfg(["estimator=scrl", "loss.scale_rewards=none"])).loss.scale_rewards == "none"
+    c = Curriculum(("q1",), ("3",))
+    texts = ["<p1>3</p1>", "<p1>4</p1>", "<p1>3</p1>", "<p1>5</p1>", "\\boxed{3}", "a", "\\boxed{3}", "b"]
+    C = max(len(t) for t in texts) + 2
+    mask = torch.zeros(8, C)
+    for i, t in enumerate(texts):
+        mask[i, :len(t) + 1] = 1
+    extras = {"completion_texts": texts, "completion_token_ids": [[ord(ch) for ch in t] for t in texts],
+              "tokenizer": _Tok(), "verifier": None, "rollout_variants": [c] * 4 + [None] * 4}
+    est = SCRLConfig(verify="exact")
+    out = estimate(est, EstimatorInput(torch.tensor([0, 0, 0, 0, 1, 0, 1, 0.0]), 8, mask, cfg.loss.scale_rewards,
+                                       extras))
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)  # 0.8658
+    assert out.advantages[0, 0].item() == pytest.approx(a, rel=1e-6)  # curriculum: span tokens of a solved row
+    assert out.advantages[1, 0].item() == pytest.approx(-a, rel=1e-6)
+    assert out.advantages[4, 0].item() == pytest.approx(a, rel=1e-6)  # original rows: the same scale
+    assert out.advantages[5, 0].item() == pytest.approx(-a, rel=1e-6)
+
+
 def test_prompt_variants_mix_half_and_half():
     from grail_exp.data.sources import Problem
     from grail_exp.estimators.scrl import prompt_variants
@@ -271,7 +299,7 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
     module = GRPOModule(cfg, tiny_model, tiny_tokenizer, build_scheme(cfg.advantage, tiny_tokenizer),
                         _ScriptedEngine(tiny_tokenizer), build_source(cfg.data), verifier, None)
     module.manual_backward = lambda loss: loss.backward()
-    batch, stats = module.make_batch(0, {})
+    batch, stats = module.rollout.make_batch(0, {})
     G, N = 8, 16
     assert batch.token_advantages.shape[0] == N
     for g in range(2):
@@ -291,7 +319,7 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
     assert stats["estimator/curriculum/format_ok"] == 1.0
     opt = build_optimizer(module.policy, cfg.optim, master_weights=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    m = module._optimizer_step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
+    m = module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, epoch=0)
     assert m["grad_norm"] > 0
     verifier.close()
 

@@ -26,10 +26,40 @@ def test_ref_kl_modes_by_hand():
         assert x.grad[0].item() == pytest.approx(g), mode
 
 
+def _official_beta(beta, current_step, total_steps, warmup_steps, decay_steps):
+    """lauyikfung/SDPG core_algos._compute_effective_beta's arithmetic (written independently here); the trainer
+    passes current_step = global_steps (1 for the first rollout batch) and total_steps = total_training_steps."""
+    eff = beta
+    if warmup_steps > 0 and current_step < warmup_steps:
+        eff = beta * (current_step / warmup_steps)
+    if decay_steps > 0 and total_steps > 0 and current_step >= total_steps - decay_steps:
+        eff = eff * (max(total_steps - current_step, 0) / decay_steps)
+    return eff
+
+
 def test_beta_schedule_by_hand():
     c = OmegaConf.structured(SdpgOpdConfig(beta=1.0, warmup_steps=10, decay_steps=20, total_steps=100))
-    assert [sdpg_beta(c, k) for k in (0, 5, 10, 50, 80, 90, 100, 120)] == pytest.approx([0, .5, 1, 1, 1, .5, 0, 0])
+    assert [sdpg_beta(c, k) for k in (1, 5, 10, 50, 80, 90, 100, 120)] == pytest.approx([.1, .5, 1, 1, 1, .5, 0, 0])
     assert sdpg_beta(OmegaConf.structured(SdpgOpdConfig(beta=0.3)), 999) == 0.3  # scripts' default: constant
+    for warm, decay in ((10, 20), (0, 30), (7, 0), (60, 60)):
+        c = OmegaConf.structured(SdpgOpdConfig(beta=0.2, warmup_steps=warm, decay_steps=decay, total_steps=100))
+        for k in range(1, 110):
+            assert sdpg_beta(c, k) == pytest.approx(_official_beta(0.2, k, 100, warm, decay), abs=1e-12), (warm, decay, k)
+
+
+def test_beta_counts_rollout_batches_from_one(tiny_tokenizer):
+    """The term's β uses the 1-based rollout-batch index, constant over the optimiser steps of a rollout batch."""
+    from test_rlsd import MODEL_CFG, ROWS, _batch
+
+    term = SdpgOpdTerm(OmegaConf.structured(SdpgOpdConfig(beta=1.0, warmup_steps=10)), tiny_tokenizer, MODEL_CFG)
+    b = _batch(tiny_tokenizer, ROWS)
+    none = torch.zeros_like(b.completion_mask)  # no position to distil: the term returns its β without a forward
+    for step, rollout_step in ((0, 1), (3, 1), (4, 2), (36, 10)):  # μ = 4
+        ctx = _ctx(None, tiny_tokenizer, b, mask=none, step=step)
+        ctx.rollout_step = rollout_step
+        assert term(ctx)[1]["beta"] == pytest.approx(_official_beta(1.0, rollout_step, 0, 10, 0)), (step, rollout_step)
+    ctx = _ctx(None, tiny_tokenizer, b, mask=none, step=4)  # no rollout counter: rollout batch = step + 1
+    assert term(ctx)[1]["beta"] == pytest.approx(0.5)
 
 
 def _brute_kl(h, W, b, hq, T, clamp):
@@ -83,19 +113,19 @@ def test_chunking_bounds_the_live_logits(monkeypatch):
     assert sorted(sizes) == sorted([3, 3, 3, 1] * 4)
 
 
-def _ctx(model, tok, batch, *, hidden=None, W=None, logp=None, mask=None, ref_logp=None, step=0):
+def _ctx(model, tok, batch, *, hidden=None, W=None, logp=None, mask=None, ref_logp=None, step=0, temperature=1.0):
     """A TermContext over a SchemeBatch with a token-mean aggregate."""
     B, C = batch.completion_ids.shape
     mask = batch.completion_mask if mask is None else mask
     return TermContext(model=model, batch=batch, hidden=hidden, head_weight=W, head_bias=None,
                        logp=logp if logp is not None else torch.zeros(B, C), entropy=torch.zeros(B, C), mask=mask,
                        token_advantages=torch.zeros(B, C), old_logp=torch.zeros(B, C), ref_logp=ref_logp,
-                       sampler_logp=None, temperature=1.0, step=step,
+                       sampler_logp=None, temperature=temperature, step=step,
                        aggregate=lambda x, m: (x * m).sum() / m.sum().clamp(min=1), tokenizer=tok)
 
 
 def _forward(model, batch):
-    from grail_exp.module import policy_forward
+    from grail_exp.forward import policy_forward
     from grail_exp.advantages.probe import predicting_window
 
     logp, ent, fwd = policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids,
@@ -105,7 +135,7 @@ def _forward(model, batch):
 
 def test_opd_term_matches_brute_force_teacher_and_gate(tiny_model, tiny_tokenizer):
     from test_rlsd import MODEL_CFG, ROWS, _batch
-    from grail_exp.advantages.teacher import TEMPLATES
+    from grail_exp.teacher import TEMPLATES
     from grail_exp.data.prompting import render_prompt
 
     tok, model = tiny_tokenizer, tiny_model
@@ -134,6 +164,38 @@ def test_opd_term_matches_brute_force_teacher_and_gate(tiny_model, tiny_tokenize
         value.backward()  # differentiable through the student's full softmax
         assert model.model.embed_tokens.weight.grad.abs().sum() > 0
         model.zero_grad()
+
+
+@pytest.mark.parametrize("mode", ["raw", "sampling"])
+def test_opd_teacher_temperature(tiny_model, tiny_tokenizer, mode):
+    """At T = 0.7 the official SDPG divides only the student's logits by T (teacher_temperature: raw); the brute
+    force below builds both distributions from full logits with its own choice of divisor."""
+    from test_rlsd import MODEL_CFG, ROWS, _batch
+    from grail_exp.teacher import TEMPLATES
+    from grail_exp.data.prompting import render_prompt
+
+    tok, model, T = tiny_tokenizer, tiny_model, 0.7
+    b = _batch(tok, ROWS)
+    term = SdpgOpdTerm(OmegaConf.structured(SdpgOpdConfig(beta=1.0, teacher_temperature=mode)), tok, MODEL_CFG)
+    logp, hidden, W = _forward(model, b)
+    value, _ = term(_ctx(model, tok, b, hidden=hidden, W=W, logp=logp, temperature=T))
+    total = {"raw": 0.0, "sampling": 0.0}
+    for q, a, comp, _A in ROWS:
+        c = tok(comp, add_special_tokens=False)["input_ids"]
+        s_ids = tok(render_prompt(q, tok, MODEL_CFG), add_special_tokens=False)["input_ids"]
+        t_ids = tok(render_prompt(TEMPLATES["sdpg"].format(problem=q, answer=a, instruction=""), tok, MODEL_CFG),
+                    add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            zs = model(input_ids=torch.tensor([s_ids + c])).logits[0, len(s_ids) - 1:-1].float()
+            zt = model(input_ids=torch.tensor([t_ids + c])).logits[0, len(t_ids) - 1:-1].float()
+        ls = torch.log_softmax(zs / T, -1)
+        for how, lt in (("raw", torch.log_softmax(zt, -1)), ("sampling", torch.log_softmax(zt / T, -1))):
+            total[how] += (ls.exp() * (ls - lt)).sum(-1).clamp(max=20).sum().item()
+    n_tok = b.completion_mask.sum().item()
+    # float32 softmaxes over V = 320 and a sum of ~60 positions: relative 1e-4 as the T = 1 test above
+    assert value.item() == pytest.approx(total[mode] / n_tok, rel=1e-4)
+    other = "sampling" if mode == "raw" else "raw"
+    assert abs(total[mode] - total[other]) / n_tok > 1e-3 * value.item()  # the choice matters at T = 0.7
 
 
 def test_beta_alpha_zero_give_the_plain_loss_gradient_exactly(tiny_model, tiny_tokenizer):

@@ -279,7 +279,7 @@ def test_one_grail_step_of_a_random_qwen3_with_the_real_vocabulary(tmp_path):
 
     run = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "grail_exp.run", "model=qwen3_4b", "model.random_init=true",
+        [sys.executable, "-m", "grail_exp.run", "model=qwen3_4b", "recipe=demo", "model.random_init=true",
          "model.random_init_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
          "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}",
          "advantage=grail", "logger=none", "trainer.max_steps=1", "trainer.prompts_per_step=2",

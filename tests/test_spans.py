@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from grail_exp.advantages.spans import AnswerSpans, answer_spans, find_last_boxed_span
+from grail_exp.spans import AnswerSpans, answer_spans, find_last_boxed_span
 from grail_exp.rewards import extract_last_boxed, find_first_boxed_span
 
 MODES = ("reference", "exact")
@@ -473,3 +473,37 @@ def test_reference_mode_is_fast(toks):
     elapsed = time.perf_counter() - t0
     assert sp.has_box.all()
     assert elapsed < 0.5, f"reference spans for 64 x 200 took {elapsed:.3f} s"
+
+
+def _prefixing_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace, prepend_scheme="first"): a string's first token gets the word-start
+    marker "▁", so "\\boxed{" alone is 4 tokens (▁ \\ boxed {) but 3 behind "a" (▁a \\ boxed {)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["▁", "a", "\\", "b", "o", "x", "e", "d", "{", "}", "9", "<pad>", "<eos>"]
+    vocab = {c: i for i, c in enumerate(chars)}
+    merges = [("b", "o"), ("bo", "x"), ("box", "e"), ("boxe", "d"), ("▁", "a"), ("▁", "9")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+
+
+def test_marker_length_is_counted_in_context():
+    """The marker's token count is encoded behind "a" like the span's own counts: on a tokenizer that prefixes a
+    string's first token, "\\boxed{" alone would give k = 4 and swallow the answer into the marker."""
+    from grail_exp.spans import _tokenizer_consts
+
+    tok = _prefixing_tokenizer()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    assert len(enc("\\boxed{")) == 4 and len(enc("a\\boxed{")) - len(enc("a")) == 3
+    assert _tokenizer_consts(tok) == (1, 3)
+    ids = enc("9 \\boxed{9}") + [tok.eos_token_id]  # ▁9 ▁ \ boxed { 9 } <eos>
+    words = tok.convert_ids_to_tokens(ids)
+    spans = answer_spans(torch.tensor([ids]), torch.ones(1, len(ids)), tok, span_mapping="reference")
+    pick = lambda m: [words[i] for i in m[0].nonzero().flatten().tolist()]  # noqa: E731
+    assert pick(spans.marker) == ["\\", "boxed", "{"]
+    assert pick(spans.content) == ["9"] and pick(spans.closing) == ["}"]

@@ -102,7 +102,7 @@ def _perturb(model, scale=0.02, seed=0):
 def _trainer_logprobs(model, completions, pad_id, temperature):
     """The trainer's quantity: log softmax(z/T)[token] from the HF forward (positions = cumsum(mask) - 1)."""
     from grail_exp.loss import selective_log_softmax
-    from grail_exp.module import completion_logits
+    from grail_exp.forward import completion_logits
     from grail_exp.rollout import pad_completions
 
     rb = pad_completions(completions, pad_id)
@@ -225,6 +225,37 @@ class TestEngine:
         with pytest.raises(ValueError, match="rollout.vllm.sleep_mode"):
             VLLMRolloutEngine(model_dir, tokenizer, sleep_mode=True)
 
+    def test_sleep_then_sync_wakes_and_samples_the_updated_weights(self, engine, tokenizer, hf_model, monkeypatch):
+        """The GPU-only sleep / wake calls, driven on the CPU engine with vLLM's own sleep and wake_up recorded
+        (the CPU platform refuses real sleep mode): sleep() = level 2; generate refuses while asleep; sync_weights wakes
+        the weights, pushes the policy, then wakes the KV cache and scheduler; the next rollout samples the updated
+        weights. The memory freed by level 2 can only be measured on a GPU."""
+        calls = []
+        monkeypatch.setattr(engine, "sleep_mode", True)
+        monkeypatch.setattr(engine.llm, "sleep", lambda level=1: calls.append(("sleep", level)), raising=False)
+        monkeypatch.setattr(engine.llm, "wake_up", lambda tags=None: calls.append(("wake_up", tuple(tags or ()))),
+                            raising=False)
+        rpc = engine.llm.collective_rpc
+        monkeypatch.setattr(engine.llm, "collective_rpc",
+                            lambda method, *a, **k: (calls.append(("rpc", method)), rpc(method, *a, **k))[1],
+                            raising=False)
+        engine.sync_weights(hf_model)
+        calls.clear()
+        engine.sleep()
+        assert engine.sleeping and calls == [("sleep", 2)]
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.generate(_prompts(tokenizer, 1), SamplingParams(n=1, temperature=1.0, max_new_tokens=4))
+        model = _perturb(hf_model, seed=9)
+        engine.sync_weights(model)
+        assert calls[1:] == [("wake_up", ("weights",)), ("rpc", "reload_weights"),
+                             ("wake_up", ("kv_cache", "scheduling"))]
+        assert not engine.sleeping
+        torch.manual_seed(10)
+        out = engine.generate(_prompts(tokenizer, 2), SamplingParams(n=2, temperature=1.0, max_new_tokens=16,
+                                                                    logprobs=True))
+        want, rb = _trainer_logprobs(model, out, tokenizer.pad_token_id, 1.0)
+        assert (rb.sampling_logprobs - want).abs()[rb.completion_mask.bool()].max().item() < TOL
+
     def test_build_engine_from_config_syncs_the_live_policy(self, engine, compose_cfg, model_dir, tokenizer, hf_model):
         """build_engine('vllm') starts from the directory, then pushes the (here: changed) policy."""
         engine.close()  # one CPU engine at a time keeps memory low; the fixture's engine is not used after this
@@ -240,6 +271,124 @@ class TestEngine:
                    [c.token_ids for c in HFRolloutEngine(model, tokenizer).generate(prompts, params)]
         finally:
             e.close()
+
+
+# ---------------------------------------------------------------------------------------------- rollout=vllm_paper
+@pytest.fixture(scope="module")
+def processed_engine(model_dir, tokenizer):
+    """An engine reporting vLLM's processed log-probs (renormalised over what top-k / top-p keep), as vllm_paper."""
+    from grail_exp.rollout.vllm import VLLMRolloutEngine
+
+    e = VLLMRolloutEngine(model_dir, tokenizer, dtype="float32", max_model_len=256, seed=0, batch_size=64,
+                          logprobs_mode="processed_logprobs")
+    yield e
+    e.close()
+
+
+def _kept_logsoftmax(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """log softmax over the tokens vLLM's sampler keeps, written out independently of grail_exp.logprobs: top-k keeps
+    logits >= the k-th largest; top-p then drops, in ascending order, tokens while the renormalised cumulative mass
+    is <= 1 - p (the largest always stays). (..., V) -> (..., V) with -inf on dropped tokens."""
+    z = z.clone()
+    if top_k:
+        kth = z.sort(-1, descending=True).values[..., top_k - 1:top_k]
+        z[z < kth] = float("-inf")
+    if top_p < 1:
+        srt, idx = z.sort(-1)
+        cum = torch.softmax(srt, -1).cumsum(-1)
+        drop = cum <= 1 - top_p
+        drop[..., -1] = False
+        srt[drop] = float("-inf")
+        z = torch.full_like(z, float("-inf")).scatter(-1, idx, srt)
+    return torch.log_softmax(z, -1)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
+@pytest.mark.parametrize("top_k, top_p, temperature", [(5, 1.0, 1.0), (50, 1.0, 0.7), (0, 0.9, 1.3), (20, 0.8, 1.0)])
+def test_kept_log_mass_uses_vllms_own_filter(top_k, top_p, temperature):
+    """log M_t of grail_exp.logprobs.kept_log_mass = log of the mass vLLM's own top-k / top-p filter keeps."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from grail_exp.logprobs import kept_log_mass
+
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(37, 16, generator=g), torch.randn(300, 16, generator=g)
+    z = (h @ W.T) / temperature
+    n = z.shape[0]
+    kept = apply_top_k_top_p_pytorch(z.clone(), torch.full((n,), top_k) if top_k else None,
+                                     torch.full((n,), top_p) if top_p < 1 else None)
+    want = torch.logsumexp(kept, -1) - torch.logsumexp(z, -1)
+    got = kept_log_mass(h, W, None, top_k, top_p, temperature, chunk_tokens=8)
+    assert (got - want).abs().max().item() < 1e-5  # fp32 logsumexp of |z| ≲ 30 over 300 logits
+    assert want.min().item() < -1e-3  # the filter drops mass: a real comparison
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
+class TestProcessedLogprobs:
+    @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 5, 1.0), (0.7, 20, 0.9)])
+    def test_processed_logprobs_are_the_renormalised_kept_set(self, processed_engine, tokenizer, hf_model,
+                                                             temperature, top_k, top_p):
+        """vLLM's processed log-probs = log softmax over the kept top-k (/ top-p) of the HF model's z/T; the trainer's
+        full-vocabulary log-prob minus them is log M_t (grail_exp.logprobs.kept_log_mass, from the policy forward)."""
+        from grail_exp.forward import completion_logits, policy_forward, predicting_window
+        from grail_exp.logprobs import kept_log_mass
+
+        model = _perturb(hf_model, seed=11)
+        processed_engine.sync_weights(model)
+        torch.manual_seed(12)
+        out = processed_engine.generate(_prompts(tokenizer, 3), SamplingParams(
+            n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=24, logprobs=True))
+        raw, rb = _trainer_logprobs(model, out, tokenizer.pad_token_id, temperature)
+        m = rb.completion_mask.bool()
+        pos = (rb.attention_mask.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            z = completion_logits(model, rb.input_ids, rb.attention_mask, pos, rb.completion_ids.shape[1], temperature)
+        want = _kept_logsoftmax(z.float(), top_k, top_p).gather(-1, rb.completion_ids.unsqueeze(-1)).squeeze(-1)
+        got = rb.sampling_logprobs
+        assert (got - want).abs()[m].max().item() < TOL
+        drop = (got - raw)[m]  # = -log M_t >= 0: the renormalisation is visible, not a no-op
+        assert drop.min().item() > -TOL and drop.max().item() > 1e-2
+        with torch.no_grad():
+            _, _, fwd = policy_forward(model, rb.input_ids, rb.attention_mask, pos, rb.completion_ids, temperature)
+            log_mass = kept_log_mass(predicting_window(fwd.hidden, rb.prompt_ids.shape[1], rb.completion_ids.shape[1]),
+                                     fwd.head_weight, fwd.head_bias, top_k, top_p, temperature)
+        assert ((raw - got) - log_mass).abs()[m].max().item() < 2 * TOL  # old - processed = log M_t
+
+    def test_sequence_ratio_by_hand_and_masked_above_3(self, processed_engine, tokenizer, hf_model):
+        """rollout=vllm_paper's correction on real processed log-probs: w_i = exp(Σ_t (old − sampler)) on every token
+        of sequence i, 0 when above 3 (TRL's sequence_mask, clip_max 3). Same weights: w_i = Π_t M_t <= 1. A policy
+        that moved since sampling (here: sharper, as a stale sampler would see it) gives ratios on both sides of 3."""
+        import math
+
+        from grail_exp.loss import is_weights
+
+        sampler_model = hf_model
+        processed_engine.sync_weights(sampler_model)
+        torch.manual_seed(14)
+        out = processed_engine.generate(_prompts(tokenizer, 4), SamplingParams(
+            n=4, temperature=1.0, top_k=5, max_new_tokens=24, logprobs=True))
+        same, rb = _trainer_logprobs(sampler_model, out, tokenizer.pad_token_id, 1.0)
+        mask = rb.completion_mask.float()
+        sampler = rb.sampling_logprobs
+        sharper = copy.deepcopy(sampler_model)
+        with torch.no_grad():
+            sharper.model.norm.weight.mul_(3.0)  # logits x 3: likely tokens gain, unlikely ones lose
+        moved = _trainer_logprobs(sharper, out, tokenizer.pad_token_id, 1.0)[0]
+        for old, expect_masked in ((same, False), (moved, True)):
+            w, _ = is_weights(old, sampler, mask, "sequence_mask", None, 3.0)
+            ratios = []
+            for i in range(len(out)):
+                n = len(out[i].token_ids)
+                ratio = math.exp(sum(old[i, t].item() - sampler[i, t].item() for t in range(n)))
+                ratios.append(ratio)
+                want = 0.0 if ratio > 3.0 else ratio
+                assert torch.allclose(w[i, :n], torch.full((n,), want), rtol=1e-4, atol=1e-6), (i, ratio, w[i, :n])
+            if expect_masked:
+                assert any(r > 3.0 for r in ratios) and any(r <= 3.0 for r in ratios), ratios
+            else:
+                assert max(ratios) <= 1 + 1e-3 and min(ratios) < 0.99, ratios  # Π_t M_t: top-5 drops mass
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -278,3 +427,23 @@ def test_two_training_steps_with_vllm(tmp_path, model_dir):
     assert abs(m["train/is/ratio_min"] - 1) < 1e-3 and abs(m["train/is/ratio_max"] - 1) < 1e-3, m
     assert m["train/timing/weight_sync_s"] > 0
     assert (tmp_path / "run" / "checkpoints" / "step-2").is_dir()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
+def test_two_training_steps_with_vllm_paper(tmp_path, model_dir):
+    """rollout=vllm_paper end to end: processed log-probs, the sequence mask at 3, the kept mass logged. With the
+    sampler in sync, every sequence ratio is Π_t M_t <= 1 and its log is Σ_t log M_t (logged); the sampler check,
+    which adds log M_t back, sees no mismatch."""
+    done = _run(["grail_exp.run", "rollout=vllm_paper", "rollout.top_k=5", "debug=fast", "logger=none",
+                 f"model.name_or_path={model_dir}", "rollout.vllm.max_model_len=256",
+                 "rollout.max_completion_length=24", "eval.max_tokens=24", "benchmark.limit=2",
+                 "loss.mask_truncated_completions=false",  # every row carries loss
+                 f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())["metrics"]
+    assert m["train/is/ratio_max"] <= 1 + 1e-3 and m["train/is/ratio_min"] < 0.99, m
+    assert m["train/sampling/seq_log_kept_mass"] < -1e-2 and m["train/sampling/token_log_kept_mass"] < 0, m
+    assert m["train/sampling/logp_abs_diff_mean"] < 1e-4, m

@@ -15,8 +15,8 @@ def _training_rows(compose_cfg, model_dir, scheme_overrides):
     cfg = _small(compose_cfg, model_dir, scheme_overrides)
     module = _build_module(cfg, model_dir)
     torch.manual_seed(0)
-    batch, _ = module.make_batch(0, {})
-    module.prepare_batch(batch, {})
+    batch, _ = module.rollout.make_batch(0, {})
+    module.rollout.prepare(batch, {})
     captured = []
     real, real_fwd = module.scheme.weights, module.scheme.weights_from_forward
 
@@ -38,8 +38,8 @@ def _training_rows(compose_cfg, model_dir, scheme_overrides):
             opt.zero_grad(set_to_none=set_to_none)
 
     # weights are computed with the parameters before the step: capture the first micro-batch only
-    module._optimizer_step(batch, Opt(), torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                           batch.loss_mask.sum().item(), {}, 0)
+    module.update.step(batch, Opt(), torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       batch.loss_mask.sum().item(), {}, 0)
     b, w = captured[0]
     P = b.prompt_length
     rows = []

@@ -17,10 +17,9 @@ from grail_exp.advantages.base import (
     register_scheme,
     scheme_config_class,
 )
-from grail_exp.advantages.group import group_advantages
 
 # Importing the scheme modules registers them (spans also registers its checkpointable prepared state).
-from grail_exp.advantages import spans as _spans  # noqa: E402,F401
+from grail_exp import spans as _spans  # noqa: E402,F401
 from grail_exp.advantages import grail as _grail  # noqa: E402,F401
 from grail_exp.advantages import grpo as _grpo  # noqa: E402,F401
 from grail_exp.advantages import oar as _oar  # noqa: E402,F401
@@ -34,7 +33,6 @@ __all__ = [
     "SchemeBatch",
     "SchemeOutput",
     "build_scheme",
-    "group_advantages",
     "register_scheme",
     "scheme_config_class",
 ]

@@ -4,7 +4,7 @@ A scheme turns a rollout batch into detached token weights w (B, C); the trainer
 trainer drives a scheme in three calls, all optional but the last:
 
 1. ``prepare(model, batch)`` once per rollout batch, with the **whole** rollout batch (complete groups of G
-   rollouts, rewards, advantages, gold answers, problem texts, the step counter), after the advantages and before
+   rollouts, rewards, advantages, gold answers, problem texts, the step counters), after the advantages and before
    the μ updates. Batch-level schemes (DelTA's centroids, SHEAR's group distances) compute their weights here; the
    answer spans that GRAIL / OAR need are found here once instead of at every micro-batch. The return value comes
    back as ``batch.prepared`` (sliced to the micro-batch's rows by the trainer via ``SchemeBatch.prepared_rows``).
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ClassVar
 
 import torch
+
+from grail_exp.forward import PolicyForward  # noqa: F401  (part of the scheme contract)
 
 SCHEMES: dict[str, type["AdvantageScheme"]] = {}
 RECOMPUTE = ("per_update", "per_rollout")
@@ -71,8 +73,17 @@ class SchemeBatch:
     gold_answers: list[str] | None = None  # the reference answer of each row (RLSD's teacher, ...)
     prompt_ids: list[list[int]] | None = None  # unpadded prompt token ids per row
     token_advantages: torch.Tensor | None = None  # (B, C) when the estimator is token-level
-    step: int = 0  # optimiser steps done so far (schedules)
+    step: int = 0  # optimiser steps done so far
     prepared: Any = None  # what ``prepare`` returned for the rollout batch
+    # 1-based index of the rollout batch these rows come from: 1 for the run's first rollout batch, +1 per rollout
+    # batch, the same for every optimiser step (inner iteration, mini-batch) taken on it; after a resume it continues
+    # (rollout batches completed before + 1). It is the official verl-based trainers' ``global_step(s)`` (RLSD, SDPG:
+    # incremented before each batch is generated). None = step + 1 (exact when each rollout batch gives one optimiser
+    # step). Schedules read it through ``rollout_index()``.
+    rollout_step: int | None = None
+
+    def rollout_index(self) -> int:
+        return self.rollout_step if self.rollout_step is not None else self.step + 1
 
     def rows(self, idx: torch.Tensor) -> "SchemeBatch":
         """The sub-batch of the given row indices (same P and C)."""
@@ -91,17 +102,6 @@ class SchemeBatch:
 class SchemeOutput:
     weights: torch.Tensor  # (B, C), detached, > 0 on valid tokens
     metrics: dict[str, float] = field(default_factory=dict)  # logged as "<scheme>/<key>"
-
-
-@dataclass
-class PolicyForward:
-    """What the trainer's policy forward of a micro-batch exposes to ``weights_from_forward`` (all in the graph)."""
-
-    embeds: torch.Tensor  # (B, P+C, d) input embeddings (a node of the graph, not a leaf)
-    hidden: torch.Tensor  # (B, P+C, d) last hidden state (after the final norm)
-    hidden_states: tuple | None  # all layers' outputs when the scheme asked for them (``forward_outputs``)
-    head_weight: torch.Tensor  # (V, d) output layer weight (live: detach it for probes)
-    head_bias: torch.Tensor | None
 
 
 class AdvantageScheme:
@@ -144,7 +144,7 @@ class AdvantageScheme:
     def spans(self, batch: SchemeBatch):
         """The answer-span token masks of the batch, with this scheme's ``span_mapping`` and ``box`` switches
         (taken from ``prepare``'s result when the rollout batch's spans were found there)."""
-        from grail_exp.advantages.spans import answer_spans
+        from grail_exp.spans import answer_spans
 
         prepared = batch.prepared
         if isinstance(prepared, dict) and "spans" in prepared:

@@ -50,14 +50,15 @@ from grail_exp.advantages.probe import (
     masked_mean_std,
     predicting_window,
 )
-from grail_exp.loss import selective_log_softmax
+from grail_exp.logprobs import selective_log_softmax
 
 
 @dataclass
 class GrailConfig(SchemeConfig):
     name: str = "grail"
     # σ_w: spread of the log-saliency z-score mapping (paper 0.5). The reference raises at 0; here 0 is
-    # allowed and gives w = w_mean everywhere (the GRPO limit, used to test exact GRPO equivalence).
+    # allowed and gives w = w_mean on every token the overrides leave alone. With ``overrides`` on, boxed content
+    # still gets w_max, so the GRPO limit is σ_w = 0, overrides off and w_mean = 1 (tested: exact GRPO equivalence).
     std: float = 0.5
     mean: float = 1.0  # w_mean: neutral weight; also the marker / closing / post-answer override weight
     w_min: float = 0.5  # lower clip (paper 0.5; GrailConfigV2 default 0.1)
@@ -231,8 +232,9 @@ class GrailScheme(AdvantageScheme):
         return {
             "weight_mean": w_mean,
             "weight_std": w_std,
-            "clip_low_frac": ((raw < cfg.w_min) & rew).sum().item() / n_rew.item(),
-            "clip_high_frac": ((raw > cfg.w_max) & rew).sum().item() / n_rew.item(),
+            # a weight on a bound counts as clipped (<= / >=, as the reference's clip rates)
+            "clip_low_frac": ((raw <= cfg.w_min) & rew).sum().item() / n_rew.item(),
+            "clip_high_frac": ((raw >= cfg.w_max) & rew).sum().item() / n_rew.item(),
             "fallback_rate": fallback.float().mean().item(),
             "answer_found_rate": spans.has_box.float().mean().item(),
             "reweighted_rows": (probe_rows & (A != 0)).float().sum().item(),

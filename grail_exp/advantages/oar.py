@@ -159,10 +159,20 @@ def span_mean_logits(logits: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
 def span_mean_logits_gathered(model, hidden_window: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
     """``span_mean_logits(detached_head_logits(model, hidden_window), span)`` with logits built only at the span
     slots ((n_span, V) instead of (B, C, V)); equal up to the order of the float sum."""
-    rows, slots = span.nonzero(as_tuple=True)
+    rows, slots = span.nonzero(as_tuple=True)  # row-major: each row's slots are contiguous
     logits = detached_head_logits(model, hidden_window[rows, slots])  # (n_span, V)
-    total = logits.new_zeros(span.shape[0], logits.shape[-1]).index_add_(0, rows, logits)
-    return total / span.long().sum(1, keepdim=True).clamp(min=1)
+    return span_sum_rows(logits, span.long().sum(1)) / span.long().sum(1, keepdim=True).clamp(min=1)
+
+
+def span_sum_rows(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(n_span, V) logits grouped by row (``counts[b]`` consecutive rows each) -> (B, V) per-row sums in the logits'
+    dtype: accumulated in float32 and rounded once, as the (B, C, V) ``sum(1)`` of ``span_mean_logits`` reduces.
+    Not ``index_add_`` into a buffer of the logits' dtype: in bf16 that rounds after every add (and on CUDA adds in a
+    nondeterministic order), and OAR-G's weights are highly sensitive to this teacher distribution."""
+    parts = torch.split(logits, counts.tolist())
+    sums = [p.float().sum(0) if p.shape[0] else logits.new_zeros(logits.shape[-1], dtype=torch.float32)
+            for p in parts]
+    return torch.stack(sums).to(logits.dtype) if sums else logits.new_zeros(0, logits.shape[-1])
 
 
 def _reasoning_mask(spans, mask: torch.Tensor) -> torch.Tensor:

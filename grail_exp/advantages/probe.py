@@ -13,16 +13,7 @@ from __future__ import annotations
 
 import torch
 
-
-def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformer body of a causal LM (``model.model`` for Qwen3 / Llama)."""
-    body = model.get_decoder() if hasattr(model, "get_decoder") else None
-    return body if body is not None else model.base_model
-
-
-def predicting_window(x: torch.Tensor, prompt_length: int, completion_length: int) -> torch.Tensor:
-    """(B, P+C, ...) -> (B, C, ...): the positions that predict the completion tokens."""
-    return x[:, prompt_length - 1:prompt_length + completion_length - 1]
+from grail_exp.forward import decoder_body, predicting_window  # noqa: F401  (the probes' names for them)
 
 
 def own_window(x: torch.Tensor, prompt_length: int) -> torch.Tensor:

@@ -1,25 +1,29 @@
 """RLSD: Self-Distilled RLVR (Yang et al., arXiv 2604.03128; code iie-ycx/RLSD ``dp_opsd_actor._build_stgca_advantages``,
 ``opsd_trainer`` λ schedule; other-methods.md §4).
 
-The teacher is the model itself conditioned on the gold answer (``grail_exp/advantages/teacher.py``); it scores the
-student's sampled tokens. Per token of row i, at optimiser step k:
+The teacher is the model itself conditioned on the gold answer (``grail_exp/teacher.py``); it scores the
+student's sampled tokens. Per token of row i, in rollout batch k (``SchemeBatch.rollout_index()``: 1 for the run's
+first rollout batch, the same for every optimiser step taken on it — the official trainer's ``global_step``):
 
     Δ_t    = sg( log P_T(o_t | x, answer, o_<t) − log P_S(o_t | x, o_<t) )
     e_t    = clip( exp(sign(A_i) · Δ_t), 1 − ε_w, 1 + ε_w )        (P_T / P_S)^{sign A}: never flips A's sign
     w_t    = (1 − λ(k)) + λ(k) · e_t                                Â_{i,t} = sg(w_t) · A_i
     λ(k)   = λ₀ · min(1, k / K_warm) · clamp(1 − (k − K_warm) / K_decay, 0, 1)      (a factor is 1 when its K is 0)
 
-Defaults are the official script's (``rlsd_train.sh``): λ₀ = 0.5 decayed to 0 over 60 steps (so RLSD is plain GRPO
-from step 60 on, and the teacher forward is skipped), ε_w = 0.2, teacher = a frozen copy of the actor re-synced every
-20 steps (``teacher: frozen``, one more model in memory). ``teacher: live`` scores with the live parameters in every
+Defaults are the official script's (``rlsd_train.sh``): λ₀ = 0.5 decayed to 0 over 60 rollout batches (λ = 0.4917 in
+the first, 0.0083 in the 59th, so RLSD is plain GRPO from the 60th on and the teacher forward is skipped), ε_w = 0.2,
+teacher = a frozen copy of the actor (``teacher: frozen``, one more model in memory) re-synced after every 20th
+rollout batch's updates: rollout batches 1-20 use the initial actor, 21-40 the actor after batch 20, ... ``teacher: live`` scores with the live parameters in every
 micro-batch (SDPG's re-implementation; no extra memory). ``student_logp``: ``live`` = the live actor's log-prob of
 the same micro-batch, detached (official) | ``rollout`` = the log-prob under the parameters that generated the
 rollout, computed once per rollout batch (SDPG's re-implementation uses the old log-prob). With μ = 1 inner
 iteration the two coincide. ``negative_only``: only rows with A < 0 are reweighted (official switch, off).
 Rows with A = 0 get w = 1 without a teacher forward (their Â is 0 whatever w is). λ = 0 gives GRPO exactly.
 
-The schedule's exact warmup/decay composition is INFERRED from the config names (the official script uses no
-warmup, where it reduces to λ₀·max(0, 1 − k/K_decay)); k = optimiser steps done before this update.
+The schedule is the official ``opsd_trainer`` arithmetic: λ₀·k/K_warm while k < K_warm, then
+λ₀·max(0, 1 − (k − K_warm)/K_decay) (the product above equals it); the teacher re-sync is ``dp_opsd_actor``'s
+``global_step % rlsd_teacher_sync_interval == 0`` after the update. The frozen teacher is not checkpointed: after a
+resume it restarts from the resumed actor.
 """
 
 from __future__ import annotations
@@ -40,27 +44,28 @@ from grail_exp.advantages.base import (
     register_scheme,
 )
 from grail_exp.advantages.probe import masked_mean_std
-from grail_exp.advantages.teacher import build_teacher_batch, check_template, teacher_logprobs
+from grail_exp.teacher import build_teacher_batch, check_template, teacher_logprobs
 
 
 @dataclass
 class RlsdConfig(SchemeConfig):
     name: str = "rlsd"
     lam: float = 0.5  # λ₀: mixing weight of the evidence term (official rlsd_lambda 0.5)
-    lambda_warmup_steps: int = 0  # K_warm: linear warmup of λ from 0 (official 0)
-    lambda_decay_steps: int = 60  # K_decay: linear decay of λ to 0 after the warmup; 0 = constant (official 60)
+    lambda_warmup_steps: int = 0  # K_warm: linear warmup of λ from 0, in rollout batches (official 0)
+    lambda_decay_steps: int = 60  # K_decay: linear decay of λ to 0 after the warmup, in rollout batches; 0 = constant (official 60)
     clip: float = 0.2  # ε_w: e_t is clipped to [1 − ε_w, 1 + ε_w] (official rlsd_reweight_clip_range 0.2)
     negative_only: bool = False  # reweight only rows with A < 0 (official switch, default off)
     teacher: str = "frozen"  # frozen: a copy of the actor re-synced every teacher_sync_every steps (official) | live
-    teacher_sync_every: int = 20  # frozen teacher: copy the actor's weights every N optimiser steps (official 20)
+    teacher_sync_every: int = 20  # frozen teacher: copy the actor's weights after every N-th rollout batch (official 20)
     student_logp: str = "live"  # live: the live actor's log-prob, detached (official) | rollout: the rollout params'
-    template: str = "rlsd"  # teacher prompt: a name in advantages/teacher.py TEMPLATES or a literal with {answer}
+    template: str = "rlsd"  # teacher prompt: a name in teacher.py TEMPLATES or a literal with {answer}
     instruction: Optional[str] = None  # appended via {instruction}; null = data.instruction (the student's)
     chunk_tokens: int = 4096  # rows of (chunk, V) logits alive at once in the log-prob passes
 
 
 def rlsd_lambda(cfg, step: int) -> float:
-    """λ(k): linear warmup over ``lambda_warmup_steps``, then linear decay to 0 over ``lambda_decay_steps``."""
+    """λ(k) for the 1-based rollout-batch index k: linear warmup over ``lambda_warmup_steps``, then linear decay to 0
+    over ``lambda_decay_steps``."""
     lam = float(cfg.lam)
     warm, decay = int(cfg.lambda_warmup_steps), int(cfg.lambda_decay_steps)
     if warm > 0:
@@ -103,7 +108,7 @@ class RlsdScheme(AdvantageScheme):
     def __init__(self, cfg, tokenizer=None, context=None):
         super().__init__(cfg, tokenizer, context)
         self.frozen = None  # teacher: frozen — the synced copy
-        self.synced_at: int | None = None  # the step of the last sync
+        self.synced_period: int | None = None  # (k − 1) // teacher_sync_every of the rollout batch k it was synced for
 
     # ------------------------------------------------------------------ pieces
     def _instruction(self) -> str:
@@ -120,16 +125,19 @@ class RlsdScheme(AdvantageScheme):
     def rows_needing_model(self, batch: SchemeBatch) -> torch.Tensor:
         return self._rows(batch)
 
-    def _teacher_model(self, model, step: int):
+    def _teacher_model(self, model, rollout_step: int):
+        """The frozen teacher for rollout batch k (1-based): the actor as it was after rollout batch
+        N·⌊(k − 1)/N⌋ (the initial actor for k ≤ N). The official code syncs after the update of every batch k with
+        k % N == 0; syncing before the first update of batch k + 1 is the same copy."""
         if self.cfg.teacher == "live":
             return model
-        if self.frozen is None or (step - self.synced_at) >= self.cfg.teacher_sync_every:
-            # Sync at step 0 (the initial actor) and every N steps after, as rlsd_teacher_sync_interval.
+        period = (rollout_step - 1) // self.cfg.teacher_sync_every
+        if self.frozen is None or period != self.synced_period:
             if self.frozen is None:
                 self.frozen = copy.deepcopy(model).requires_grad_(False).eval()
             else:
                 self.frozen.load_state_dict(model.state_dict())
-            self.synced_at = step - step % self.cfg.teacher_sync_every
+            self.synced_period = period
         return self.frozen
 
     def _logps(self, model, batch: SchemeBatch, rows: torch.Tensor, teacher: bool):
@@ -139,7 +147,7 @@ class RlsdScheme(AdvantageScheme):
             tb = build_teacher_batch(sub, self.tokenizer, self.context.get("model"), self.cfg.template,
                                      self._instruction())
             return teacher_logprobs(model, tb, sub.sampling_temperature, self.cfg.chunk_tokens)
-        from grail_exp.module import policy_forward
+        from grail_exp.forward import policy_forward
 
         with torch.no_grad():
             logp, _, _ = policy_forward(model, sub.input_ids, sub.attention_mask, sub.position_ids,
@@ -152,7 +160,7 @@ class RlsdScheme(AdvantageScheme):
         """Once per rollout batch, with the parameters that generated it: the frozen teacher's log-probs (they do not
         change within the batch) and, for ``student_logp: rollout``, the rollout log-probs."""
         cfg = self.cfg
-        lam = rlsd_lambda(cfg, batch.step)
+        lam = rlsd_lambda(cfg, batch.rollout_index())
         rows = self._rows(batch)
         out = {}
         if lam == 0.0 or not rows.any():
@@ -161,7 +169,7 @@ class RlsdScheme(AdvantageScheme):
         B, C = batch.completion_ids.shape
         if cfg.teacher == "frozen":
             t = torch.zeros(B, C, device=batch.completion_ids.device)
-            t[idx] = self._logps(self._teacher_model(model, batch.step), batch, idx, teacher=True)
+            t[idx] = self._logps(self._teacher_model(model, batch.rollout_index()), batch, idx, teacher=True)
             out["teacher_logp"] = t
         if cfg.student_logp == "rollout":
             s = torch.zeros(B, C, device=batch.completion_ids.device)
@@ -179,7 +187,7 @@ class RlsdScheme(AdvantageScheme):
 
     def _weights(self, model, batch: SchemeBatch, forward: PolicyForward | None) -> SchemeOutput:
         cfg = self.cfg
-        lam = rlsd_lambda(cfg, batch.step)
+        lam = rlsd_lambda(cfg, batch.rollout_index())
         mask = batch.completion_mask.float()
         B, C = batch.completion_ids.shape
         w = torch.ones(B, C, device=mask.device)
@@ -191,7 +199,7 @@ class RlsdScheme(AdvantageScheme):
             if cfg.teacher == "frozen" and "teacher_logp" in prepared:
                 t = prepared["teacher_logp"][idx]
             else:
-                t = self._logps(self._teacher_model(model, batch.step), batch, idx, teacher=True)
+                t = self._logps(self._teacher_model(model, batch.rollout_index()), batch, idx, teacher=True)
             if cfg.student_logp == "rollout" and "student_logp" in prepared:
                 s = prepared["student_logp"][idx]
             elif forward is not None:
@@ -204,8 +212,8 @@ class RlsdScheme(AdvantageScheme):
         return SchemeOutput(w.detach(), self._diagnostics(w, e, mask, rows, batch.advantages, lam))
 
     def _student_from_forward(self, batch: SchemeBatch, forward: PolicyForward, idx: torch.Tensor) -> torch.Tensor:
-        from grail_exp.advantages.probe import predicting_window
-        from grail_exp.loss.logprobs import linear_logprob
+        from grail_exp.forward import predicting_window
+        from grail_exp.logprobs import linear_logprob
 
         P, C = batch.prompt_length, batch.completion_ids.shape[1]
         with torch.no_grad():

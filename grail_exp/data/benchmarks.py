@@ -139,7 +139,7 @@ def _gold_integral_number(row: dict, name: str) -> str:
 
 
 def _gold_last_boxed(row: dict, name: str) -> str:
-    from grail_exp.rewards import extract_last_boxed
+    from grail_exp.boxed import extract_last_boxed
 
     text = _field(row, name, str)
     gold = extract_last_boxed(text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.estimators import EstimatorConfig, EstimatorInput, EstimatorOutput, group_zero_std, register_estimator
+from grail_exp.estimators.base import EstimatorConfig, EstimatorInput, EstimatorOutput, group_zero_std, register_estimator
 
 
 @register_estimator("opo", EstimatorConfig)

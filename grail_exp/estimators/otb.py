@@ -10,18 +10,31 @@ token and Σπ²_{i,t} = Σ_v π(v | prefix)² its collision probability:
     B_t     = Σ_{i∈g} G_{i,t} W_{i,t} m_{i,t} / (Σ_{i∈g} W_{i,t} m_{i,t} + 1e-8)      (over the group's rows alive at t)
     A_{i,t} = (G_{i,t} − B_t) · m_{i,t}
 
+Zero tail (``estimator.handle_zero_tail``, verl's default ``handle_zero_tail=True``): when a group's longest
+completion is unique, B_t = 0 on its positions t ≥ the second-longest length (lengths = loss-mask token counts), so
+those tail tokens get A = r. Without it the group there is that one row and B_t = r·W/(W + 1e-8) gives A ≈ 0
+(``false``, the behaviour before issue 23). A group of one rollout has no baseline (A = r), as verl.
+
 Needs ``sum_pi_squared`` and ``logp`` (N, C) from the policy at rollout time: the trainer computes both in one chunked
 pass (``sum_pi_squared_from_hidden``: logits chunk by chunk, never a (N, C, V) float32 copy).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from grail_exp.estimators import EstimatorConfig, EstimatorInput, EstimatorOutput, group_zero_std, register_estimator
+from grail_exp.estimators.base import EstimatorConfig, EstimatorInput, EstimatorOutput, group_zero_std, register_estimator
 
 
-@register_estimator("optimal_token_baseline", EstimatorConfig, needs=("sum_pi_squared",))
+@dataclass
+class OTBConfig(EstimatorConfig):
+    name: str = "optimal_token_baseline"
+    handle_zero_tail: bool = True  # B_t = 0 on the unique longest completion's tail (verl default true); false = A ≈ 0 there
+
+
+@register_estimator("optimal_token_baseline", OTBConfig, needs=("sum_pi_squared",))
 def optimal_token_baseline(inp: EstimatorInput, cfg) -> EstimatorOutput:
     for k in ("sum_pi_squared", "logp"):
         if k not in inp.extras:
@@ -33,9 +46,24 @@ def optimal_token_baseline(inp: EstimatorInput, cfg) -> EstimatorOutput:
     W = torch.cumsum(w.to(m.device) * m, dim=-1) * m  # (N, C)
     ret = inp.rewards.float().to(m.device).unsqueeze(1) * m  # G_{i,t}
     Wg, Rg = W.view(-1, G, C), ret.view(-1, G, C)
-    baseline = (Rg * Wg).sum(1, keepdim=True) / (Wg.sum(1, keepdim=True) + 1e-8)  # (P, 1, C)
-    adv = ((Rg - baseline) * m.view(-1, G, C)).view(N, C)
-    return EstimatorOutput(adv, group_zero_std(inp.rewards, G), {"otb/baseline_mean": float(baseline.mean())})
+    mg = m.view(-1, G, C)
+    baseline = ((Rg * Wg).sum(1, keepdim=True) / (Wg.sum(1, keepdim=True) + 1e-8)).expand(-1, G, -1).clone()
+    tail_tokens = 0
+    if G == 1:
+        baseline.zero_()
+    elif getattr(cfg, "handle_zero_tail", True):
+        lengths = mg.sum(-1)  # (P, G)
+        longest, second = torch.topk(lengths, 2, dim=1).values.unbind(1)  # (P,) each
+        unique = (lengths == longest.unsqueeze(1)).sum(1) == 1
+        pos = torch.arange(C, device=m.device)
+        tail = unique.unsqueeze(1) & (pos.unsqueeze(0) >= second.unsqueeze(1))  # (P, C)
+        rows = torch.arange(lengths.shape[0], device=m.device)
+        owner = lengths.argmax(1)
+        baseline[rows, owner] = torch.where(tail, torch.zeros_like(tail, dtype=baseline.dtype), baseline[rows, owner])
+        tail_tokens = int((tail.float() * mg[rows, owner]).sum())
+    adv = ((Rg - baseline) * mg).view(N, C)
+    return EstimatorOutput(adv, group_zero_std(inp.rewards, G), {"otb/baseline_mean": float(baseline.mean()),
+                                                                   "otb/zero_tail_tokens": float(tail_tokens)})
 
 
 def sum_pi_squared_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from grail_exp.advantages.group import group_advantages
-from grail_exp.estimators import EstimatorInput, EstimatorOutput, PromptVariant, register_estimator
+from grail_exp.estimators.group import group_advantages
+from grail_exp.estimators.base import EstimatorInput, EstimatorOutput, PromptVariant, register_estimator
 
 SPAN_TOKENS = ("tagged", "content")
 VERIFY = ("math_verify", "exact")
@@ -140,7 +140,7 @@ def position_advantages(R: torch.Tensor, normalize_std: bool = True) -> torch.Te
 
 def token_positions(tokenizer, ids: list[int], text: str, char_spans: list[tuple[int, int]], C: int) -> list[list[int]]:
     """Token indices overlapping each char span ``[s, e)`` of ``text = decode(ids, skip_special_tokens=True)``."""
-    from grail_exp.advantages.spans import _lower_bound, _RowOffsets
+    from grail_exp.spans import _lower_bound, _RowOffsets
 
     off = _RowOffsets(tokenizer, ids, text)
     n = min(len(ids), C)

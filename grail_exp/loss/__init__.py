@@ -2,8 +2,16 @@
 
     ρ_{i,t}  = exp(logp_{i,t} − logp^old_{i,t})
     Â_{i,t}  = sg(w_{i,t}) · A_i              (w from the advantage scheme; A_{i,t} for token-level estimators)
-    ℓ_{i,t}  = ρ^IS_{i,t} · policy_loss(ρ, Â) + β · KL_{i,t}
+    ℓ_{i,t}  = f_{i,t} · ρ^IS_{i,t} · policy_loss(ρ, Â) + β · KL_{i,t}
     L        = aggregate(ℓ, mask) + Σ_k term_k
+
+f is the product of the GRPO family's token masks (top-entropy, off-policy sequence mask: ``grail_exp/family.py``
+``family_token_masks``; 1 when they are off). As in TRL's GRPOTrainer (and the DeepSeek-V3.2 formula) it masks the
+policy term only: the aggregation's normaliser counts the unmasked loss mask and the β·KL term stays on every loss
+token (``loss.family_mask_normaliser: unmasked``, the default). ``kept`` restores the behaviour before issue 23:
+mask ← mask · f everywhere, so ``grpo`` / ``bnpo`` (and the losses that force a per-sequence mean) divide by the kept
+tokens and the KL term is dropped on masked tokens. GMPO folds f and ρ^IS into its geometric mean instead
+(``folds_token_weights``; TRL's GMPOTrainer, verl ``geo_mean``).
 
 Each piece is a registry (``loss.policy_loss``, ``loss.kl_estimator``, ``loss.loss_type``,
 ``rollout.is_correction.mode``, ``loss.terms``) so a new objective is one function plus its config keys.
@@ -21,7 +29,7 @@ import torch
 from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext, register_aggregation
 from grail_exp.loss.correction import is_weights
 from grail_exp.loss.kl import KL_ESTIMATORS, register_kl
-from grail_exp.loss.logprobs import entropy_from_logits, linear_logprob, selective_log_softmax
+from grail_exp.logprobs import entropy_from_logits, linear_logprob, selective_log_softmax
 from grail_exp.loss.policy import POLICY_LOSSES, PolicyLossOutput, masked_mean, register_policy_loss
 from grail_exp.loss.terms import LOSS_TERMS, LossTerm, TermContext, build_terms, register_loss_term
 from grail_exp.loss import policies as _family  # noqa: E402,F401  (registers the GRPO family's losses, issue 15)
@@ -54,12 +62,27 @@ def policy_loss(
     loss_cfg=None,  # the full `loss` config node (knobs of losses beyond ppo_clip); built from the args when None
     is_weight: torch.Tensor | None = None,  # (B, T) detached rollout-correction weights
     world_size: int = 1,
+    policy_mask: torch.Tensor | None = None,  # (B, T) family masks f (policy term only); None = no family mask
 ) -> LossOutput:
     cfg = loss_cfg if loss_cfg is not None else SimpleNamespace(epsilon=epsilon, epsilon_high=epsilon_high)
-    out: PolicyLossOutput = POLICY_LOSSES[name](logp, old_logp, token_advantages.float(), mask, cfg)
-    per_token = out.per_token
-    if is_weight is not None:
-        per_token = per_token * is_weight
+    if policy_mask is not None:
+        normaliser = getattr(cfg, "family_mask_normaliser", "unmasked")
+        if normaliser == "kept":  # before issue 23: the masks shrink the loss mask itself (normaliser and KL term)
+            mask, policy_mask = mask * policy_mask.to(mask.dtype), None
+        elif normaliser != "unmasked":
+            raise ValueError(f"loss.family_mask_normaliser = {normaliser!r}: must be unmasked or kept")
+    fn = POLICY_LOSSES[name]
+    adv = token_advantages.float()
+    if fn.folds_token_weights:
+        out: PolicyLossOutput = fn(logp, old_logp, adv, mask, cfg, policy_mask=policy_mask, is_weight=is_weight)
+        per_token = out.per_token
+    else:
+        out = fn(logp, old_logp, adv, mask, cfg)
+        per_token = out.per_token
+        if policy_mask is not None:
+            per_token = per_token * policy_mask
+        if is_weight is not None:
+            per_token = per_token * is_weight
     metrics = dict(out.metrics)
     if beta > 0.0:
         if ref_logp is None:

@@ -5,9 +5,10 @@ assumes the samples came from π_old (the trainer's forward at the same paramete
 
     ρ^IS_{i,t} = exp(logp_old − logp_sampler)            (both = log softmax(z/T)[o_t], untruncated)
 
-multiplies the per-token loss (detached), as TRL (``vllm_importance_sampling_*``) and verl
-(``rollout_correction``) do ("Your efficient RL framework secretly brings you off-policy RL training",
-Yao et al. 2025, fengyao.notion.site/off-policy-rl; IcePop arXiv 2510.18855). Modes (``rollout.is_correction.mode``):
+multiplies the per-token loss (detached). The definition and the modes are TRL's (``vllm_importance_sampling_*``)
+and verl's (``rollout_correction``) ("Your efficient RL framework secretly brings you off-policy RL training",
+Yao et al. 2025, fengyao.notion.site/off-policy-rl; IcePop arXiv 2510.18855); the defaults are not (below).
+Modes (``rollout.is_correction.mode``):
 
     none               ρ^IS = 1
     token_truncate     w_t = min(ρ_t, C_max) (and ≥ C_min when set)                          TIS
@@ -15,8 +16,14 @@ Yao et al. 2025, fengyao.notion.site/off-policy-rl; IcePop arXiv 2510.18855). Mo
     sequence_truncate  w_i = min(Π_t ρ_t, C_max) on every token of the sequence
     sequence_mask      w_i = Π_t ρ_t if C_min ≤ Π_t ρ_t ≤ C_max else 0
 
-(C_min null = no lower bound: 0 for masks, none for truncation.) Off for ``rollout=hf`` (the sampler *is* the
-policy: ρ^IS = 1 up to rounding), on for ``rollout=vllm``.
+(C_min null = no lower bound: 0 for masks, none for truncation.) ``sequence_mask`` with C_min null is TRL's rule
+exactly: ``ratio.masked_fill(ratio > C_max, 0)`` on exp(Σ_t (old − sampler)), every token of the sequence, every one
+of the μ iterations (the weights come from the fixed old and sampler log-probs).
+
+Defaults: off for ``rollout=hf`` (the sampler *is* the policy: ρ^IS = 1 up to rounding); ``token_truncate`` at
+C_max = 2 on the trainer's full-vocabulary log-probs for ``rollout=vllm`` (the TIS blog's choice, not TRL's default);
+TRL's default — ``sequence_mask`` at C_max = 3, on vLLM's processed (top-k-renormalised) log-probs, as the GRAIL
+reference ran — is ``rollout=vllm_paper``. verl's default is off.
 """
 
 from __future__ import annotations

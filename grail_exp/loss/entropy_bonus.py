@@ -9,6 +9,11 @@ optimiser step with mean token entropy H̄,
 
 and the bonus is applied only while the last step's H̄ ≤ H_target (no push once entropy is above target). The
 coefficient and the running entropy survive checkpoints (``state_dict``).
+
+With the top-entropy mask on (``loss.top_entropy_quantile`` < 1) the bonus and H̄ cover the kept tokens only
+(mask × top-entropy mask, as TRL: "the same effective mask ... so it acts on the same tokens"); the off-policy
+sequence mask does not restrict it (TRL neither). The normaliser is the policy loss's aggregation (verl's
+``agg_loss(entropy, loss_agg_mode)``); TRL uses a token mean for every loss type (docs/deviations.md).
 """
 
 from __future__ import annotations
@@ -63,12 +68,14 @@ class EntropyBonus(LossTerm):
 
     def __call__(self, ctx: TermContext) -> tuple[torch.Tensor, dict[str, float]]:
         self._advance(ctx.step)
-        m = ctx.mask.float()
+        top = getattr(ctx, "top_entropy_mask", None)
+        mask = ctx.mask if top is None else ctx.mask * top.to(ctx.mask.dtype)
+        m = mask.float()
         self.sum += float((ctx.entropy.detach() * m).sum())
         self.count += float(m.sum())
         active = not self.cfg.adaptive or self.last_entropy is None or self.last_entropy <= self.cfg.target
         c = self.coef if active else 0.0
-        value = -c * ctx.aggregate(ctx.entropy, ctx.mask)
+        value = -c * ctx.aggregate(ctx.entropy, mask)
         return value, {"coef": c}
 
     def state_dict(self) -> dict:

@@ -6,6 +6,11 @@ Every loss receives the token log-probs under the current policy ``logp`` (B, T)
 ``PolicyLossOutput``: the per-token loss (aggregated afterwards by ``loss.loss_type``, see aggregation.py) and
 detached diagnostics. Adding a loss = one function here with ``@register_policy_loss("name")``, its equation and
 paper in the docstring, plus its knobs in ``LossConfig``.
+
+The GRPO family's token masks (top-entropy, off-policy sequence mask; ``grail_exp/family.py``) and the rollout
+importance-sampling weights multiply a loss's per-token output afterwards (``grail_exp.loss.policy_loss``). A loss
+whose per-sequence weight is a geometric mean over tokens (GMPO) registers with ``folds_token_weights=True`` instead:
+it is then called with the keyword arguments ``policy_mask`` and ``is_weight`` and folds them into that mean itself.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ class PolicyLossOutput:
     aggregation: str | None = None
 
 
-def register_policy_loss(name: str):
+def register_policy_loss(name: str, folds_token_weights: bool = False):
     def deco(fn):
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} registered twice")
+        fn.folds_token_weights = folds_token_weights  # takes policy_mask= / is_weight= itself (see the docstring)
         POLICY_LOSSES[name] = fn
         return fn
 

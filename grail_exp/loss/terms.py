@@ -7,7 +7,7 @@ terms from ``loss.terms`` (a mapping ``name -> {its config}``; an empty mapping 
 micro-batch with a ``TermContext``: the live policy, the micro-batch, the policy forward's hidden states at the
 completion window (so a term can build logits chunk by chunk without a (B, T, V) copy), the output layer, the
 token log-probs / entropies (differentiable), the rollout, old and reference log-probs, the token advantages and the
-step counter. A term returns its contribution to the loss (already normalised like the policy loss — use
+step counters (optimiser steps, rollout batches). A term returns its contribution to the loss (already normalised like the policy loss — use
 ``ctx.aggregate``) and detached diagnostics, logged as ``<term>/<key>``.
 """
 
@@ -40,6 +40,14 @@ class TermContext:
     aggregate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (per_token, mask) -> scalar, like the policy loss
     tokenizer: Any = None
     extras: dict = field(default_factory=dict)
+    # 1-based index of the rollout batch being trained on (1 for the run's first; constant over the optimiser steps
+    # of one rollout batch): the official SDPG / RLSD trainers' ``global_steps``. None = step + 1 (exact when every
+    # rollout batch gives one optimiser step). Read it through ``rollout_index()``.
+    rollout_step: int | None = None
+    top_entropy_mask: torch.Tensor | None = None  # (B, C) family.family_token_masks' top-entropy mask (None = off)
+
+    def rollout_index(self) -> int:
+        return self.rollout_step if self.rollout_step is not None else self.step + 1
 
 
 class LossTerm:

@@ -46,8 +46,19 @@ class RolloutEngine(Protocol):
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the engine sample from ``model``'s current parameters."""
+        """Make the engine sample from ``model``'s current parameters (and wake it if it sleeps)."""
         ...
+
+    # Optional: ``sleep()`` — give the engine's memory back until the next ``sync_weights`` (vLLM's sleep mode). The
+    # trainer calls it (``release``) after each round's generation and after each evaluation.
+
+
+def release(engine) -> None:
+    """Let an engine that can free its memory between generations do so (``rollout.vllm.sleep_mode``: weights and KV
+    cache released for the update); the next ``sync_weights`` wakes it. A no-op for engines without ``sleep``."""
+    sleep = getattr(engine, "sleep", None)
+    if callable(sleep):
+        sleep()
 
 
 @dataclass

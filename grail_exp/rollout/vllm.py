@@ -17,6 +17,11 @@ Neither is log softmax(z / T) when T != 1 and top-k/top-p are on, so the engine 
 model: the logits processor's ``scale`` is set to 1/T and vLLM samples at temperature 1. Then raw logits are
 z / T, ``raw_logprobs`` is exactly the trainer's quantity, and top-k/top-p act on z / T as they do with
 temperature T. (A repetition penalty is applied by vLLM after the raw log-probs; the trainer ignores it too.)
+``rollout=vllm_paper`` asks for ``processed_logprobs`` instead, as the GRAIL reference's TRL did: log softmax over the
+kept top-k / top-p of z / T; the trainer then measures the dropped mass log M_t itself (``logprobs.kept_log_mass``).
+
+Sleep mode: the trainer calls ``sleep()`` after each round's generation and after each evaluation
+(``rollout.base.release``); ``sync_weights`` wakes the engine before pushing the weights.
 
 Seeds: each call draws one base seed from torch's global RNG (as ``generate`` draws its noise from it), and
 request i gets seed base + i; so a run seeded by ``seed_everything`` (and an evaluation chunk seeded with

@@ -70,8 +70,8 @@ def _train(tmp_path, dtype: str, lr: float, steps: int, master: bool | None = No
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     names = [n for n, _ in model.named_parameters()]
     start = [p.detach().float().clone() for p in model.parameters()]
-    module.prepare_batch(batch, {})
-    losses = [module._optimizer_step(batch, opt, sched, float(batch.loss_mask.sum()), {}, 0)["loss"]
+    module.rollout.prepare(batch, {})
+    losses = [module.update.step(batch, opt, sched, float(batch.loss_mask.sum()), {}, 0)["loss"]
               for _ in range(steps)]
     params = opt.masters if isinstance(opt, MasterWeightAdamW) else [p.detach().float() for p in model.parameters()]
     # The input embedding's rows of tokens absent from the batch get no gradient (45 % of this model's weights):
@@ -99,7 +99,7 @@ def test_bf16_tracks_fp32_on_cuda(tmp_path):
     on an H100). (The GRPO loss's own
     gradient on random tokens with zero-mean advantages is a near-cancellation of per-row terms, so its bf16 relative
     error is large for any implementation; the per-token log-prob gradient is what bf16 compute must preserve.)"""
-    from grail_exp.module import policy_forward
+    from grail_exp.forward import policy_forward
 
     l32, _, _ = _train(tmp_path, "float32", 1e-5, 3)
     l16, _, _ = _train(tmp_path, "bfloat16", 1e-5, 3)
@@ -121,17 +121,17 @@ def test_bf16_tracks_fp32_on_cuda(tmp_path):
 
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 2e-2)])
 def test_grail_shared_forward_equals_separate_probe_on_cuda(tmp_path, dtype, atol):
-    from grail_exp.module import policy_forward
+    from grail_exp.forward import policy_forward
 
     cfg, model, tok, batch = _setup(tmp_path, "grail", dtype, ["advantage.symmetry=both"])
     module = _module(cfg, model, tok)
-    module.prepare_batch(batch, {})
-    sb = module.scheme_batch(batch, 0, 4)
+    module.rollout.prepare(batch, {})
+    sb = batch.scheme_view(module.scheme_ctx, 0, 4)
     with torch.enable_grad():
         _, _, fwd = policy_forward(model, batch.input_ids[:4], batch.attention_mask[:4], batch.position_ids[:4],
                                    batch.completion_ids[:4], 1.0)
         shared = module.scheme.weights_from_forward(model, sb, fwd)
-    separate = module.scheme.weights(model, module.scheme_batch(batch, 0, 4))
+    separate = module.scheme.weights(model, batch.scheme_view(module.scheme_ctx, 0, 4))
     err = (shared.weights.float() - separate.weights.float()).abs().max().item()
     print(f"{dtype}: max |w_shared - w_separate| = {err:.2e}")
     assert err <= atol
@@ -146,12 +146,12 @@ def test_grail_step_peak_memory_within_1_15x_of_grpo(tmp_path):
         module = _module(cfg, model, tok)
         opt = build_optimizer(model, cfg.optim, master_weights=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        module.prepare_batch(batch, {})
-        module._optimizer_step(copy.copy(batch), opt, sched, float(batch.loss_mask.sum()), {}, 0)  # Adam state
+        module.rollout.prepare(batch, {})
+        module.update.step(copy.copy(batch), opt, sched, float(batch.loss_mask.sum()), {}, 0)  # Adam state
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        module._optimizer_step(batch, opt, sched, float(batch.loss_mask.sum()), {}, 0)
+        module.update.step(batch, opt, sched, float(batch.loss_mask.sum()), {}, epoch=0)
         torch.cuda.synchronize()
         peaks[scheme] = (torch.cuda.max_memory_allocated() - base) / 2**20
         opt.remove_hooks()

@@ -8,15 +8,8 @@ of −Â·logp (tested in tests/test_family_losses.py).
 
 from __future__ import annotations
 
-import torch
 
 from grail_exp.loss.policies import cispo, cov, dppo, gmpo, gpg, gspo, sapo, vespo  # noqa: F401  (registration)
-
-
-def seq_log_ratio_mean(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, 1) length-normalised sequence log-ratio (1/|o_i|) Σ_t (logp − old_logp) (GSPO's s_i in log space)."""
-    m = mask.float()
-    return ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 def check_family_config(cfg) -> list[str]:
@@ -38,6 +31,12 @@ def check_family_config(cfg) -> list[str]:
     check(0 < L.get("top_entropy_quantile", 1.0) <= 1, "top_entropy_quantile", "must be in (0, 1] (1 = off)")
     check(L.get("off_policy_mask_threshold") is None or L.off_policy_mask_threshold >= 0, "off_policy_mask_threshold",
           "must be >= 0 or null")
+    from grail_exp.family import NORMALISERS, POPULATIONS
+    from grail_exp.loss.policies.gmpo import IS_MEANS
+
+    for key, valid, default in (("family_mask_normaliser", NORMALISERS, "unmasked"),
+                                ("top_entropy_population", POPULATIONS, "all"), ("gmpo_is_mean", IS_MEANS, "geometric")):
+        check(L.get(key, default) in valid, key, f"must be one of {', '.join(valid)}")
     kir = L.get("kl_in_reward")
     if kir is not None and kir.enabled:
         from grail_exp.loss.kl import KL_ESTIMATORS
@@ -65,12 +64,6 @@ def check_family_config(cfg) -> list[str]:
         if world != 1:
             e.append("rollout.dynamic_sampling.enabled = true: only implemented for one process (world size "
                      f"{world}); every rank would need to agree on the kept groups")
-        from grail_exp.estimators import ESTIMATORS
-
-        est = cfg.get("estimator", {}).get("name")
-        if est in ESTIMATORS and ESTIMATORS[est].prompt_variants is not None:
-            e.append(f"rollout.dynamic_sampling.enabled = true: not with estimator={est} (it plans its own prompts "
-                     "per problem and replaces the rewards dynamic sampling filters on)")
     from omegaconf import OmegaConf
 
     from grail_exp.loss.terms import LOSS_TERMS

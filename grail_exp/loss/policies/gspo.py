@@ -31,9 +31,9 @@ def _clipped(ratio, adv, mask, cfg) -> PolicyLossOutput:
 
 
 def _seq_log_ratio(logp, old_logp, mask):
-    from grail_exp.loss.policies import seq_log_ratio_mean
-
-    return seq_log_ratio_mean(logp, old_logp, mask)
+    """(B, 1) length-normalised sequence log-ratio (1/|o_i|) Σ_t (logp − old_logp) (GSPO's s_i in log space)."""
+    m = mask.float()
+    return ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 @register_policy_loss("gspo")

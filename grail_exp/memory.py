@@ -1,0 +1,569 @@
+"""Memory plan of a run, per device, before anything is loaded (the library; the CLI is ``grail_exp/plan.py``).
+
+``config.validate`` calls :func:`check` and refuses a run whose plan does not fit, naming keys and values that would;
+``python -m grail_exp.plan <overrides>`` prints :func:`render` of :func:`plan` (docs/memory-planner.md).
+
+Per rank (one device), with N parameters, b bytes per model-dtype element, W ranks, from the shipped architecture
+(``grail_exp/data/architectures/*.json``) or the embedded model's ``model.build``:
+
+- **model state**: parameters (N·b; fp32 shards 4N/W under FSDP), fp32 master weights (4N, or 4N/W sharded), Adam
+  moments (8N, or 8N/W), gradients (fp32 4N accumulated on one device; 4N/W sharded under FSDP; bf16 2N/W + fp32
+  4N/W partitions under DeepSpeed ZeRO-2) and, under FSDP, the bf16 parameters it gathers (N·b kept from forward to
+  backward with SHARD_GRAD_OP; one layer with FULL_SHARD; all of them while generating);
+- **the update** of one micro-batch of m rows × T = prompt + completion tokens: the activations autograd saves
+  (gradient checkpointing: each layer's input, m·T·h·b, plus one layer recomputed in backward; without: every
+  layer's full set, measured on the real HF decoder layers), the chunked output layer of
+  ``trainer.logprob_chunk_tokens`` rows (forward ≈ 5.5 and backward ≈ 5.4 fp32 (chunk, V) tensors alive at once,
+  plus the fp32 output-layer gradient), OAR-G's noisy teacher pass (a second graph of the micro-batch);
+- **rollouts / evaluation** with HF ``generate``: the KV cache of every row of one call,
+  rows × (prompt + completion) × layers × KV heads × head_dim × 2 (K and V) × b, and one step's (rows, V) scores;
+  with vLLM: ``rollout.vllm.gpu_memory_utilization`` × the device, reserved for the whole run (no sleep mode);
+- **the reference model** (β > 0, KL in the reward, loss terms that need it): a frozen copy, N·b per rank;
+- a **headroom** of 2 GiB + 5 % of the device (allocator fragmentation, NCCL and cuBLAS workspaces, CUDA graphs).
+
+The peak is the largest phase; vLLM's reserve is held through every phase. CPU runs (``trainer.accelerator=cpu``) are
+planned (the table prints) but never refused: host memory is not this planner's. A GPU config validated where no
+CUDA device is visible is refused only with ``trainer.device_memory_gb`` set (planning offline); otherwise its plan is
+printed by ``python -m grail_exp.plan`` without a verdict. Measured peaks against the plan: results/memory_plan.md
+(``python sweeps/memory_plan.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+GiB = 2**30
+HEADROOM_FIXED = 2 * GiB  # allocator fragmentation, NCCL buffers, cuBLAS workspace, CUDA graphs
+HEADROOM_FRACTION = 0.05
+VLLM_PROFILE_BYTES = 1.5 * GiB  # vLLM's own activation / sampler profile inside its reserved fraction (approximate)
+# Padded prompt length per rollout / evaluation call (HF pads a call to its longest prompt). Benchmarks: the longest
+# prompt of each shipped benchmark with the paper's instruction and chat template (Qwen3 / Llama-3 tokenizers measure
+# within 2 tokens of each other), rounded up; training sets: DeepMath-103K is not available offline, its prompts are
+# ~300 tokens (issue 22), 512 is the planner's pad width.
+PROMPT_TOKENS = {"arithmetic": 64, "arithmetic_val": 64, "deepmath": 512, "scrl_jsonl": 512, "math500": 800,
+                 "aime24": 400, "amc23": 256, "minerva_math": 416, "college_math_200": 384, "olympiadbench_200": 1280}
+DEFAULT_PROMPT_TOKENS = 512
+# Output layer (grail_exp/logprobs.py), in fp32 (chunk, V) tensors alive at once, measured on CPU with the real
+# function (tests/test_plan.py::test_logprob_peak_matches_the_function): several chunks, bf16 weights: forward 5.5
+# (the previous chunk's logits, log-probs and probabilities while the next chunk's bf16 + fp32 logits are built),
+# fp32 weights 5.0; one chunk: 4.0 (its probabilities kept for the backward). Backward: 5.4 (several chunks) / 5.1
+# (one chunk, its kept probabilities included), plus the fp32 output-layer gradient (4·V·h) and, per chunk, its bf16 +
+# fp32 contribution (6·V·h) when that outweighs 2.4 units of the chunk's tensors (measured with h = 64 ... 2,048).
+LOGITS_FWD_UNITS = {"multi_half": 5.5, "multi_fp32": 5.0, "single": 4.0}
+# One generation step of HF generate, bytes per row and vocabulary entry: the model's bf16 logits (2), their fp32 copy
+# (4), the log-prob recorder's scaled copy and log-softmax (8) with the previous step's still pending (4), the
+# sampling probabilities (4). Against the H100 generation peaks of results/gpu.md: results/memory_plan.md.
+SCORE_BYTES = 22
+LOGITS_BWD_UNITS = {"multi": 5.4, "single": 5.1}  # single: 4.1 above the forward's kept probabilities (1.0)
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made (unknown architecture); the message says what is missing."""
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class Shape:
+    """What the plan needs of an architecture."""
+
+    name: str
+    params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qk_norm: bool  # Qwen3's per-head q/k RMSNorms (saved activations)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers, in elements (× bytes per element by the caller)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim
+
+
+def model_shape(model_cfg) -> Shape:
+    """The policy's shape: a shipped architecture (``model.architecture`` or the one whose hub id is
+    ``model.name_or_path``, with ``model.random_init_overrides``), a local directory's config.json, or the embedded
+    ``model.build``."""
+    from grail_exp.architectures import _by_hub_id, hf_config, load_architecture, parameter_counts
+
+    name_or_path = model_cfg.get("name_or_path")
+    arch = model_cfg.get("architecture")
+    if name_or_path is None and not arch and model_cfg.get("build") is not None:
+        b = model_cfg.build
+        c = {"model_type": "qwen3" if b.architecture == "qwen3" else "llama", "hidden_size": b.hidden_size,
+             "intermediate_size": b.intermediate_size, "vocab_size": b.vocab_size,
+             "num_attention_heads": b.num_heads, "num_key_value_heads": b.num_kv_heads,
+             "num_hidden_layers": b.num_layers, "head_dim": b.head_dim, "tie_word_embeddings": b.tie_word_embeddings}
+        return _shape(str(model_cfg.get("name", "embedded")), c, parameter_counts(c)["total"])
+    if not arch and name_or_path:
+        arch = _by_hub_id(str(name_or_path))
+        if arch is None and os.path.isfile(os.path.join(os.path.expanduser(str(name_or_path)), "config.json")):
+            arch = str(name_or_path)
+    if not arch:
+        raise PlanError(f"model.name_or_path={name_or_path!r}: no shipped architecture with this hub id and no local "
+                        "config.json; set model.architecture to one of grail_exp/data/architectures or a config.json")
+    from omegaconf import OmegaConf
+
+    overrides = model_cfg.get("random_init_overrides") if model_cfg.get("random_init") else None
+    overrides = OmegaConf.to_container(overrides, resolve=True) if OmegaConf.is_config(overrides) else overrides
+    c = hf_config(load_architecture(str(arch)), overrides or None)
+    return _shape(str(arch), c, parameter_counts(c)["total"])
+
+
+def _shape(name: str, c: dict, params: int) -> Shape:
+    return Shape(name=name, params=params, layers=c["num_hidden_layers"], hidden=c["hidden_size"],
+                 intermediate=c["intermediate_size"], heads=c["num_attention_heads"],
+                 kv_heads=c["num_key_value_heads"], head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+                 vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings")), qk_norm=c.get("model_type") == "qwen3")
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass
+class Line:
+    phase: str  # state | update | rollout | eval | logp | step
+    what: str
+    bytes: float
+    how: str  # the formula with its numbers
+
+
+@dataclass
+class MemoryPlan:
+    lines: list[Line]
+    phases: dict[str, float]  # phase -> bytes per device (its lines + the state + vLLM's reserve)
+    peak_phase: str
+    capacity: Optional[float]  # bytes usable per device; None = unknown (CPU, or no device and no device_memory_gb)
+    capacity_source: str
+    headroom: float
+    problems: list[str] = field(default_factory=list)  # impossible independently of the sum (vLLM too small, ...)
+    facts: dict = field(default_factory=dict)  # the inputs, for the table's header
+
+    @property
+    def peak(self) -> float:
+        return self.phases[self.peak_phase]
+
+    @property
+    def fits(self) -> Optional[bool]:
+        if self.capacity is None:
+            return None
+        return not self.problems and self.peak <= self.capacity - self.headroom
+
+
+def _world(t) -> int:
+    d = t.devices
+    n = d if isinstance(d, int) else len(d) if hasattr(d, "__len__") and not isinstance(d, str) else 1
+    return max(1, int(n)) * max(1, int(t.get("num_nodes", 1) or 1))
+
+
+def _dtype_bytes(dtype) -> int:
+    return 4 if str(dtype) == "float32" else 2
+
+
+def strategy_of(cfg) -> str:
+    """single | ddp | fsdp_full | fsdp_grad_op | zero1 | zero2."""
+    t = cfg.trainer
+    s = str(t.strategy)
+    if s == "fsdp":
+        return "fsdp_grad_op" if (t.get("sharding_strategy") or "FULL_SHARD") == "SHARD_GRAD_OP" else "fsdp_full"
+    if s == "deepspeed":
+        stage = ((t.get("deepspeed") or {}).get("zero_optimization") or {}).get("stage", 2)
+        return "zero1" if stage == 1 else "zero2"
+    return "ddp" if _world(t) > 1 else "single"
+
+
+def device_capacity(cfg) -> tuple[Optional[float], Optional[float], str]:
+    """(usable bytes, total bytes, where from) of one device; (None, None, why) when there is none to plan for."""
+    t = cfg.trainer
+    gb = t.get("device_memory_gb")
+    if gb:
+        return float(gb) * GiB, float(gb) * GiB, f"trainer.device_memory_gb={gb}"
+    if str(t.accelerator) == "cpu":
+        return None, None, "CPU run: host memory is not planned (never refused)"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            dev = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            free, total = torch.cuda.mem_get_info(dev)
+            return float(free), float(total), f"torch.cuda.mem_get_info({dev}): {free / GiB:.1f} of {total / GiB:.1f} GiB free"
+    except Exception as exc:  # noqa: BLE001 - a broken driver is the run's problem, not the planner's
+        return None, None, f"no CUDA device ({type(exc).__name__})"
+    return None, None, "no CUDA device visible: set trainer.device_memory_gb to plan for one"
+
+
+def uses_reference(cfg) -> bool:
+    L = cfg.loss
+    if L.beta > 0 or (L.get("kl_in_reward") or {}).get("enabled", False):
+        return True
+    try:
+        from grail_exp.loss import LOSS_TERMS
+
+        return any(getattr(LOSS_TERMS.get(n), "needs_reference", False) for n in (L.get("terms") or {}))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _prompt_tokens(names) -> int:
+    return max((PROMPT_TOKENS.get(str(n), DEFAULT_PROMPT_TOKENS) for n in names), default=DEFAULT_PROMPT_TOKENS)
+
+
+def layer_activation_bytes(s: Shape, b: int) -> float:
+    """Bytes autograd saves per token in one decoder layer (SDPA attention), as counted with saved-tensor hooks on the
+    real HF Qwen3 / Llama layers (tests/test_plan.py): two RMSNorms keep an fp32 copy of their input and the
+    normalised b-byte tensor (2·(4 + b)·h); q, k, v, the rotated q and k, the attention output and o_proj's input
+    (b·(4·n_h·d + 3·n_kv·d)); Qwen3's q/k norms ((4 + b)·(n_h + n_kv)·d); the SwiGLU MLP's gate, up, activation and
+    product (4·b·i)."""
+    qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return (2 * (4 + b) * s.hidden + b * (4 * qd + 3 * kd) + ((4 + b) * (qd + kd) if s.qk_norm else 0)
+            + 4 * b * s.intermediate)
+
+
+def logits_bytes(rows: int, chunk: int, s: Shape, b: int) -> tuple[float, float, str]:
+    """(forward peak, backward peak, how) of the chunked output layer over ``rows`` completion tokens."""
+    n = min(rows, chunk)
+    unit = n * s.vocab * 4
+    multi = rows > chunk
+    fwd_u = LOGITS_FWD_UNITS["multi_half" if b == 2 else "multi_fp32"] if multi else LOGITS_FWD_UNITS["single"]
+    bwd_u = LOGITS_BWD_UNITS["multi" if multi else "single"]
+    vh = s.vocab * s.hidden
+    fwd = fwd_u * unit
+    bwd = max(bwd_u * unit, (bwd_u - 2.4) * unit + 6 * vh) + 4 * vh
+    how = (f"{fwd_u:g} / {bwd_u:g} x ({n:,} rows x V {s.vocab:,} x 4 B), + 4·V·h fp32 output-layer gradient"
+           + (" (several chunks)" if multi else " (one chunk)"))
+    return fwd, bwd, how
+
+
+def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
+    """The per-device memory plan of the composed run config ``cfg`` (resolved lazily; nothing is loaded).
+    ``prompt_tokens``: the padded prompt length of training rows (default: ``PROMPT_TOKENS`` of ``data.name``)."""
+    t, r, L, m = cfg.trainer, cfg.rollout, cfg.loss, cfg.model
+    s = model_shape(m)
+    b = _dtype_bytes(m.dtype)
+    half = b == 2
+    N, W = s.params, _world(t)
+    strat = strategy_of(cfg)
+    lines: list[Line] = []
+
+    def add(phase: str, what: str, nbytes: float, how: str) -> None:
+        lines.append(Line(phase, what, float(nbytes), how))
+
+    # ---- model state (held through every phase) and the gradients of the update
+    master = cfg.optim.get("master_weights")
+    master = half if master is None else bool(master)
+    gathered_train = 0.0  # FSDP: bf16 parameters gathered for forward + backward
+    if strat in ("single", "ddp"):
+        add("state", "parameters", N * b, f"N {N:,} x {b} B")
+        if master:
+            add("state", "fp32 master weights", 4 * N, "4 B x N")
+        add("state", "Adam moments", 8 * N, "2 x 4 B x N (fp32)" if master or b == 4 else "2 x b x N")
+        if strat == "single":
+            add("update", "gradients", 4 * N if master or b == 4 else b * N,
+                "fp32, accumulated over micro-batches (the bf16 ones are freed as they arrive)" if master else "b x N")
+        else:
+            add("update", "gradients", b * N + (4 * N if master else 0),
+                "b x N on the parameters between all-reduces" + (" + fp32 masters' 4 B x N" if master else ""))
+            add("step", "gradient all-reduce", 4 * N + (4 * N if master else 0) + b * N,
+                "flat fp32 buffer 4N + the masters' 4N + the parameters' copies bN (training/backends/local.py)")
+    elif strat.startswith("fsdp"):
+        add("state", "fp32 parameter shards (the masters)", 4 * N / W, f"4 B x N / W {W}")
+        add("state", "Adam moments", 8 * N / W, "8 B x N / W")
+        add("update", "gradients", 4 * N / W, "fp32 shards 4 B x N / W (reduce-scattered in backward)")
+        if strat == "fsdp_grad_op":
+            gathered_train = N * b
+            add("update", "gathered parameters", N * b, "every layer's b-byte copy, kept from forward to backward (SHARD_GRAD_OP)")
+        else:
+            root = s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
+            per_layer = (N - root) / s.layers
+            gathered_train = (root + 2 * per_layer) * b
+            add("update", "gathered parameters", gathered_train,
+                "the root unit (embeddings, output layer) + two layers (one prefetched), b bytes (FULL_SHARD)")
+    else:  # DeepSpeed ZeRO-1 / 2
+        ds = (t.get("deepspeed") or {}).get("zero_optimization") or {}
+        bucket = float(ds.get("reduce_bucket_size", 5e8)) + float(ds.get("allgather_bucket_size", 5e8))
+        add("state", "parameters", N * b, f"N {N:,} x {b} B, replicated")
+        add("state", "fp32 master partition", 4 * N / W, "4 B x N / W")
+        add("state", "Adam moments", 8 * N / W, "8 B x N / W")
+        grads = (b * N if strat == "zero1" else b * N / W) + 4 * N / W
+        add("update", "gradients", grads, ("b x N" if strat == "zero1" else "b x N / W") + " partition + fp32 4 B x N / W")
+        add("update", "DeepSpeed buckets", bucket * b, "(reduce_bucket_size + allgather_bucket_size) x b")
+    if uses_reference(cfg):
+        add("state", "reference model", N * b, "a frozen copy, N x b (loss.beta > 0 / KL in reward / a term needs it)")
+
+    # ---- the update of one micro-batch
+    G = r.num_generations
+    local_rows = max(1, t.prompts_per_step * G // W)
+    mb = min(int(t.micro_batch_size), local_rows)
+    C = int(r.max_completion_length)
+    P = int(prompt_tokens) if prompt_tokens else _prompt_tokens([cfg.data.name])
+    T = P + C
+    tok = mb * T
+    chunk = int(t.logprob_chunk_tokens)
+    layer = layer_activation_bytes(s, b)
+    final = tok * s.hidden * (4 + b) + mb * C * s.hidden * b  # final RMSNorm + the completion window's hidden copy
+    mask = mb * T * T  # the (m, 1, T, T) boolean attention mask of a left-padded batch
+    if m.get("gradient_checkpointing"):
+        saved = s.layers * tok * s.hidden * b + final + mask
+        recompute = tok * layer + tok * b * (2 * s.hidden + 2 * s.intermediate)  # one layer again + its grads in flight
+        add("update", "activations (checkpointed)", saved,
+            f"{s.layers} layers x {mb} rows x {T} tokens x h {s.hidden} x {b} B + final norm, window copy, mask")
+    else:
+        saved = s.layers * tok * layer + final + mask
+        recompute = 0.0
+        add("update", "activations", saved, f"{s.layers} layers x {mb} x {T} tokens x {layer:,.0f} B + final norm, mask")
+    lf, lb, lhow = logits_bytes(mb * C, chunk, s, b)
+    scheme = str(cfg.advantage.get("name", ""))
+    teacher = saved + recompute if scheme == "oar_g" else 0.0  # OAR-G: the noisy pass's own graph (with input grads)
+    transient = {"output layer, forward": lf, "output layer, backward": lb, "layer recomputed in backward": recompute,
+                 "OAR-G noisy teacher pass": teacher}
+    what, worst = max(transient.items(), key=lambda kv: kv[1])
+    add("update", f"peak transient: {what}", worst,
+        lhow if what.startswith("output") else "one decoder layer's saved set + gradients in flight" if what.startswith("layer")
+        else "a second graph of the micro-batch (activations + its recompute)")
+
+    # ---- old / reference log-probs (no grad) when mu > 1 or a reference model is used
+    if L.num_iterations > 1 or uses_reference(cfg):
+        add("logp", "no-grad forward", tok * b * (2 * s.hidden + 2 * s.intermediate) + lf + mask,
+            "one layer's transients + the output layer's chunk")
+        if gathered_train:
+            add("logp", "gathered parameters", gathered_train, "as in the update")
+
+    # ---- rollouts and evaluation
+    engine = str(r.engine)
+    vllm_reserve = 0.0
+    _, total, _src = device_capacity(cfg)
+    problems: list[str] = []
+    if engine == "vllm":
+        util = float(r.vllm.gpu_memory_utilization)
+        if total is not None:
+            vllm_reserve = util * total
+            vb = _dtype_bytes(r.vllm.get("dtype") or m.dtype)
+            need = N * vb + VLLM_PROFILE_BYTES + s.kv_bytes_per_token * vb * T
+            if vllm_reserve < need:
+                problems.append(
+                    f"rollout.vllm.gpu_memory_utilization = {util:g}: {vllm_reserve / GiB:.1f} GiB of the "
+                    f"{total / GiB:.1f} GiB device cannot hold the engine's weights ({N * vb / GiB:.1f} GiB), its "
+                    f"profile (~{VLLM_PROFILE_BYTES / GiB:.1f} GiB) and the KV cache of one {T:,}-token sequence "
+                    f"({s.kv_bytes_per_token * vb * T / GiB:.2f} GiB); needs >= {math.ceil(need / total * 100) / 100:.2f}")
+        if strat.startswith("fsdp"):
+            add("rollout", "gathered parameters (weight sync)", N * b, "the full b-byte state pushed to vLLM")
+    else:
+        per_call = max(1, int(r.generation_batch_size) // G)
+        rows = min(per_call, max(1, t.prompts_per_step // W)) * G
+        kv = rows * T * s.kv_bytes_per_token * b
+        add("rollout", "KV cache (HF generate)", kv,
+            f"{rows} rows x {T} tokens x {s.layers} layers x {s.kv_heads} KV heads x {s.head_dim} x 2 (K, V) x {b} B")
+        add("rollout", "scores and prefill", rows * s.vocab * SCORE_BYTES + rows * P * b * (2 * s.hidden + 3 * s.intermediate)
+            + s.kv_bytes_per_token * b * rows * T / s.layers,
+            f"{SCORE_BYTES} B x rows x V of one step's scores + one prefill layer's transients + one layer's KV being grown")
+        if strat.startswith("fsdp"):
+            add("rollout", "gathered parameters", N * b, "full_parameters(): every layer's b-byte copy")
+    evaluates = bool(t.get("eval_at_end") or t.get("eval_before_training") or t.get("eval_every"))
+    if evaluates and engine == "vllm" and strat.startswith("fsdp"):
+        add("eval", "gathered parameters (weight sync)", N * b, "the full b-byte state pushed to vLLM")
+    if evaluates and engine != "vllm":
+        ev = cfg.eval
+        per_call = max(1, int(ev.batch_size) // int(ev.n))
+        rows = per_call * int(ev.n)
+        Te = _prompt_tokens(cfg.benchmark.names) + int(ev.max_tokens)
+        add("eval", "KV cache (HF generate)", rows * Te * s.kv_bytes_per_token * b,
+            f"{rows} rows x {Te} tokens (prompt + eval.max_tokens) x {s.kv_bytes_per_token * b:,} B per token; rank 0")
+        add("eval", "scores and prefill", rows * s.vocab * SCORE_BYTES + s.kv_bytes_per_token * b * rows * Te / s.layers,
+            f"{SCORE_BYTES} B x rows x V of one step's scores + one layer's KV being grown")
+        if strat.startswith("fsdp"):
+            add("eval", "gathered parameters", N * b, "full_parameters()")
+
+    state = sum(x.bytes for x in lines if x.phase == "state")
+    phases = {"state": state}
+    for ph in ("update", "logp", "step", "rollout", "eval"):
+        if any(x.phase == ph for x in lines):
+            extra = sum(x.bytes for x in lines if x.phase == ph)
+            if ph == "step":  # DDP's all-reduce happens with the gradients of the update allocated
+                extra += sum(x.bytes for x in lines if x.phase == "update" and x.what == "gradients")
+            phases[ph] = state + extra
+    for ph in phases:
+        phases[ph] += vllm_reserve
+    if vllm_reserve:
+        add("state", "vLLM reserve", vllm_reserve, f"rollout.vllm.gpu_memory_utilization {r.vllm.gpu_memory_utilization:g}"
+            " x the device, held through every phase")
+    peak_phase = max(phases, key=phases.get)
+    cap, _, src = device_capacity(cfg)
+    headroom = HEADROOM_FIXED + HEADROOM_FRACTION * cap if cap is not None else 0.0
+    facts = {"model": f"{s.name} ({N / 1e9:.2f} B parameters, {m.dtype})", "strategy": f"{strat}, {W} device(s)",
+             "micro-batch": f"{mb} rows x ({P} prompt + {C} completion) tokens",
+             "engine": engine + (f" (gpu_memory_utilization {r.vllm.gpu_memory_utilization:g})" if engine == "vllm" else
+                                 f" (generation_batch_size {r.generation_batch_size}, eval.batch_size {cfg.eval.batch_size})"),
+             "checkpointing": bool(m.get("gradient_checkpointing")), "logprob_chunk_tokens": chunk}
+    return MemoryPlan(lines, phases, peak_phase, cap, src, headroom, problems, facts)
+
+
+# ---------------------------------------------------------------------------------------------- what would fit
+def _vllm_need(cfg, rows: int) -> float:
+    """gpu_memory_utilization that holds the engine's weights, its profile and the KV cache of ``rows`` sequences."""
+    s, m, r = model_shape(cfg.model), cfg.model, cfg.rollout
+    _, total, _ = device_capacity(cfg)
+    vb = _dtype_bytes(r.vllm.get("dtype") or m.dtype) if r.get("vllm") else _dtype_bytes(m.dtype)
+    T = _prompt_tokens([cfg.data.name]) + int(r.max_completion_length)
+    need = s.params * vb + VLLM_PROFILE_BYTES + s.kv_bytes_per_token * vb * T * rows
+    return math.ceil(need / total * 100) / 100 if total else 1.0
+
+
+VLLM_SUGGESTED_SEQUENCES = 16  # a suggested vLLM fraction leaves KV room for this many sequences at once
+
+
+def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
+    """(ways to shrink the plan on the same engine, each a list of override sets from the mildest to the strongest,
+    cheapest first; switches of the engine)."""
+    t, r = cfg.trainer, cfg.rollout
+    fam: list[list[list[str]]] = []
+    strat = strategy_of(cfg)
+    fam.append([[f"trainer.logprob_chunk_tokens={v}"] for v in (2048, 1024, 512) if v < int(t.logprob_chunk_tokens)])
+    fam.append([[f"trainer.micro_batch_size={v}"] for v in (4, 2, 1) if v < int(t.micro_batch_size)])
+    if not cfg.model.get("gradient_checkpointing"):
+        fam.append([["model.gradient_checkpointing=true"]])
+    engines: list[list[str]] = []
+    if str(r.engine) != "vllm":
+        G, n = int(r.num_generations), int(cfg.eval.n)
+        fam.append([[f"rollout.generation_batch_size={v * G}"] for v in (16, 8, 4, 2, 1)
+                    if v * G < int(r.generation_batch_size)])
+        fam.append([[f"eval.batch_size={v * n}"] for v in (32, 16, 8, 4, 2, 1) if v * n < int(cfg.eval.batch_size)])
+        if device_capacity(cfg)[1]:
+            engines.append(["rollout=vllm", f"rollout.vllm.gpu_memory_utilization="
+                                            f"{_vllm_need(cfg, VLLM_SUGGESTED_SEQUENCES)}"])
+    else:
+        engines.append(["rollout=hf"])
+    if strat in ("fsdp_grad_op", "zero2", "zero1", "ddp"):
+        fam.append([["trainer=fsdp", f"trainer.devices={t.devices}"]])
+    if strat == "single" and str(t.accelerator) != "cpu":  # one device: shard the state over several (ZeRO-2)
+        fam.append([["trainer=fsdp_zero2", f"trainer.devices={d}"] for d in (2, 4, 8) if t.prompts_per_step % d == 0])
+    if strat != "single":  # more ranks shard more state and each rank samples fewer rows
+        d, nodes, opts = (t.devices if isinstance(t.devices, int) else 1), int(t.get("num_nodes", 1) or 1), []
+        while d < 8 and t.prompts_per_step % (2 * d * nodes) == 0:
+            d *= 2
+            opts.append([f"trainer.devices={d}"])
+        fam.append(opts)
+    return [f for f in fam if f], engines
+
+
+def replan(cfg, overrides: list[str]):
+    """``cfg`` with ``key=value`` overrides applied, as a new config. Group switches offered by ``suggest``:
+    ``trainer=fsdp`` / ``trainer=fsdp_zero2`` (with a ``trainer.devices`` override), ``rollout=vllm`` / ``rollout=hf``."""
+    import yaml
+    from omegaconf import OmegaConf, open_dict
+
+    new = copy.deepcopy(cfg)
+    with open_dict(new):
+        for o in overrides:
+            k, v = o.split("=", 1)
+            if k == "trainer":  # fsdp (FULL_SHARD) | fsdp_zero2 (SHARD_GRAD_OP); devices come as their own override
+                new.trainer.name, new.trainer.strategy = v, "fsdp"
+                new.trainer.sharding_strategy = "SHARD_GRAD_OP" if v == "fsdp_zero2" else "FULL_SHARD"
+                new.trainer.accelerator = "gpu"
+            elif k == "rollout":
+                new.rollout.engine = v
+            else:
+                OmegaConf.update(new, k, yaml.safe_load(v), merge=False)
+    return new
+
+
+def _fits(cfg, overrides: list[str]) -> bool:
+    try:
+        return bool(plan(replan(cfg, overrides)).fits)
+    except Exception:  # noqa: BLE001 - a candidate the planner cannot evaluate does not fit
+        return False
+
+
+def suggest(cfg, p: MemoryPlan, max_options: int = 3) -> list[list[str]]:
+    """Override sets that make the plan fit, mildest first. On the same engine: the vLLM fraction it needs (when the
+    engine cannot hold its weights: room for 16 sequences), then each single change that fits alone, else the
+    changes of every family combined, each at its mildest strength that fits (cheapest families first); then a
+    switch of the engine, if that alone fits. [] when nothing found fits."""
+    base: list[str] = []
+    if p.problems and str(cfg.rollout.engine) == "vllm":
+        base = [f"rollout.vllm.gpu_memory_utilization={_vllm_need(cfg, VLLM_SUGGESTED_SEQUENCES)}"]
+        if _fits(cfg, base):
+            return [base]
+    fams, engines = _families(cfg)
+    options: list[list[str]] = []
+    for fam in fams:
+        for o in fam:
+            if _fits(cfg, base + o):
+                options.append(base + o)
+                break
+    if not options:  # combine: each family at its strongest until the plan fits, then relax each back
+        chosen: list[Optional[list[str]]] = []
+        flat = lambda picks: base + [o for pick in picks if pick for o in pick]  # noqa: E731
+        for fam in fams:
+            chosen.append(fam[-1])
+            if _fits(cfg, flat(chosen)):
+                for i in reversed(range(len(chosen))):  # the mildest strength (or none) that still fits, the
+                    fam_i = fams[i]                        # costlier families (micro-batch) before the chunk size
+                    chosen[i] = next((o for o in [None, *fam_i] if _fits(cfg, flat(chosen[:i] + [o] + chosen[i + 1:]))),
+                                     chosen[i])
+                options.append(flat(chosen))
+                break
+    options = options[: max_options - 1] if engines else options[:max_options]
+    for e in engines:  # the engine switch replaces the vLLM fraction fix
+        if _fits(cfg, e):
+            options.append(e)
+    return options
+
+
+# ---------------------------------------------------------------------------------------------- output
+def render(p: MemoryPlan) -> str:
+    out = ["memory plan per device (GiB = 2^30 bytes)"]
+    out += [f"  {k}: {v}" for k, v in p.facts.items()]
+    out.append("")
+    out.append(f"| phase | item | GiB | how |")
+    out.append("|---|---|--:|---|")
+    for x in p.lines:
+        out.append(f"| {x.phase} | {x.what} | {x.bytes / GiB:.2f} | {x.how} |")
+    out.append("")
+    out.append("| phase | total GiB (state + phase + vLLM reserve) |")
+    out.append("|---|--:|")
+    for ph, v in p.phases.items():
+        out.append(f"| {ph}{' (peak)' if ph == p.peak_phase else ''} | {v / GiB:.2f} |")
+    out.append("")
+    if p.capacity is None:
+        out.append(f"device: {p.capacity_source}; no verdict")
+    else:
+        out.append(f"device: {p.capacity / GiB:.1f} GiB usable ({p.capacity_source}), headroom {p.headroom / GiB:.1f} GiB: "
+                   f"peak {p.peak / GiB:.1f} GiB ({p.peak_phase}) {'fits' if p.fits else 'DOES NOT FIT'}")
+    out += [f"problem: {x}" for x in p.problems]
+    return "\n".join(out)
+
+
+def refusal(cfg, p: MemoryPlan) -> str:
+    """The one message validate() raises for a plan that does not fit: what, against what, and what would fit."""
+    usable = p.capacity - p.headroom
+    parts = list(p.problems)
+    if p.peak > usable:
+        parts.append(f"the peak per device is {p.peak / GiB:.1f} GiB ({p.peak_phase}) against {usable / GiB:.1f} GiB "
+                     f"usable ({p.capacity_source}, less {p.headroom / GiB:.1f} GiB headroom)")
+    options = suggest(cfg, p)
+    if options:
+        fix = " | ".join(" ".join(o) for o in options)
+        tail = f". It would fit with {'one of: ' if len(options) > 1 else ''}{fix}"
+    else:
+        tail = (". No change of trainer.devices, trainer.micro_batch_size, trainer.logprob_chunk_tokens, "
+                "model.gradient_checkpointing, rollout.generation_batch_size, eval.batch_size or rollout=vllm|hf fits "
+                "this device")
+    return "memory plan: " + "; ".join(parts) + tail + ". Details: python -m grail_exp.plan <the same overrides>"
+
+
+def check(cfg) -> Optional[str]:
+    """For validate(): the refusal message when the plan does not fit a known device, else None. Plans that cannot
+    be made (an architecture the planner does not know) and devices it cannot see are not refused."""
+    try:
+        p = plan(cfg)
+    except PlanError:
+        return None
+    if p.fits is False:
+        return refusal(cfg, p)
+    return None

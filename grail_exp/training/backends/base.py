@@ -1,0 +1,118 @@
+"""The update-backend interface: how one optimiser step's gradients become an update under a parallel strategy.
+
+Lightning launches the processes and creates the process group (``grail_exp.distributed.build_strategy``); the
+training step is the project's own (several forwards and backwards per optimiser step: micro-batches, and GRAIL's
+probe gradient inside the policy forward), so the operations that differ between strategies sit behind this class:
+
+- ``configure_model`` / ``build_optimizer``: shard the policy (FSDP), wrap it (DeepSpeed), pick the optimiser and
+  where the fp32 master weights live.
+- ``forward``: the policy forward of a micro-batch (through FSDP's root unit when sharded); ``full_parameters``: every
+  parameter gathered for work outside that forward (generation, a scheme's ``prepare``).
+- ``backward``: one micro-batch's backward; ``step``: gradient sync, global norm, clipping, the optimiser step (or its
+  skip when the loss or the norm is not finite).
+- ``optimizer_state`` / ``load_optimizer_state`` / ``full_state_dict``: what a checkpoint stores and restores
+  (collectives on every rank).
+
+Nothing outside ``grail_exp/training/backends/`` asks which strategy it runs under. Adding a strategy = one file here
+with a class registered under the ``trainer.strategy`` names it serves (``@register_backend("name")``).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from grail_exp.forward import policy_forward
+
+BACKENDS: dict[str, type["UpdateBackend"]] = {}
+
+
+def register_backend(*names: str) -> Callable[[type["UpdateBackend"]], type["UpdateBackend"]]:
+    """Class decorator: the ``trainer.strategy`` values this backend serves."""
+
+    def deco(cls):
+        for name in names:
+            if name in BACKENDS:
+                raise ValueError(f"update backend for trainer.strategy={name!r} registered twice")
+            BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def raw_optimizer(optimizer):
+    """The torch optimiser inside Lightning's ``LightningOptimizer`` wrapper (or the optimiser itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+@dataclass
+class StepResult:
+    grad_norm: float  # global gradient norm before clipping (inf / NaN when not finite)
+    applied: bool  # False: the update was skipped (non-finite loss or gradient)
+
+
+class UpdateBackend:
+    """One strategy's update mechanics. ``module`` is the LightningModule (its ``manual_backward`` routes through
+    Lightning's strategy and precision plugin)."""
+
+    # False where the strategy's own initialisation already gives every rank the same weights (FSDP shards them).
+    broadcast_initial_weights: ClassVar[bool] = True
+    # True where the strategy keeps fp32 master weights itself (FSDP's fp32 shards, ZeRO's master partition), so a
+    # bf16 model needs no ``optim.master_weights``.
+    owns_master_weights: ClassVar[bool] = False
+
+    def __init__(self, cfg, module):
+        self.cfg = cfg
+        self.module = module
+
+    @classmethod
+    def policy_overrides(cls, cfg) -> dict:
+        """Config overrides for loading the trainable policy (FSDP loads fp32 parameters: its master weights)."""
+        return {}
+
+    @classmethod
+    def check_config(cls, cfg) -> list[str]:
+        """Key-named problems of ``cfg`` for this strategy (``config.validate`` calls it)."""
+        return []
+
+    # ---- the model
+    def configure_model(self, policy: torch.nn.Module) -> None:
+        pass
+
+    def build_optimizer(self, policy: torch.nn.Module) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def forward(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states: bool = False):
+        """``grail_exp.forward.policy_forward`` of ``model`` on a micro-batch: (logp, entropy, PolicyForward)."""
+        return policy_forward(model, input_ids, attention_mask, position_ids, completion_ids,
+                              self.cfg.rollout.temperature, chunk_tokens=self.cfg.trainer.logprob_chunk_tokens,
+                              hidden_states=hidden_states,
+                              logprob_dtype=self.cfg.trainer.get("logprob_dtype", "float32"))
+
+    def full_parameters(self):
+        """Context in which every parameter of the policy is present on this rank (a collective when sharded)."""
+        return nullcontext()
+
+    # ---- one optimiser step
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self, optimizer, loss_finite: bool) -> StepResult:
+        """Sync, measure, clip and apply the accumulated gradients — or skip the update when ``loss_finite`` is False or
+        the gradient norm is not finite. The caller then steps the scheduler and zeroes the gradients."""
+        raise NotImplementedError
+
+    # ---- checkpoints (collectives: every rank calls them)
+    def optimizer_state(self, optimizer):
+        raise NotImplementedError
+
+    def load_optimizer_state(self, optimizer, state) -> None:
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict | None:
+        """The policy's full state dict for rank 0's checkpoint, or None when ``save_pretrained`` can read the live
+        model."""
+        return None

@@ -1,0 +1,182 @@
+"""``trainer.strategy: deepspeed`` (``trainer=deepspeed_zero2``): DeepSpeed ZeRO stage 2 — the GRAIL paper's setup — under this trainer's own step.
+
+One optimiser step here runs several forwards and backwards (micro-batches, and the GRAIL / OAR probes' input
+gradients inside the policy forward) before a single update, with a step size the trainer decides. DeepSpeed's default
+*managed* gradient accumulation counts ``backward`` calls against a fixed ``gradient_accumulation_steps`` to find the
+boundary, and Lightning's ``DeepSpeedStrategy`` owns that count (on an H100 it refused this trainer's configuration;
+results/gpu.md). DeepSpeed's *unmanaged* mode (``managed_gradient_accumulation: false``, DeepSpeed >= 0.18) is the
+contract this trainer needs, so the engine is built here (``DeepSpeedBackend``), under Lightning's DDP launcher
+(``GradSyncDDPStrategy``):
+
+- **backward** — ``engine.backward(loss, scale_wrt_gas=False)``: ZeRO-2 reduce-scatters each micro-batch's gradients
+  into this rank's partition; the loss normalisers already count micro-batches and ranks, so no extra scaling.
+- **step** — ``engine.step()`` is the boundary: finalise the reduction, the global gradient norm, clipping
+  (``gradient_clipping`` = ``optim.max_grad_norm``), AdamW on the rank's fp32 master partition, all-gather of the
+  updated (bf16) parameters. With ``bf16.check_grad_overflow`` a step whose gradient norm is inf / NaN is skipped by
+  DeepSpeed; the trainer counts it as a skipped step, as on every other strategy.
+- **forward** — the policy module itself (``engine.module``), never the engine: DeepSpeed hooks the *engine's* outputs
+  so that any backward through them runs its reduction epilogue, including the probe's ``torch.autograd.grad`` with
+  respect to an input leaf, which has no parameter gradients to reduce (it fails). Parameter hooks fire only when a
+  parameter gradient is accumulated, which ``autograd.grad(J, leaf)`` never does. (The GRAIL reference likewise hands
+  the unwrapped model to its probe.)
+- **precision** — bf16 parameters and compute, fp32 master partition and fp32 Adam state (ZeRO's bf16 path): the
+  paper's layout. ``model.dtype=float32`` runs ZeRO-2 in fp32.
+- **schedule** — the trainer's ``LambdaLR`` on the client AdamW, whose param groups ZeRO steps.
+- **checkpoints** — rank 0 saves the bf16 parameters (``save_pretrained``) and every rank's ZeRO state (fp32 master
+  partition + Adam moments) inside the resume state; resume restores the masters from it
+  (``load_from_fp32_weights``). As with DeepSpeed's own checkpoints, resume needs the same world size.
+
+Tested on CPU (gloo, DeepSpeed's CPU accelerator) against the plain trainer: tests/test_deepspeed.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from grail_exp.optim import build_optimizer
+from grail_exp.training import world
+from grail_exp.training.backends.base import StepResult, UpdateBackend, register_backend
+
+
+def deepspeed_config(cfg) -> dict:
+    """DeepSpeed's JSON config for ``cfg``: unmanaged accumulation, ZeRO from ``trainer.deepspeed``, bf16 when the model
+    is bf16, clipping from ``optim.max_grad_norm``. ``trainer.deepspeed`` is merged last (any DeepSpeed key)."""
+    from omegaconf import OmegaConf
+
+    bf16 = cfg.model.dtype == "bfloat16"
+    ds = {
+        # Placeholders DeepSpeed requires; unmanaged mode ignores them for the boundary (the trainer calls step()).
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        "gradient_clipping": float(cfg.optim.max_grad_norm or 0.0),
+        "steps_per_print": 2**31 - 1,  # the trainer logs; DeepSpeed's own progress lines would interleave
+        "wall_clock_breakdown": False,
+    }
+    user = OmegaConf.to_container(cfg.trainer.deepspeed, resolve=True) if cfg.trainer.get("deepspeed") else {}
+    return _merge(ds, user)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def initialize(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg):
+    """Wrap ``policy`` and its AdamW in a ZeRO engine (collective: every rank calls it). Joins the process group that
+    Lightning's launcher created; a single process without one (tests, tools) gets a one-rank gloo group."""
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce for inference (~1 min, once); training
+        # reduces through gloo and never uses it.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    import deepspeed
+
+    if not dist.is_initialized():
+        for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0",
+                     "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+            os.environ.setdefault(k, v)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=deepspeed_config(cfg),
+                                           dist_init_required=False)
+    return engine
+
+
+def step(engine) -> float:
+    """The optimiser step (the accumulation boundary); returns the global gradient norm before clipping (inf / NaN
+    when DeepSpeed skipped the update)."""
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
+
+
+def optimizer_state(engine, world_size: int, rank: int) -> list[dict] | None:
+    """Every rank's ZeRO state (fp32 master partition, Adam moments), gathered to rank 0 for its checkpoint (collective;
+    other ranks get None). Only plain data is kept — tensors, numbers, strings — so the checkpoint loads with
+    ``torch.load(weights_only=True)``; DeepSpeed's own objects in it (loss scaler, stage enum, fragment addresses) are
+    rebuilt from the live engine on load."""
+    mine = _plain(engine.optimizer.state_dict())
+    if world_size == 1:
+        return [mine]
+    gathered: list | None = [None] * world_size if rank == 0 else None
+    torch.distributed.gather_object(mine, gathered, dst=0)
+    return gathered
+
+
+def load_optimizer_state(engine, states: list[dict]) -> None:
+    """Restore this rank's partition (ZeRO picks it from the list by rank), fp32 masters included."""
+    live = engine.optimizer.state_dict()
+    full = [{**live, **saved} for saved in states]
+    engine.optimizer.load_state_dict(full, load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+def _plain(state: dict) -> dict:
+    """The entries of a ZeRO state dict that are plain data throughout (the others are rebuilt from the live engine)."""
+    return {k: v for k, v in state.items() if _is_plain(v)}
+
+
+def _is_plain(obj) -> bool:
+    if isinstance(obj, dict):
+        return all(_is_plain(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_is_plain(v) for v in obj)
+    return obj is None or isinstance(obj, torch.Tensor) or type(obj) in (bool, int, float, str)  # not IntEnum
+
+
+@register_backend("deepspeed")
+class DeepSpeedBackend(UpdateBackend):
+    owns_master_weights = True  # ZeRO's fp32 master partition
+
+    def __init__(self, cfg, module):
+        super().__init__(cfg, module)
+        self.engine = None
+
+    @classmethod
+    def check_config(cls, cfg) -> list[str]:
+        import importlib.util
+
+        e = []
+        if importlib.util.find_spec("deepspeed") is None:
+            e.append(f"trainer.strategy = {cfg.trainer.strategy!r}: needs DeepSpeed: pip install -e '.[deepspeed]' "
+                     "(pinned deepspeed==0.19.8)")
+        ds = cfg.trainer.get("deepspeed") or {}
+        stage = (ds.get("zero_optimization") or {}).get("stage", 2)
+        if stage not in (1, 2):
+            e.append(f"trainer.deepspeed.zero_optimization.stage = {stage!r}: must be 1 or 2 (ZeRO-3 partitions the "
+                     "parameters themselves; trainer=fsdp shards them the way this trainer needs)")
+        if cfg.optim.get("grad_accum_dtype") is not None:
+            e.append(f"optim.grad_accum_dtype = {cfg.optim.grad_accum_dtype!r}: under ZeRO, DeepSpeed accumulates "
+                     "(default: in the model's dtype); set trainer.deepspeed.data_types.grad_accum_dtype instead and "
+                     "leave optim.grad_accum_dtype null")
+        return e
+
+    def build_optimizer(self, policy):
+        # ZeRO keeps the fp32 master partition and Adam state; the client AdamW it steps is plain.
+        opt = build_optimizer(policy, self.cfg.optim, master_weights=False)
+        self.engine = initialize(policy, opt, self.cfg)
+        return opt
+
+    def backward(self, loss):
+        self.engine.backward(loss, scale_wrt_gas=False)  # reduce-scatter into this rank's ZeRO partition
+
+    def step(self, optimizer, loss_finite):
+        # DeepSpeed's step: norm, clipping, the fp32 master update; it skips the update itself when the norm is inf /
+        # NaN, which the trainer counts like any other skipped step.
+        norm = step(self.engine)
+        return StepResult(norm, loss_finite and math.isfinite(norm))
+
+    def optimizer_state(self, optimizer):
+        """Every rank's ZeRO partition, gathered to rank 0."""
+        return optimizer_state(self.engine, world.world_size(), world.rank())
+
+    def load_optimizer_state(self, optimizer, state):
+        load_optimizer_state(self.engine, state)

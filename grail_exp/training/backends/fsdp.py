@@ -1,0 +1,177 @@
+"""``trainer.strategy: fsdp`` (``trainer=fsdp``, ``trainer=fsdp_zero2``) — the policy sharded with FSDP2.
+
+``torch.distributed.fsdp.fully_shard``: each decoder layer is a shard unit and the whole policy forward of a
+micro-batch — embeddings, decoder, chunked output-layer log-probs — is one call of the root unit (``PolicyCore``), so
+FSDP's hooks gather and free parameters around everything the trainer and the schemes touch. fp32 sharded parameters
+are the master weights (the policy is loaded in fp32, ``policy_overrides``); compute runs in ``model.dtype``
+(``MixedPrecisionPolicy``), gradients are reduce-scattered in fp32 in FSDP's backward hooks. Generation, scheme
+``prepare`` passes and checkpoints see the full parameters (``full_parameters``; full state dicts on rank 0).
+
+``sharding_strategy``: FULL_SHARD (ZeRO-3-like: a layer's parameters are freed after its forward and gathered again
+for backward) or SHARD_GRAD_OP (ZeRO-2-like, the paper's layout: kept gathered from forward to backward); gradients
+and optimiser state stay sharded either way.
+
+Lightning's own FSDPStrategy (FSDP1) refuses CPU and wraps ``training_step`` in one root forward, which does not fit a
+step with several forwards and backwards; FSDP2 runs on CPU (gloo), so it is tested here.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+
+from grail_exp.forward import policy_forward
+from grail_exp.optim import build_optimizer, grad_params
+from grail_exp.training.backends.base import StepResult, UpdateBackend, raw_optimizer, register_backend
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+
+
+class PolicyCore(torch.nn.Module):
+    """The policy forward of a micro-batch as one module call (the FSDP root unit): ``grail_exp.forward.policy_forward``."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, input_ids, attention_mask, position_ids, completion_ids, temperature: float, chunk_tokens: int,
+                hidden_states: bool, logprob_dtype: str = "float32"):
+        logp, entropy, fwd = policy_forward(self.policy, input_ids, attention_mask, position_ids, completion_ids,
+                                            temperature, chunk_tokens=chunk_tokens, hidden_states=hidden_states,
+                                            logprob_dtype=logprob_dtype)
+        return logp.clone(), entropy.clone(), fwd  # not views: FSDP hooks the outputs for its backward
+
+
+def shard_policy(policy: torch.nn.Module, cfg) -> PolicyCore:
+    """FSDP2-shard the policy in place: one unit per decoder layer, the rest in the root ``PolicyCore`` (kept gathered
+    between its forward and backward so the schemes can read the output layer and the embeddings)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from grail_exp.models import DTYPES, decoder_layer_classes
+
+    compute = DTYPES[cfg.model.dtype]
+    mp = MixedPrecisionPolicy(param_dtype=compute if compute != torch.float32 else None, reduce_dtype=torch.float32)
+    layer_types = tuple(decoder_layer_classes(cfg))
+    reshard = (cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "FULL_SHARD"
+    for module in policy.modules():
+        if isinstance(module, layer_types):
+            fully_shard(module, mp_policy=mp, reshard_after_forward=reshard)
+    core = PolicyCore(policy)
+    fully_shard(core, mp_policy=mp, reshard_after_forward=False)
+    return core
+
+
+def fsdp_units(module: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def initialize_root(core: torch.nn.Module) -> None:
+    """Run the root unit once (a 2-token no-grad forward) so FSDP initialises its state as one tree. Otherwise the first
+    work outside the root forward — generation calling the decoder layers directly — initialises each layer as a
+    root of its own, and the real root forward then fails ("FSDP state has already been lazily initialized"). A
+    collective: every rank calls it (at the first ``full_parameters``)."""
+    if getattr(core, "_root_initialized", False):
+        return
+    dev = next(core.parameters()).device
+    ids = torch.ones(1, 2, dtype=torch.long, device=dev)
+    with torch.no_grad():
+        core(ids, torch.ones_like(ids), torch.arange(2, device=dev)[None], ids[:, 1:], 1.0, 4096, False)
+    core._root_initialized = True
+
+
+@contextmanager
+def full_parameters(core: torch.nn.Module):
+    """Every sharded parameter gathered (no-grad work outside the root forward: generation, scheme ``prepare``)."""
+    initialize_root(core)
+    units = fsdp_units(core)
+    for u in units:
+        u.unshard()
+    try:
+        yield
+    finally:
+        for u in units:
+            u.reshard()
+
+
+@register_backend("fsdp")
+class FSDPBackend(UpdateBackend):
+    broadcast_initial_weights = False  # every rank built the same weights and shards them itself
+    owns_master_weights = True  # fp32 sharded parameters
+
+    def __init__(self, cfg, module):
+        super().__init__(cfg, module)
+        self.core: PolicyCore | None = None
+
+    @classmethod
+    def policy_overrides(cls, cfg) -> dict:
+        return {"model": {"dtype": "float32"}}  # fp32 sharded parameters are the master weights
+
+    @classmethod
+    def check_config(cls, cfg) -> list[str]:
+        s = cfg.trainer.get("sharding_strategy")
+        if s is not None and s not in SHARDING_STRATEGIES:
+            return [f"trainer.sharding_strategy = {s!r}: must be FULL_SHARD or SHARD_GRAD_OP (trainer=fsdp)"]
+        if cfg.optim.get("grad_accum_dtype") is not None:
+            return [f"optim.grad_accum_dtype = {cfg.optim.grad_accum_dtype!r}: FSDP accumulates in its fp32 sharded "
+                    "gradients (reduce_dtype fp32); leave it null"]
+        return []
+
+    def configure_model(self, policy):
+        if self.core is None:
+            self.core = shard_policy(policy, self.cfg)
+
+    def build_optimizer(self, policy):
+        return build_optimizer(policy, self.cfg.optim, master_weights=False)
+
+    def forward(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states=False):
+        if self.core is None or model is not self.core.policy:  # the reference model or a teacher: not sharded
+            return super().forward(model, input_ids, attention_mask, position_ids, completion_ids,
+                                   hidden_states=hidden_states)
+        return self.core(input_ids, attention_mask, position_ids, completion_ids, self.cfg.rollout.temperature,
+                         self.cfg.trainer.logprob_chunk_tokens, hidden_states,
+                         self.cfg.trainer.get("logprob_dtype", "float32"))
+
+    def full_parameters(self):
+        return full_parameters(self.core) if self.core is not None else super().full_parameters()
+
+    def backward(self, loss):
+        self.module.manual_backward(loss)
+
+    def step(self, optimizer, loss_finite):
+        params = grad_params(optimizer, self.core.policy)  # gradients were reduce-scattered in backward
+        total = torch.nn.utils.clip_grad_norm_(params, float("inf"))  # the global norm of the DTensor gradients
+        norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        if loss_finite and math.isfinite(norm):
+            if self.cfg.optim.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
+            optimizer.step()
+            return StepResult(norm, True)
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        return StepResult(norm, False)
+
+    def optimizer_state(self, optimizer):
+        """The full (unsharded) optimiser state, gathered to CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.core.policy, raw_optimizer(optimizer),
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, optimizer, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.core.policy, raw_optimizer(optimizer), optim_state_dict=state,
+                                 options=StateDictOptions(full_state_dict=True))
+
+    def full_state_dict(self):
+        """The policy's full (unsharded) state dict on CPU, for rank 0's checkpoint."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.core.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if getattr(self.core.policy.config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)  # tied: the embedding carries it, as save_pretrained writes it unsharded
+        return sd

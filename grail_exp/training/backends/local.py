@@ -1,0 +1,88 @@
+"""``trainer.strategy: auto | ddp`` — one process, or data parallelism with the gradients all-reduced by this backend.
+
+One process: AdamW on the parameters, or on fp32 master copies when the model is half precision
+(``optim.master_weights``, ``grail_exp.optim.MasterWeightAdamW``: gradients accumulate into the fp32 masters after each
+backward, the bf16 buffers are freed). Under DDP (``trainer=ddp``) every rank runs the same step on its slice of the
+prompts and the gradients are summed across ranks by **one flat all-reduce per optimiser step** — what
+``DistributedDataParallel`` with ``no_sync`` on every micro-batch but the last computes, without DDP's reducer, which
+does not expect several backwards (micro-batches, GRAIL's probe gradient) inside one ``training_step``. The loss
+normalisers count every rank's rows (``world_size`` in the aggregation), so after the mean over ranks the gradient is
+that of one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grail_exp.optim import GRAD_ACCUM_DTYPES, build_optimizer, grad_params
+from grail_exp.training import world
+from grail_exp.training.backends.base import StepResult, UpdateBackend, raw_optimizer, register_backend
+
+
+@register_backend("auto", "ddp")
+class LocalBackend(UpdateBackend):
+    @classmethod
+    def check_config(cls, cfg) -> list[str]:
+        acc = cfg.optim.get("grad_accum_dtype")
+        if acc is not None and acc not in GRAD_ACCUM_DTYPES:
+            return [f"optim.grad_accum_dtype = {acc!r}: must be null, fp32 or bf16"]
+        if acc is not None and str(cfg.trainer.strategy) != "auto":
+            return [f"optim.grad_accum_dtype = {acc!r}: only one process (trainer.strategy=auto) implements a choice; "
+                    "under trainer=ddp gradients accumulate in the parameters' .grad: set it to null"]
+        return []
+
+    def build_optimizer(self, policy):
+        o = self.cfg.optim
+        half = next(policy.parameters()).dtype in (torch.bfloat16, torch.float16)
+        master = o.master_weights if o.master_weights is not None else half
+        # fp32 accumulation hooks move gradients off the parameters during backward: fine on one process; under data
+        # parallelism the all-reduce needs them on the parameters first. optim.grad_accum_dtype=bf16 leaves them there:
+        # autograd sums each micro-batch's gradient into the bf16 .grad (one rounding per add, as ZeRO's bf16 default),
+        # converted to fp32 once at the step.
+        fp32 = (o.get("grad_accum_dtype") or "fp32") == "fp32"
+        return build_optimizer(policy, o, master_weights=bool(master), accumulate_fp32=world.world_size() == 1 and fp32)
+
+    def backward(self, loss):
+        self.module.manual_backward(loss)
+
+    def gradients(self, optimizer) -> list[torch.Tensor]:
+        """The step's gradient tensors (fp32 masters or parameters), summed across ranks first under DDP."""
+        params = grad_params(optimizer, self.module.policy)
+        n = world.world_size()
+        if n > 1:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            torch.distributed.all_reduce(flat)
+            flat /= n  # DDP's convention: the mean over ranks (the normalisers include R)
+            offset = 0
+            for p, g in zip(params, grads):
+                size = g.numel()
+                p.grad = flat[offset:offset + size].view_as(g).to(g.dtype)
+                offset += size
+        return params
+
+    def grad_norm(self, params: list[torch.Tensor]) -> float:
+        norms = [p.grad.detach().float().norm(2) for p in params if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+
+    def step(self, optimizer, loss_finite):
+        params = self.gradients(optimizer)
+        norm = self.grad_norm(params)
+        if loss_finite and math.isfinite(norm):
+            if self.cfg.optim.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
+            optimizer.step()
+            return StepResult(norm, True)
+        # With every grad None, AdamW leaves parameters and state untouched; the call still advances Lightning's
+        # optimiser-step counter, so the skipped step is counted like any other.
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        return StepResult(norm, False)
+
+    def optimizer_state(self, optimizer):
+        return raw_optimizer(optimizer).state_dict()
+
+    def load_optimizer_state(self, optimizer, state):
+        raw_optimizer(optimizer).load_state_dict(state)

@@ -1,0 +1,363 @@
+"""The whole training job behind ``python -m grail_exp.run``: validate → build the parts → train → evaluate → summary.
+
+``train(cfg)`` reads as its steps: resume point, tracking, the parts (model, tokenizer, scheme, rollout engine,
+verifier, data), the evaluation before training, the Lightning fit of ``GRPOModule``, the final checkpoint and
+evaluation, plots and summary. ``run(cfg)`` adds validation and returns ``optimized_metric`` (for sweeps and Optuna).
+Data parallelism: every rank runs this function (Lightning re-launches the command, or torchrun / srun did); only
+rank 0 tracks, evaluates and writes files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from grail_exp.config import validate
+from grail_exp.errors import Preempted, RunStopped
+
+log = logging.getLogger("grail_exp")
+
+
+@dataclass
+class Parts:
+    """What a run trains and scores with (built before any process group exists)."""
+
+    model_path: str  # the starting weights (the reference model comes from here)
+    policy_path: str  # the weights the policy starts from now (a checkpoint when resuming)
+    tokenizer: Any
+    policy: Any
+    ref_model: Any
+    terms: list
+    scheme: Any
+    engine: Any
+    verifier: Any
+    source: Any
+
+
+def run(cfg: DictConfig, on_eval=None) -> float | None:
+    """Validate, train, evaluate; return ``cfg.optimized_metric`` (None if unset). ``on_eval``: see ``train``."""
+    validate(cfg)
+    results = train(cfg, on_eval=on_eval)
+    metric = cfg.get("optimized_metric")
+    if not metric:
+        return None
+    if metric not in results:
+        log.warning("optimized_metric %s was not produced (trainer.eval_at_end=%s): returning None",
+                    metric, cfg.trainer.eval_at_end)
+        return None
+    return float(results[metric])
+
+
+def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
+    """The whole job; returns the final metrics (flat dict) plus phase timings.
+
+    ``on_eval(step, metrics)`` is called after each in-training evaluation (every ``trainer.eval_every`` steps)
+    with its flat metrics; it may raise ``errors.RunStopped`` to end the run early (Optuna pruning)."""
+    import lightning as L
+    import torch
+
+    from grail_exp.distributed import launch_rank
+    from grail_exp.module import GRPOModule
+    from grail_exp.tracking import NullTracker, build_tracker
+
+    _quiet_lightning()
+    phases: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    ckpt, state = _resume_point(cfg)  # cheap, first: its state names the MLflow run to continue
+    rank = launch_rank()
+    os.environ["GRAIL_EXP_DEVICES_PER_NODE"] = str(cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else 1)
+    # Tracking next: an unreachable server fails before minutes of model building.
+    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
+        if rank == 0 else NullTracker()
+    status, parts = "FAILED", None
+    try:
+        _log_start(cfg, tracker, state, ckpt)
+        parts = build_parts(cfg, ckpt, state, tracker, phases, t0)
+        evaluator = Evaluator(cfg, parts, tracker, phases, on_eval)
+        results: dict[str, float] = {}
+        if cfg.trainer.eval_before_training and state is None and rank == 0:
+            results.update({k.replace("eval/", "eval_before/", 1): v for k, v in evaluator("before", 0).items()})
+        module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, parts.engine, parts.source,
+                            parts.verifier, tracker, parts.ref_model, evaluate_fn=evaluator.during_training,
+                            resume_state=state, terms=parts.terms)
+        saver = Saver(cfg, module, parts, state)
+        t = time.perf_counter()
+        fit(cfg, module, state)
+        phases["train_s"] = time.perf_counter() - t
+        results.update(finish(cfg, module, saver, evaluator, tracker, phases, t0))
+        status = "FINISHED"
+        return results
+    except (Preempted, RunStopped):
+        status = "KILLED"
+        raise
+    except BaseException:
+        import traceback
+
+        try:  # the traceback goes with the run: a failed sweep job is diagnosable from MLflow alone
+            tracker.log_text(traceback.format_exc(), "error/traceback.txt")
+        except Exception:
+            pass
+        raise
+    finally:
+        if parts is not None:
+            parts.verifier.close()
+        tracker.end(status)
+
+
+# ---------------------------------------------------------------------------------------------- the steps
+def default_run_name(cfg: DictConfig) -> str:
+    return cfg.logger.get("run_name") or f"{cfg.model.name}-{cfg.advantage.name}-seed{cfg.seed}"
+
+
+def _quiet_lightning() -> None:
+    """Lightning's INFO lines (GPU/TPU availability, tips) repeat through Hydra's root handler; keep warnings.
+    Call after importing lightning: its import sets its loggers to INFO."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _resume_point(cfg: DictConfig):
+    """(checkpoint directory, its training state) for ``resume=...``, or (None, None) for a fresh run."""
+    from grail_exp.checkpoint import load_training_state, resolve_resume
+
+    ckpt = resolve_resume(cfg.get("resume"), Path(cfg.paths.output_dir) / "checkpoints")
+    return ckpt, (load_training_state(ckpt) if ckpt else None)
+
+
+def _log_start(cfg: DictConfig, tracker, state: dict | None, ckpt) -> None:
+    """The run's parameters, resolved config and tags (a fresh run), or a resume marker."""
+    if state is None:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        tracker.log_params({k: v for k, v in resolved.items() if k not in ("paths",)})
+        tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
+        tracker.set_tags({"model": cfg.model.name, "advantage": cfg.advantage.name, "seed": cfg.seed,
+                          "task_name": cfg.task_name, "output_dir": cfg.paths.output_dir})
+    else:
+        log.info("resuming from %s (step %d)", ckpt, state["step"])
+        tracker.set_tags({f"resumed_at_step_{state['step']}": str(ckpt)})
+        tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), f"config/resolved_resume_step{state['step']}.yaml")
+
+
+def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict, t0: float) -> Parts:
+    """Model (built or downloaded: ``phases["model_build_s"]``), tokenizer, policy and reference, loss terms, scheme,
+    rollout engine, verifier, data."""
+    from grail_exp.advantages import build_scheme
+    from grail_exp.data import build_source
+    from grail_exp.embedded import read_build_report
+    from grail_exp.extraction import reward_rule
+    from grail_exp.loss import build_terms
+    from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.rewards import MathVerifier
+    from grail_exp.rollout import build_engine
+    from grail_exp.training.backends import BACKENDS
+
+    model_path = resolve_model_path(cfg)
+    phases["model_build_s"] = time.perf_counter() - t0
+    report = read_build_report(model_path)
+    if report and report.get("warm_start") and state is None:
+        ws = report["warm_start"]
+        tracker.log_params({"warm_start.steps": ws["steps"], "warm_start.greedy_val_accuracy": ws["greedy_val_accuracy"],
+                            "warm_start.seconds": round(ws["seconds"], 1), "model.path": model_path})
+    policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
+    tokenizer = load_tokenizer(policy_path, cfg)
+    policy_cfg = OmegaConf.merge(cfg, BACKENDS[str(cfg.trainer.strategy)].policy_overrides(cfg))
+    policy = load_causal_lm(policy_path, policy_cfg, trainable=True)
+    terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
+    needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms) or cfg.loss.kl_in_reward.enabled
+    ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
+    log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
+    scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
+    engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size, cfg=cfg,
+                          model_path=policy_path)
+    r = cfg.reward
+    verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s, parse_timeout=r.parse_timeout,
+                            verify_timeout=r.verify_timeout,
+                            extraction=reward_rule(r.extraction))  # evaluation passes benchmark.extraction
+    source = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
+    return Parts(model_path, policy_path, tokenizer, policy, ref_model, terms, scheme, engine, verifier, source)
+
+
+class Evaluator:
+    """Benchmark evaluations of the live policy (before, during and after training), logged and kept as tables."""
+
+    def __init__(self, cfg: DictConfig, parts: Parts, tracker, phases: dict, on_eval: Callable | None):
+        self.cfg, self.parts, self.tracker, self.phases, self.on_eval = cfg, parts, tracker, phases, on_eval
+        self.tables: dict[str, str] = {}
+
+    def __call__(self, tag: str, step: int) -> dict[str, float]:
+        from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
+
+        t = time.perf_counter()
+        p = self.parts
+        from grail_exp.rollout.base import release
+
+        p.engine.sync_weights(p.policy)  # vLLM holds its own copy (and may sleep): evaluate the weights trained so far
+        res = evaluate_benchmarks(p.policy, p.tokenizer, p.engine, p.verifier, self.cfg, desc=f"eval ({tag})")
+        release(p.engine)  # sleep mode: the engine's memory goes back to training until the next sync
+        log_eval_result(self.tracker, res, tag, step)
+        self.phases[f"eval_{tag}_s"] = self.phases.get(f"eval_{tag}_s", 0.0) + time.perf_counter() - t
+        self.tables[tag] = res.table()
+        log.info("evaluation (%s, step %d):\n%s", tag, step, self.tables[tag])
+        return res.flat_metrics()
+
+    def during_training(self, step: int) -> None:
+        metrics = self(f"step{step}", step)
+        if self.on_eval is not None:
+            self.on_eval(step, metrics)
+
+
+class Saver:
+    """Checkpoints (``<run dir>/checkpoints``, exact resume) and the weights-only trajectory (``<run dir>/trajectory``:
+    θ_0, every ``trainer.save_weights_only_every`` steps and the last; RELEX's input). Both gather a sharded policy on
+    every rank (collectives) and write on rank 0; a step is written once."""
+
+    def __init__(self, cfg: DictConfig, module, parts: Parts, state: dict | None):
+        from grail_exp.distributed import launch_rank
+        from grail_exp.checkpoint import save_weights
+
+        self.cfg, self.module, self.parts = cfg, module, parts
+        self.ckpt_root = Path(cfg.paths.output_dir) / "checkpoints"
+        self.traj_root = Path(cfg.paths.output_dir) / "trajectory"
+        self.saved_at = {int(state["step"])} if state else set()
+        self.traj_saved: set[int] = set()
+        module.checkpoint_fn = self.checkpoint
+        if cfg.trainer.save_weights_only_every:
+            module.weights_fn = self.trajectory
+            if state is None and launch_rank() == 0:  # before fit: nothing is sharded and no process group exists yet
+                self.traj_saved.add(0)
+                save_weights(self.traj_root, 0, parts.policy, parts.tokenizer)
+
+    def checkpoint(self, position: dict) -> None:
+        from grail_exp.checkpoint import save_checkpoint
+
+        m = self.module
+        if m.step in self.saved_at:
+            return
+        state_now = m.state_for_checkpoint(position)  # every rank: gathers the ranks' RNG / buffers
+        weights = m.model_state_for_checkpoint()  # a sharded policy: the full state dict (collective)
+        self.saved_at.add(m.step)
+        if m.rank == 0:
+            path = save_checkpoint(self.ckpt_root, m.step, self.parts.policy, self.parts.tokenizer, state_now,
+                                   keep_last=self.cfg.trainer.keep_last_checkpoints, state_dict=weights)
+            log.info("checkpoint: %s", path)
+        m.barrier()
+
+    def trajectory(self, step: int) -> None:
+        from grail_exp.checkpoint import save_weights
+
+        m = self.module
+        if step in self.traj_saved:
+            return
+        weights = m.model_state_for_checkpoint()  # a sharded policy: the full state dict (collective)
+        self.traj_saved.add(step)
+        if m.rank == 0:
+            save_weights(self.traj_root, step, self.parts.policy, self.parts.tokenizer, state_dict=weights)
+        m.barrier()
+
+
+def fit(cfg: DictConfig, module, state: dict | None) -> None:
+    """Lightning's fit over the remaining rounds (a round = one rollout batch = μ optimiser steps); a stop signal ends
+    it after the current optimiser step with a checkpoint (``Preempted``)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from grail_exp.distributed import build_strategy
+
+    rounds = -(-cfg.trainer.max_steps // module.update.steps_per_rollout)  # ceil
+    start_round = int(state["round"]) if state else 0
+    trainer = L.Trainer(
+        accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
+        strategy=build_strategy(cfg), precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+        deterministic=cfg.trainer.deterministic, default_root_dir=cfg.paths.output_dir,
+        use_distributed_sampler=False,  # every rank walks the same rounds; the module splits the prompts
+    )
+    with stop_on_signal(module):
+        trainer.fit(module, train_dataloaders=DataLoader(range(start_round, rounds), batch_size=None, shuffle=False))
+
+
+def finish(cfg: DictConfig, module, saver: Saver, evaluator: Evaluator, tracker, phases: dict, t0: float) -> dict:
+    """After fit: final checkpoint and trajectory, final evaluation, phase timings, plots, the summary."""
+    results: dict[str, float] = {}
+    if module.last_metrics:
+        results.update({f"train/{k}": v for k, v in module.last_metrics.items()})
+    if cfg.trainer.save_final_checkpoint:
+        saver.checkpoint(module.position)
+    if cfg.trainer.save_weights_only_every:
+        saver.trajectory(module.step)
+    rank = module.rank  # the process group exists now
+    if cfg.trainer.eval_at_end and rank == 0:
+        results.update(evaluator("final", module.step))
+    phases["total_s"] = time.perf_counter() - t0
+    tracker.log_metrics({f"phase/{k}": v for k, v in phases.items()}, step=module.step)
+    results.update({f"phase/{k}": v for k, v in phases.items()})
+    results["train/steps"] = module.step
+    if rank == 0:
+        from grail_exp.plots import log_training_plots
+
+        # Training curves + weight plots (from <run dir>/weights) under plots/ of the run; never fatal.
+        log_training_plots(tracker, Path(cfg.paths.output_dir), label=cfg.advantage.name)
+        write_summary(cfg, results, evaluator.tables, tracker)
+    return results
+
+
+@contextmanager
+def stop_on_signal(module):
+    """SIGTERM (what SLURM sends before preemption), and submitit's USR2 in its jobs, finish the current step,
+    checkpoint and stop (grail_exp/preemption.py)."""
+    from grail_exp.preemption import stop_signals
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        log.warning("%s received: finishing the current optimiser step, then checkpointing",
+                    signal.Signals(signum).name)
+        module.stop_requested = True
+
+    previous = {sig: signal.signal(sig, handler) for sig in stop_signals()}
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> None:
+    """``<run dir>/metrics.json`` and a readable before/after report on the console."""
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"run_id": getattr(tracker, "run_id", None), "metrics": results, "tables": tables}
+    (out / "metrics.json").write_text(json.dumps(payload, indent=2, default=float))
+    lines = [f"run directory: {out}"]
+    if getattr(tracker, "run_id", None):
+        lines.append(f"MLflow run: {tracker.run_id} ({cfg.logger.experiment_name})")
+        experiment_id = getattr(tracker, "experiment_id", None)
+        if experiment_id is not None:
+            from grail_exp.tracking import training_view_url
+
+            lines.append(f"MLflow view: {training_view_url(tracker.tracking_uri, experiment_id, tracker.run_id)}")
+    metric = cfg.optimized_metric
+    if metric and metric in results:
+        before = results.get(metric.replace("eval/", "eval_before/", 1))
+        msg = f"{metric}: {results[metric]:.3f}"
+        if before is not None:
+            msg += f" (before training: {before:.3f}, change {results[metric] - before:+.3f})"
+        lines.append(msg)
+    timing = ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in results.items() if k.startswith("phase/") and k.endswith("_s"))
+    lines.append(f"phases: {timing.replace('phase/', '')}")
+    print("\n".join(lines), flush=True)

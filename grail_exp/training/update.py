@@ -1,0 +1,237 @@
+"""The update phase: ``TrainingBatch`` → mini-batches → micro-batches → token weights → loss → gradients → step.
+
+    for each epoch over the rollout batch (μ = loss.num_iterations):
+      for each of its k mini-batches (trainer.mini_batches_per_rollout: 1/k of the prompts, whole groups, in order):
+        for each micro-batch (gradient accumulation):
+            policy forward (through the update backend) → logp (B, C), entropy       (no (B, C, V) float32 copy)
+            GRPO-family token masks (top-entropy, off-policy)
+            scheme → w (B, C)                  (GRPO: ones; GRAIL / OAR: from that same forward, with the live model)
+            Â = sg(w)·A → policy loss × ρ^IS (+ β·KL) → aggregate (+ auxiliary loss terms) → backend.backward
+        backend.step: gradient sync, global norm, clipping, optimiser step (skipped when not finite) → scheduler step
+
+k = 1 is TRL's layout (the whole rollout batch per optimiser step, μ steps); k > 1 is verl's (``ppo_mini_batch_size``
+= prompts / k, ``ppo_epochs`` = μ; its actor splits the batch in row order, no shuffle): each mini-batch is normalised
+as a rollout batch of its own size would be, so k steps on the k mini-batches equal k separate optimiser steps.
+
+In: a prepared ``TrainingBatch`` (rollout phase), the optimiser and scheduler. Out: one metrics dict per optimiser step.
+``optimizer_steps`` is a generator so the caller (the LightningModule) logs, evaluates and checkpoints between steps.
+State kept across steps (and checkpointed): the count of non-finite steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from grail_exp.forward import PolicyForward, predicting_window
+from grail_exp.loss import TermContext, is_weights, policy_loss
+from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext
+from grail_exp.training import world
+from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class UpdatePhase:
+    def __init__(self, cfg, policy, tokenizer, scheme, backend, scheme_ctx: SchemeContext, terms=()):
+        self.cfg, self.policy, self.tokenizer, self.scheme = cfg, policy, tokenizer, scheme
+        self.backend, self.scheme_ctx, self.terms = backend, scheme_ctx, list(terms)
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        # Called with (batch, s, e, weights, entropy) for every micro-batch of the first epoch (the weight tables).
+        self.on_weights: Callable | None = None
+
+    @property
+    def mini_batches(self) -> int:
+        """k: optimiser steps per epoch over the rollout batch."""
+        return self.cfg.trainer.get("mini_batches_per_rollout", 1)
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimiser steps one rollout batch gives: k mini-batches × μ epochs."""
+        return self.mini_batches * self.cfg.loss.num_iterations
+
+    @property
+    def accumulation_steps(self) -> int:
+        return mini_batch_rows(self.cfg) // micro_batch_rows(self.cfg)
+
+    def mini_batch_range(self, index: int) -> tuple[int, int]:
+        """Rows (start, end) of the ``index``-th optimiser step's mini-batch (index within the rollout batch)."""
+        size = mini_batch_rows(self.cfg)
+        first = (index % self.mini_batches) * size
+        return first, first + size
+
+    def optimizer_steps(self, batch: TrainingBatch, optimizer, scheduler, start: int, timings: dict,
+                        limit: int | None = None) -> Iterator[tuple[int, dict[str, float]]]:
+        """(index within the rollout batch, metrics) for each optimiser step from index ``start`` on, at most ``limit``
+        of them (``trainer.max_steps``); ``timings`` collects the phase times of the step being run (the caller clears
+        it after reading). Index i trains mini-batch i mod k in epoch i div k."""
+        stop = self.steps_per_rollout if limit is None else min(self.steps_per_rollout, start + max(0, limit))
+        for index in range(start, stop):
+            rows = self.mini_batch_range(index)
+            tokens = batch.loss_mask[rows[0]:rows[1]].sum()
+            global_tokens = float(world.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
+            yield index, self.step(batch, optimizer, scheduler, global_tokens, timings,
+                                   epoch=index // self.mini_batches, rows=rows)
+
+    def step(self, batch: TrainingBatch, optimizer, scheduler, global_tokens: float, timings: dict,
+             epoch: int, rows: tuple[int, int] | None = None) -> dict[str, float]:
+        """One optimiser step over every micro-batch of ``rows`` of ``batch`` (default: all of it); ``global_tokens``:
+        the loss tokens of those rows over all ranks (the dapo normaliser)."""
+        cfg = self.cfg
+        sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch masked means
+        counts: dict[str, float] = {}
+        t_scheme = 0.0
+        t0 = time.perf_counter()
+        loss_total = 0.0
+        need_states = "hidden_states" in getattr(self.scheme, "forward_outputs", ())
+        agg_ctx = AggregationContext(cfg.rollout.max_completion_length, self.accumulation_steps, global_tokens,
+                                     world.world_size())
+        for s, e in batch.micro_batches(micro_batch_rows(cfg), rows):
+            mask = batch.loss_mask[s:e]
+            logp, entropy, fwd = self.backend.forward(
+                self.policy, batch.input_ids[s:e], batch.attention_mask[s:e], batch.position_ids[s:e],
+                batch.completion_ids[s:e], hidden_states=need_states)
+            # GRPO family: top-entropy / off-policy masks multiply the policy term only (TRL); the normaliser, the KL
+            # term and the metrics keep the loss mask (``loss.family_mask_normaliser: kept`` masks them too).
+            fam = self.family_masks(batch, s, e, mask, logp, entropy)
+            term_mask = fam.term_mask(mask, cfg.loss)
+
+            ts = time.perf_counter()
+            w, scheme_metrics, _ = self.weights(batch, s, e, epoch, fwd)
+            t_scheme += time.perf_counter() - ts
+            adv = batch.token_advantages[s:e] if batch.token_advantages is not None \
+                else batch.advantages[s:e].unsqueeze(1)
+            token_adv = w.float() * adv.float()  # Â = sg(w)·A in float32, (B, C)
+
+            old = batch.old_logp[s:e] if batch.old_logp is not None else logp.detach()
+            isw, is_metrics = None, {}
+            ic = cfg.rollout.is_correction
+            if ic.mode != "none" and batch.sampler_logp is not None:
+                isw, is_metrics = is_weights(old, batch.sampler_logp[s:e], mask, ic.mode, ic.clip_min, ic.clip_max)
+            out = policy_loss(
+                logp, old, token_adv, mask, loss_type=cfg.loss.loss_type, epsilon=cfg.loss.epsilon,
+                epsilon_high=cfg.loss.epsilon_high, max_completion_length=cfg.rollout.max_completion_length,
+                accumulation_steps=self.accumulation_steps, global_num_tokens=global_tokens,
+                ref_logp=batch.ref_logp[s:e] if batch.ref_logp is not None else None, beta=cfg.loss.beta,
+                kl_estimator=cfg.loss.kl_estimator, name=cfg.loss.policy_loss, loss_cfg=cfg.loss, is_weight=isw,
+                world_size=world.world_size(), policy_mask=fam.policy)
+            loss = out.loss
+            metrics = {k: v.item() for k, v in out.metrics.items()}
+            metrics.update(is_metrics)
+            metrics.update(fam.metrics)
+            if self.terms:
+                loss, term_metrics = self.add_terms(loss, batch, s, e, logp, entropy, fwd, term_mask, token_adv, old,
+                                                    agg_ctx, fam.top_entropy)
+                metrics.update(term_metrics)
+            self.backend.backward(loss)
+            loss_total += loss.item()
+            with torch.no_grad():
+                m = term_mask.float()
+                denom = m.sum().clamp(min=1)
+                metrics["weights/mean"] = ((w.float() * m).sum() / denom).item()
+                a_abs = adv.float().abs()
+                if a_abs.mean() > 0:
+                    metrics["weights/advantage_scale_ratio"] = \
+                        ((token_adv.abs() * m).sum() / denom / (a_abs * m).sum().div(denom)).item()
+                metrics["entropy"] = ((entropy * m).sum() / denom).item()
+            for k, v in scheme_metrics.items():
+                metrics[f"{self.scheme.name}/{k}"] = float(v)
+            if epoch == 0 and self.on_weights is not None:
+                self.on_weights(batch, s, e, w, entropy)
+            n_tok = float(term_mask.sum())
+            for k, v in metrics.items():
+                if math.isfinite(v):  # e.g. a scheme statistic over no rows is NaN in that micro-batch
+                    sums[k] = sums.get(k, 0.0) + v * n_tok
+                    counts[k] = counts.get(k, 0.0) + n_tok
+        avg = {k: v / counts[k] for k, v in sums.items() if counts[k] > 0}
+        avg.pop("loss_tokens", None)
+
+        result = self.backend.step(optimizer, math.isfinite(loss_total))
+        if result.applied:
+            self.nonfinite_in_a_row = 0
+        else:
+            # A NaN/inf update would poison the weights: the backend skipped it; count it, abort after too many in a row.
+            self.nonfinite_in_a_row += 1
+            self.nonfinite_total += 1
+            log.warning("non-finite loss/gradient at step %d (loss=%s, grad_norm=%s): update skipped",
+                        self.scheme_ctx.progress.step + 1, loss_total, result.grad_norm)
+            limit = cfg.trainer.get("max_nonfinite_in_a_row", 3)
+            if self.nonfinite_in_a_row >= limit:
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_in_a_row} non-finite losses/gradients in a row (trainer.max_nonfinite_in_a_row"
+                    f"={limit}); aborting. Lower optim.lr, check model.dtype, or inspect the last sample table.")
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        timings["scheme"] = timings.get("scheme", 0.0) + t_scheme
+        timings["update"] = timings.get("update", 0.0) + (time.perf_counter() - t0 - t_scheme)
+        avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": scheduler.get_last_lr()[0],
+                    "iteration": float(epoch), "mini_batch": float((rows or (0, 0))[0] // max(1, mini_batch_rows(cfg))),
+                    "nonfinite_steps_total": float(self.nonfinite_total),
+                    "scheme/recompute_per_rollout": float(self.scheme.cfg.get("recompute") == "per_rollout")})
+        return avg
+
+    def weights(self, batch: TrainingBatch, s: int, e: int, epoch: int, fwd: PolicyForward):
+        """The scheme's weights of rows s:e (per_rollout: computed at the first epoch, then reused); returns
+        (weights, scheme metrics, whether they were computed now)."""
+        per_rollout = self.scheme.cfg.get("recompute", "per_update") == "per_rollout"
+        if per_rollout and batch.cached_weights is not None and epoch > 0:
+            return batch.cached_weights[s:e], {}, False
+        sb = batch.scheme_view(self.scheme_ctx, s, e)
+        out = None
+        if self.scheme.needs_model:
+            out = self.scheme.weights_from_forward(self.policy, sb, fwd)
+        if out is None:
+            out = self.scheme.weights(self.policy, sb)
+        w = out.weights.detach()
+        if per_rollout:
+            if batch.cached_weights is None:
+                batch.cached_weights = torch.zeros_like(batch.loss_mask)
+            batch.cached_weights[s:e] = w.to(batch.cached_weights.dtype)
+        return w, out.metrics, True
+
+    def family_masks(self, batch, s, e, mask, logp, entropy):
+        """GRPO family (issue 15 / 23): the top-entropy token mask (``loss.top_entropy_quantile``) and OPSM
+        (``loss.off_policy_mask_threshold``) of rows s:e, as ``family.FamilyMasks`` (``policy`` is None when off)."""
+        from grail_exp.family import family_token_masks
+
+        behaviour = batch.sampler_logp[s:e] if batch.sampler_logp is not None else (
+            batch.old_logp[s:e] if batch.old_logp is not None else logp.detach())
+        return family_token_masks(entropy, logp, behaviour, batch.advantages[s:e], mask, self.cfg.loss)
+
+    def add_terms(self, loss, batch, s, e, logp, entropy, fwd, mask, token_adv, old, agg_ctx, top_entropy=None):
+        """The configured auxiliary loss terms (``loss.terms``: entropy bonus, SDPG's distillation, ...) added to the
+        micro-batch's loss, each aggregated like the policy loss."""
+        cfg = self.cfg
+        aggregate = lambda per_token, m: AGGREGATIONS[cfg.loss.loss_type](per_token, m, agg_ctx)  # noqa: E731
+        ctx = TermContext(
+            model=self.policy, batch=batch.scheme_view(self.scheme_ctx, s, e), hidden=predicting_window(
+                fwd.hidden, batch.prompt_length, batch.completion_ids.shape[1]),
+            head_weight=fwd.head_weight, head_bias=fwd.head_bias, logp=logp, entropy=entropy, mask=mask,
+            token_advantages=token_adv, old_logp=old,
+            ref_logp=batch.ref_logp[s:e] if batch.ref_logp is not None else None,
+            sampler_logp=batch.sampler_logp[s:e] if batch.sampler_logp is not None else None,
+            temperature=cfg.rollout.temperature, step=self.scheme_ctx.progress.step, aggregate=aggregate,
+            tokenizer=self.tokenizer, rollout_step=self.scheme_ctx.progress.rollouts or None,
+            top_entropy_mask=top_entropy)
+        metrics = {}
+        for term in self.terms:
+            value, m = term(ctx)
+            loss = loss + value
+            metrics[f"{term.name}/loss"] = float(value.detach())
+            metrics.update({f"{term.name}/{k}": float(v) for k, v in m.items()})
+        return loss, metrics
+
+    def state_dict(self) -> dict:
+        return {"nonfinite_total": self.nonfinite_total, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.nonfinite_total, self.nonfinite_in_a_row = st["nonfinite_total"], st["nonfinite_in_a_row"]

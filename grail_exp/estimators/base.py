@@ -4,7 +4,7 @@ docstring for the contract. The estimators import this file, never the package, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import torch
 

@@ -19,6 +19,7 @@ with a class registered under the ``trainer.strategy`` names it serves (``@regis
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, ClassVar
@@ -104,6 +105,20 @@ class UpdateBackend:
         """Sync, measure, clip and apply the accumulated gradients — or skip the update when ``loss_finite`` is False or
         the gradient norm is not finite. The caller then steps the scheduler and zeroes the gradients."""
         raise NotImplementedError
+
+    def clip_and_step(self, optimizer, params: list, norm: float, loss_finite: bool) -> StepResult:
+        """The torch-optimiser half of ``step`` for backends whose optimiser is a plain (or master-weight) AdamW:
+        clip ``params``' gradients to ``optim.max_grad_norm`` and step, or skip a non-finite update."""
+        if loss_finite and math.isfinite(norm):
+            if self.cfg.optim.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
+            optimizer.step()
+            return StepResult(norm, True)
+        # With every grad None, AdamW leaves parameters and state untouched; the call still advances Lightning's
+        # optimiser-step counter, so the skipped step is counted like any other.
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        return StepResult(norm, False)
 
     # ---- checkpoints (collectives: every rank calls them)
     def optimizer_state(self, optimizer):

@@ -17,14 +17,13 @@ step with several forwards and backwards; FSDP2 runs on CPU (gloo), so it is tes
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
 
 from grail_exp.forward import policy_forward
 from grail_exp.optim import build_optimizer, grad_params
-from grail_exp.training.backends.base import StepResult, UpdateBackend, raw_optimizer, register_backend
+from grail_exp.training.backends.base import UpdateBackend, raw_optimizer, register_backend
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
@@ -145,14 +144,7 @@ class FSDPBackend(UpdateBackend):
         params = grad_params(optimizer, self.core.policy)  # gradients were reduce-scattered in backward
         total = torch.nn.utils.clip_grad_norm_(params, float("inf"))  # the global norm of the DTensor gradients
         norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
-        if loss_finite and math.isfinite(norm):
-            if self.cfg.optim.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
-            optimizer.step()
-            return StepResult(norm, True)
-        optimizer.zero_grad(set_to_none=True)
-        optimizer.step()
-        return StepResult(norm, False)
+        return self.clip_and_step(optimizer, params, norm, loss_finite)
 
     def optimizer_state(self, optimizer):
         """The full (unsharded) optimiser state, gathered to CPU."""

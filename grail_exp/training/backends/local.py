@@ -12,13 +12,12 @@ that of one process on the whole batch.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from grail_exp.optim import GRAD_ACCUM_DTYPES, build_optimizer, grad_params
 from grail_exp.training import world
-from grail_exp.training.backends.base import StepResult, UpdateBackend, raw_optimizer, register_backend
+from grail_exp.training.backends.base import UpdateBackend, raw_optimizer, register_backend
 
 
 @register_backend("auto", "ddp")
@@ -69,17 +68,7 @@ class LocalBackend(UpdateBackend):
 
     def step(self, optimizer, loss_finite):
         params = self.gradients(optimizer)
-        norm = self.grad_norm(params)
-        if loss_finite and math.isfinite(norm):
-            if self.cfg.optim.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
-            optimizer.step()
-            return StepResult(norm, True)
-        # With every grad None, AdamW leaves parameters and state untouched; the call still advances Lightning's
-        # optimiser-step counter, so the skipped step is counted like any other.
-        optimizer.zero_grad(set_to_none=True)
-        optimizer.step()
-        return StepResult(norm, False)
+        return self.clip_and_step(optimizer, params, self.grad_norm(params), loss_finite)
 
     def optimizer_state(self, optimizer):
         return raw_optimizer(optimizer).state_dict()

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grail_exp.errors import UserError
+
 log = logging.getLogger(__name__)
 
 STATE_FILE = "training_state.pt"
@@ -36,7 +38,7 @@ MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be written or read; the message names the path and the fix."""
 
 

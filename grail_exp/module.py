@@ -36,6 +36,7 @@ import lightning as L
 import torch
 
 from grail_exp.advantages import SchemeBatch
+from grail_exp.errors import UserError
 from grail_exp.advantages.base import PolicyForward, slice_prepared
 from grail_exp.advantages.probe import decoder_body, predicting_window
 from grail_exp.data.prompting import encode_prompts
@@ -53,8 +54,8 @@ log = logging.getLogger(__name__)
 SPLIT_INVARIANT = ("grpo", "dr_grpo", "dapo", "token_sum", "seq_mean_token_sum")
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+class NonFiniteLossError(UserError, RuntimeError):
+    """The loss went non-finite too often in a row: a config problem (lr, dtype); one line on the CLI."""
 
 
 class Preempted(RuntimeError):
@@ -695,12 +696,12 @@ class GRPOModule(L.LightningModule):
     def on_train_start(self) -> None:
         if self.resume_state is None:
             return
-        from grail_exp.checkpoint import set_rng_state
+        from grail_exp.checkpoint import CheckpointError, set_rng_state
 
         st = self.resume_state
         saved_world = int(st.get("world_size", 1))
         if saved_world != self.world_size:
-            raise RuntimeError(f"the checkpoint was written by {saved_world} data-parallel ranks; resume with the "
+            raise CheckpointError(f"the checkpoint was written by {saved_world} data-parallel ranks; resume with the "
                                f"same trainer.devices x trainer.num_nodes (now {self.world_size})")
         if self.fsdp:
             from grail_exp.distributed import load_full_optimizer_state

@@ -212,9 +212,14 @@ def _storage(settings, cfg: DictConfig):
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # several local workers
     from grail_exp.tracking import _sqlite_init_lock
 
-    with _sqlite_init_lock(url):  # workers creating a fresh sqlite study at once race on its schema
-        storage = RDBStorage(url, engine_kwargs=engine, heartbeat_interval=settings.heartbeat_interval_s,
-                             grace_period=settings.grace_period_s, heartbeat_stale_trial_callback=on_stale)
+    try:
+        with _sqlite_init_lock(url):  # workers creating a fresh sqlite study at once race on its schema
+            storage = RDBStorage(url, engine_kwargs=engine, heartbeat_interval=settings.heartbeat_interval_s,
+                                 grace_period=settings.grace_period_s, heartbeat_stale_trial_callback=on_stale)
+    except Exception as exc:  # a malformed URL, a missing driver, an unreachable or locked database
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(f"tune.storage={_public_url(url)!r}: cannot open the Optuna storage: "
+                          f"{type(exc).__name__}: {first}") from exc
     return storage, url, on_stale
 
 

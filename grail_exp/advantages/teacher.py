@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from grail_exp.advantages.probe import decoder_body, predicting_window
+from grail_exp.errors import ConfigError
 
 TEMPLATES = {
     "rlsd": ("{problem}\n\nHere is a reference solution:\n{answer}\n\nAfter understanding the reference solution, "
@@ -45,7 +46,7 @@ def template_text(template: str) -> str:
     if template in TEMPLATES:
         return TEMPLATES[template]
     if "{answer}" not in template:
-        raise ValueError(f"teacher template {template!r}: not one of {', '.join(TEMPLATES)} and has no {{answer}} field")
+        raise ConfigError(f"teacher template {template!r}: not one of {', '.join(TEMPLATES)} and has no {{answer}} field")
     return template
 
 

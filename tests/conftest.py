@@ -11,6 +11,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests must never write to a user's tracking server
 
 
+# Timeouts of subprocesses and waits in the tests only guard against a hang; they never measure speed: a command that
+# takes 10 s on an idle 2-core machine takes minutes while other jobs load it. One generous bound for all of them.
+HANG_TIMEOUT_S = 1200
+
+
 def compose(overrides: list[str] | None = None, tmp: Path | None = None, config_name: str = "config"):
     """Compose the real config tree like `python -m grail_exp.run <overrides>` does, with temp paths."""
     from hydra import compose as hydra_compose

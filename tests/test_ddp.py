@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import HANG_TIMEOUT_S
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -40,7 +42,7 @@ def _run(run_dir: Path, model_dir: Path, extra: list[str]) -> subprocess.Complet
             "optim.lr=1.0", "optim.eps=1.0", "optim.max_grad_norm=null", f"paths.root_dir={run_dir.parent}",
             f"hydra.run.dir={run_dir}", *extra]
     return subprocess.run([sys.executable, "-m", "grail_exp.run", *args], env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=HANG_TIMEOUT_S)
 
 
 def _weights(run_dir: Path, out: subprocess.CompletedProcess) -> dict:

@@ -10,6 +10,8 @@ from grail_exp.loss import selective_log_softmax
 from grail_exp.module import completion_logits, position_ids_from_mask
 from grail_exp.rollout import SamplingParams, build_engine, pad_completions
 
+from conftest import HANG_TIMEOUT_S
+
 
 def _prompts(tok, n=3):
     texts = [tok.apply_chat_template([{"role": "user", "content": f"Compute {i}+{i * 7}."}], add_generation_prompt=True,
@@ -86,7 +88,7 @@ def test_generation_memory_does_not_grow_with_vocab_times_length():
     import os
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576")
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     peaks = dict(line.split() for line in out.stdout.strip().splitlines())
     growth_mb = float(peaks["64"]) - float(peaks["8"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from conftest import TINY_BUILD, compose
+from conftest import HANG_TIMEOUT_S, TINY_BUILD, compose
 
 optuna = pytest.importorskip("optuna")
 
@@ -139,7 +139,6 @@ GRACE_S = 2  # tune.grace_period_s of the crash tests
 # CURRENT_TIMESTAMP values, which have one-second resolution: after GRACE_S + 2 seconds of sleep the difference
 # is > GRACE_S whatever the fractions (a lower bound on elapsed time, not a race).
 STALE_AFTER_S = GRACE_S + 2
-WORKER_TIMEOUT_S = 1800  # only against a hung worker; a killed worker exits in ~1 min on an idle 2-core machine
 
 
 EASY_TASK = ["data.min_steps=1", "data.max_steps=1", "data.max_operand=20", "data.operators=+",
@@ -182,7 +181,7 @@ def _killed_worker(tmp_path, args, point: str, log_name: str = "worker.log"):
         proc = subprocess.run([sys.executable, "-m", "grail_exp.tune", f"paths.root_dir={tmp_path}",
                                f"hydra.run.dir={tmp_path}/tune_run", *args], stdout=out, stderr=subprocess.STDOUT,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "GRAIL_EXP_FAULT": f"tune_kill:{point}"},
-                              timeout=WORKER_TIMEOUT_S)
+                              timeout=HANG_TIMEOUT_S)
     assert proc.returncode == -signal.SIGKILL, f"the worker was not killed at {point}:\n" + log_file.read_text()[-4000:]
     assert f"GRAIL_EXP_FAULT: killing this worker at {point.split(':')[0]}" in log_file.read_text()
 
@@ -352,7 +351,7 @@ def test_sigterm_on_a_worker_checkpoints_the_trial_and_the_restart_continues_it(
     proc = subprocess.Popen([sys.executable, "-m", "grail_exp.tune", f"paths.root_dir={tmp_path}",
                              f"hydra.run.dir={tmp_path}/tune_run", *args], stdout=(tmp_path / "w1.log").open("w"),
                             stderr=subprocess.STDOUT)
-    db, deadline = tmp_path / "results" / "mlflow.db", time.time() + WORKER_TIMEOUT_S  # against a hang only
+    db, deadline = tmp_path / "results" / "mlflow.db", time.time() + HANG_TIMEOUT_S  # against a hang only
     while True:  # until the trial has logged two optimiser steps
         assert proc.poll() is None, (tmp_path / "w1.log").read_text()[-3000:]
         assert time.time() < deadline
@@ -366,7 +365,7 @@ def test_sigterm_on_a_worker_checkpoints_the_trial_and_the_restart_continues_it(
         except Exception:
             continue
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 143, (tmp_path / "w1.log").read_text()[-3000:]
+    assert proc.wait(timeout=HANG_TIMEOUT_S) == 143, (tmp_path / "w1.log").read_text()[-3000:]
     storage = f"sqlite:///{tmp_path}/results/optuna.db"
     (t0,) = optuna.load_study(study_name="saliency_temperature", storage=storage).trials
     assert t0.state == TrialState.RUNNING  # left for the restart

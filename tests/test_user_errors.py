@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-CLI_TIMEOUT_S = 900  # only against a hang: an interpreter start takes ~10 s idle, a minute on a loaded 2-core machine
+from conftest import HANG_TIMEOUT_S
 
 
 def _cli(module: str, args: list[str], tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, f"paths.root_dir={tmp_path}",
                            f"paths.cache_dir={tmp_path}/cache", "logger=none", *args],
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "GRAIL_EXP_TRACEBACK": ""})
 
 

@@ -311,6 +311,7 @@ class _StudyRuns:
                 "optuna.storage": _public_url(storage_url), "optuna.direction": settings.direction,
                 "optuna.metric": metric, "model": str(cfg.model.name), "scheme": str(cfg.advantage.name)}
         mine = MlflowTracker(uri, exp, f"study-{settings.study_name}", art, tags)
+        _fault_kill("parent_created", -1)
         study.set_user_attr("mlflow_parent_run_id", mine.run_id)
         winner = study.user_attrs.get("mlflow_parent_run_id")  # two workers starting at once: one parent wins
         if winner != mine.run_id:
@@ -474,6 +475,7 @@ class _TrialInfo:
 # the two stores are written in this order: MLflow child created (by run) -> Optuna RUNNING trial reported
 # (``reported``) -> MLflow child ended by run (FINISHED / KILLED / FAILED) -> Optuna state -> MLflow tags.
 CRASH_POINTS = (
+    "parent_created",   # the study's MLflow parent run exists; Optuna does not know its id yet
     "trial_started",    # Optuna has the RUNNING trial; no MLflow child run yet
     "reported",         # mid-training, right after an intermediate value went to Optuna; the child is RUNNING
     "run_ended",        # run() has ended the child run; Optuna has not stored the outcome (the first window)

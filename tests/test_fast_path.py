@@ -94,8 +94,13 @@ def test_skip_zero_advantage_changes_neither_gradient_nor_diagnostics():
         opt.step = capture
         metrics = module._optimizer_step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
         results[skip] = (grads["g"], {k: v for k, v in metrics.items() if k.startswith("grail/")})
-    assert torch.allclose(results[True][0], results[False][0], atol=1e-7)
-    assert results[True][1] == pytest.approx(results[False][1], rel=1e-6, abs=1e-7)
+    # The probe runs on other rows (a smaller batch): fp32 sums in another order. The A != 0 rows' weights move by
+    # <= 1.1e-4 (GRAIL's bound for this batch, test_pinned_step) and the backward by <= 5 x 320 eps = 1.9e-4 of the
+    # gradient's scale (x2 for cancellation); the diagnostics by the weight bound (the clip fractions are exact:
+    # every pre-clip weight is >= 0.013 from a clip bound). Measured: 0 (AVX-512), 6e-8 (AVX2 kernels).
+    g_scale = results[False][0].abs().max().item()
+    assert torch.allclose(results[True][0], results[False][0], rtol=0, atol=2 * (1.1e-4 + 5 * 320 * 2**-23) * g_scale)
+    assert results[True][1] == pytest.approx(results[False][1], rel=0, abs=2 * 1.1e-4)
 
 
 def test_per_rollout_reuses_the_first_iteration_weights():

@@ -26,11 +26,13 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from grail_exp.errors import UserError
+
 ARCH_DIR = Path(__file__).resolve().parent / "data" / "architectures"
 MARKER = "grail_exp_random_init.json"  # written beside config.json; its presence means "build, don't load"
 
 
-class ArchitectureError(ValueError):
+class ArchitectureError(UserError, ValueError):
     """An architecture that cannot be resolved or overridden; the message names the key."""
 
 

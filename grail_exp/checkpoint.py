@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grail_exp.errors import UserError
+
 log = logging.getLogger(__name__)
 
 STATE_FILE = "training_state.pt"
@@ -36,7 +38,7 @@ MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be written or read; the message names the path and the fix."""
 
 
@@ -153,14 +155,17 @@ def write_dir_atomically(final: Path, write, what: str = "checkpoint", stale: st
 
 
 def _fault_injection_stall(step: int) -> None:
-    """Test-only fault injection: ``GRAIL_EXP_FAULT=stall_checkpoint:<N>`` stalls mid-write of step N for a
-    minute, so that a test can SIGKILL the process while the checkpoint is half written."""
+    """Test-only fault injection: ``GRAIL_EXP_FAULT=stall_checkpoint:<N>`` stalls mid-write of step N until the
+    process is killed, so that a test can SIGKILL it while the checkpoint is half written, however slow the machine.
+    It gives up when its parent (the test) has gone, or after an hour."""
     fault = os.environ.get("GRAIL_EXP_FAULT", "")
     if fault == f"stall_checkpoint:{step}":
         import time
 
         log.warning("GRAIL_EXP_FAULT: stalling mid-write of checkpoint step %d", step)
-        time.sleep(60)
+        parent, end = os.getppid(), time.monotonic() + 3600
+        while os.getppid() == parent and time.monotonic() < end:
+            time.sleep(0.5)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

@@ -18,8 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 
-class ConfigError(ValueError):
-    """A configuration value that cannot work. The message names the key(s) and the fix."""
+from grail_exp.errors import ConfigError  # noqa: F401  (re-exported: `from grail_exp.config import ConfigError`)
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -760,6 +759,14 @@ def validate(cfg: DictConfig) -> DictConfig:
     from grail_exp.data import DATASETS
 
     _check(e, cfg.data.name in DATASETS, "data.name", cfg.data.name, f"must be one of: {', '.join(sorted(DATASETS))}")
+    if cfg.data.name == "arithmetic":  # the knobs must allow the fixed splits: say so before any model is built
+        from grail_exp.data.sources import arithmetic_task
+
+        try:
+            task = arithmetic_task(cfg.data)
+            task.split("validation"), task.split("test")  # cached: training and evaluation reuse them
+        except ConfigError as exc:
+            e.append(str(exc))
 
     m = cfg.get("optimized_metric")
     if m:

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from grail_exp.data.arithmetic import ArithmeticTask
+from grail_exp.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ def build_tokenizer(style: str, task: ArithmeticTask, vocab_size: int = 320, war
             clean_up_tokenization_spaces=False,
         )
     else:
-        raise ValueError(f"model.build.tokenizer must be 'qwen' or 'llama', got {style!r}")
+        raise ConfigError(f"model.build.tokenizer must be 'qwen' or 'llama', got {style!r}")
     fast.padding_side = "left"
     return fast
 
@@ -208,7 +209,7 @@ def build_model(build: dict, tokenizer, seed: int):
     elif arch == "llama":
         config = LlamaConfig(**common)
     else:
-        raise ValueError(f"model.build.architecture must be 'qwen3' or 'llama', got {arch!r}")
+        raise ConfigError(f"model.build.architecture must be 'qwen3' or 'llama', got {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     return model

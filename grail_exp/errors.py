@@ -1,4 +1,12 @@
-"""User-facing errors: one clear message naming the thing and the fix, not a stack trace."""
+"""User-facing errors: one clear message naming the thing and the fix, not a stack trace.
+
+A mistake in what the user gave (a config value, a path, a data file, a checkpoint) raises a ``UserError``
+subclass whose message names the key (``data.num_validation=256: ...``) or the file (``<file>:<line>: ...``) and
+says what to do. Every command-line entry point runs inside ``exit_on_user_error``, which prints
+``error: <message>`` on stderr and exits 2; anything else is a bug and keeps its traceback. Raise sites deep in
+the code (data sources, benchmarks, model loading, resume, tune settings) raise these types directly, so the CLI
+needs no knowledge of them.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +17,26 @@ from contextlib import contextmanager
 log = logging.getLogger("grail_exp")
 
 
-def user_error_types() -> tuple[type[BaseException], ...]:
-    from grail_exp.checkpoint import CheckpointError
-    from grail_exp.config import ConfigError
-    from grail_exp.models import ModelLoadError
-    from grail_exp.training.update import NonFiniteLossError
-    from grail_exp.tracking import TrackingError
+class UserError(Exception):
+    """A mistake in the user's input, not a bug: the CLI prints the message alone (no traceback) and exits 2."""
 
-    return (ConfigError, ModelLoadError, TrackingError, CheckpointError, NonFiniteLossError, FileNotFoundError,
-            DataError)
+
+class ConfigError(UserError, ValueError):
+    """A configuration value that cannot work. The message names the key(s) and the fix."""
+
+
+class DataError(UserError, ValueError):
+    """Malformed or unusable input data (a dataset, a benchmark file, a data config that cannot produce what is
+    asked); the message names the file and line, or the config key."""
+
+
+class MissingDependencyError(UserError, ImportError):
+    """An optional dependency that the chosen config needs is not installed; the message says how to install it."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """``UserError`` and the few user-caused errors that are not subclasses of it (OS errors for missing files)."""
+    return (UserError, FileNotFoundError)
 
 
 class RunStopped(Exception):
@@ -27,10 +46,6 @@ class RunStopped(Exception):
 
 class Preempted(RuntimeError):
     """Raised after SIGTERM once the current optimiser step is done and a checkpoint is written."""
-
-
-class DataError(ValueError):
-    """Malformed input data (a dataset row, a benchmark file); the message names the file and line."""
 
 
 @contextmanager

@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Callable
 
 from grail_exp.boxed import _BOX_LEN, _BOX_OPEN, _matching_close, extract_last_boxed
+from grail_exp.errors import ConfigError
 
 MODES = ("paper", "last_balanced", "math_verify")  # the values of reward.extraction / benchmark.extraction
 WHOLE_COMPLETION = "math_verify"  # the rule that hands the whole completion to math-verify
@@ -90,7 +91,7 @@ DESCRIPTIONS = {
 
 def _rule(mode: str, paper_rule: str, key: str) -> str:
     if mode not in MODES:
-        raise ValueError(f"{key} = {mode!r}: must be one of: {', '.join(MODES)}")
+        raise ConfigError(f"{key} = {mode!r}: must be one of: {', '.join(MODES)}")
     return paper_rule if mode == "paper" else mode
 
 

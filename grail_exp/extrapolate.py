@@ -52,6 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, register_configs
+from grail_exp.errors import UserError
 
 log = logging.getLogger("grail_exp.extrapolate")
 register_configs()
@@ -66,7 +67,7 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch
 _WEIGHT_FILES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
 
-class ExtrapolateError(ValueError):
+class ExtrapolateError(UserError, ValueError):
     """Unusable checkpoints (missing, mismatched); the message names the directory / tensor and the fix."""
 
 

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 
+from grail_exp.errors import UserError
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError, RuntimeError):
     """A model or tokenizer that cannot be loaded; the message says what to fix."""
 
 

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from grail_exp.errors import UserError
+
 PREFIX = "pkg:"
 
 # R1-Distill-Llama's special tokens on top of the Llama 3 ids (third-party code maps them identically;
@@ -75,7 +77,7 @@ _VISION_ONLY_ID = 128256  # <|image|>, in the Llama 3.2 Vision file only
 _DERIVE_VERSION = "1"  # bump when a derivation changes, so cached copies are rebuilt
 
 
-class PackagedTokenizerError(RuntimeError):
+class PackagedTokenizerError(UserError, RuntimeError):
     """A ``pkg:`` tokenizer that is unknown or whose package is not installed; the message says what to do."""
 
 

@@ -41,6 +41,7 @@ from grail_exp import metrics as M
 from grail_exp import stats
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, ReportConfig, register_configs  # noqa: F401  (ReportConfig: public)
+from grail_exp.errors import DataError
 
 log = logging.getLogger("grail_exp.report")
 
@@ -241,7 +242,7 @@ def _check_samples(rec: RunRecord) -> None:
     need = {"benchmark", "problem_index", "sample_index", "correct"}
     missing = need - set(rec.samples.columns)
     if missing:
-        raise ValueError(f"run {rec.run_id}: {rec.artifact} lacks columns {sorted(missing)}")
+        raise DataError(f"run {rec.run_id}: {rec.artifact} lacks columns {sorted(missing)}")
 
 
 # ----------------------------------------------------------------------------------------------- per-problem values
@@ -249,7 +250,7 @@ def parse_metric(spec: str) -> tuple[str, Optional[int]]:
     """``acc`` -> (acc, None); ``pass@3`` -> (pass, 3); ``pass@n`` -> (pass, None); ``maj`` -> (maj, None)."""
     m = _METRIC.match(spec)
     if not m:
-        raise ValueError(f"unknown metric {spec!r}")
+        raise ConfigError(f"unknown metric {spec!r}")
     if m.group(1).startswith("pass"):
         return "pass", None if m.group(2) == "n" else int(m.group(2))
     return m.group(1), None

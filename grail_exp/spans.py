@@ -102,6 +102,7 @@ import torch
 
 from grail_exp.checkpoint import checkpointable
 from grail_exp.boxed import _BOX_LEN, _BOX_OPEN, find_first_boxed_span, find_last_boxed_span
+from grail_exp.errors import ConfigError
 
 __all__ = ["AnswerSpans", "answer_spans", "find_last_boxed_span", "SPAN_MAPPINGS", "BOX_MODES"]
 
@@ -184,11 +185,11 @@ def answer_spans(
     ``skip_special_tokens=True`` (saves a decode). Returns tensors on the input's device.
     """
     if span_mapping not in SPAN_MAPPINGS:
-        raise ValueError(
+        raise ConfigError(
             f"advantage.span_mapping = {span_mapping!r}: must be one of {', '.join(map(repr, SPAN_MAPPINGS))}"
         )
     if box not in BOX_MODES:
-        raise ValueError(f"advantage.box = {box!r}: must be one of {', '.join(map(repr, BOX_MODES))}")
+        raise ConfigError(f"advantage.box = {box!r}: must be one of {', '.join(map(repr, BOX_MODES))}")
     if completion_ids.dim() != 2 or completion_mask.shape != completion_ids.shape:
         raise ValueError(
             f"completion_ids and completion_mask must both be (B, C); got {tuple(completion_ids.shape)} "

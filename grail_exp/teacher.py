@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grail_exp.errors import ConfigError
 from grail_exp.forward import decoder_body, predicting_window
 
 TEMPLATES = {
@@ -47,7 +48,7 @@ def template_text(template: str) -> str:
     if template in TEMPLATES:
         return TEMPLATES[template]
     if "{answer}" not in template:
-        raise ValueError(f"teacher template {template!r}: not one of {', '.join(TEMPLATES)} and has no {{answer}} field")
+        raise ConfigError(f"teacher template {template!r}: not one of {', '.join(TEMPLATES)} and has no {{answer}} field")
     return template
 
 

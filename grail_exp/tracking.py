@@ -26,6 +26,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from grail_exp.errors import UserError
+
 log = logging.getLogger(__name__)
 
 # The experiment's kind as the MLflow 3.x UI writes it when a user picks "Machine learning" for an experiment
@@ -46,8 +48,8 @@ def training_view_url(tracking_uri: str, experiment_id: str, run_id: str | None 
     return f"{base}/{path}?workflowType=machine_learning"
 
 
-class TrackingError(RuntimeError):
-    pass
+class TrackingError(UserError, RuntimeError):
+    """A tracking store that cannot be used (unreachable server, locked database); the message says the fix."""
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:

@@ -28,6 +28,16 @@ child run per trial with tags ``optuna.study_name``, ``optuna.trial_number``, ``
 PRUNED, FAIL). A failed trial is a FAILED child with ``error/traceback.txt`` (also when it failed before
 training started) and the study goes on. The best parameters go to ``<results>/tune/<study>/best.yaml`` (and
 ``.json``, ``trials.csv``) and to the parent run.
+
+Crash consistency (the two stores agree after a crash at any point): Optuna is the record and MLflow follows it.
+A trial's outcome is written to Optuna first (``study.optimize`` stores the state when the objective returns)
+and to its child run second (``after_trial``); every worker start, and every stale trial a worker fails,
+reconciles the child runs with Optuna (``_StudyRuns.reconcile``): COMPLETE -> FINISHED, PRUNED -> KILLED,
+FAIL -> FAILED, with ``optuna.state`` equal to Optuna's state, and a FAILED child made for a FAIL trial that
+died before it had one. A kill between the two writes is therefore repaired on the next start: before
+Optuna's write the trial goes stale and is FAIL in both stores (and re-queued); after it, the child takes
+Optuna's state. ``GRAIL_EXP_FAULT=tune_kill:<point>[:<trial number or state>]`` SIGKILLs the worker at one of
+``CRASH_POINTS`` (test-only fault injection, as ``stall_checkpoint`` in ``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +47,11 @@ import gc
 import json
 import logging
 import math
+import os
+import signal
 import socket
 import traceback
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,12 +208,35 @@ def _storage(settings, cfg: DictConfig):
         url = f"sqlite:///{results / 'optuna.db'}"
     retry = (RetryHeartbeatStaleTrialCallback(max_retry=settings.retry_stale_trials, inherit_intermediate_values=True)
              if settings.retry_stale_trials > 0 else None)
+    on_stale = _OnStaleTrial(retry)
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # several local workers
     from grail_exp.tracking import _sqlite_init_lock
 
-    with _sqlite_init_lock(url):  # workers creating a fresh sqlite study at once race on its schema
-        return RDBStorage(url, engine_kwargs=engine, heartbeat_interval=settings.heartbeat_interval_s,
-                          grace_period=settings.grace_period_s, heartbeat_stale_trial_callback=retry), url
+    try:
+        with _sqlite_init_lock(url):  # workers creating a fresh sqlite study at once race on its schema
+            storage = RDBStorage(url, engine_kwargs=engine, heartbeat_interval=settings.heartbeat_interval_s,
+                                 grace_period=settings.grace_period_s, heartbeat_stale_trial_callback=on_stale)
+    except Exception as exc:  # a malformed URL, a missing driver, an unreachable or locked database
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(f"tune.storage={_public_url(url)!r}: cannot open the Optuna storage: "
+                          f"{type(exc).__name__}: {first}") from exc
+    return storage, url, on_stale
+
+
+class _OnStaleTrial:
+    """Optuna's callback for a trial this worker has just marked FAIL because its worker stopped sending
+    heartbeats: re-queue it (``tune.retry_stale_trials``), then mark its MLflow child FAILED (``runs``, set once
+    the study's parent run is known)."""
+
+    def __init__(self, retry):
+        self.retry = retry
+        self.runs: _StudyRuns | None = None
+
+    def __call__(self, study, trial) -> None:
+        if self.retry is not None:
+            self.retry(study, trial)
+        if self.runs is not None:
+            self.runs.reconcile(study, only=trial.number)
 
 
 def _sampler(s, n_trials_so_far: int):
@@ -259,11 +295,23 @@ class _StudyRuns:
             self.parent = MlflowTracker(uri, exp, "", art, run_id=existing)
             log.info("continuing the study's MLflow parent run %s", existing)
             return
-        tags = {"host": socket.gethostname(), **code_tags(),
+        # The parent run is written to MLflow before its id goes to Optuna. A token written to Optuna first and
+        # tagged on the parent finds a parent whose worker died between the two writes, instead of making a second.
+        if not study.user_attrs.get("mlflow_parent_token"):
+            study.set_user_attr("mlflow_parent_token", uuid.uuid4().hex)
+        token = study.user_attrs["mlflow_parent_token"]
+        orphan = self._find_parent(uri, exp, token)
+        if orphan is not None:
+            study.set_user_attr("mlflow_parent_run_id", orphan)
+            self.parent = MlflowTracker(uri, exp, "", art, run_id=orphan)
+            log.info("adopting the study's MLflow parent run %s (its worker died before recording it)", orphan)
+            return
+        tags = {"host": socket.gethostname(), **code_tags(), "optuna.parent_token": token,
                 **{str(k): str(v) for k, v in (cfg.logger.get("tags") or {}).items()}, "grail_exp.role": "study", "optuna.study_name": settings.study_name,
                 "optuna.storage": _public_url(storage_url), "optuna.direction": settings.direction,
                 "optuna.metric": metric, "model": str(cfg.model.name), "scheme": str(cfg.advantage.name)}
         mine = MlflowTracker(uri, exp, f"study-{settings.study_name}", art, tags)
+        _fault_kill("parent_created", -1)
         study.set_user_attr("mlflow_parent_run_id", mine.run_id)
         winner = study.user_attrs.get("mlflow_parent_run_id")  # two workers starting at once: one parent wins
         if winner != mine.run_id:
@@ -276,6 +324,18 @@ class _StudyRuns:
                          "tune": {k: v for k, v in OmegaConf.to_container(settings, resolve=True).items()
                                   if k not in ("params", "enqueue", "storage")}})
         mine.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config/base_resolved.yaml")
+
+    @staticmethod
+    def _find_parent(uri: str, experiment_name: str, token: str) -> str | None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(uri)
+        exp = client.get_experiment_by_name(experiment_name)
+        if exp is None:
+            return None
+        found = client.search_runs([exp.experiment_id], f"tags.`optuna.parent_token` = '{token}'", max_results=1,
+                                   order_by=["attributes.start_time ASC"])
+        return found[0].info.run_id if found else None
 
     @staticmethod
     def _exists(uri: str, run_id: str) -> bool:
@@ -291,59 +351,150 @@ class _StudyRuns:
     def parent_id(self) -> str | None:
         return self.parent.run_id if self.parent else None
 
-    def trial_run(self, trial_dir: str):
-        """The newest child run of this study made for ``trial_dir`` (None if the trial never created one)."""
-        if not self.parent:
-            return None
-        runs = self.parent.client.search_runs(
-            [self.parent.experiment_id],
-            f"tags.`mlflow.parentRunId` = '{self.parent.run_id}' and tags.`optuna.trial_dir` = '{trial_dir}'",
-            order_by=["attributes.start_time DESC"], max_results=1)
-        return runs[0] if runs else None
+    def _children(self, filter_string: str = "") -> list:
+        """Child runs of the study's parent run (newest first), optionally narrowed by an MLflow filter."""
+        where = f"tags.`mlflow.parentRunId` = '{self.parent.run_id}'" + (f" and {filter_string}" if filter_string else "")
+        return self.parent.client.search_runs([self.parent.experiment_id], where, max_results=50000,
+                                              order_by=["attributes.start_time DESC"])
 
-    def finish_trial(self, trial_dir: str, number: int, state: str, value: float | None, error: str | None,
-                     name: str, tags: dict):
-        """Tag the trial's child run with its Optuna outcome; a trial that failed before training started gets
-        a FAILED child run of its own, with the traceback."""
-        if not self.parent:
-            return
-        client = self.parent.client
-        run = self.trial_run(trial_dir)
-        if run is None:
-            if error is None:
-                return
-            run_id = client.create_run(self.parent.experiment_id, run_name=name,
-                                       tags={**tags, "mlflow.parentRunId": self.parent.run_id}).info.run_id
-        else:
-            run_id = run.info.run_id
-        client.set_tag(run_id, "optuna.trial_number", str(number))
-        client.set_tag(run_id, "optuna.state", state)
-        if "optuna.retry_of" in tags:  # a retry that resumed the dead trial's run: say which trial that was
-            client.set_tag(run_id, "optuna.retry_of", tags["optuna.retry_of"])
-        if value is not None and math.isfinite(value):
-            client.log_metric(run_id, "optuna/value", float(value))
-        if error is not None:
-            client.log_text(run_id, error, "error/traceback.txt")
-            if run is None or run.info.status in ("RUNNING", "SCHEDULED"):
-                client.set_terminated(run_id, "FAILED")
+    def run_of(self, info: "_TrialInfo"):
+        """The child run that this execution of a trial created or resumed, or None if it never got that far: the
+        one tagged with the trial's number, else (a retry continuing the dead trial's checkpoint with
+        ``resume=auto``, which reuses its MLflow run) the newest run of the trial directory."""
+        runs = self._children(f"tags.`optuna.trial_dir` = '{info.trial_dir}'")
+        for run in runs:
+            if run.data.tags.get("optuna.trial_number") == str(info.number):
+                return run
+        return runs[0] if runs and info.resumes_checkpoint else None
 
-    def fail_orphans(self, study) -> None:
-        """Child runs left RUNNING by a dead worker (their trial is no longer RUNNING in Optuna) -> FAILED."""
+    def record(self, trial, info: "_TrialInfo") -> None:
+        """Copy the outcome that Optuna has just stored for ``trial`` to its child run."""
+        if self.parent:
+            self._agree(trial, self.run_of(info), info.tags, info.error)
+
+    def reconcile(self, study, only: int | None = None) -> None:
+        """Make every finished trial's child run agree with Optuna (the record), whatever a crash left behind:
+        status and ``optuna.state`` from the trial's state, ``optuna/value``; a FAIL trial without a child run gets
+        a FAILED one. Idempotent; a trial still RUNNING (a live worker) is left alone, and so is any run of its
+        directory (a live retry continuing a dead trial's run). ``only``: one trial's number."""
         if not self.parent:
             return
         from optuna.trial import TrialState
 
-        running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        trials = study.get_trials(deepcopy=False)
+        live_dirs = {t.user_attrs.get("run_dir") for t in trials if t.state == TrialState.RUNNING}
+        by_number: dict[str, list] = {}
+        continued = set()
+        for run in self._children():
+            by_number.setdefault(run.data.tags.get("optuna.trial_number"), []).append(run)
+            if "optuna.continues_trial" in run.data.tags:
+                continued.add(run.data.tags["optuna.continues_trial"])
+        for t in trials:
+            if t.state.name not in CHILD_STATUS or (only is not None and t.number != only):
+                continue
+            mine = [r for r in by_number.get(str(t.number), []) if r.data.tags.get("optuna.trial_dir") not in live_dirs]
+            if not mine and (str(t.number) in continued or t.user_attrs.get("run_dir") in live_dirs):
+                continue  # its run is continued by a retry, which records it
+            tags = self._trial_tags(study, t)
+            note = ("reconciled with Optuna: the trial is FAIL there; its worker died (no heartbeat, or between "
+                    "Optuna's write and this one) before it recorded the failure here\n")
+            for run in mine or [None]:
+                if not self._agrees(t, run):
+                    log.warning("trial %d: MLflow run %s disagreed with Optuna (%s); set to %s", t.number,
+                                run.info.run_id if run else "(none)", _child_state(run), t.state.name)
+                    self._agree(t, run, tags, note if t.state == TrialState.FAIL else None)
+
+    @staticmethod
+    def _trial_tags(study, trial) -> dict:
+        tags = {"grail_exp.role": "trial", "optuna.study_name": study.study_name,
+                "optuna.trial_number": str(trial.number), "optuna.params": _trial_overrides(trial.params)}
+        if trial.user_attrs.get("run_dir"):
+            tags["optuna.trial_dir"] = trial.user_attrs["run_dir"]
+        if trial.system_attrs.get("failed_trial") is not None:
+            tags["optuna.retry_of"] = str(trial.system_attrs["failed_trial"])
+        return tags
+
+    @staticmethod
+    def _agrees(trial, run) -> bool:
+        if run is None:
+            return False
+        if (run.info.status, run.data.tags.get("optuna.state")) != (CHILD_STATUS[trial.state.name], trial.state.name):
+            return False
+        return trial.value is None or not math.isfinite(trial.value) or \
+            run.data.metrics.get("optuna/value") == float(trial.value)
+
+    def _agree(self, trial, run, tags: dict, error: str | None) -> None:
+        """Write Optuna's outcome of ``trial`` to ``run`` (a new FAILED child run if None and the trial failed)."""
+        state = trial.state.name
         client = self.parent.client
-        for run in client.search_runs([self.parent.experiment_id],
-                                      f"tags.`mlflow.parentRunId` = '{self.parent.run_id}' and attributes.status = 'RUNNING'"):
-            number = int(run.data.tags.get("optuna.trial_number", -1))
-            if number not in running:
-                client.set_tag(run.info.run_id, "optuna.state", "FAIL")
-                client.log_text(run.info.run_id, "the worker running this trial died (no Optuna heartbeat); "
-                                "the trial was marked FAIL and re-queued\n", "error/traceback.txt")
-                client.set_terminated(run.info.run_id, "FAILED")
-                log.warning("trial %d: its worker died; MLflow run %s marked FAILED", number, run.info.run_id)
+        if run is None:
+            if state != "FAIL":
+                return  # an outcome without a run never happens: the run is made before training
+            name = f"{tags.get('optuna.study_name')}-trial{trial.number}"
+            run_id = client.create_run(self.parent.experiment_id, run_name=name,
+                                       tags={**tags, "mlflow.parentRunId": self.parent.run_id}).info.run_id
+            status = None
+        else:
+            run_id, status = run.info.run_id, run.info.status
+            before = run.data.tags.get("optuna.trial_number")
+            if before is not None and before != str(trial.number):  # a retry took over the dead trial's run
+                client.set_tag(run_id, "optuna.continues_trial", before)
+        client.set_tag(run_id, "optuna.trial_number", str(trial.number))
+        client.set_tag(run_id, "optuna.state", state)
+        if "optuna.retry_of" in tags:  # a retry that resumed the dead trial's run: say which trial that was
+            client.set_tag(run_id, "optuna.retry_of", tags["optuna.retry_of"])
+        if trial.value is not None and math.isfinite(trial.value):
+            client.log_metric(run_id, "optuna/value", float(trial.value))
+        if error is not None:
+            client.log_text(run_id, error, "error/traceback.txt")
+        if status != CHILD_STATUS[state]:
+            client.set_terminated(run_id, CHILD_STATUS[state])
+
+
+# Optuna's state of a finished trial -> the status of its MLflow child run (``optuna.state`` is the state itself).
+CHILD_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
+
+
+def _child_state(run) -> str:
+    return "no child run" if run is None else f"{run.info.status}, optuna.state={run.data.tags.get('optuna.state')}"
+
+
+@dataclass
+class _TrialInfo:
+    """What the objective knows about one execution of a trial, for recording its outcome after Optuna's write."""
+
+    number: int
+    trial_dir: str
+    tags: dict
+    resumes_checkpoint: bool  # a retry whose directory has a checkpoint: run() continues that checkpoint's run
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- fault injection
+# The points of a trial's life at which ``GRAIL_EXP_FAULT=tune_kill:<point>`` SIGKILLs the worker; between them,
+# the two stores are written in this order: MLflow child created (by run) -> Optuna RUNNING trial reported
+# (``reported``) -> MLflow child ended by run (FINISHED / KILLED / FAILED) -> Optuna state -> MLflow tags.
+CRASH_POINTS = (
+    "parent_created",   # the study's MLflow parent run exists; Optuna does not know its id yet
+    "trial_started",    # Optuna has the RUNNING trial; no MLflow child run yet
+    "reported",         # mid-training, right after an intermediate value went to Optuna; the child is RUNNING
+    "run_ended",        # run() has ended the child run; Optuna has not stored the outcome (the first window)
+    "optuna_recorded",  # Optuna has stored the outcome; the child run has not got its tags (the second window)
+)
+
+
+def _fault_kill(point: str, number: int, state: str | None = None) -> None:
+    """Test-only fault injection: ``GRAIL_EXP_FAULT=tune_kill:<point>[:<trial number or state>]`` kills this worker
+    with SIGKILL (no cleanup, like the OOM killer or a lost node) at ``point`` of the first trial that matches."""
+    fault = os.environ.get("GRAIL_EXP_FAULT", "")
+    if not fault.startswith("tune_kill:"):
+        return
+    want, _, which = fault[len("tune_kill:"):].partition(":")
+    if want == point and which in ("", str(number), state):
+        log.warning("GRAIL_EXP_FAULT: killing this worker at %s of trial %d (%s)", point, number, state)
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------- the study
@@ -403,7 +554,7 @@ def optimize(cfg: DictConfig) -> dict:
         base.optimized_metric = metric
         base.tune = None  # the trial runs do not need the study settings
 
-    storage, url = _storage(settings, cfg)
+    storage, url, on_stale = _storage(settings, cfg)
     study = optuna.create_study(study_name=settings.study_name, storage=storage, direction=settings.direction,
                                 load_if_exists=True)
     before = len(study.trials)
@@ -412,29 +563,37 @@ def optimize(cfg: DictConfig) -> dict:
     if study.direction.name.lower() != settings.direction:
         raise ConfigError(f"tune.direction = {settings.direction}: study {settings.study_name!r} was created with "
                           f"{study.direction.name.lower()}")
-    optuna.storages.fail_stale_trials(study)  # trials of a dead worker: FAIL, and re-queued with the same values
+    runs = _StudyRuns(cfg, settings, study, url, metric)
+    on_stale.runs = runs
+    optuna.storages.fail_stale_trials(study)  # trials of a dead worker: FAIL in both stores, re-queued
+    runs.reconcile(study)  # whatever an earlier crash left between the two stores
     for params in settings.enqueue:
         study.enqueue_trial(OmegaConf.to_container(params, resolve=True) if OmegaConf.is_config(params) else params,
                             skip_if_exists=True)
-    runs = _StudyRuns(cfg, settings, study, url, metric)
-    runs.fail_orphans(study)
     log.info("study %r (%s): %d trials so far, budget %d finished trials; metric %s (%s); MLflow parent %s",
              settings.study_name, _public_url(url), before, settings.n_trials, metric, settings.direction,
              runs.parent_id)
     trials_dir = Path(settings.trials_dir)
+    pending: dict[int, _TrialInfo] = {}  # trial number -> what after_trial records in MLflow
 
     def objective(trial: optuna.Trial) -> float:
-        values = {key: _suggest(trial, key, dist) for key, dist in space.items()}
         frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
         retry_of = frozen.system_attrs.get("failed_trial")  # the first trial of a chain of retries, or None
         trial_dir = str((trials_dir / f"trial_{retry_of if retry_of is not None else trial.number:04d}").resolve())
+        trial.set_user_attr("run_dir", trial_dir)
         name = f"{settings.study_name}-trial{trial.number}"
         tags = {"grail_exp.role": "trial", "optuna.study_name": settings.study_name,
-                "optuna.trial_number": str(trial.number), "optuna.trial_dir": trial_dir,
-                "optuna.params": _trial_overrides(values)}
+                "optuna.trial_number": str(trial.number), "optuna.trial_dir": trial_dir}
         if retry_of is not None:
             tags["optuna.retry_of"] = str(retry_of)
-        trial.set_user_attr("run_dir", trial_dir)
+        from grail_exp.checkpoint import latest_checkpoint
+
+        info = pending[trial.number] = _TrialInfo(
+            trial.number, trial_dir, tags,
+            resumes_checkpoint=retry_of is not None and latest_checkpoint(Path(trial_dir) / "checkpoints") is not None)
+        _fault_kill("trial_started", trial.number)
+        values = {key: _suggest(trial, key, dist) for key, dist in space.items()}
+        tags["optuna.params"] = _trial_overrides(values)
         log.info("trial %d%s: %s", trial.number, f" (retry of {retry_of})" if retry_of is not None else "",
                  _trial_overrides(values))
         tcfg = copy.deepcopy(base)
@@ -457,9 +616,12 @@ def optimize(cfg: DictConfig) -> dict:
             if metric in metrics and math.isfinite(metrics[metric]):
                 if step not in inherited:
                     trial.report(float(metrics[metric]), step)
+                    _fault_kill("reported", trial.number)
                 if trial.should_prune():
                     raise _Pruned(f"pruned at step {step}: {metric} = {metrics[metric]:.4f}")
 
+        # The outcome goes to Optuna when this function returns (or raises) and to MLflow after that, in
+        # after_trial: Optuna is the record, and a crash in between is repaired from it (_StudyRuns.reconcile).
         try:
             value = run(tcfg, on_eval=on_eval)
             if value is None or not math.isfinite(value):
@@ -470,22 +632,32 @@ def optimize(cfg: DictConfig) -> dict:
             hand_back_to_submitit()  # in a submitit job this requeues the worker and exits here
             raise SystemExit(143)
         except _Pruned as exc:
-            runs.finish_trial(trial_dir, trial.number, "PRUNED", None, None, name, tags)
+            _fault_kill("run_ended", trial.number, "PRUNED")
             log.info("trial %d %s", trial.number, exc)
             raise optuna.TrialPruned(str(exc)) from None
         except Exception:
-            runs.finish_trial(trial_dir, trial.number, "FAIL", None, traceback.format_exc(), name, tags)
+            info.error = traceback.format_exc()
+            _fault_kill("run_ended", trial.number, "FAIL")
             raise  # Optuna records the trial as FAIL; catch= below keeps the study going
         finally:
             gc.collect()
             _empty_cuda_cache()
-        runs.finish_trial(trial_dir, trial.number, "COMPLETE", value, None, name, tags)
+        _fault_kill("run_ended", trial.number, "COMPLETE")
         return value
 
     def budget_reached() -> bool:
         return _count(study, TrialState.COMPLETE, TrialState.PRUNED) >= settings.n_trials
 
     def after_trial(study_, trial) -> None:
+        """Optuna has stored the trial's outcome: now its MLflow child run, then the study's counters."""
+        _fault_kill("optuna_recorded", trial.number, trial.state.name)
+        info = pending.pop(trial.number, None)
+        if info is not None:
+            try:
+                runs.record(trial, info)
+            except Exception as exc:  # the tracking server is down: the study goes on; the next start reconciles
+                log.warning("trial %d: its MLflow run was not updated (%s: %s); the next start of the study "
+                            "copies Optuna's outcome to it", trial.number, type(exc).__name__, exc)
         finished = _count(study, TrialState.COMPLETE, TrialState.PRUNED)
         if runs.parent:
             runs.parent.log_metrics({"trials/finished": finished, "trials/failed": _count(study, TrialState.FAIL),

@@ -22,13 +22,14 @@ from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
 from grail_exp.data.jsonl import iter_jsonl_objects
 from grail_exp.data.prompting import encode_prompt_texts
+from grail_exp.errors import UserError
 
 log = logging.getLogger("grail_exp.weights")
 register_configs()
 
 
-class InputError(ValueError):
-    pass
+class InputError(UserError, ValueError):
+    """A bad rollouts file or scheme choice for ``grail_exp.weights``; the message names the file and line."""
 
 
 def read_rows(path: str | Path, tokenizer) -> list[dict]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import AlternatingVerifier, compose
+from conftest import HANG_TIMEOUT_S, AlternatingVerifier, compose
 from grail_exp.checkpoint import complete_checkpoints, load_training_state
 
 
@@ -95,17 +95,17 @@ def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path, tiny_model_d
     run_dir = tmp_path / "run"
     args = _cli_args(run_dir, tiny_model_dir, tmp_path, ["trainer.max_steps=3", "trainer.checkpoint_every=1"])
     proc = _run_cli(args, env={"GRAIL_EXP_FAULT": "stall_checkpoint:2"})
-    deadline = time.time() + 150
+    deadline = time.time() + HANG_TIMEOUT_S
     while not list((run_dir / "checkpoints").glob("step-2.tmp-*")):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline, "the stalled checkpoint never appeared"
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.wait(timeout=HANG_TIMEOUT_S)
     assert [c.name for c in complete_checkpoints(run_dir / "checkpoints")] == ["step-1"]
 
     proc = _run_cli(args + ["resume=auto"])
-    out = proc.communicate(timeout=300)[0]
+    out = proc.communicate(timeout=HANG_TIMEOUT_S)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "resuming from" in out and "step-1" in out
     assert [c.name for c in complete_checkpoints(run_dir / "checkpoints")][-1] == "step-3"
@@ -127,7 +127,7 @@ def test_sigterm_writes_a_checkpoint_before_exit(tmp_path, tiny_model_dir):
     from mlflow.tracking import MlflowClient
 
     db = tmp_path / "results" / "mlflow.db"
-    deadline = time.time() + 150
+    deadline = time.time() + HANG_TIMEOUT_S
     while True:  # wait until training is under way (a step's loss is in the store)
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline
@@ -146,7 +146,7 @@ def test_sigterm_writes_a_checkpoint_before_exit(tmp_path, tiny_model_dir):
     c = MlflowClient(f"sqlite:///{db}")
     runs = c.search_runs([c.get_experiment_by_name("grail_exp").experiment_id])
     proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0]
+    out = proc.communicate(timeout=HANG_TIMEOUT_S)[0]
     assert proc.returncode == 143, out[-3000:]
     assert "resume=auto" in out
     ckpts = complete_checkpoints(run_dir / "checkpoints")
@@ -160,7 +160,7 @@ def test_sweep_continues_past_a_failing_job(tmp_path, tiny_model_dir):
          f"paths.root_dir={tmp_path}", "trainer.max_steps=1", "trainer.prompts_per_step=2", "trainer.micro_batch_size=8",
          "rollout.num_generations=4", "rollout.max_completion_length=8", "trainer.eval_before_training=false",
          "benchmark.limit=2", "eval.n=2", "advantage=grpo", "loss.mask_truncated_completions=false"],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from mlflow.tracking import MlflowClient
 
@@ -195,20 +195,20 @@ def test_disk_full_on_checkpoint_is_one_clear_error_and_leaves_no_partial_checkp
 def test_unreachable_tracking_server_fails_fast(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}"],
                           env={**os.environ, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"},
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 2
     assert "unreachable" in proc.stderr and "logger=none" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_missing_model_dir_is_one_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}", "logger=none",
-                           f"model.name_or_path={tmp_path}/nope"], capture_output=True, text=True, timeout=60)
+                           f"model.name_or_path={tmp_path}/nope"], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 2 and "no Hugging Face model there" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_resume_from_a_non_checkpoint_is_one_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}", "logger=none",
-                           f"resume={tmp_path}"], capture_output=True, text=True, timeout=60)
+                           f"resume={tmp_path}"], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr
 
 
@@ -219,7 +219,7 @@ def test_parallel_jobs_can_create_one_sqlite_store_at_once(tmp_path):
             "t.log_metrics({'x': 1.0}, step=1); t.end()")
     procs = [subprocess.Popen([sys.executable, "-c", code, f"job{i}"], stderr=subprocess.PIPE, text=True)
              for i in range(3)]
-    errs = [p.communicate(timeout=120)[1] for p in procs]
+    errs = [p.communicate(timeout=HANG_TIMEOUT_S)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], errs
     from mlflow.tracking import MlflowClient
 

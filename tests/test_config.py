@@ -8,6 +8,8 @@ import pytest
 
 from grail_exp.config import ConfigError, validate
 
+from conftest import HANG_TIMEOUT_S
+
 CONF = Path(__file__).parents[1] / "conf"
 
 
@@ -109,7 +111,7 @@ def test_wrong_group_option_lists_valid_options(compose_cfg):
 
 def test_cli_wrong_scheme_exits_nonzero_and_lists_schemes(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "advantage=nope", f"paths.root_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "advantage" in out and "grpo" in out
@@ -117,7 +119,7 @@ def test_cli_wrong_scheme_exits_nonzero_and_lists_schemes(tmp_path):
 
 def test_cli_invalid_value_is_one_clear_message(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "rollout.num_generations=1",
-                           f"paths.root_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+                           f"paths.root_dir={tmp_path}"], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 2
     assert "rollout.num_generations = 1" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -130,7 +132,7 @@ def test_cli_two_steps_leaves_an_mlflow_run_with_params_metrics_and_eval_table(t
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "trainer.max_steps=2", f"paths.root_dir={tmp_path}",
                            f"paths.cache_dir={tmp_path}/cache", "model.warm_start.max_steps=20",
                            "model.warm_start.eval_every=10", "benchmark.limit=8"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("grail_exp").experiment_id])

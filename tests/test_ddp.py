@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import HANG_TIMEOUT_S, MODEL_REORDER
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -40,7 +42,16 @@ def _run(run_dir: Path, model_dir: Path, extra: list[str]) -> subprocess.Complet
             "optim.lr=1.0", "optim.eps=1.0", "optim.max_grad_norm=null", f"paths.root_dir={run_dir.parent}",
             f"hydra.run.dir={run_dir}", *extra]
     return subprocess.run([sys.executable, "-m", "grail_exp.run", *args], env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=HANG_TIMEOUT_S)
+
+
+def _tolerance(moved: float) -> float:
+    """Parameters after one step of ranks vs one process. The ranks sum the same per-token gradients in another
+    order (their own micro-batches, then the all-reduce / reduce-scatter): each gradient entry moves by
+    <= MODEL_REORDER of its terms' scale (x2 for cancellation). AdamW's first step with optim.lr=1, optim.eps=1 is
+    g / (|g| + 1): it moves by at most as much as g, and that is <= the largest update. Measured (AVX-512 EPYC):
+    7.5e-9 for an update of 0.025."""
+    return 2 * MODEL_REORDER * moved
 
 
 def _weights(run_dir: Path, out: subprocess.CompletedProcess) -> dict:
@@ -59,7 +70,8 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path, model_dir, trainer):
     w2 = _weights(two, _run(two, model_dir, [*extra, f"trainer={trainer}", "trainer.accelerator=cpu", "trainer.devices=2",
                                              "trainer.save_weights_only_every=1"]))
     assert w1.keys() == w2.keys()
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-6
+    moved = max((w1[k] - load_file(Path(model_dir) / "model.safetensors")[k]).abs().max().item() for k in w1)
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < _tolerance(moved)
     # the RELEX trajectory under fsdp: θ_0 from the unsharded start, step 1 = the gathered full weights
     start, traj = load_file(Path(model_dir) / "model.safetensors"), two / "trajectory"
     t0, t1 = load_file(traj / "step-0" / "model.safetensors"), load_file(traj / "step-1" / "model.safetensors")
@@ -83,7 +95,7 @@ def test_two_ranks_equal_one_process(tmp_path, model_dir, scheme, loss_type):
     moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
     diff = max((w1[k] - w2[k]).abs().max().item() for k in w1)
     assert moved > 1e-3  # the step really changed the weights
-    assert diff < 1e-6 * max(1.0, moved / 1e-2), f"2-rank vs 1-process parameters differ by {diff} (update {moved})"
+    assert diff < _tolerance(moved), f"2-rank vs 1-process parameters differ by {diff} (update {moved})"
     # rank 0 alone wrote the checkpoint; both ranks' RNG streams are in it
     from grail_exp.checkpoint import load_training_state
 
@@ -104,7 +116,7 @@ def test_deepspeed_zero2_two_ranks_equal_one_process(tmp_path, model_dir):
     start = load_file(Path(model_dir) / "model.safetensors")
     moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
     assert moved > 1e-3
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-6
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < _tolerance(moved)
     from grail_exp.checkpoint import load_training_state
 
     state = load_training_state(two / "checkpoints" / "step-1")  # torch.load(weights_only=True)

@@ -12,6 +12,8 @@ import torch
 
 from grail_exp.config import ConfigError, validate
 
+from conftest import HANG_TIMEOUT_S
+
 pytest.importorskip("deepspeed")
 TESTS = Path(__file__).resolve().parent
 
@@ -80,7 +82,7 @@ def test_bf16_run_keeps_fp32_masters_that_move_at_the_papers_lr(tmp_path):
             "trainer.eval_at_end=false", "advantage=grail", f"paths.root_dir={tmp_path}", f"hydra.run.dir={run_dir}"]
     env = {**__import__("os").environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "grail_exp.run", *args], env=env, capture_output=True, text=True,
-                         timeout=900)
+                         timeout=HANG_TIMEOUT_S)
     ckpt = run_dir / "checkpoints" / "step-2"
     assert (ckpt / "COMPLETE").exists(), out.stderr[-3000:]
     from grail_exp.checkpoint import load_training_state

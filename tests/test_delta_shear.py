@@ -19,6 +19,8 @@ from grail_exp.weights import scheme_weights
 
 from test_schemes import batch_of, rows_of
 
+from conftest import HANG_TIMEOUT_S
+
 
 def cfg_of(name, **kw):
     return OmegaConf.merge(OmegaConf.structured(scheme_config_class(name)), kw)
@@ -374,5 +376,5 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
 def test_two_step_run_on_the_embedded_default(tmp_path, scheme):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"advantage={scheme}", "trainer.max_steps=2",
                            "debug=fast", "logger=none", f"paths.root_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,9 +5,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from mlflow.tracking import MlflowClient
+
+from conftest import HANG_TIMEOUT_S
 
 
 def _args(tmp_path, model_dir, run_dir, extra=()):
@@ -22,23 +23,18 @@ def _runs(tmp_path):
 
 
 def test_evaluate_paper_suite_logs_table_and_resumes_after_kill(tmp_path, tiny_model_dir):
-    # 1. killed after a few chunks (each chunk = 1 problem x 2 samples) have been cached
-    proc = subprocess.Popen(_args(tmp_path, tiny_model_dir, tmp_path / "killed"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # 1. killed (SIGKILL, injected right after the 3rd cached chunk; each chunk = 1 problem x 2 samples)
+    killed = subprocess.run(_args(tmp_path, tiny_model_dir, tmp_path / "killed"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, timeout=HANG_TIMEOUT_S,
+                            env={**os.environ, "GRAIL_EXP_FAULT": "kill_eval_after_chunks:3"})
+    assert killed.returncode == -signal.SIGKILL
     cache = tmp_path / "cache" / "evals"
-    deadline = time.time() + 200
-    while sum(len(f.read_text().splitlines()) for f in cache.glob("*.jsonl")) < 3 if cache.exists() else True:
-        assert proc.poll() is None, "finished before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
     cached_before = sum(len(f.read_text().splitlines()) for f in cache.glob("*.jsonl"))
-    assert 3 <= cached_before < 12
+    assert cached_before == 3
 
     # 2. the rerun continues: only the missing chunks are generated
     done = subprocess.run(_args(tmp_path, tiny_model_dir, tmp_path / "resumed"), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     c, runs = _runs(tmp_path)
     resumed = runs[-1]
@@ -48,7 +44,7 @@ def test_evaluate_paper_suite_logs_table_and_resumes_after_kill(tmp_path, tiny_m
 
     # 3. a repeated evaluation is free and gives identical results
     again = subprocess.run(_args(tmp_path, tiny_model_dir, tmp_path / "again"), capture_output=True, text=True,
-                           timeout=300)
+                           timeout=HANG_TIMEOUT_S)
     assert again.returncode == 0
     c, runs = _runs(tmp_path)
     assert runs[-1].data.metrics["eval/generated"] == 0

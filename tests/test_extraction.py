@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -102,18 +101,22 @@ def test_grading_under_each_rule_on_crafted_completions():
     assert (res[1].correct, res[1].extracted, res[1].status) == (False, None, "no_answer")
 
 
-@pytest.mark.slow  # four kills, each followed by a worker re-start (importing sympy): ~50 s on a busy machine
+# Hard-timeout tests: 5 s of wall time per answer leaves a real answer (milliseconds of CPU) room on a loaded machine;
+# the debug hook's sleep of SLEEP_S never ends during a test, and "timeout" is only ever set by the pool's kill (a
+# finished sleep reports "ok"): a "timeout" result proves the kill, with no wall-clock assertion.
+POOL_HARD_S, SLEEP_S = 5.0, 600
+
+
+@pytest.mark.slow  # four kills, each followed by a worker re-start (importing sympy): ~1 min on a busy machine
 def test_hard_timeout_holds_in_every_mode():
-    # The debug hook sleeps 60 s in the worker on answers starting with "__sleep__:"; with math_verify the whole
-    # completion goes to the worker, with the box rules the extracted answer does. "timeout" is only ever set by
-    # the pool's kill (a finished sleep reports "ok"), and the call returns long before the sleep would end.
-    with MathVerifier(num_workers=2, hard_timeout_s=1.0, parse_timeout=1, verify_timeout=1, _allow_debug=True) as mv:
-        assert all(r.correct for r in mv.grade(["1", "2"], ["1", "2"]))  # start the workers before timing
+    # The debug hook sleeps in the worker on answers starting with "__sleep__:"; with math_verify the whole
+    # completion goes to the worker, with the box rules the extracted answer does.
+    with MathVerifier(num_workers=2, hard_timeout_s=POOL_HARD_S, parse_timeout=1, verify_timeout=1,
+                      _allow_debug=True) as mv:
+        assert all(r.correct for r in mv.grade(["1", "2"], ["1", "2"]))  # start the workers
         for rule in RULES:
-            text = "__sleep__:60" if rule == "math_verify" else r"\boxed{__sleep__:60}"
-            t0 = time.monotonic()
+            text = f"__sleep__:{SLEEP_S}" if rule == "math_verify" else rf"\boxed{{__sleep__:{SLEEP_S}}}"
             (res,) = mv.score([text], ["1"], extraction=rule)
-            assert time.monotonic() - t0 < 40.0, rule  # ~1 s (+ a replacement worker's start-up on a busy machine)
             assert (res.correct, res.status) == (False, "timeout"), rule
         assert mv.counters["timeout"] == len(RULES)
         assert mv.score([r"\boxed{7}"], ["7"], extraction="paper_eval")[0].correct  # the pool still grades
@@ -122,12 +125,11 @@ def test_hard_timeout_holds_in_every_mode():
 def test_hard_timeout_holds_for_boxed_and_whole_completion_grading():
     # The two messages a worker can get: an extracted answer (last_balanced, paper_reward and paper_eval) and a
     # whole completion (math_verify). Two warm workers: each kill leaves the other one ready, so no re-start wait.
-    with MathVerifier(num_workers=2, hard_timeout_s=1.0, parse_timeout=1, verify_timeout=1, _allow_debug=True) as mv:
+    with MathVerifier(num_workers=2, hard_timeout_s=POOL_HARD_S, parse_timeout=1, verify_timeout=1,
+                      _allow_debug=True) as mv:
         assert all(r.correct for r in mv.grade(["1", "2"], ["1", "2"]))
-        for rule, text in [("paper_eval", r"\boxed{__sleep__:60}"), ("math_verify", "__sleep__:60")]:
-            t0 = time.monotonic()
+        for rule, text in [("paper_eval", rf"\boxed{{__sleep__:{SLEEP_S}}}"), ("math_verify", f"__sleep__:{SLEEP_S}")]:
             (res,) = mv.score([text], ["1"], extraction=rule)
-            assert time.monotonic() - t0 < 30.0, rule
             assert (res.correct, res.status) == (False, "timeout"), rule
 
 

@@ -153,7 +153,10 @@ def test_gradient_accumulation_equals_one_big_batch(compose_cfg, tiny_model_dir)
             grads.append(captured["g"])
         assert grads[0].abs().sum() > 0
         if loss_type in ("dr_grpo", "dapo"):  # normalisers independent of the micro-batch split
-            assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4), loss_type
+            # Another micro-batch split sums in another order (GEMM shapes, gradient accumulation): <= 5 x 320 eps of
+            # the gradient's scale, x2 for cancellation (docs/notes/reliability.md). Measured: 1.3e-8.
+            assert torch.allclose(grads[0], grads[1], rtol=0,
+                                  atol=2 * 5 * 320 * 2**-23 * grads[1].abs().max().item()), loss_type
 
 
 def test_fit_of_the_composed_default_config_logs_to_mlflow(compose_cfg, tmp_path, caplog):

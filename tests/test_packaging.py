@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HANG_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,7 +33,7 @@ def test_config_tree_is_the_top_level_conf():
 
 def _job_config(cwd: Path, env: dict) -> str:
     out = subprocess.run([sys.executable, "-m", "grail_exp.run", "--cfg", "job", "advantage=grpo"], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
@@ -53,7 +55,7 @@ def test_run_composes_from_an_installed_wheel(tmp_path):
         shutil.copy2(ROOT / name, src / name)
     wheel_dir = tmp_path / "wheel"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(wheel_dir), str(src)], capture_output=True, text=True, timeout=300)
+                            "-w", str(wheel_dir), str(src)], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheel_dir.glob("grail_exp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -67,7 +69,7 @@ def test_run_composes_from_an_installed_wheel(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     env = dict(os.environ, PYTHONPATH=str(site))
     where = subprocess.run([sys.executable, "-c", "import grail_exp.conf_path as c; print(c.CONFIG_DIR)"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert where.stdout.strip() == str(site / "grail_exp" / "conf"), where.stderr
     assert "name: grpo" in _job_config(tmp_path, env)
     # A read-only install: the default run loads the shipped model in place, builds nothing, writes nothing there.
@@ -106,5 +108,5 @@ print(path, "loaded")
 @pytest.mark.parametrize("entry", ["grail_exp.evaluate", "grail_exp.weights"])
 def test_other_entry_points_find_the_tree(tmp_path, entry):
     out = subprocess.run([sys.executable, "-m", entry, "--cfg", "job"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=HANG_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY_BUILD, AlternatingVerifier, compose
+from conftest import HANG_TIMEOUT_S, TINY_BUILD, AlternatingVerifier, compose
 from grail_exp import extrapolate as X
 from grail_exp.config import ConfigError
 
@@ -340,7 +340,7 @@ def test_cli_extrapolate_then_evaluate(relex_of_a_real_model):
     out = tmp / "cli"
     p = subprocess.run([sys.executable, "-m", "grail_exp.extrapolate", f"trajectory={traj}", "target_step=6",
                         f"output={out}", f"hydra.run.dir={tmp}/h1", "progress=false", "dtype=bfloat16"],
-                       capture_output=True, text=True, timeout=300, env=env)
+                       capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "explained variance of rank 1" in p.stdout and f"model.name_or_path={out}" in p.stdout
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -350,7 +350,7 @@ def test_cli_extrapolate_then_evaluate(relex_of_a_real_model):
     assert result.summaries["arithmetic"]["n_problems"] == 4 and result.generated == 8
     p = subprocess.run([sys.executable, "-m", "grail_exp.extrapolate", f"trajectory={traj}", "target_step=2",
                         "observe.max_step=3", f"output={tmp}/cli2", f"hydra.run.dir={tmp}/h3"],
-                       capture_output=True, text=True, timeout=300, env=env)
+                       capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=env)
     assert p.returncode == 2 and p.stderr.startswith("error: target_step = 2 is inside the observed range"), p.stderr
 
 

@@ -14,7 +14,7 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import compose
+from tests.conftest import HANG_TIMEOUT_S, compose
 
 BENCH = {"math500": 4, "aime24": 3}  # problems per benchmark; 3 samples per problem
 N = 3
@@ -234,7 +234,7 @@ def test_markdown_and_latex_are_well_formed(store):
         doc.write_text("\\documentclass{article}\\usepackage[utf8]{inputenc}\\usepackage{booktabs}\n"
                        f"\\begin{{document}}\\input{{{out['paths']['latex']}}}\\end{{document}}\n")
         done = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name], cwd=doc.parent,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
         assert done.returncode == 0, done.stdout[-2000:]
     arts = {a.path for a in store["client"].list_artifacts(store["parent"], "report")}
     assert "report/report.md" in arts  # log_to=parent
@@ -289,7 +289,7 @@ def test_cli_runs(store, tmp_path):
     done = subprocess.run([sys.executable, "-m", "grail_exp.report", f"logger.tracking_uri={store['uri']}",
                            f"paths.root_dir={tmp_path}", f"output.dir={tmp_path}/cli", "output.name=table",
                            "stats.n_boot=200", "plots.enabled=false", "+runs.tags.model=tiny", "log_to=none",
-                           f"hydra.run.dir={tmp_path}/hydra"], capture_output=True, text=True, timeout=300,
+                           f"hydra.run.dir={tmp_path}/hydra"], capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
                           cwd=tmp_path)  # from another directory: the entry point finds conf/report.yaml
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| tiny | grail" in done.stdout

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import AlternatingVerifier, compose
+from conftest import HANG_TIMEOUT_S, AlternatingVerifier, compose
 
 
 def _run(tmp_path, model_dir, extra, monkeypatch):
@@ -51,7 +51,7 @@ def test_cli_on_the_embedded_default(tmp_path):
     for extra in (["advantage=rlsd"], ["advantage=grpo", "+loss_term=[sdpg_opd,sdpg_ref_kl]"]):
         proc = subprocess.run([sys.executable, "-m", "grail_exp.run", *extra, "debug=fast", "logger=none",
                                f"paths.root_dir={tmp_path}", "trainer.eval_before_training=false"],
-                              capture_output=True, text=True, timeout=900)
+                              capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "eval/arithmetic/acc" in proc.stdout + proc.stderr
 

@@ -10,6 +10,8 @@ from grail_exp.loss import selective_log_softmax
 from grail_exp.forward import completion_logits, position_ids_from_mask
 from grail_exp.rollout import SamplingParams, build_engine, pad_completions
 
+from conftest import HANG_TIMEOUT_S, MODEL_REORDER
+
 
 def _prompts(tok, n=3):
     texts = [tok.apply_chat_template([{"role": "user", "content": f"Compute {i}+{i * 7}."}], add_generation_prompt=True,
@@ -49,7 +51,9 @@ def test_sampling_logprobs_match_trainer_forward(tiny_model, tiny_tokenizer, top
                                    rb.completion_ids.shape[1], 0.7)
     logp = selective_log_softmax(logits, rb.completion_ids)
     m = rb.completion_mask.bool()
-    assert torch.allclose(logp[m], rb.sampling_logprobs[m], atol=1e-4)
+    # The engine's incremental forward (KV cache, one position at a time) sums in another order than the trainer's
+    # full-sequence forward: log softmax(z/T) moves by <= MODEL_REORDER of the logits' scale (measured: < 2e-6).
+    assert torch.allclose(logp[m], rb.sampling_logprobs[m], rtol=0, atol=MODEL_REORDER * logits.abs().max().item())
 
 
 def test_no_logprobs_unless_asked(tiny_model, tiny_tokenizer):
@@ -86,7 +90,7 @@ def test_generation_memory_does_not_grow_with_vocab_times_length():
     import os
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576")
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     peaks = dict(line.split() for line in out.stdout.strip().splitlines())
     growth_mb = float(peaks["64"]) - float(peaks["8"])

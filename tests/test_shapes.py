@@ -17,6 +17,8 @@ from grail_exp.architectures import (ARCH_DIR, BYTES, MARKER, available, hf_conf
                                      meta_parameter_count, parameter_counts, training_memory)
 from grail_exp.config import ConfigError, validate
 
+from conftest import HANG_TIMEOUT_S
+
 PAPER_MODELS = ["qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b"]
 CONF_MODEL = Path(__file__).resolve().parent.parent / "conf" / "model"
 # Real vocabulary, everything else CPU-sized.
@@ -287,7 +289,7 @@ def test_one_grail_step_of_a_random_qwen3_with_the_real_vocabulary(tmp_path):
          "trainer.eval_before_training=false", "benchmark.limit=2", "eval.n=1", "eval.max_tokens=8",
          "reward.num_workers=0", f"paths.root_dir={tmp_path}", f"paths.cache_dir={tmp_path}/cache",
          f"hydra.run.dir={run}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        cwd=tmp_path, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-3000:]
     ckpt = run / "checkpoints" / "step-1"
     assert json.loads((ckpt / "config.json").read_text())["vocab_size"] == 151936

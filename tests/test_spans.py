@@ -468,9 +468,9 @@ def test_reference_mode_is_fast(toks):
         rows.append(ids)
     ids, mask = batch(tok, rows, width=200)
     answer_spans(ids[:1], mask[:1], tok)  # tokenizer constants cached
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time of this process: the work done, not how busy the machine is
     sp = answer_spans(ids, mask, tok)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert sp.has_box.all()
     assert elapsed < 0.5, f"reference spans for 64 x 200 took {elapsed:.3f} s"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose
+from conftest import HANG_TIMEOUT_S, compose
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,7 +146,7 @@ def test_basic_multirun_is_one_parent_run_with_a_tagged_child_per_job(tmp_path, 
     sweep = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "-m", "advantage=grpo,grail", "seed=1,2",
                            "debug=fast", f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={sweep}",
-                           *_tiny_job_args(tiny_model_dir)], capture_output=True, text=True, timeout=600)
+                           *_tiny_job_args(tiny_model_dir)], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client, runs = _runs(tmp_path / "results" / "mlflow.db")
     parents = [r for r in runs if r.data.tags.get("grail_exp.role") == "sweep"]
@@ -171,7 +171,7 @@ def test_submitit_local_multirun_of_two_jobs(tmp_path, tiny_model_dir):
     sweep = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "-m", "hydra/launcher=submitit_local",
                            "advantage=grpo,grail", f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={sweep}",
-                           *_tiny_job_args(tiny_model_dir)], capture_output=True, text=True, timeout=900)
+                           *_tiny_job_args(tiny_model_dir)], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client, runs = _runs(tmp_path / "results" / "mlflow.db")
     (parent,) = [r for r in runs if r.data.tags.get("grail_exp.role") == "sweep"]
@@ -198,7 +198,7 @@ def test_submitit_local_job_preempted_checkpoints_and_is_requeued_with_resume_au
             "trainer.max_steps=30", "trainer.log_every=1"]
     launcher = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db = tmp_path / "results" / "mlflow.db"
-    deadline, task = time.time() + 300, None
+    deadline, task = time.time() + HANG_TIMEOUT_S, None
     while task is None:  # wait until the job has logged two optimiser steps, then find its process
         assert launcher.poll() is None and time.time() < deadline
         time.sleep(0.5)
@@ -213,7 +213,7 @@ def test_submitit_local_job_preempted_checkpoints_and_is_requeued_with_resume_au
         tasks = [c for pid in controllers for c in _children_pids(pid)]
         task = tasks[0] if len(tasks) == 1 else None
     os.kill(task, signal.SIGUSR2)
-    assert launcher.wait(timeout=600) == 0
+    assert launcher.wait(timeout=HANG_TIMEOUT_S) == 0
 
     client, runs = _runs(db)
     (parent,) = [r for r in runs if r.data.tags.get("grail_exp.role") == "sweep"]
@@ -247,7 +247,7 @@ def test_paper_table_cpu_script_queues_model_seed_groups_over_lanes(tmp_path):
     env = {**os.environ, "PY": str(fake), "STUDY": study, "LANES": "2"}
     try:
         done = subprocess.run(["bash", "sweeps/paper_table.sh", "--cpu", "trainer.max_steps=2", "+x=a b"], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=120)
+                              env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     finally:
         shutil.rmtree(ROOT / "outputs" / "paper_table_cpu" / study, ignore_errors=True)
     assert done.returncode == 0, done.stderr

@@ -19,6 +19,8 @@ import torch
 from grail_exp.config import ConfigError, validate
 from grail_exp.rollout import SamplingParams, build_engine
 
+from conftest import HANG_TIMEOUT_S
+
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (vLLM's default: 4)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -392,7 +394,7 @@ class TestProcessedLogprobs:
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-def _run(args, tmp_path, timeout=600):
+def _run(args, tmp_path, timeout=HANG_TIMEOUT_S):
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", *args, f"paths.root_dir={tmp_path}", f"paths.cache_dir={tmp_path}/cache"],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)

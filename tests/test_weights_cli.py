@@ -9,6 +9,8 @@ import torch
 
 from test_module import _build_module, _small
 
+from conftest import HANG_TIMEOUT_S
+
 
 def _training_rows(compose_cfg, model_dir, scheme_overrides):
     """Weights the training step computes for one micro-batch, plus the rows that reproduce it."""
@@ -83,7 +85,7 @@ def test_weights_cli_end_to_end_with_text_rows_and_html(tiny_model_dir, tmp_path
     proc = subprocess.run([sys.executable, "-m", "grail_exp.weights", "advantage=grail",
                            f"model.name_or_path={tiny_model_dir}", f"input={inp}", f"output={out}", f"html={html}",
                            f"paths.root_dir={tmp_path}", "advantage.std=0.7"],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert [set(r) >= {"completion_ids", "tokens", "weights"} for r in result] == [True, True]
@@ -98,6 +100,6 @@ def test_weights_cli_bad_row_names_file_and_line(tiny_model_dir, tmp_path):
     inp.write_text('{"prompt_ids": [1, 2], "completion_ids": [3], "advantage": 1.0}\n{"prompt_ids": [1], "advantage": 1}\n')
     proc = subprocess.run([sys.executable, "-m", "grail_exp.weights", f"model.name_or_path={tiny_model_dir}",
                            f"input={inp}", f"output={tmp_path}/o.json", f"paths.root_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 2
     assert f"{inp}:2" in proc.stderr and "completion_ids" in proc.stderr

@@ -20,6 +20,8 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
+from grail_exp.errors import ConfigError
+
 __all__ = ["ArithmeticProblem", "ArithmeticTask"]
 
 # Stable per-split salts: adding a split must never change the problems of another one.
@@ -51,11 +53,11 @@ class ArithmeticTask:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_steps <= self.max_steps:
-            raise ValueError(f"data.min_steps ({self.min_steps}) must be in [1, data.max_steps={self.max_steps}]")
+            raise ConfigError(f"data.min_steps ({self.min_steps}) must be in [1, data.max_steps={self.max_steps}]")
         if self.max_operand < 1:
-            raise ValueError(f"data.max_operand must be >= 1, got {self.max_operand}")
+            raise ConfigError(f"data.max_operand must be >= 1, got {self.max_operand}")
         if not self.operators or set(self.operators) - set("+-*"):
-            raise ValueError(f"data.operators must be a non-empty subset of '+-*', got {self.operators!r}")
+            raise ConfigError(f"data.operators must be a non-empty subset of '+-*', got {self.operators!r}")
 
     # ------------------------------------------------------------------ generation
     def _rng(self, split: str, index: int) -> random.Random:
@@ -101,7 +103,11 @@ class ArithmeticTask:
                 seen.add(p.question)
                 out.append(p)
             if i > 50 * size + 1000:
-                raise ValueError(f"data: cannot draw {size} distinct {name} problems; widen the difficulty knobs")
+                after = " besides the validation split's" if name == "test" else ""
+                raise ConfigError(
+                    f"data.num_{name}={size}: only {len(out)} distinct {name} problems{after} in {i} draws from "
+                    f"data.min_steps={self.min_steps}, data.max_steps={self.max_steps}, data.max_operand="
+                    f"{self.max_operand}, data.operators={self.operators!r}; lower data.num_{name} or widen those knobs")
         return tuple(out)
 
     @property
@@ -116,6 +122,12 @@ class ArithmeticTask:
             if p.question not in self._held_out:
                 return p
             attempt += 1
+            if attempt == 100_000:  # the held-out splits cover (almost) every question these knobs can produce
+                raise ConfigError(
+                    f"data.num_validation={self.num_validation}, data.num_test={self.num_test}: the held-out splits "
+                    f"leave no training problems for data.min_steps={self.min_steps}, data.max_steps="
+                    f"{self.max_steps}, data.max_operand={self.max_operand}, data.operators={self.operators!r}; "
+                    "lower them or widen those knobs")
 
     def train_problems(self, start: int, count: int) -> list[ArithmeticProblem]:
         return [self.train_problem(i) for i in range(start, start + count)]

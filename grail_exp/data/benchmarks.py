@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 from grail_exp.data.jsonl import iter_jsonl_objects
 from grail_exp.data.sources import Problem, arithmetic_task
+from grail_exp.errors import ConfigError, UserError
 
 BENCHMARKS: dict[str, Callable[[Any], list[Problem]]] = {}
 # name -> "test" | "validation". Hyper-parameter search (grail_exp.tune) may only select on validation splits.
@@ -88,14 +89,14 @@ def _arithmetic_val(cfg) -> list[Problem]:
 def load_benchmark(name: str, cfg) -> list[Problem]:
     """Problems of a registered benchmark, cut to ``cfg.benchmark.limit`` when set."""
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; valid: {', '.join(sorted(BENCHMARKS))}")
+        raise ConfigError(f"benchmark.names: unknown benchmark {name!r}; valid: {', '.join(sorted(BENCHMARKS))}")
     problems = BENCHMARKS[name](cfg)
     limit = cfg.benchmark.limit
     return problems[:limit] if limit else problems
 
 
 # ---------------------------------------------------------------------------------------------- files
-class BenchmarkDataError(ValueError):
+class BenchmarkDataError(UserError, ValueError):
     """A vendored benchmark file that is missing, has the wrong row count or a malformed row."""
 
 
@@ -160,7 +161,7 @@ def _gold_list(row: dict, name: str, rule: str) -> str:
 def _olympiad_rule(cfg) -> str:
     rule = getattr(getattr(cfg, "benchmark", None), "olympiad_gold", "first")
     if rule not in OLYMPIAD_GOLD_RULES:
-        raise ValueError(f"benchmark.olympiad_gold = {rule!r}: must be one of: {', '.join(OLYMPIAD_GOLD_RULES)}")
+        raise ConfigError(f"benchmark.olympiad_gold = {rule!r}: must be one of: {', '.join(OLYMPIAD_GOLD_RULES)}")
     return rule
 
 

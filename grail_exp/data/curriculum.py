@@ -25,6 +25,7 @@ from pathlib import Path
 
 from grail_exp.data.jsonl import iter_jsonl_objects
 from grail_exp.data.sources import Problem, register_dataset
+from grail_exp.errors import UserError
 
 __all__ = ["Curriculum", "CurriculumError", "SAMPLE_FILE", "arithmetic_curriculum", "arithmetic_curriculum_solution",
            "curriculum_for", "load_curriculum_jsonl", "render_curriculum"]
@@ -37,8 +38,8 @@ _CHAIN = re.compile(r"\d+(?:[+\-*]\d+)+")
 _STEP = re.compile(r"([+\-*])(\d+)")
 
 
-class CurriculumError(ValueError):
-    pass
+class CurriculumError(UserError, ValueError):
+    """A curriculum file or setting that cannot work; the message names the file and line, or the key."""
 
 
 @dataclass(frozen=True)

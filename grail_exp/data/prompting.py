@@ -19,6 +19,8 @@ start with it: Llama 3's ``<|begin_of_text|>`` (128000) for OctoThinker's plain 
 
 from __future__ import annotations
 
+from grail_exp.errors import ConfigError
+
 PAPER_INSTRUCTION = " Please reason step by step, and put your final answer within \\boxed{}."
 # The reference code builds the instruction in a non-raw Python string, so "\b" became a backspace
 # (method spec §11.13). experiment=paper/* configs use this to reproduce the prompt byte for byte.
@@ -42,7 +44,7 @@ def render_prompt(question: str, tokenizer, model_cfg, instruction: str = "") ->
     if model_cfg.chat_template:
         kwargs["chat_template"] = model_cfg.chat_template
     if getattr(tokenizer, "chat_template", None) is None and "chat_template" not in kwargs:
-        raise ValueError(
+        raise ConfigError(
             f"the tokenizer of {model_cfg.name_or_path!r} has no chat template; set model.chat_template "
             "or use model.prompt_style=plain"
         )

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from grail_exp.data.arithmetic import ArithmeticTask
+from grail_exp.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class ArithmeticSource:
 @register_dataset("arithmetic")
 def _arithmetic(data_cfg, seed: int | None = None, prompts_per_step: int | None = None) -> PromptSource:
     if data_cfg.get("order", "shuffled") != "shuffled":
-        raise ValueError(f"data.order = {data_cfg.order!r}: the arithmetic stream is generated; "
-                         "order=reference applies to hub datasets (data=deepmath)")
+        raise ConfigError(f"data.order = {data_cfg.order!r}: the arithmetic stream is generated; "
+                          "order=reference applies to hub datasets (data=deepmath)")
     return ArithmeticSource(arithmetic_task(data_cfg))
 
 
@@ -75,16 +76,21 @@ class HubSource:
 
         path = data_cfg.path
         if path is None:
-            raise ValueError("data.path is required for a hub dataset (hub id, local directory or file)")
+            raise ConfigError("data.path is required for a hub dataset (hub id, local directory or file)")
         kind = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}.get(str(path).rsplit(".", 1)[-1])
-        if kind:  # a local data file
-            ds = datasets.load_dataset(kind, data_files=str(path), split=data_cfg.split)
-        else:
-            ds = datasets.load_dataset(path, revision=data_cfg.revision, split=data_cfg.split)
+        try:
+            if kind:  # a local data file
+                ds = datasets.load_dataset(kind, data_files=str(path), split=data_cfg.split)
+            else:
+                ds = datasets.load_dataset(path, revision=data_cfg.revision, split=data_cfg.split)
+        except Exception as exc:  # missing file, unknown hub id, no network, bad split or revision
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise DataError(f"data.path={str(path)!r} (data.split={data_cfg.split!r}, data.revision="
+                            f"{data_cfg.get('revision')!r}): cannot load the dataset: {type(exc).__name__}: {first}") from exc
         for f in (data_cfg.problem_field, data_cfg.answer_field):
             if f not in ds.column_names:
-                raise ValueError(f"dataset {path!r} has no field {f!r} (data.problem_field / data.answer_field); "
-                                 f"fields: {ds.column_names}")
+                raise ConfigError(f"dataset {path!r} has no field {f!r} (data.problem_field / data.answer_field); "
+                                  f"fields: {ds.column_names}")
         self.ds = ds.shuffle(seed=data_cfg.shuffle_seed)
         self.problem_field, self.answer_field = data_cfg.problem_field, data_cfg.answer_field
         self.order = None
@@ -123,8 +129,8 @@ class ReferenceOrder:
 
     def __init__(self, n: int, prompts_per_step: int, seed: int):
         if n < prompts_per_step:
-            raise ValueError(f"the dataset has {n} rows, fewer than trainer.prompts_per_step = {prompts_per_step}: "
-                             "the reference sampler would yield no batch at all")
+            raise ConfigError(f"trainer.prompts_per_step = {prompts_per_step}: the dataset has only {n} rows, so "
+                              "the reference sampler would yield no batch at all")
         self.n, self.per_epoch = n, (n // prompts_per_step) * prompts_per_step
         self.seed = seed
         self._perms: list[list[int]] = []  # the generator's draws so far, one per epoch
@@ -150,7 +156,7 @@ def build_source(data_cfg, seed: int | None = None, prompts_per_step: int | None
     """The training prompt stream of ``data_cfg``. ``seed`` / ``prompts_per_step``: the run's, needed by
     ``data.order=reference`` (the reference's sampler is seeded with the run seed and cuts batches of P)."""
     if data_cfg.name not in DATASETS:
-        raise ValueError(f"unknown data.name {data_cfg.name!r}; valid: {', '.join(sorted(DATASETS))}")
+        raise ConfigError(f"unknown data.name {data_cfg.name!r}; valid: {', '.join(sorted(DATASETS))}")
     return DATASETS[data_cfg.name](data_cfg, seed=seed, prompts_per_step=prompts_per_step)
 
 

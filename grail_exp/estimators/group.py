@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from grail_exp.errors import ConfigError
+
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A_i from the rewards of consecutive groups of G rollouts of the same prompt.
@@ -31,6 +33,6 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     elif scale_rewards == "batch":
         advantages = advantages / (rewards.std() + 1e-4)
     elif scale_rewards != "none":
-        raise ValueError(f"loss.scale_rewards must be group, batch or none, got {scale_rewards!r}")
+        raise ConfigError(f"loss.scale_rewards must be group, batch or none, got {scale_rewards!r}")
     zero_std = (std < 1e-6).expand_as(grouped)
     return advantages.reshape(-1), zero_std.reshape(-1)

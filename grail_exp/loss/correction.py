@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from grail_exp.errors import ConfigError
+
 MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -46,7 +48,7 @@ def is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.T
     elif mode.startswith("sequence"):
         ratio = torch.exp(log_ratio.sum(-1, keepdim=True)).expand_as(log_ratio)  # Π_t ρ_t, on every token
     else:
-        raise ValueError(f"rollout.is_correction.mode must be one of {MODES}, got {mode!r}")
+        raise ConfigError(f"rollout.is_correction.mode must be one of {MODES}, got {mode!r}")
     if mode.endswith("truncate"):
         w = ratio.clamp(max=clip_max)
         if clip_min is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from grail_exp.errors import ConfigError
 from grail_exp.rollout.base import Completion, RolloutBatch, RolloutEngine, SamplingParams, pad_completions
 
 ENGINES = ("hf", "vllm")
@@ -32,7 +33,7 @@ def build_engine(name: str, model, tokenizer, batch_size: int = 256, *, cfg=None
 
         module_name, cls_name = name.split(":", 1)
         return getattr(importlib.import_module(module_name), cls_name)(model, tokenizer, batch_size=batch_size)
-    raise ValueError(f"rollout.engine must be one of {ENGINES} or 'package.module:ClassName', got {name!r}")
+    raise ConfigError(f"rollout.engine must be one of {ENGINES} or 'package.module:ClassName', got {name!r}")
 
 
 __all__ = ["Completion", "RolloutBatch", "RolloutEngine", "SamplingParams", "build_engine", "pad_completions"]

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from grail_exp.errors import ConfigError, MissingDependencyError
 from grail_exp.rollout.base import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as exc:
-        raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+        raise MissingDependencyError(f"{INSTALL_HINT} ({exc})") from exc
     return vllm
 
 
@@ -80,8 +81,8 @@ class VLLMRolloutEngine:
         from vllm.platforms import current_platform
 
         if sleep_mode and current_platform.is_cpu():
-            raise ValueError("rollout.vllm.sleep_mode=true is not supported by vLLM on CPU "
-                             "(\"Sleep mode is not supported on current platform\"): set rollout.vllm.sleep_mode=false")
+            raise ConfigError("rollout.vllm.sleep_mode=true is not supported by vLLM on CPU "
+                              "(\"Sleep mode is not supported on current platform\"): set rollout.vllm.sleep_mode=false")
         self.tokenizer = tokenizer
         self.batch_size = batch_size  # requests per LLM.generate call (vLLM schedules within it)
         self.dtype = getattr(torch, dtype)
@@ -176,8 +177,8 @@ class VLLMRolloutEngine:
         for j, p in enumerate(prompts):
             budget = min(params.max_new_tokens, self.max_model_len - len(p))
             if budget < 1:
-                raise ValueError(f"prompt {j} has {len(p)} tokens: no room for a completion within "
-                                 f"rollout.vllm.max_model_len = {self.max_model_len}")
+                raise ConfigError(f"prompt {j} has {len(p)} tokens: no room for a completion within "
+                                  f"rollout.vllm.max_model_len = {self.max_model_len}")
             for k in range(params.n):
                 requests.append({"prompt_token_ids": list(p)})
                 sampling.append(VLLMSamplingParams(

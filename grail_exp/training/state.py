@@ -10,7 +10,7 @@ update phase's ``nonfinite_total`` / ``nonfinite_in_a_row``, ``terms``, ``mlflow
 
 from __future__ import annotations
 
-from grail_exp.checkpoint import rng_state, set_rng_state
+from grail_exp.checkpoint import CheckpointError, rng_state, set_rng_state
 from grail_exp.training import world
 from grail_exp.training.batch import TrainingBatch
 
@@ -57,8 +57,8 @@ def restore(module, state: dict) -> None:
     """Load ``state`` into a module whose optimiser and (if any) process group exist (``on_train_start``)."""
     saved_world = int(state.get("world_size", 1))
     if saved_world != world.world_size():
-        raise RuntimeError(f"the checkpoint was written by {saved_world} data-parallel ranks; resume with the "
-                           f"same trainer.devices x trainer.num_nodes (now {world.world_size()})")
+        raise CheckpointError(f"the checkpoint was written by {saved_world} data-parallel ranks; resume with the "
+                              f"same trainer.devices x trainer.num_nodes (now {world.world_size()})")
     module.backend.load_optimizer_state(module.optimizers(), state["optimizer"])
     module.lr_schedulers().load_state_dict(state["scheduler"])
     mine = rank_part(state, world.rank())

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from grail_exp.errors import UserError
 from grail_exp.forward import PolicyForward, predicting_window
 from grail_exp.loss import TermContext, is_weights, policy_loss
 from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext
@@ -36,8 +37,8 @@ from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_r
 log = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+class NonFiniteLossError(UserError, RuntimeError):
+    """The loss went non-finite too often in a row: a config problem (lr, dtype); one line on the CLI."""
 
 
 class UpdatePhase:

@@ -649,7 +649,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     from grail_exp.advantages import SCHEMES, scheme_config_class
 
     e: list[str] = []
-    r, L, t, o, ev = cfg.rollout, cfg.loss, cfg.trainer, cfg.optim, cfg.eval
+    r, L, t, o = cfg.rollout, cfg.loss, cfg.trainer, cfg.optim
     _check(e, r.engine in ("hf", "vllm") or ":" in str(r.engine), "rollout.engine", r.engine,
            "must be one of: hf, vllm, or a plug-in 'package.module:ClassName'")
     _check(e, r.num_generations >= 2, "rollout.num_generations", r.num_generations,

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, register_configs

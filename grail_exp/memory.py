@@ -520,7 +520,7 @@ def render(p: MemoryPlan) -> str:
     out = ["memory plan per device (GiB = 2^30 bytes)"]
     out += [f"  {k}: {v}" for k, v in p.facts.items()]
     out.append("")
-    out.append(f"| phase | item | GiB | how |")
+    out.append("| phase | item | GiB | how |")
     out.append("|---|---|--:|---|")
     for x in p.lines:
         out.append(f"| {x.phase} | {x.what} | {x.bytes / GiB:.2f} | {x.how} |")

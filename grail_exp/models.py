@@ -14,7 +14,6 @@ loads a real pretrained model shipped by a package (``grail_exp/packaged_models.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch

@@ -198,7 +198,6 @@ def check_selection_benchmarks(cfg: DictConfig, metric: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- Optuna objects
 def _storage(settings, cfg: DictConfig):
-    import optuna
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
     url = settings.storage

@@ -137,6 +137,7 @@ def test_resume_is_exact_per_rank(tmp_path, model_dir, strategy, devices):
               "loss.num_iterations=2", *dtype]
     straight, split = tmp_path / "a" / "run", tmp_path / "b" / "run"
     out = _run(straight, model_dir, [*common, "trainer.max_steps=4"])
+    assert out.returncode == 0, out.stderr[-3000:]
     out1 = _run(split, model_dir, [*common, "trainer.max_steps=1"])
     assert (split / "checkpoints" / "step-1").exists(), out1.stderr[-3000:]
     out2 = _run(split, model_dir, [*common, "trainer.max_steps=4", "resume=auto"])

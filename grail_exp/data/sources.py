@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from grail_exp.data.arithmetic import ArithmeticTask
 from grail_exp.errors import ConfigError, DataError

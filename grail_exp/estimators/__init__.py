@@ -37,6 +37,5 @@ from grail_exp.estimators import gpg as _gpg, opo as _opo, otb as _otb, passk as
 from grail_exp.estimators import reinforce_pp as _rpp, remax as _remax, rloo as _rloo  # noqa: E402,F401
 from grail_exp.estimators import scrl as _scrl  # noqa: E402,F401
 
-__all__ = ["ESTIMATORS", "EstimatorConfig", "EstimatorInput", "EstimatorOutput", "PromptVariant", "estimate",
-           "group_zero_std",
-           "register_estimator"]
+__all__ = ["ESTIMATORS", "EstimatorConfig", "EstimatorInput", "EstimatorOutput", "EstimatorSpec", "PromptVariant",
+           "estimate", "group_zero_std", "register_estimator"]

@@ -100,8 +100,6 @@ def typed_term_config(cls, node):
 
 def build_terms(terms_cfg, tokenizer=None, model_cfg=None) -> list[LossTerm]:
     """The enabled terms of ``loss.terms`` (a mapping name -> config), in a stable order."""
-    from omegaconf import OmegaConf
-
     out = []
     for name in sorted((terms_cfg or {}).keys()):
         node = terms_cfg[name]

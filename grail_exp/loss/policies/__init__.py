@@ -8,7 +8,6 @@ of −Â·logp (tested in tests/test_family_losses.py).
 
 from __future__ import annotations
 
-
 from grail_exp.loss.policies import cispo, cov, dppo, gmpo, gpg, gspo, sapo, vespo  # noqa: F401  (registration)
 
 

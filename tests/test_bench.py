@@ -20,9 +20,9 @@ def test_bench_times_every_scheme_through_the_trainer(tmp_path, tiny_model_dir):
     for name, r in written["schemes"].items():
         assert set(r) == {"old_logp_s", "scheme_s", "update_s", "step_s", "peak_mem_mb", "step_per_old_logp"}, name
         assert r["step_s"] == pytest.approx(r["scheme_s"] + r["update_s"])
-        assert r["step_s"] > 0 and r["old_logp_s"] > 0  # μ = 2 needs the old log-probs
-    # grpo has no scheme work beyond the trivial weights; grail pays for its probe
-    assert written["schemes"]["grpo"]["scheme_s"] < written["schemes"]["grail"]["scheme_s"]
+        assert r["step_s"] > 0 and r["old_logp_s"] > 0 and r["scheme_s"] >= 0  # μ = 2 needs the old log-probs
+    # No comparison of the timings here: which scheme is slower is the benchmark's finding (results/bench.md), and a
+    # wall-clock order between two single measurements is a race on a loaded machine.
     assert written["config"]["vocab_size"] > 0 and written["config"]["bench.iterations"] == 2
     assert "| grail_per_rollout |" in (tmp_path / "bench.md").read_text()
     assert payload["schemes"] == written["schemes"]

@@ -12,15 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def markdown(df) -> str:
-    """A DataFrame as a Markdown table (without pandas' optional tabulate dependency)."""
-    cols = [df.index.name or ""] + [str(c) for c in df.columns]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for idx, row in df.iterrows():
-        cells = [str(idx)] + [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+from real_model_report import markdown  # sweeps/ is on sys.path when run as `python sweeps/...`
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from conftest import compose
 from grail_exp.config import ConfigError, validate
+from grail_exp.tracking import flatten
 
 PAPER_MODELS = ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b")
 SCHEMES = ("grpo", "grail", "oar_g")
@@ -33,17 +34,8 @@ DEMO = {  # the embedded demo's values (conf/config.yaml + conf/recipe_base/demo
 
 
 def _flat(cfg) -> dict:
-    out: dict = {}
-
-    def walk(node, prefix):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{prefix}{k}.")
-        else:
-            out[prefix[:-1]] = node
-
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
-    return {k: v for k, v in out.items() if not k.startswith("paths.")}
+    """The composed config as {dotted.key: value}, paths excluded (they hold the temp dir)."""
+    return {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items() if not k.startswith("paths.")}
 
 
 @lru_cache(maxsize=None)

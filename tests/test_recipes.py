@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from grail_exp.config import validate
+from grail_exp.tracking import flatten
 from conftest import compose
 
 MODELS = {  # model -> (model.name_or_path, model.prompt_style)
@@ -66,17 +67,7 @@ PER_SCHEME = {
 def _flat(model: str, scheme: str) -> dict:
     """The composed, validated recipe as {dotted.key: value} (paths excluded: they hold the temp dir)."""
     cfg = validate(compose([f"experiment=paper/{model}_{scheme}"], Path("/nonexistent")))  # paths: never written
-    tree = OmegaConf.to_container(cfg, resolve=True)
-    out: dict = {}
-
-    def walk(node, prefix):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{prefix}{k}.")
-        else:
-            out[prefix[:-1]] = node
-
-    walk(tree, "")
+    out = flatten(OmegaConf.to_container(cfg, resolve=True))
     return {k: v for k, v in out.items() if not k.startswith("paths.")}
 
 

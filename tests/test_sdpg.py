@@ -133,10 +133,24 @@ def _forward(model, batch):
     return logp, predicting_window(fwd.hidden, batch.prompt_length, batch.completion_ids.shape[1]), fwd.head_weight
 
 
+def _unpadded_logits(model, tok, problem, answer, completion):
+    """Brute force: full logits of the unpadded student and teacher sequences at the completion's positions."""
+    from test_rlsd import MODEL_CFG
+    from grail_exp.data.prompting import render_prompt
+    from grail_exp.teacher import TEMPLATES
+
+    c = tok(completion, add_special_tokens=False)["input_ids"]
+    s_ids = tok(render_prompt(problem, tok, MODEL_CFG), add_special_tokens=False)["input_ids"]
+    t_ids = tok(render_prompt(TEMPLATES["sdpg"].format(problem=problem, answer=answer, instruction=""), tok,
+                              MODEL_CFG), add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        zs = model(input_ids=torch.tensor([s_ids + c])).logits[0, len(s_ids) - 1:-1].float()
+        zt = model(input_ids=torch.tensor([t_ids + c])).logits[0, len(t_ids) - 1:-1].float()
+    return zs, zt
+
+
 def test_opd_term_matches_brute_force_teacher_and_gate(tiny_model, tiny_tokenizer):
     from test_rlsd import MODEL_CFG, ROWS, _batch
-    from grail_exp.teacher import TEMPLATES
-    from grail_exp.data.prompting import render_prompt
 
     tok, model = tiny_tokenizer, tiny_model
     b = _batch(tok, ROWS)
@@ -150,13 +164,7 @@ def test_opd_term_matches_brute_force_teacher_and_gate(tiny_model, tiny_tokenize
         for i, (q, a, comp, A) in enumerate(ROWS):
             if positive_only and A <= 0:
                 continue
-            c = tok(comp, add_special_tokens=False)["input_ids"]
-            s_ids = tok(render_prompt(q, tok, MODEL_CFG), add_special_tokens=False)["input_ids"]
-            t_ids = tok(render_prompt(TEMPLATES["sdpg"].format(problem=q, answer=a, instruction=""), tok, MODEL_CFG),
-                        add_special_tokens=False)["input_ids"]
-            with torch.no_grad():
-                zs = model(input_ids=torch.tensor([s_ids + c])).logits[0, len(s_ids) - 1:-1].float()
-                zt = model(input_ids=torch.tensor([t_ids + c])).logits[0, len(t_ids) - 1:-1].float()
+            zs, zt = _unpadded_logits(model, tok, q, a, comp)
             ls, lt = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
             total += (ls.exp() * (ls - lt)).sum(-1).clamp(max=20).sum().item()
         assert value.item() == pytest.approx(0.5 * total / n_tok.item(), rel=1e-4), positive_only
@@ -171,8 +179,6 @@ def test_opd_teacher_temperature(tiny_model, tiny_tokenizer, mode):
     """At T = 0.7 the official SDPG divides only the student's logits by T (teacher_temperature: raw); the brute
     force below builds both distributions from full logits with its own choice of divisor."""
     from test_rlsd import MODEL_CFG, ROWS, _batch
-    from grail_exp.teacher import TEMPLATES
-    from grail_exp.data.prompting import render_prompt
 
     tok, model, T = tiny_tokenizer, tiny_model, 0.7
     b = _batch(tok, ROWS)
@@ -181,13 +187,7 @@ def test_opd_teacher_temperature(tiny_model, tiny_tokenizer, mode):
     value, _ = term(_ctx(model, tok, b, hidden=hidden, W=W, logp=logp, temperature=T))
     total = {"raw": 0.0, "sampling": 0.0}
     for q, a, comp, _A in ROWS:
-        c = tok(comp, add_special_tokens=False)["input_ids"]
-        s_ids = tok(render_prompt(q, tok, MODEL_CFG), add_special_tokens=False)["input_ids"]
-        t_ids = tok(render_prompt(TEMPLATES["sdpg"].format(problem=q, answer=a, instruction=""), tok, MODEL_CFG),
-                    add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            zs = model(input_ids=torch.tensor([s_ids + c])).logits[0, len(s_ids) - 1:-1].float()
-            zt = model(input_ids=torch.tensor([t_ids + c])).logits[0, len(t_ids) - 1:-1].float()
+        zs, zt = _unpadded_logits(model, tok, q, a, comp)
         ls = torch.log_softmax(zs / T, -1)
         for how, lt in (("raw", torch.log_softmax(zt, -1)), ("sampling", torch.log_softmax(zt / T, -1))):
             total[how] += (ls.exp() * (ls - lt)).sum(-1).clamp(max=20).sum().item()

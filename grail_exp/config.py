@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 from grail_exp.errors import ConfigError  # noqa: F401  (re-exported: `from grail_exp.config import ConfigError`)
@@ -181,6 +181,10 @@ class VLLMConfig:
     # sampling/{seq,token}_log_kept_mass and added back in the sampler check).
     logprobs_mode: str = "raw_logprobs"
     seed: Optional[int] = None  # engine construction seed; null = the run's seed. Per-request seeds come from torch's RNG
+    # MiB of weights per chunk of a weight sync: the full parameters are gathered (when sharded), cast to the engine's
+    # dtype and pushed one chunk at a time, so the sync holds at most this much beyond the model (a larger tensor,
+    # e.g. the embedding, travels alone). verl and TRL stream layer by layer / bucket by bucket the same way.
+    sync_chunk_mb: int = 256
     kwargs: dict = field(default_factory=dict)  # any further vllm.LLM(...) keyword arguments, passed as is
 
 
@@ -714,10 +718,17 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, t.logprob_dtype in LOGPROB_DTYPES, "trainer.logprob_dtype", t.logprob_dtype,
            f"must be one of: {', '.join(LOGPROB_DTYPES)}")
     _check(e, t.weights_table_every >= 0, "trainer.weights_table_every", t.weights_table_every, "must be >= 0")
-    world = (t.devices if isinstance(t.devices, int) else len(t.devices) if isinstance(t.devices, (list, ListConfig)) else 1) * t.num_nodes
+    from grail_exp.training.world import configured_world_size
+
+    world = configured_world_size(t)
     _check(e, t.prompts_per_step % max(1, world) == 0, "trainer.prompts_per_step", t.prompts_per_step,
            f"must be divisible by the data-parallel world size trainer.devices x trainer.num_nodes = {world} "
            "(every rank samples whole groups)")
+    ds = r.get("dynamic_sampling")
+    if ds is not None and ds.enabled and world > 1:
+        e.append(f"rollout.dynamic_sampling.enabled = true with trainer.devices x trainer.num_nodes = {world}: dynamic "
+                 "sampling draws its prompts in one process only (every rank would draw the same ones); run it on "
+                 "one device (trainer.devices=1) or set rollout.dynamic_sampling.enabled=false")
     _check(e, L.epsilon >= 0, "loss.epsilon", L.epsilon, "must be >= 0")
     _check(e, L.epsilon_high is None or L.epsilon_high >= 0, "loss.epsilon_high", L.epsilon_high,
            "must be >= 0 or null")
@@ -847,6 +858,9 @@ def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
     _check(e, ev.temperature > 0 or ev.n == 1, "eval.n", ev.n, "greedy evaluation (eval.temperature=0) needs n=1")
     _check(e, 0 < ev.top_p <= 1, "eval.top_p", ev.top_p, "must be in (0, 1]")
     _check(e, ev.max_tokens > 0, "eval.max_tokens", ev.max_tokens, "must be > 0")
+    _check(e, ev.n < 1 or (ev.batch_size >= ev.n and ev.batch_size % ev.n == 0), "eval.batch_size", ev.batch_size,
+           f"must be a positive multiple of eval.n = {ev.n}: one generate() call (a chunk, the unit the ranks share "
+           "and the cache keeps) holds whole problems, eval.batch_size / eval.n of them")
     _check(e, cfg.benchmark.limit is None or cfg.benchmark.limit >= 1, "benchmark.limit", cfg.benchmark.limit,
            "must be >= 1 or null")
     _check(e, cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
@@ -897,6 +911,15 @@ def _check_vllm(cfg: DictConfig, e: list[str]) -> None:
            "must be null (= model.dtype), float32, bfloat16 or float16")
     _check(e, v.logprobs_mode in VLLM_LOGPROBS_MODES, "rollout.vllm.logprobs_mode", v.logprobs_mode,
            f"must be one of: {', '.join(VLLM_LOGPROBS_MODES)}")
+    _check(e, v.get("sync_chunk_mb", 256) >= 1, "rollout.vllm.sync_chunk_mb", v.get("sync_chunk_mb"), "must be >= 1")
+    kw = v.get("kwargs") or {}
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        _check(e, int(kw.get(key, 1) or 1) == 1, f"rollout.vllm.kwargs.{key}", kw.get(key),
+               "must be 1: the trainer runs one engine per rank, each on its rank's device, inside the job's process "
+               "group (vLLM's external launcher); an engine spread over several ranks' devices is not supported")
+    _check(e, "distributed_executor_backend" not in kw, "rollout.vllm.kwargs.distributed_executor_backend",
+           kw.get("distributed_executor_backend"), "is set by the engine (external_launcher inside a process group, "
+           "uniprocess without one): remove it")
     r = cfg.rollout
     if v.max_model_len is not None and "max_completion_length" in r:
         _check(e, v.max_model_len > r.max_completion_length, "rollout.vllm.max_model_len", v.max_model_len,

@@ -26,6 +26,7 @@ import torch
 
 from grail_exp.distributed import launch_rank
 from grail_exp.errors import Preempted
+from grail_exp.training import probe
 from grail_exp.training import state as run_state
 from grail_exp.training import world
 from grail_exp.training.backends import build_backend
@@ -37,7 +38,7 @@ from grail_exp.training.update import NonFiniteLossError, UpdatePhase  # noqa: F
 
 class GRPOModule(L.LightningModule):
     def __init__(self, cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model=None,
-                 evaluate_fn=None, resume_state: dict | None = None, terms: list | None = None):
+                 evaluate_fn=None, resume_state: dict | None = None, terms: list | None = None, engine_factory=None):
         super().__init__()
         self.automatic_optimization = False
         self.cfg, self.policy, self.ref_model, self.tokenizer = cfg, policy, ref_model, tokenizer
@@ -45,6 +46,12 @@ class GRPOModule(L.LightningModule):
         self.evaluate_fn = evaluate_fn  # step -> None, every trainer.eval_every optimiser steps
         self.checkpoint_fn = None  # position -> None; set by the job
         self.weights_fn = None  # step -> None: weights-only trajectory save; set by the job
+        self.start_fn = None  # () -> None: at the start of training (the evaluation before it); set by the job
+        self.end_fn = None  # () -> None: at the end of training, before Lightning tears down; set by the job
+        # () -> engine, called in setup() when ``engine`` is None: an engine with its own process-group membership
+        # (vLLM) must be built once Lightning's process group exists, on every rank.
+        self.engine_factory = engine_factory
+        self._prompts_checked = False
         self.stop_requested = False  # set by the SIGTERM handler
         self.progress = Progress(step=int(resume_state["step"]) if resume_state else 0)
         # Stochastic schemes (OAR-G's noise) draw from their own seeded stream: reproducible, and independent of the
@@ -87,7 +94,19 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
+        # The process group exists now (Lightning created it): check it is the configured world, then build the
+        # engine inside it, then give each rank its own sampling streams.
+        world.check_world_size(self.cfg.trainer)
         self.records.rank = world.rank()
+        if self.rollout.engine is None and self.engine_factory is not None:
+            self.rollout.engine = self.engine_factory()
+        if world.rank() == 0 and self.tracker is not None:
+            where = {"world_size": world.world_size(), "dist_backend": world.backend_name()}
+            if self.resume_state is None:
+                self.tracker.log_params(where)
+            else:  # params are immutable in MLflow: a resumed run records its world as tags
+                self.tracker.set_tags({f"resumed_{k}": v for k, v in where.items()})
+        probe.emit("setup", module=self)
         if world.world_size() > 1:
             # Different sampling / noise streams per rank (rank 0 keeps the single-process streams).
             self.scheme_generator.manual_seed(int(self.cfg.seed) + 7919 + 1000 * world.rank())
@@ -110,6 +129,14 @@ class GRPOModule(L.LightningModule):
     def on_train_start(self) -> None:
         if self.resume_state is not None:
             run_state.restore(self, self.resume_state)
+        if self.start_fn is not None:
+            self.start_fn()
+
+    def on_train_end(self) -> None:
+        # Still inside fit: the policy is on its device and the process group exists (Lightning's teardown then moves
+        # the module to CPU), so the final checkpoint and evaluation run here, on every rank.
+        if self.end_fn is not None:
+            self.end_fn()
 
     # ------------------------------------------------------------------ the step
     def training_step(self, round_index, batch_idx):
@@ -125,6 +152,10 @@ class GRPOModule(L.LightningModule):
             self.resume_buffer = None
         else:
             batch, stats = self.rollout.collect(round_index, timings)
+            if not self._prompts_checked:  # the first rollout of this process: ranks drew disjoint prompts
+                world.check_disjoint_prompts(self.rollout.last_prompt_indices)
+                self._prompts_checked = True
+            probe.emit("rollout", module=self, round_index=round_index)
 
         left = cfg.trainer.max_steps - self.progress.step
         steps = self.update.optimizer_steps(batch, self.optimizers(), self.lr_schedulers(), start, timings, limit=left)
@@ -148,6 +179,7 @@ class GRPOModule(L.LightningModule):
         metrics["grading/timeouts_total"] = float(self.rollout.verifier.counters.get("timeout", 0))
         metrics = world.average_metrics(metrics)
         self.last_metrics = metrics
+        probe.emit("step", module=self, step=step)
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
             self.tracker.log_metrics(metrics, step=step)
         self.records.progress_line(step, metrics)

@@ -48,6 +48,7 @@ class RolloutPhase:
         self.kl_controller = None  # KL-in-reward's β (adaptive controller)
         self.logp_diff_history: list[float] = []  # sampler-vs-trainer mismatch of recent rounds
         self.samples: list = []  # (problem, text, grade, reward, advantage) of the last batch, for the sample table
+        self.last_prompt_indices: list[int] = []  # the data-source indices this rank drew in its last round
 
     # ------------------------------------------------------------------ the phase
     def collect(self, round_index: int, timings: dict) -> tuple[TrainingBatch, dict]:
@@ -75,9 +76,8 @@ class RolloutPhase:
         P = cfg.trainer.prompts_per_step // world.world_size()
         with timed(timings, "rollout"):
             t = time.perf_counter()
-            with self.backend.full_parameters():
-                self.engine.sync_weights(self.policy)
-                timings["weight_sync"] = time.perf_counter() - t
+            self.backend.sync_engine(self.engine)  # vLLM: the full weights streamed in chunks (gathered when sharded)
+            timings["weight_sync"] = time.perf_counter() - t
         # GRPO family hook (issue 15): dynamic sampling draws whole groups until P are informative.
         problems, completions, texts, graded, variant_infos, family_stats = self._sample_groups(round_index, P, timings)
         rb = pad_completions(completions, self.tokenizer.pad_token_id)
@@ -248,7 +248,7 @@ class RolloutPhase:
         params = SamplingParams(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty,
                                 logprobs=True)
-        with timed(timings, "rollout"), self.backend.full_parameters():
+        with timed(timings, "rollout"), self.backend.generation(self.engine):
             if plan is None:
                 prompts = encode_prompts([p.question for p in problems], self.tokenizer, cfg.model, cfg.data.instruction)
                 completions, variant_infos = self.engine.generate(prompts, params), None
@@ -271,7 +271,8 @@ class RolloutPhase:
         ds = cfg.rollout.get("dynamic_sampling")
         if ds is None or not ds.enabled:
             first = round_index * cfg.trainer.prompts_per_step + world.rank() * P  # this rank's slice of the prompts
-            problems = [self.source[i] for i in range(first, first + P)]
+            self.last_prompt_indices = list(range(first, first + P))
+            problems = [self.source[i] for i in self.last_prompt_indices]
             spec = ESTIMATORS[cfg.estimator.name]
             # Estimators that sample from several prompts per problem (SCRL) plan them; the others get G of the problem.
             plan = spec.prompt_variants(cfg.estimator, problems, G, cfg.data) if spec.prompt_variants else None
@@ -281,8 +282,11 @@ class RolloutPhase:
         from grail_exp.family import informative_groups
 
         kept, dropped, rounds = [], [], 0
+        self.last_prompt_indices = []
         while len(kept) < P and rounds <= ds.max_extra_rounds:
-            problems = [self.source[i] for i in range(self.prompt_cursor, self.prompt_cursor + P)]
+            drawn = list(range(self.prompt_cursor, self.prompt_cursor + P))  # one process (validate() refuses more)
+            self.last_prompt_indices += drawn
+            problems = [self.source[i] for i in drawn]
             self.prompt_cursor += P
             rounds += 1
             completions, texts, graded, _ = self.generate_and_grade(problems, G, cfg.rollout.temperature, timings)

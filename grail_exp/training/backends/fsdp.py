@@ -5,7 +5,8 @@ micro-batch — embeddings, decoder, chunked output-layer log-probs — is one c
 FSDP's hooks gather and free parameters around everything the trainer and the schemes touch. fp32 sharded parameters
 are the master weights (the policy is loaded in fp32, ``policy_overrides``); compute runs in ``model.dtype``
 (``MixedPrecisionPolicy``), gradients are reduce-scattered in fp32 in FSDP's backward hooks. Generation, scheme
-``prepare`` passes and checkpoints see the full parameters (``full_parameters``; full state dicts on rank 0).
+``prepare`` passes and checkpoints see the full parameters (``full_parameters``; full state dicts on rank 0); an
+engine with its own copy of the weights (vLLM) is streamed them one gathered tensor at a time (``weight_chunks``).
 
 ``sharding_strategy``: FULL_SHARD (ZeRO-3-like: a layer's parameters are freed after its forward and gathered again
 for backward) or SHARD_GRAD_OP (ZeRO-2-like, the paper's layout: kept gathered from forward to backward); gradients
@@ -23,6 +24,7 @@ import torch
 
 from grail_exp.forward import policy_forward
 from grail_exp.optim import build_optimizer, grad_params
+from grail_exp.rollout.base import chunked
 from grail_exp.training.backends.base import UpdateBackend, raw_optimizer, register_backend
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
@@ -83,17 +85,37 @@ def initialize_root(core: torch.nn.Module) -> None:
 
 
 @contextmanager
-def full_parameters(core: torch.nn.Module):
-    """Every sharded parameter gathered (no-grad work outside the root forward: generation, scheme ``prepare``)."""
+def full_parameters(core: torch.nn.Module, reshard_after_forward: bool):
+    """Every sharded parameter gathered (no-grad work outside the root forward: generation, scheme ``prepare``).
+
+    Kept gathered until the context ends: with FULL_SHARD a layer's forward would otherwise free its parameters
+    again, and the next call of that layer (every generated token) would all-gather them anew — a collective inside
+    generation, which hangs as soon as two ranks generate a different number of tokens or calls (their own prompts,
+    their share of an evaluation)."""
     initialize_root(core)
     units = fsdp_units(core)
     for u in units:
         u.unshard()
+    if reshard_after_forward:
+        core.set_reshard_after_forward(False)
     try:
         yield
     finally:
+        if reshard_after_forward:
+            for u in units:  # the root unit keeps its parameters between forward and backward, as configured
+                u.set_reshard_after_forward(u is not core, recurse=False)
         for u in units:
             u.reshard()
+
+
+def gathered_tensors(policy: torch.nn.Module):
+    """``(name, full tensor)`` of the policy's state dict, each gathered from the ranks' shards when it is asked for
+    (one all-gather per tensor, a collective: every rank walks the same names). The state dict's own pre-hook puts
+    any gathered unit back to its shards first, so every value is a DTensor here (or a plain, replicated tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in policy.state_dict().items():
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
 
 @register_backend("fsdp")
@@ -135,7 +157,26 @@ class FSDPBackend(UpdateBackend):
                          self.cfg.trainer.get("logprob_dtype", "float32"))
 
     def full_parameters(self):
-        return full_parameters(self.core) if self.core is not None else super().full_parameters()
+        if self.core is None:
+            return super().full_parameters()
+        return full_parameters(self.core, (self.cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "FULL_SHARD")
+
+    def full_tensors(self):
+        return gathered_tensors(self.core.policy) if self.core is not None else super().full_tensors()
+
+    def weight_chunks(self, dtype, max_bytes):
+        # Each shard is cast to the engine's dtype before the gather (elementwise, so the same values as casting the
+        # gathered fp32 tensor), halving what travels and what is held for bf16 engines.
+        if self.core is None:
+            return super().weight_chunks(dtype, max_bytes)
+        from torch.distributed.tensor import DTensor
+
+        def pairs():
+            for name, t in self.core.policy.state_dict().items():
+                t = t.detach().to(dtype)
+                yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+        return chunked(pairs(), max_bytes)
 
     def backward(self, loss):
         self.module.manual_backward(loss)

@@ -53,6 +53,7 @@ class EvalResult:
     samples: list[dict] = field(default_factory=list)  # one row per sample
     generated: int = 0  # completions generated in this call (0 when everything came from the cache)
     protocol: dict = field(default_factory=dict)  # evaluation_params(): how the table was made, shown with it
+    generated_by: dict = field(default_factory=dict)  # "<benchmark>/<chunk>" -> the rank that generated it
 
     def flat_metrics(self, prefix: str = "eval") -> dict[str, float]:
         """``eval/<benchmark>/acc``, ``eval/<benchmark>/pass_at_k``, ... (and ``eval/avg/...``) as floats."""
@@ -263,10 +264,11 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
     rank, size = world.rank(), world.world_size()
     jobs = [_benchmark(name, tokenizer, cfg, per_call, cache_dir, model_key, rank, size)
             for name in (benchmarks or cfg.benchmark.names)]
-    done: dict = {}
-    for share in world.gather_to_all(_my_share(jobs, engine, params, tokenizer, verifier, cfg, rule, rank, size,
-                                                desc)):
+    done, by = {}, {}
+    shares = world.gather_to_all(_my_share(jobs, engine, params, tokenizer, verifier, cfg, rule, rank, size, desc))
+    for r, share in enumerate(shares):
         done.update(share)
+        by.update({f"{name}/{chunk}": r for name, chunk in share})
     summaries, samples = {}, []
     for b in jobs:
         parts = [done[(b.name, c)] for c in b.chunks]
@@ -274,7 +276,7 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
                                        [x for p in parts for x in p[2]], ev, extraction == "paper", samples)
     average = M.average_over_benchmarks(summaries, n_boot=ev.n_boot, seed=ev.seed) if len(summaries) > 1 else None
     generated = sum(len(v[0]) for v in done.values() if v[3])
-    return EvalResult(summaries, average, samples, generated, evaluation_params(cfg, tokenizer))
+    return EvalResult(summaries, average, samples, generated, evaluation_params(cfg, tokenizer), by)
 
 
 def _summarize(b: _Benchmark, completions: list, decoded: list, graded: list, ev, paper: bool, samples: list) -> dict:

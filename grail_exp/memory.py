@@ -40,6 +40,9 @@ GiB = 2**30
 HEADROOM_FIXED = 2 * GiB  # allocator fragmentation, NCCL buffers, cuBLAS workspace, CUDA graphs
 HEADROOM_FRACTION = 0.05
 VLLM_PROFILE_BYTES = 1.5 * GiB  # vLLM's own activation / sampler profile inside its reserved fraction (approximate)
+# The planner's own error: against every CUDA peak recorded so far the plan was 0.91-1.05 of the measurement
+# (results/memory_plan.md), i.e. up to 9 % under it. A plan that fits by less than 10 % of its peak is reported as tight.
+PLAN_ERROR = 0.10
 # Padded prompt length per rollout / evaluation call (HF pads a call to its longest prompt). Benchmarks: the longest
 # prompt of each shipped benchmark with the paper's instruction and chat template (Qwen3 / Llama-3 tokenizers measure
 # within 2 tokens of each other), rounded up; training sets: DeepMath-103K is not available offline, its prompts are
@@ -144,6 +147,7 @@ class MemoryPlan:
     headroom: float
     problems: list[str] = field(default_factory=list)  # impossible independently of the sum (vLLM too small, ...)
     facts: dict = field(default_factory=dict)  # the inputs, for the table's header
+    notes: list[str] = field(default_factory=list)  # what the totals leave out, said under the table
 
     @property
     def peak(self) -> float:
@@ -154,6 +158,11 @@ class MemoryPlan:
         if self.capacity is None:
             return None
         return not self.problems and self.peak <= self.capacity - self.headroom
+
+    @property
+    def tight(self) -> bool:
+        """Fits, but by less than the planner's own error (``PLAN_ERROR`` of the peak): it may not on the GPU."""
+        return bool(self.fits) and self.peak * (1 + PLAN_ERROR) > self.capacity - self.headroom
 
 
 def _world(t) -> int:
@@ -339,8 +348,14 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
     vllm_reserve = 0.0
     _, total, _src = device_capacity(cfg)
     problems: list[str] = []
+    notes: list[str] = []
     if engine == "vllm":
         util = float(r.vllm.gpu_memory_utilization)
+        if total is None:
+            add("state", "vLLM reserve (not counted)", 0.0, f"rollout.vllm.gpu_memory_utilization {util:g} x the device: "
+                "no device named, so not in the totals (trainer.device_memory_gb=<GiB> counts it)")
+            notes.append(f"vLLM's share (rollout.vllm.gpu_memory_utilization {util:g} of each device) is not in the "
+                         "totals: no device is named; set trainer.device_memory_gb to count it")
         if total is not None:
             vllm_reserve = util * total
             vb = _dtype_bytes(r.vllm.get("dtype") or m.dtype)
@@ -351,8 +366,9 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
                     f"{total / GiB:.1f} GiB device cannot hold the engine's weights ({N * vb / GiB:.1f} GiB), its "
                     f"profile (~{VLLM_PROFILE_BYTES / GiB:.1f} GiB) and the KV cache of one {T:,}-token sequence "
                     f"({s.kv_bytes_per_token * vb * T / GiB:.2f} GiB); needs >= {math.ceil(need / total * 100) / 100:.2f}")
-        if strat.startswith("fsdp"):
-            add("rollout", "gathered parameters (weight sync)", N * b, "the full b-byte state pushed to vLLM")
+        sync = _sync_chunk_bytes(cfg, s, strat)
+        if sync:
+            add("rollout", "weight sync: one chunk in flight", sync, _SYNC_HOW)
     else:
         per_call = max(1, int(r.generation_batch_size) // G)
         rows = min(per_call, max(1, t.prompts_per_step // W)) * G
@@ -365,15 +381,15 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
         if strat.startswith("fsdp"):
             add("rollout", "gathered parameters", N * b, "full_parameters(): every layer's b-byte copy")
     evaluates = bool(t.get("eval_at_end") or t.get("eval_before_training") or t.get("eval_every"))
-    if evaluates and engine == "vllm" and strat.startswith("fsdp"):
-        add("eval", "gathered parameters (weight sync)", N * b, "the full b-byte state pushed to vLLM")
+    if evaluates and engine == "vllm" and _sync_chunk_bytes(cfg, s, strat):
+        add("eval", "weight sync: one chunk in flight", _sync_chunk_bytes(cfg, s, strat), _SYNC_HOW)
     if evaluates and engine != "vllm":
         ev = cfg.eval
         per_call = max(1, int(ev.batch_size) // int(ev.n))
         rows = per_call * int(ev.n)
         Te = _prompt_tokens(cfg.benchmark.names) + int(ev.max_tokens)
         add("eval", "KV cache (HF generate)", rows * Te * s.kv_bytes_per_token * b,
-            f"{rows} rows x {Te} tokens (prompt + eval.max_tokens) x {s.kv_bytes_per_token * b:,} B per token; rank 0")
+            f"{rows} rows x {Te} tokens (prompt + eval.max_tokens) x {s.kv_bytes_per_token * b:,} B per token; every rank (its share of the chunks)")
         add("eval", "scores and prefill", rows * s.vocab * SCORE_BYTES + s.kv_bytes_per_token * b * rows * Te / s.layers,
             f"{SCORE_BYTES} B x rows x V of one step's scores + one layer's KV being grown")
         if strat.startswith("fsdp"):
@@ -400,7 +416,23 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
              "engine": engine + (f" (gpu_memory_utilization {r.vllm.gpu_memory_utilization:g})" if engine == "vllm" else
                                  f" (generation_batch_size {r.generation_batch_size}, eval.batch_size {cfg.eval.batch_size})"),
              "checkpointing": bool(m.get("gradient_checkpointing")), "logprob_chunk_tokens": chunk}
-    return MemoryPlan(lines, phases, peak_phase, cap, src, headroom, problems, facts)
+    return MemoryPlan(lines, phases, peak_phase, cap, src, headroom, problems, facts, notes)
+
+
+_SYNC_HOW = ("rollout.vllm.sync_chunk_mb of full parameters gathered and cast to the engine's dtype (a larger tensor, "
+             "the embedding, alone)")
+
+
+def _sync_chunk_bytes(cfg, s: Shape, strat: str) -> float:
+    """Bytes a weight sync to vLLM holds beyond the model: one chunk (or the largest tensor, V x h) in the engine's
+    dtype — when sharded parameters are gathered or the engine's dtype differs from the model's (else the live
+    tensors are pushed as they are: 0)."""
+    r, m = cfg.rollout, cfg.model
+    vdtype = r.vllm.get("dtype") or m.dtype
+    if not strat.startswith("fsdp") and str(vdtype) == str(m.dtype):
+        return 0.0
+    chunk = float(r.vllm.get("sync_chunk_mb", 256) or 256) * 2**20
+    return max(chunk, s.vocab * s.hidden * _dtype_bytes(vdtype))
 
 
 # ---------------------------------------------------------------------------------------------- what would fit
@@ -472,47 +504,60 @@ def replan(cfg, overrides: list[str]):
     return new
 
 
-def _fits(cfg, overrides: list[str]) -> bool:
+def _fits(cfg, overrides: list[str], margin: bool = False) -> bool:
+    """The plan with ``overrides`` fits (``margin``: and is not tight)."""
     try:
-        return bool(plan(replan(cfg, overrides)).fits)
+        q = plan(replan(cfg, overrides))
+        return bool(q.fits) and not (margin and q.tight)
     except Exception:  # noqa: BLE001 - a candidate the planner cannot evaluate does not fit
         return False
 
 
-def suggest(cfg, p: MemoryPlan, max_options: int = 3) -> list[list[str]]:
+def suggest(cfg, p: MemoryPlan, max_options: int = 3, margin: bool = False) -> list[list[str]]:
     """Override sets that make the plan fit, mildest first. On the same engine: the vLLM fraction it needs (when the
     engine cannot hold its weights: room for 16 sequences), then each single change that fits alone, else the
     changes of every family combined, each at its mildest strength that fits (cheapest families first); then a
-    switch of the engine, if that alone fits. [] when nothing found fits."""
+    switch of the engine, if that alone fits. [] when nothing found fits. ``margin``: options whose plan is not
+    tight either (fits by at least the planner's error)."""
     base: list[str] = []
     if p.problems and str(cfg.rollout.engine) == "vllm":
         base = [f"rollout.vllm.gpu_memory_utilization={_vllm_need(cfg, VLLM_SUGGESTED_SEQUENCES)}"]
-        if _fits(cfg, base):
+        if _fits(cfg, base, margin):
             return [base]
     fams, engines = _families(cfg)
     options: list[list[str]] = []
     for fam in fams:
         for o in fam:
-            if _fits(cfg, base + o):
+            if _fits(cfg, base + o, margin):
                 options.append(base + o)
                 break
-    if not options:  # combine: each family at its strongest until the plan fits, then relax each back
-        chosen: list[Optional[list[str]]] = []
-        flat = lambda picks: base + [o for pick in picks if pick for o in pick]  # noqa: E731
-        for fam in fams:
-            chosen.append(fam[-1])
-            if _fits(cfg, flat(chosen)):
-                for i in reversed(range(len(chosen))):  # the mildest strength (or none) that still fits, the
-                    fam_i = fams[i]                        # costlier families (micro-batch) before the chunk size
-                    chosen[i] = next((o for o in [None, *fam_i] if _fits(cfg, flat(chosen[:i] + [o] + chosen[i + 1:]))),
-                                     chosen[i])
-                options.append(flat(chosen))
-                break
+    if not options:
+        combined = _combined(cfg, base, fams, margin)
+        options += [combined] if combined else []
     options = options[: max_options - 1] if engines else options[:max_options]
     for e in engines:  # the engine switch replaces the vLLM fraction fix
-        if _fits(cfg, e):
+        if _fits(cfg, e, margin):
             options.append(e)
     return options
+
+
+def _combined(cfg, base: list[str], fams: list, margin: bool) -> Optional[list[str]]:
+    """Each family at its strongest until the plan fits, then each relaxed back to its mildest strength (or none)
+    that still fits, the costlier families (micro-batch) before the chunk size; None when even all together do not."""
+    chosen: list[Optional[list[str]]] = []
+    flat = lambda picks: base + [o for pick in picks if pick for o in pick]  # noqa: E731
+    for fam in fams:
+        chosen.append(fam[-1])
+        if _fits(cfg, flat(chosen), margin):
+            for i in reversed(range(len(chosen))):
+                chosen[i] = next((o for o in [None, *fams[i]] if _fits(cfg, flat(chosen[:i] + [o] + chosen[i + 1:]), margin)),
+                                 chosen[i])
+            return flat(chosen)
+    return None
+
+
+def _same_hardware(option: list[str]) -> bool:
+    return not any(o.startswith("trainer.devices=") for o in option)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -536,7 +581,24 @@ def render(p: MemoryPlan) -> str:
         out.append(f"device: {p.capacity / GiB:.1f} GiB usable ({p.capacity_source}), headroom {p.headroom / GiB:.1f} GiB: "
                    f"peak {p.peak / GiB:.1f} GiB ({p.peak_phase}) {'fits' if p.fits else 'DOES NOT FIT'}")
     out += [f"problem: {x}" for x in p.problems]
+    out += [f"note: {x}" for x in p.notes]
     return "\n".join(out)
+
+
+def tight_warning(cfg, p: MemoryPlan) -> Optional[str]:
+    """For a plan that fits by less than the planner's own error: one line saying so, with the mildest changes that
+    leave that margin (None for other plans)."""
+    if not p.tight:
+        return None
+    usable = p.capacity - p.headroom
+    options = suggest(cfg, p, max_options=2, margin=True)
+    if not any(_same_hardware(o) for o in options):  # also what buys the margin on the GPUs the run has
+        combined = _combined(cfg, [], [f for f in _families(cfg)[0] if all(_same_hardware(o) for o in f)], True)
+        options = ([combined] if combined else []) + options
+    fix = (f"; a margin of {PLAN_ERROR:.0%} with: " + " | ".join(" ".join(o) for o in options)) if options else ""
+    return (f"memory plan is tight: the peak {p.peak / GiB:.1f} GiB ({p.peak_phase}) fits the {usable / GiB:.1f} GiB "
+            f"usable by {(usable - p.peak) / GiB:.1f} GiB, less than the planner's own error ({PLAN_ERROR:.0%} of the "
+            f"peak, {PLAN_ERROR * p.peak / GiB:.1f} GiB; planned peaks were 0.91-1.05 of measured ones){fix}")
 
 
 def refusal(cfg, p: MemoryPlan) -> str:
@@ -566,4 +628,9 @@ def check(cfg) -> Optional[str]:
         return None
     if p.fits is False:
         return refusal(cfg, p)
+    warning = tight_warning(cfg, p)
+    if warning:
+        import logging
+
+        logging.getLogger("grail_exp").warning(warning)
     return None

@@ -94,13 +94,15 @@ class UpdatePhase:
         t0 = time.perf_counter()
         loss_total = 0.0
         need_states = "hidden_states" in getattr(self.scheme, "forward_outputs", ())
+        # The scheme (probe rows) and loss terms may call the model between forward and backward on some ranks only.
+        hold = bool(self.scheme.needs_model or self.terms)
         agg_ctx = AggregationContext(cfg.rollout.max_completion_length, self.accumulation_steps, global_tokens,
                                      world.world_size())
         for s, e in batch.micro_batches(micro_batch_rows(cfg), rows):
             mask = batch.loss_mask[s:e]
             logp, entropy, fwd = self.backend.forward(
                 self.policy, batch.input_ids[s:e], batch.attention_mask[s:e], batch.position_ids[s:e],
-                batch.completion_ids[s:e], hidden_states=need_states)
+                batch.completion_ids[s:e], hidden_states=need_states, hold_gathered=hold)
             # GRPO family: top-entropy / off-policy masks multiply the policy term only (TRL); the normaliser, the KL
             # term and the metrics keep the loss mask (``loss.family_mask_normaliser: kept`` masks them too).
             fam = self.family_masks(batch, s, e, mask, logp, entropy)

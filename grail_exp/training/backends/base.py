@@ -91,8 +91,12 @@ class UpdateBackend:
     def build_optimizer(self, policy: torch.nn.Module) -> torch.optim.Optimizer:
         raise NotImplementedError
 
-    def forward(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states: bool = False):
-        """``grail_exp.forward.policy_forward`` of ``model`` on a micro-batch: (logp, entropy, PolicyForward)."""
+    def forward(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states: bool = False,
+                hold_gathered: bool = False):
+        """``grail_exp.forward.policy_forward`` of ``model`` on a micro-batch: (logp, entropy, PolicyForward).
+        ``hold_gathered``: work between this forward and the micro-batch's ``backward`` calls the model again on some
+        ranks only (a scheme's probe gradient or extra forward on the rows that need it): a sharded backend keeps the
+        parameters gathered until then, so that work runs no collective of its own."""
         return policy_forward(model, input_ids, attention_mask, position_ids, completion_ids,
                               self.cfg.rollout.temperature, chunk_tokens=self.cfg.trainer.logprob_chunk_tokens,
                               hidden_states=hidden_states,

@@ -96,16 +96,29 @@ def full_parameters(core: torch.nn.Module, reshard_after_forward: bool):
     units = fsdp_units(core)
     for u in units:
         u.unshard()
-    if reshard_after_forward:
-        core.set_reshard_after_forward(False)
+    hold(core)
     try:
         yield
     finally:
-        if reshard_after_forward:
-            for u in units:  # the root unit keeps its parameters between forward and backward, as configured
-                u.set_reshard_after_forward(u is not core, recurse=False)
+        release(core, reshard_after_forward)
         for u in units:
             u.reshard()
+
+
+def hold(core: torch.nn.Module) -> None:
+    """Keep every gathered unit gathered through forwards and backwards (no reshard, hence no re-gather: no collective)
+    until ``release``. FSDP otherwise frees a layer after its forward (FULL_SHARD) or after any backward through it —
+    a scheme's probe gradient with respect to the embeddings included — and the next use all-gathers it again."""
+    core.set_reshard_after_forward(False)
+    core.set_reshard_after_backward(False)
+
+
+def release(core: torch.nn.Module, reshard_after_forward: bool) -> None:
+    """Back to the configured behaviour: layers reshard after forward under FULL_SHARD (the root unit never) and every
+    unit after its backward."""
+    for u in fsdp_units(core):
+        u.set_reshard_after_forward(reshard_after_forward and u is not core, recurse=False)
+    core.set_reshard_after_backward(True)
 
 
 def gathered_tensors(policy: torch.nn.Module):
@@ -148,10 +161,16 @@ class FSDPBackend(UpdateBackend):
     def build_optimizer(self, policy):
         return build_optimizer(policy, self.cfg.optim, master_weights=False)
 
-    def forward(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states=False):
+    def forward(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states=False,
+                hold_gathered=False):
         if self.core is None or model is not self.core.policy:  # the reference model or a teacher: not sharded
             return super().forward(model, input_ids, attention_mask, position_ids, completion_ids,
                                    hidden_states=hidden_states)
+        if hold_gathered and torch.is_grad_enabled():
+            # Probe rows differ between ranks: a probe's backward (or forward) through resharded layers would
+            # all-gather on some ranks only and hang the others. Gathered until this micro-batch's backward.
+            hold(self.core)
+            self._held = True
         return self.core(input_ids, attention_mask, position_ids, completion_ids, self.cfg.rollout.temperature,
                          self.cfg.trainer.logprob_chunk_tokens, hidden_states,
                          self.cfg.trainer.get("logprob_dtype", "float32"))
@@ -159,7 +178,7 @@ class FSDPBackend(UpdateBackend):
     def full_parameters(self):
         if self.core is None:
             return super().full_parameters()
-        return full_parameters(self.core, (self.cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "FULL_SHARD")
+        return full_parameters(self.core, self._reshard_after_forward())
 
     def full_tensors(self):
         return gathered_tensors(self.core.policy) if self.core is not None else super().full_tensors()
@@ -179,7 +198,15 @@ class FSDPBackend(UpdateBackend):
         return chunked(pairs(), max_bytes)
 
     def backward(self, loss):
+        if getattr(self, "_held", False):
+            self.core.set_reshard_after_backward(True)  # the loss backward reshards each unit after reducing it
         self.module.manual_backward(loss)
+        if getattr(self, "_held", False):
+            release(self.core, self._reshard_after_forward())
+            self._held = False
+
+    def _reshard_after_forward(self) -> bool:
+        return (self.cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "FULL_SHARD"
 
     def step(self, optimizer, loss_finite):
         params = grad_params(optimizer, self.core.policy)  # gradients were reduce-scattered in backward

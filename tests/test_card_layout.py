@@ -62,7 +62,7 @@ def run_card(tmp_path: Path, trainer: str, rollout: str, extra: list[str] = ()) 
                           capture_output=True, text=True, timeout=HANG_TIMEOUT_S, cwd=tmp_path)
 
 
-def check_card_run(tmp_path: Path, out: subprocess.CompletedProcess) -> dict:
+def check_card_run(tmp_path: Path, out: subprocess.CompletedProcess, problems: int = 8) -> dict:
     """Everything the module docstring lists but the evaluate command; returns rank -> probe records."""
     tail = out.stdout[-2000:] + out.stderr[-4000:]
     assert out.returncode == 0 or GLOO_ABORT in out.stderr, tail
@@ -105,7 +105,7 @@ def check_card_run(tmp_path: Path, out: subprocess.CompletedProcess) -> dict:
     assert [[e["tag"] for e in x] for x in evals] == [["final"], ["final"]]
     assert evals[0] == evals[1]
     assert set(evals[0][0]["generated_by"].values()) == {0, 1}, evals[0][0]["generated_by"]
-    assert len(evals[0][0]["completions"]) == 8 * 2
+    assert len(evals[0][0]["completions"]) == problems * 2
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert "final" in metrics["tables"] and metrics["metrics"]["eval/arithmetic/acc"] == \
         evals[0][0]["metrics"]["eval/arithmetic/acc"]
@@ -165,3 +165,10 @@ def test_the_cards_layout_fsdp_zero2_hf(tmp_path):
     probe = check_card_run(tmp_path, run_card(tmp_path, "fsdp_zero2", "hf"))
     final = [x for x in probe[0] if x["point"] == "evaluated"][0]["completions"]
     assert evaluate_checkpoint(tmp_path, ["rollout=hf"]) == final
+
+
+def test_full_shard_generation_with_uneven_shares(tmp_path):
+    """trainer=fsdp (FULL_SHARD) + rollout=hf, 3 evaluation chunks over 2 ranks: rank 0 generates two, rank 1 one, and
+    their rollouts stop at different lengths. A layer used while generating must stay gathered: re-gathering it at
+    every call is a collective, which the rank with less to generate never joins (the run hangs)."""
+    check_card_run(tmp_path, run_card(tmp_path, "fsdp", "hf", ["benchmark.limit=6"]), problems=6)

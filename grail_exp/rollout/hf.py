@@ -99,8 +99,13 @@ class HFRolloutEngine:
             ids[i, P - len(p):] = torch.tensor(p)
             attn[i, P - len(p):] = 1
         recorder = SampledTokenLogprobs(params.temperature) if params.logprobs else None
+        # synced_gpus=False: the trainer generates with every parameter present on this rank (the update backend's
+        # ``generation`` context), so no rank needs the others to keep stepping. transformers' default for an FSDP
+        # model all-reduces "finished?" at every token, which hangs when ranks make different numbers of calls
+        # (their shares of an evaluation).
         res = self.model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=gen_cfg,
-                                  logits_processor=LogitsProcessorList([recorder]) if recorder else None)
+                                  logits_processor=LogitsProcessorList([recorder]) if recorder else None,
+                                  synced_gpus=False)
         seqs = res.sequences[:, P:]  # (len(chunk)*n, C)
         logprobs = recorder.finish(seqs[:, -1]).cpu() if recorder and seqs.shape[1] else None
         seqs = seqs.cpu()

@@ -613,9 +613,23 @@ def rollout_batches(max_steps, num_iterations, mini_batches) -> int:
     return -(-int(max_steps) // per)
 
 
+def slurm_tasks(devices) -> int:
+    """``${slurm_tasks:${trainer.devices}}``: SLURM tasks per node = ranks per node (Lightning under SLURM runs one
+    task per device and refuses any other count when the job starts)."""
+    from grail_exp.training.world import devices_per_node
+
+    return devices_per_node(devices)
+
+
+def slurm_gpus(accelerator, devices) -> Optional[int]:
+    """``${slurm_gpus:${trainer.accelerator},${trainer.devices}}``: GPUs per node = ranks per node; none for CPU runs."""
+    return None if str(accelerator) == "cpu" else slurm_tasks(devices)
+
+
 def register_configs() -> None:
-    if not OmegaConf.has_resolver("rollout_batches"):
-        OmegaConf.register_new_resolver("rollout_batches", rollout_batches)
+    for name, fn in (("rollout_batches", rollout_batches), ("slurm_tasks", slurm_tasks), ("slurm_gpus", slurm_gpus)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="weights_schema", node=WeightsConfig)

@@ -60,12 +60,15 @@ def backend_name() -> str:
     return str(torch.distributed.get_backend()) if _initialized() else "none"
 
 
+def devices_per_node(devices) -> int:
+    """Ranks per node that ``trainer.devices`` asks for: a count, or a list of device ids."""
+    n = len(devices) if isinstance(devices, (list, tuple)) or type(devices).__name__ == "ListConfig" else int(devices)
+    return max(1, n)
+
+
 def configured_world_size(trainer_cfg) -> int:
-    """The data-parallel world a config asks for: ``trainer.devices`` (a count, or a list of device ids) x
-    ``trainer.num_nodes``."""
-    d = trainer_cfg.devices
-    n = len(d) if isinstance(d, (list, tuple)) or type(d).__name__ == "ListConfig" else int(d)
-    return max(1, n) * max(1, int(trainer_cfg.get("num_nodes", 1) or 1))
+    """The data-parallel world a config asks for: ``trainer.devices`` per node x ``trainer.num_nodes``."""
+    return devices_per_node(trainer_cfg.devices) * max(1, int(trainer_cfg.get("num_nodes", 1) or 1))
 
 
 def check_world_size(trainer_cfg) -> None:

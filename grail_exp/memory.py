@@ -219,6 +219,19 @@ def uses_reference(cfg) -> bool:
         return False
 
 
+def _probes_between_forward_and_backward(cfg) -> bool:
+    """The scheme needs the model (a probe gradient, extra forwards) or loss terms are on: the update backend then keeps
+    a sharded policy gathered from a micro-batch's forward to its backward (training/backends/fsdp.py ``hold``)."""
+    if cfg.loss.get("terms"):
+        return True
+    try:
+        from grail_exp.advantages import SCHEMES
+
+        return bool(SCHEMES[str(cfg.advantage.get("name"))].needs_model)
+    except Exception:  # noqa: BLE001 - an unknown scheme: validate() reports it; plan the larger case
+        return True
+
+
 def _prompt_tokens(names) -> int:
     return max((PROMPT_TOKENS.get(str(n), DEFAULT_PROMPT_TOKENS) for n in names), default=DEFAULT_PROMPT_TOKENS)
 
@@ -287,6 +300,10 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
         if strat == "fsdp_grad_op":
             gathered_train = N * b
             add("update", "gathered parameters", N * b, "every layer's b-byte copy, kept from forward to backward (SHARD_GRAD_OP)")
+        elif _probes_between_forward_and_backward(cfg):
+            gathered_train = N * b
+            add("update", "gathered parameters", N * b, "every layer's b-byte copy: the scheme or a loss term calls the "
+                "model between forward and backward, so FULL_SHARD keeps the layers gathered until the backward")
         else:
             root = s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
             per_layer = (N - root) / s.layers

@@ -172,3 +172,62 @@ def test_full_shard_generation_with_uneven_shares(tmp_path):
     their rollouts stop at different lengths. A layer used while generating must stay gathered: re-gathering it at
     every call is a collective, which the rank with less to generate never joins (the run hangs)."""
     check_card_run(tmp_path, run_card(tmp_path, "fsdp", "hf", ["benchmark.limit=6"]), problems=6)
+
+
+# ---------------------------------------------------------------------------------------------- refused before loading
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout=vllm", "+rollout.vllm.kwargs.tensor_parallel_size=2"], "rollout.vllm.kwargs.tensor_parallel_size"),
+    (["rollout=vllm", "+rollout.vllm.kwargs.data_parallel_size=2"], "rollout.vllm.kwargs.data_parallel_size"),
+    (["rollout=vllm", "+rollout.vllm.kwargs.distributed_executor_backend=mp"],
+     "rollout.vllm.kwargs.distributed_executor_backend"),
+    (["rollout=vllm", "rollout.vllm.sync_chunk_mb=0"], "rollout.vllm.sync_chunk_mb"),
+    (["eval.n=3", "eval.batch_size=256"], "eval.batch_size"),  # 256 completions are not whole problems of 3
+    (["eval.n=4", "eval.batch_size=2"], "eval.batch_size"),
+    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "rollout.dynamic_sampling.enabled=true"],
+     "rollout.dynamic_sampling.enabled"),
+])
+def test_a_layout_that_cannot_work_is_refused_naming_the_key(compose_cfg, overrides, key):
+    from grail_exp.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(compose_cfg(overrides))
+
+
+def test_the_paper_layouts_pass_those_checks(compose_cfg):
+    """The card's command and its shrunk rehearsal compose into configs these checks accept (eval=paper: 255 = 85 x 3)."""
+    from grail_exp.config import validate
+
+    validate(compose_cfg(["model=qwen3_8b", "advantage=grail", "trainer.device_memory_gb=139"]))
+    validate(compose_cfg(["eval=paper"]))
+    validate(compose_cfg(["trainer=fsdp_zero2", "trainer.accelerator=cpu", "trainer.devices=2", "rollout=vllm_paper",
+                          "loss.num_iterations=2", "trainer.prompts_per_step=4", "rollout.num_generations=4",
+                          "trainer.micro_batch_size=8", *EVAL]))
+
+
+# ---------------------------------------------------------------------------------------------- the guards, alone
+def test_a_world_other_than_the_configured_one_stops_the_run(compose_cfg, monkeypatch):
+    """What an engine that made its own one-rank process group did: every rank ran alone. The module's setup checks
+    torch.distributed's world against trainer.devices x trainer.num_nodes first."""
+    from grail_exp.errors import LayoutError
+    from grail_exp.training import world
+
+    cfg = compose_cfg(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"])
+    monkeypatch.setattr(world, "world_size", lambda: 1)
+    with pytest.raises(LayoutError, match=r"world of 1 process\(es\).*trainer.devices x trainer.num_nodes = 2"):
+        world.check_world_size(cfg.trainer)
+    monkeypatch.setattr(world, "world_size", lambda: 2)
+    world.check_world_size(cfg.trainer)
+    cfg = compose_cfg(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=[0,1]", "trainer.num_nodes=2"])
+    with pytest.raises(LayoutError, match="= 4"):
+        world.check_world_size(cfg.trainer)
+
+
+def test_ranks_that_sample_the_same_prompt_stop_the_run(monkeypatch):
+    from grail_exp.errors import LayoutError
+    from grail_exp.training import world
+
+    monkeypatch.setattr(world, "gather_to_all", lambda mine: [[0, 1], [2, 3]])
+    world.check_disjoint_prompts([0, 1])
+    monkeypatch.setattr(world, "gather_to_all", lambda mine: [[0, 1], [1, 2]])
+    with pytest.raises(LayoutError, match="ranks 0 and 1 both sampled prompt 1"):
+        world.check_disjoint_prompts([0, 1])

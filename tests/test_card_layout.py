@@ -21,6 +21,7 @@ trainer with rollout=hf (no vLLM needed).
 from __future__ import annotations
 
 import importlib.util
+import re
 import json
 import os
 import subprocess
@@ -231,3 +232,30 @@ def test_ranks_that_sample_the_same_prompt_stop_the_run(monkeypatch):
     monkeypatch.setattr(world, "gather_to_all", lambda mine: [[0, 1], [1, 2]])
     with pytest.raises(LayoutError, match="ranks 0 and 1 both sampled prompt 1"):
         world.check_disjoint_prompts([0, 1])
+
+
+# ---------------------------------------------------------------------------------------------- the GPU check, composed
+def test_the_one_gpu_card_check_composes_and_plans(tmp_path):
+    """`bash sweeps/gpu_checks.sh card1gpu` (run by the lead on one H100) shrinks the card's command to world size 1
+    with real widths and vocabulary; here its composition and its plan, with nothing run (CARD1GPU_DRY=1)."""
+    from omegaconf import OmegaConf
+
+    env = dict(os.environ, CARD1GPU_DRY="1", PY=sys.executable,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(["bash", str(REPO / "sweeps" / "gpu_checks.sh"), "card1gpu", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=HANG_TIMEOUT_S, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    job = OmegaConf.load(tmp_path / "card1gpu_job.yaml")
+    t = job.trainer
+    assert (t.strategy, t.sharding_strategy, t.devices, t.num_nodes, t.max_steps) == ("fsdp", "SHARD_GRAD_OP", 1, 1, 2)
+    assert t.eval_at_end and job.loss.num_iterations == 4 and job.rollout.engine == "hf"  # μ = 4: the paper's
+    assert job.model.random_init and job.model.random_init_overrides.num_hidden_layers == 2
+    assert job.model.tokenizer_name_or_path == "pkg:qwen3" and job.recipe.name == "paper"
+    assert list(job.benchmark.names) == ["math500", "aime24", "amc23", "minerva_math", "college_math_200",
+                                         "olympiadbench_200"] and job.benchmark.limit == 1
+    plan = (tmp_path / "card1gpu_plan.txt").read_text()
+    from test_plan import _arch, _params  # the parameter count by hand, from the architecture file
+
+    n = _params({**_arch("qwen3_8b"), "num_hidden_layers": 2})
+    assert f"qwen3_8b ({n / 1e9:.2f} B parameters, bfloat16)" in plan and "fsdp_grad_op, 1 device(s)" in plan
+    assert re.search(r"peak [\d.]+ GiB \(update\) fits$", plan, re.M), plan[-800:]

@@ -331,6 +331,11 @@ def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: di
         results.update({f"train/{k}": v for k, v in module.last_metrics.items()})
     phases["total_s"] = time.perf_counter() - t0
     tracker.log_metrics({f"phase/{k}": v for k, v in phases.items()}, step=module.step)
+    import torch
+
+    if torch.cuda.is_available():  # the whole run's peak, the final evaluation included (steps log theirs)
+        results["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        tracker.log_metrics({"memory/run_peak_cuda_gb": results["memory/peak_cuda_gb"]}, step=module.step)
     results.update({f"phase/{k}": v for k, v in phases.items()})
     results["train/steps"] = module.step
     if module.rank == 0:

@@ -41,7 +41,7 @@ PROMPTS, STEPS = 4, 2  # prompts per rollout batch (2 per rank); μ = 2 -> one r
 EVAL = ["benchmark.limit=8", "eval.n=2", "eval.batch_size=4", "eval.max_tokens=64"]  # 4 chunks of 2 problems
 VLLM = ["rollout.vllm.max_model_len=256", "rollout.top_k=5",  # processed log-probs renormalise over the top 5
         "rollout.vllm.sync_chunk_mb=1"]  # the 1.7 MB model travels in two chunks
-# A gloo worker sometimes aborts after everything is written (docs/environment.md); the files then judge the run.
+# A gloo worker sometimes aborts after everything is written (a known gloo trait); the files then judge the run.
 GLOO_ABORT = "terminate called without an active exception"
 
 

@@ -202,9 +202,12 @@ class TestEngine:
         assert (rb.sampling_logprobs - want).abs()[m].mean().item() > 100 * TOL
 
     def test_push_through_a_safetensors_directory(self, engine, tokenizer, hf_model):
-        """The multiprocess fallback (weights written to disk, read by the worker) gives the same engine."""
+        """The multiprocess fallback (weights written to disk, one file per chunk, read by the worker) gives the same
+        engine."""
+        from grail_exp.rollout.base import chunked
+
         model = _perturb(hf_model, seed=5)
-        engine._push_via_path(model.state_dict())
+        engine._push_via_path(chunked(model.state_dict().items(), 200_000))  # several files: the tiny model is ~1.7 MB
         engine.llm.reset_prefix_cache()
         out = engine.generate(_prompts(tokenizer, 2), SamplingParams(n=1, temperature=0.0, max_new_tokens=16,
                                                                     logprobs=True))
@@ -261,9 +264,19 @@ class TestEngine:
     def test_build_engine_from_config_syncs_the_live_policy(self, engine, compose_cfg, model_dir, tokenizer, hf_model):
         """build_engine('vllm') starts from the directory, then pushes the (here: changed) policy."""
         engine.close()  # one CPU engine at a time keeps memory low; the fixture's engine is not used after this
+        import random
+
         model = _perturb(hf_model, seed=6)
         cfg = compose_cfg(["rollout=vllm", "rollout.vllm.max_model_len=256", f"model.name_or_path={model_dir}"])
+        torch.manual_seed(123)
+        random.seed(123)
+        want = (torch.rand(3), random.random())
+        torch.manual_seed(123)
+        random.seed(123)
         e = build_engine("vllm", model, tokenizer, 8, cfg=cfg, model_path=model_dir)
+        # vLLM seeds the global RNGs with its own seed while starting: the engine restores the run's streams
+        got = (torch.rand(3), random.random())
+        assert torch.equal(got[0], want[0]) and got[1] == want[1]
         try:
             prompts = _prompts(tokenizer, 2)
             params = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)

@@ -36,10 +36,18 @@ class CardProbe:
     def setup(self, module):
         import torch.distributed as dist
 
+        engine = module.rollout.engine
+        vllm = {}
+        if hasattr(engine, "llm"):  # the rank and device index vLLM's own world gave this engine, and its executor
+            from vllm.distributed.parallel_state import get_world_group
+
+            group = get_world_group()
+            vllm = {"vllm_rank": group.rank, "vllm_local_rank": group.local_rank,
+                    "vllm_executor": engine.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend}
         self._write("setup", world_size=dist.get_world_size() if dist.is_initialized() else 1,
                     rank=dist.get_rank() if dist.is_initialized() else 0,
                     backend=str(dist.get_backend()) if dist.is_initialized() else "none",
-                    engine=type(module.rollout.engine).__name__, local_rank=os.environ.get("LOCAL_RANK"))
+                    engine=type(engine).__name__, local_rank=os.environ.get("LOCAL_RANK"), **vllm)
 
     def rollout(self, module, round_index):
         r = module.rollout

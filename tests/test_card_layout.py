@@ -146,7 +146,7 @@ def test_the_cards_layout_fsdp_zero2_vllm_paper(tmp_path):
     """trainer=fsdp_zero2 + rollout=vllm_paper: one engine per rank inside the process group, the sharded weights
     streamed to it in chunks, the final evaluation data-parallel, and its result = a one-process evaluation."""
     probe = check_card_run(tmp_path, run_card(tmp_path, "fsdp_zero2", "vllm_paper", VLLM))
-    assert all(x["engine"] == "VLLMRolloutEngine" for r in (0, 1) for x in probe[r] if x["point"] == "setup")
+    _check_one_engine_per_rank(probe)
     final = [x for x in probe[0] if x["point"] == "evaluated"][0]["completions"]
     assert evaluate_checkpoint(tmp_path, ["rollout=vllm_paper", *VLLM[:1]]) == final
 
@@ -155,7 +155,15 @@ def test_the_cards_layout_fsdp_zero2_vllm_paper(tmp_path):
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 def test_the_cards_layout_ddp_vllm_paper(tmp_path):
     """The same with trainer=ddp (replicated weights: the sync pushes each rank's own copy)."""
-    check_card_run(tmp_path, run_card(tmp_path, "ddp", "vllm_paper", VLLM))
+    _check_one_engine_per_rank(check_card_run(tmp_path, run_card(tmp_path, "ddp", "vllm_paper", VLLM)))
+
+
+def _check_one_engine_per_rank(probe: dict) -> None:
+    """Each rank's engine joined the job's world as that rank, on that rank's device index (vLLM's uniprocess executor
+    would take device 0 on every rank: on GPUs, every engine on cuda:0)."""
+    setups = [next(x for x in probe[r] if x["point"] == "setup") for r in (0, 1)]
+    assert [(s["vllm_rank"], s["vllm_local_rank"]) for s in setups] == [(0, 0), (1, 1)], setups
+    assert [(s["engine"], s["vllm_executor"]) for s in setups] == [("VLLMRolloutEngine", "external_launcher")] * 2
 
 
 # ---------------------------------------------------------------------------------------------- HF generation

@@ -1,10 +1,16 @@
-"""The weights an engine with its own copy (vLLM) receives, from every update backend: ``UpdateBackend.weight_chunks``
-on 2 gloo ranks under trainer=fsdp (FULL_SHARD), fsdp_zero2 (SHARD_GRAD_OP), ddp and deepspeed_zero2.
+"""A sharded policy's collectives outside its plain forward and backward, on 2 gloo ranks (spawned processes):
 
-Expected, independently of the backends: the full, unsharded state dict of the model every rank built (same seed),
-tied ``lm_head.weight`` included, each tensor cast to the engine's dtype — bf16 here, exactly (casting is elementwise,
-so casting shards then gathering equals casting the gathered tensor) — in chunks of at most ``max_bytes`` unless a
-single tensor is larger, and produced lazily: the first chunk is ready before the later tensors are gathered.
+1. The weights an engine with its own copy (vLLM) receives, from every update backend: ``UpdateBackend.weight_chunks``
+   under trainer=fsdp (FULL_SHARD), fsdp_zero2 (SHARD_GRAD_OP), ddp and deepspeed_zero2. Expected, independently of the
+   backends: the full, unsharded state dict of the model every rank built (same seed), tied ``lm_head.weight``
+   included, each tensor cast to the engine's dtype — bf16 here, exactly (casting is elementwise, so casting shards
+   then gathering equals casting the gathered tensor) — in chunks of at most ``max_bytes`` unless a single tensor is
+   larger, and produced lazily: the first chunk is ready before the later tensors are gathered.
+2. Work that one rank does and the other does not, which must run no collective: a probe gradient between a
+   micro-batch's forward and backward on rank 0 only (GRAIL's probe rows differ between ranks), and HF generation
+   with a different number of calls per rank (shares of an evaluation), under FULL_SHARD and SHARD_GRAD_OP. The
+   process group's timeout is short, so a collective that one rank never joins fails the test in seconds instead of
+   hanging it.
 """
 
 from __future__ import annotations
@@ -124,3 +130,79 @@ def test_the_ranks_receive_the_same_weights(received):
         a, b = (received[r][strategy]["chunks"] for r in (0, 1))
         assert [[n for n, _ in c] for c in a] == [[n for n, _ in c] for c in b]
         assert all(torch.equal(x, y) for ca, cb in zip(a, b) for (_, x), (_, y) in zip(ca, cb))
+
+
+# ---------------------------------------------------------------------------------------------- rank-dependent work
+class _LightningLike(_Module):
+    def manual_backward(self, loss):
+        loss.backward()
+
+
+def _uneven_work(strategy: str) -> dict:
+    """Rank 0 probes (autograd.grad w.r.t. the embeddings) between forward and backward and generates twice; rank 1
+    does neither probe nor the second generation. Returns this rank's gradient norm and generated token count."""
+    import torch.distributed as dist
+
+    from grail_exp.rollout.base import SamplingParams
+    from grail_exp.rollout.hf import HFRolloutEngine
+    from grail_exp.training.backends import BACKENDS
+
+    cfg = compose([f"trainer={strategy}", "trainer.accelerator=cpu", "trainer.devices=2"])
+    policy = _model().train()
+    module = _LightningLike(cfg, policy)
+    backend = BACKENDS[str(cfg.trainer.strategy)](cfg, module)
+    backend.configure_model(policy)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 12), generator=g)
+    mask, pos = torch.ones_like(ids), torch.arange(12).expand(2, 12)
+    for _ in range(2):  # two micro-batches, each probed on rank 0 only
+        logp, _, fwd = backend.forward(policy, ids, mask, pos, ids[:, 6:], hold_gathered=True)
+        if rank == 0:
+            (probe,) = torch.autograd.grad(-logp.sum(), fwd.embeds, retain_graph=True)
+            assert torch.isfinite(probe).all()
+        backend.backward(-logp.mean())
+    grad_norm = float(sum(float(p.grad.full_tensor().norm()) ** 2 for p in policy.parameters()
+                          if p.grad is not None) ** 0.5)
+    engine = HFRolloutEngine(policy, _tokenizer())
+    prompts = [[5, 6, 7, 8]] * (2 if rank == 0 else 1)
+    with torch.no_grad(), backend.generation(engine):
+        made = 0
+        for p in prompts:  # rank 0: two generate() calls, rank 1: one; lengths differ too
+            out = engine.generate([p], SamplingParams(n=1, temperature=1.0, max_new_tokens=6 + 4 * rank))
+            made += sum(len(c.token_ids) for c in out)
+    return {"grad_norm": grad_norm, "generated": made}
+
+
+def _tokenizer():
+    from grail_exp.data.arithmetic import ArithmeticTask
+    from grail_exp.embedded import build_tokenizer
+
+    return build_tokenizer("qwen", ArithmeticTask())
+
+
+def _uneven_worker(rank: int, port: int, tmp: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    # a collective one rank never joins fails after 60 s instead of hanging (generous: two spawned interpreters
+    # importing torch on a loaded 2-core machine reach the first collective within seconds)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    out = {s: _uneven_work(s) for s in ("fsdp", "fsdp_zero2")}
+    torch.save(out, os.path.join(tmp, f"uneven{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_work_on_one_rank_only_runs_no_collective(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_uneven_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"uneven{r}.pt", weights_only=False) for r in (0, 1)]
+    for strategy in ("fsdp", "fsdp_zero2"):
+        assert got[0][strategy]["grad_norm"] == got[1][strategy]["grad_norm"] > 0  # reduce-scattered, then gathered
+        assert got[0][strategy]["generated"] > 0 and got[1][strategy]["generated"] > 0

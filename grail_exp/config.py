@@ -738,11 +738,6 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, t.prompts_per_step % max(1, world) == 0, "trainer.prompts_per_step", t.prompts_per_step,
            f"must be divisible by the data-parallel world size trainer.devices x trainer.num_nodes = {world} "
            "(every rank samples whole groups)")
-    ds = r.get("dynamic_sampling")
-    if ds is not None and ds.enabled and world > 1:
-        e.append(f"rollout.dynamic_sampling.enabled = true with trainer.devices x trainer.num_nodes = {world}: dynamic "
-                 "sampling draws its prompts in one process only (every rank would draw the same ones); run it on "
-                 "one device (trainer.devices=1) or set rollout.dynamic_sampling.enabled=false")
     _check(e, L.epsilon >= 0, "loss.epsilon", L.epsilon, "must be >= 0")
     _check(e, L.epsilon_high is None or L.epsilon_high >= 0, "loss.epsilon_high", L.epsilon_high,
            "must be >= 0 or null")

@@ -192,8 +192,6 @@ def test_full_shard_generation_with_uneven_shares(tmp_path):
     (["rollout=vllm", "rollout.vllm.sync_chunk_mb=0"], "rollout.vllm.sync_chunk_mb"),
     (["eval.n=3", "eval.batch_size=256"], "eval.batch_size"),  # 256 completions are not whole problems of 3
     (["eval.n=4", "eval.batch_size=2"], "eval.batch_size"),
-    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "rollout.dynamic_sampling.enabled=true"],
-     "rollout.dynamic_sampling.enabled"),
 ])
 def test_a_layout_that_cannot_work_is_refused_naming_the_key(compose_cfg, overrides, key):
     from grail_exp.config import ConfigError, validate

@@ -5,59 +5,81 @@ optimiser steps on the four quarters."""
 import pytest
 import torch
 
+from conftest import MODEL_REORDER
 from test_module import _FakeOpt, _build_module, _small
 
 
-def _rows(batch, a: int, b: int):
-    """Rows a:b of a TrainingBatch as a batch of their own (copies)."""
-    from grail_exp.training.batch import TrainingBatch
-
-    t = {k: getattr(batch, k)[a:b].clone() for k in TrainingBatch._TENSORS if getattr(batch, k) is not None}
-    t["group_ids"] = t["group_ids"] - t["group_ids"][0]
-    return TrainingBatch(prompt_length=batch.prompt_length, texts=batch.texts[a:b], problems=batch.problems[a:b],
-                         golds=batch.golds[a:b], **t)
+def _completion_logp(model, batch, rows: slice, temperature: float) -> torch.Tensor:
+    """(rows, C) log π(o_t) written out: one full-vocabulary log-softmax of the logits that predict the completion."""
+    P, C = batch.prompt_length, batch.completion_ids.shape[1]
+    logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows],
+                   position_ids=batch.position_ids[rows]).logits[:, P - 1:P - 1 + C].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, batch.completion_ids[rows].unsqueeze(-1)).squeeze(-1)
 
 
-def _trained(compose_cfg, model_dir, extra, batch_fn):
-    cfg = _small(compose_cfg, model_dir, ["loss.num_iterations=1", *extra])
-    module = _build_module(cfg, model_dir)
-    module.manual_backward = lambda loss: loss.backward()
-    opt = torch.optim.AdamW(module.policy.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    metrics = batch_fn(module, _FakeOpt(opt), sched)
-    return [p.detach().clone() for p in module.policy.parameters()], metrics
+def _brute_force_quarters(model, batch, cfg, lr: float, loss_type: str):
+    """verl's dp_actor.update_policy with ppo_mini_batch_size = 1 prompt (4 rows) and ppo_epochs = 1, written out: the
+    old log-probs of every row at the rollout parameters (verl's compute_log_prob before update_actor); then for each
+    quarter in row order the PPO-clip loss on ratio = exp(logp − old) — 1 only on the first quarter, whose parameters
+    are still the rollout ones — normalised over the quarter alone, and one SGD step. Returns (parameters, the
+    quarters' token-mean ratios)."""
+    T, eps_lo, eps_hi, L_max = cfg.rollout.temperature, cfg.loss.epsilon, cfg.loss.epsilon_high, \
+        cfg.rollout.max_completion_length
+    with torch.no_grad():
+        old = _completion_logp(model, batch, slice(None), T)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ratios = []
+    for q in range(4):
+        rows = slice(4 * q, 4 * q + 4)
+        m, adv = batch.loss_mask[rows], batch.advantages[rows].unsqueeze(1)
+        ratio = torch.exp(_completion_logp(model, batch, rows, T) - old[rows])
+        per_token = -torch.min(ratio * adv, ratio.clamp(1 - eps_lo, 1 + eps_hi) * adv)
+        if loss_type == "dapo":  # token mean over the quarter
+            loss = (per_token * m).sum() / m.sum()
+        elif loss_type == "dr_grpo":  # token sum / (rows × L_max)
+            loss = (per_token * m).sum() / (4 * L_max)
+        else:  # grpo: per-row token mean, then the mean over the quarter's rows
+            loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ratios.append(((ratio * m).sum() / m.sum()).item())
+    return [p.detach().clone() for p in model.parameters()], ratios
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo"])
-def test_four_mini_batches_equal_four_optimiser_steps_on_the_quarters(compose_cfg, tiny_model_dir, loss_type):
+def test_four_mini_batches_use_rollout_time_old_logprobs(compose_cfg, tiny_model_dir, loss_type):
+    """k = 4, μ = 1 with HF rollouts: quarters 2–4 are trained at moved parameters, so their PPO ratio is taken against
+    the rollout-time log-probs (verl: on_policy only for one mini-batch and one epoch; TRL: old log-probs whenever a
+    generation batch feeds several optimiser steps). The reference is the brute-force loop above, not the code's path."""
+    import copy
+
+    cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=1", "advantage=grpo", f"loss.loss_type={loss_type}",
+                                               "trainer.micro_batch_size=2", "trainer.mini_batches_per_rollout=4",
+                                               "optim.max_grad_norm=null"])
+    module = _build_module(cfg, tiny_model_dir)
+    module.manual_backward = lambda loss: loss.backward()
     torch.manual_seed(0)
-    cfg = _small(compose_cfg, tiny_model_dir)
-    batch, _ = _build_module(cfg, tiny_model_dir).rollout.make_batch(0, {})  # 4 prompts x 4 rollouts
+    batch, _ = module.rollout.collect(0, {})  # 4 prompts x 4 rollouts, with whatever old log-probs the rule asks for
     assert batch.advantages.abs().sum() > 0
+    reference = copy.deepcopy(module.policy)
+    start = [p.detach().clone() for p in reference.parameters()]
+    lr = 1.0  # SGD: a step that moves the later quarters' ratios by a few per cent (5-23 % of their tokens clipped)
+    opt = torch.optim.SGD(module.policy.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    steps = [m for _, m in module.update.optimizer_steps(batch, _FakeOpt(opt), sched, 0, {})]
+    expected, ratios = _brute_force_quarters(reference, batch, cfg, lr, loss_type)
 
-    def four_mini_batches(module, opt, sched):
-        steps = list(module.update.optimizer_steps(batch, opt, sched, 0, {}))
-        assert [i for i, _ in steps] == [0, 1, 2, 3]
-        return [m for _, m in steps]
-
-    def four_quarters(module, opt, sched):
-        return [module.update.step(part, opt, sched, float(part.loss_mask.sum()), {}, epoch=0)
-                for part in (_rows(batch, 4 * q, 4 * q + 4) for q in range(4))]
-
-    def one_step(module, opt, sched):
-        return [module.update.step(batch, opt, sched, float(batch.loss_mask.sum()), {}, epoch=0)]
-
-    common = [f"loss.loss_type={loss_type}", "trainer.micro_batch_size=2"]
-    mini, m_mini = _trained(compose_cfg, tiny_model_dir, [*common, "trainer.mini_batches_per_rollout=4"],
-                            four_mini_batches)
-    quarters, m_quarters = _trained(compose_cfg, tiny_model_dir, [*common, "trainer.prompts_per_step=1"],
-                                    four_quarters)
-    whole, _ = _trained(compose_cfg, tiny_model_dir, common, one_step)
-    # The same rows in the same micro-batch shapes through the same ops: bit-identical by construction.
-    assert all(torch.equal(a, b) for a, b in zip(mini, quarters))
-    assert [m["loss"] for m in m_mini] == [m["loss"] for m in m_quarters]
-    assert [m["mini_batch"] for m in m_mini] == [0.0, 1.0, 2.0, 3.0]
-    assert not all(torch.equal(a, b) for a, b in zip(mini, whole))  # one whole-batch step is another update
+    assert ratios[0] == pytest.approx(1.0, abs=1e-6) and max(abs(r - 1) for r in ratios[1:]) > 0.01, ratios
+    # Log-probs of one forward in another batch shape / reduction order: <= MODEL_REORDER relative to log π's scale
+    # (|log π| <= log V ~ 5.8), so a ratio exp(Δ) moves by <= 2 x 5.8 x MODEL_REORDER.
+    tol_ratio = 2 * 5.8 * MODEL_REORDER
+    assert [m["ratio_mean"] for m in steps] == pytest.approx(ratios, abs=tol_ratio)
+    # SGD moves a weight by lr x its gradient; the two paths' gradients agree to MODEL_REORDER of their scale, so the
+    # four steps' total move Δw agrees to 4 x MODEL_REORDER of it, x2 for cancellation. Measured: 1e-6 of Δw.
+    moved = max((b - a).abs().max().item() for a, b in zip(start, expected))
+    for a, b in zip(module.policy.parameters(), expected):
+        assert torch.allclose(a, b, rtol=0, atol=2 * 4 * MODEL_REORDER * moved), (a - b).abs().max()
 
 
 def test_mini_batches_validate_whole_groups(compose_cfg, tiny_model_dir):

@@ -300,7 +300,11 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    warmup_steps: int = 0  # linear warmup from 0 (transformers' constant_with_warmup: step 0 has lr 0)
+    warmup_steps: int = 0  # linear warmup from 0 (transformers' constant_with_warmup: step 0 has lr 0), in schedule_unit
+    # What one step of the lr schedule is: optimizer_step (TRL / transformers: the scheduler steps after every optimiser
+    # step) | rollout_batch (verl, EasyR1: actor_lr_scheduler.step() once per update_actor, i.e. once per rollout
+    # batch after its k x mu optimiser steps, which all share one rate). Recipes ported from verl set rollout_batch.
+    schedule_unit: str = "optimizer_step"
     max_grad_norm: Optional[float] = 1.0  # null = no clipping
     # fp32 master weights + fp32 Adam state for a bf16 model (grail_exp/optim.py); null = on for half-precision
     # models. Without them, Adam steps of ~lr = 1e-6 vanish in bf16 rounding (the paper's DeepSpeed keeps masters).
@@ -626,6 +630,7 @@ def _check(errors: list[str], ok: bool, key: str, value: Any, why: str) -> None:
         errors.append(f"{key} = {value!r}: {why}")
 
 
+SCHEDULE_UNITS = ("optimizer_step", "rollout_batch")  # optim.schedule_unit
 HUB_MODEL_MAX_LR = 1e-5  # above this, a pretrained hub model needs optim.allow_high_lr=true
 
 
@@ -735,6 +740,8 @@ def validate(cfg: DictConfig) -> DictConfig:
                  f"(recipe {recipe}); rates like the demo's 1e-4 destroy 4-8B weights within tens of steps (the paper: "
                  "1e-6, recipe=paper). Set optim.allow_high_lr=true if you mean it")
     _check(e, o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _check(e, o.get("schedule_unit", "optimizer_step") in SCHEDULE_UNITS, "optim.schedule_unit",
+           o.get("schedule_unit"), f"must be one of: {', '.join(SCHEDULE_UNITS)}")
     _check(e, o.max_grad_norm is None or o.max_grad_norm > 0, "optim.max_grad_norm", o.max_grad_norm,
            "must be > 0 or null")
     _check(e, t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")

@@ -49,7 +49,7 @@ class TrainingBatch:
     advantages: torch.Tensor  # (N,) sequence advantages (the schemes' polarity); or the row summary of token ones
     rewards: torch.Tensor  # (N,)
     texts: list[str]
-    old_logp: torch.Tensor | None = None  # (N, C) trainer log-probs at the rollout parameters (μ > 1 or IS)
+    old_logp: torch.Tensor | None = None  # (N, C) trainer log-probs at the rollout parameters (k × μ > 1 or IS)
     ref_logp: torch.Tensor | None = None  # (N, C) when beta > 0
     sampler_logp: torch.Tensor | None = None  # (N, C) the rollout engine's log-probs
     # (N, C) log M_t, the log top-k mass the sampler's processed (top-k-renormalised) log-probs drop: sampler + this =

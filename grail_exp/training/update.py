@@ -81,12 +81,20 @@ class UpdatePhase:
             tokens = batch.loss_mask[rows[0]:rows[1]].sum()
             global_tokens = float(world.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
             yield index, self.step(batch, optimizer, scheduler, global_tokens, timings,
-                                   epoch=index // self.mini_batches, rows=rows)
+                                   epoch=index // self.mini_batches, rows=rows, schedule=self.schedules_after(index))
+
+    def schedules_after(self, index: int) -> bool:
+        """Whether the lr schedule advances after the index-th optimiser step of a rollout batch: after every one
+        (``optim.schedule_unit: optimizer_step``, TRL) or after the last (``rollout_batch``: verl steps its scheduler
+        once per ``update_actor``, so the k × μ steps of a rollout batch share one rate)."""
+        per_batch = self.cfg.optim.get("schedule_unit", "optimizer_step") == "rollout_batch"
+        return not per_batch or index == self.steps_per_rollout - 1
 
     def step(self, batch: TrainingBatch, optimizer, scheduler, global_tokens: float, timings: dict,
-             epoch: int, rows: tuple[int, int] | None = None) -> dict[str, float]:
+             epoch: int, rows: tuple[int, int] | None = None, schedule: bool = True) -> dict[str, float]:
         """One optimiser step over every micro-batch of ``rows`` of ``batch`` (default: all of it); ``global_tokens``:
-        the loss tokens of those rows over all ranks (the dapo normaliser)."""
+        the loss tokens of those rows over all ranks (the dapo normaliser); ``schedule``: advance the lr schedule
+        after it."""
         cfg = self.cfg
         sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch masked means
         counts: dict[str, float] = {}
@@ -156,6 +164,7 @@ class UpdatePhase:
         avg = {k: v / counts[k] for k, v in sums.items() if counts[k] > 0}
         avg.pop("loss_tokens", None)
 
+        lr = scheduler.get_last_lr()[0]  # the rate this update uses (logged as such, as verl does)
         result = self.backend.step(optimizer, math.isfinite(loss_total))
         if result.applied:
             self.nonfinite_in_a_row = 0
@@ -170,11 +179,12 @@ class UpdatePhase:
                 raise NonFiniteLossError(
                     f"{self.nonfinite_in_a_row} non-finite losses/gradients in a row (trainer.max_nonfinite_in_a_row"
                     f"={limit}); aborting. Lower optim.lr, check model.dtype, or inspect the last sample table.")
-        scheduler.step()
+        if schedule:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         timings["scheme"] = timings.get("scheme", 0.0) + t_scheme
         timings["update"] = timings.get("update", 0.0) + (time.perf_counter() - t0 - t_scheme)
-        avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": scheduler.get_last_lr()[0],
+        avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": lr,
                     "iteration": float(epoch), "mini_batch": float((rows or (0, 0))[0] // max(1, mini_batch_rows(cfg))),
                     "nonfinite_steps_total": float(self.nonfinite_total),
                     "scheme/recompute_per_rollout": float(self.scheme.cfg.get("recompute") == "per_rollout")})

@@ -91,36 +91,49 @@ def test_mini_batches_validate_whole_groups(compose_cfg, tiny_model_dir):
         _small(compose_cfg, tiny_model_dir, ["trainer.mini_batches_per_rollout=2", "trainer.micro_batch_size=3"])
 
 
-def test_counters_over_mini_batches_and_epochs(tmp_path, tiny_model_dir, monkeypatch):
-    """k = 2, μ = 2, max_steps = 6: steps 1-4 train rollout batch 1 (mini-batches 0, 1, 0, 1), steps 5-6 rollout batch 2;
-    every step of a rollout batch sees the same rollout counter (RLSD's / SDPG's schedules), and the run stops at 6."""
+def test_counters_over_mini_batches_and_epochs(tmp_path, formatted_model_dir, monkeypatch):
+    """k = 2, μ = 2, max_steps = 6 on the warm-started model (answers of different lengths): steps 1-4 train rollout batch 1 (mini-batches 0, 1, 0, 1), steps 5-6 rollout batch 2;
+    every step of a rollout batch sees the same rollout counter (RLSD's / SDPG's schedules), and the run stops at 6.
+    dapo's normaliser for a step is the number of tokens the engine generated for that mini-batch's 8 rollouts
+    (rollout rows 0-7 or 8-15 of its round, counted from the engine's completions, not from the batch's mask)."""
     import grail_exp.rewards
+    import grail_exp.training.rollout as rollout_module
     from conftest import AlternatingVerifier, compose
     from grail_exp.run import run
     from grail_exp.training.update import UpdatePhase
 
     monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
+    generated = []  # per round: the token count of each completion, in rollout order
+    real_pad = rollout_module.pad_completions
+
+    def counting_pad(completions, pad_id):
+        generated.append([len(c.token_ids) for c in completions])
+        return real_pad(completions, pad_id)
+
+    monkeypatch.setattr(rollout_module, "pad_completions", counting_pad)
     seen = []
     real = UpdatePhase.step
 
-    def spy(self, batch, optimizer, scheduler, global_tokens, timings, epoch, rows=None):
+    def spy(self, batch, optimizer, scheduler, global_tokens, timings, epoch, rows=None, **kw):
         view = batch.scheme_view(self.scheme_ctx, *rows)
-        seen.append((self.scheme_ctx.progress.step, view.rollout_index(), epoch, rows,
-                     global_tokens == float(batch.loss_mask[rows[0]:rows[1]].sum())))
-        return real(self, batch, optimizer, scheduler, global_tokens, timings, epoch, rows)
+        seen.append((self.scheme_ctx.progress.step, view.rollout_index(), epoch, rows, global_tokens))
+        return real(self, batch, optimizer, scheduler, global_tokens, timings, epoch, rows, **kw)
 
     monkeypatch.setattr(UpdatePhase, "step", spy)
-    cfg = compose([f"model.name_or_path={tiny_model_dir}", "logger=none", "trainer.prompts_per_step=4",
-                   "trainer.micro_batch_size=4", "rollout.num_generations=4", "rollout.max_completion_length=8",
+    cfg = compose([f"model.name_or_path={formatted_model_dir}", "logger=none", "trainer.prompts_per_step=4",
+                   "trainer.micro_batch_size=4", "rollout.num_generations=4", "rollout.max_completion_length=40",
                    "trainer.eval_at_end=false", "trainer.eval_before_training=false", "trainer.sample_table_every=0",
-                   "loss.mask_truncated_completions=false", "loss.num_iterations=2",
+                   "loss.mask_truncated_completions=false", "loss.num_iterations=2", "loss.loss_type=dapo",
                    "trainer.mini_batches_per_rollout=2", "trainer.max_steps=6"], tmp_path)
     run(cfg)
     assert [s[0] for s in seen] == [0, 1, 2, 3, 4, 5]  # optimiser steps done before each step
     assert [s[1] for s in seen] == [1, 1, 1, 1, 2, 2]  # the rollout batch, 1-based (verl's global step)
     assert [s[2] for s in seen] == [0, 0, 1, 1, 0, 0]  # epoch
     assert [s[3] for s in seen] == [(0, 8), (8, 16)] * 3  # 4 prompts x 4 rollouts, halves in rollout order
-    assert all(s[4] for s in seen)  # dapo's normaliser counts the mini-batch's tokens
+    assert len(generated) == 2  # two rollout batches drawn
+    half = lambda rnd, h: float(sum(generated[rnd][8 * h:8 * h + 8]))  # noqa: E731
+    assert [s[4] for s in seen] == [half(0, 0), half(0, 1), half(0, 0), half(0, 1), half(1, 0), half(1, 1)]
+    assert len({s[4] for s in seen}) > 1  # the halves differ, so the check can tell them apart
 
 
 @pytest.mark.parametrize("experiment, k, mu, n_rollouts", [("delta/qwen3_8b_dapo", 4, 1, 100),

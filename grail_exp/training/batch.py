@@ -59,13 +59,14 @@ class TrainingBatch:
     group_ids: torch.Tensor | None = None  # (N,) prompt index within the rank's batch
     problems: list[str] | None = None
     golds: list[str] | None = None
-    cached_weights: torch.Tensor | None = None  # (N, C) recompute=per_rollout: weights of the first epoch
+    cached_weights: torch.Tensor | None = None  # (N, C) recompute=per_rollout: weights at the rollout parameters
+    weights_ready: torch.Tensor | None = None  # (N,) bool: rows whose cached_weights are computed
     order: torch.Tensor | None = None  # (N,) rollout row of each row (after grouping probe rows)
     prepared: Any = None  # what the scheme's ``prepare`` returned for the whole batch (rows in this batch's order)
 
     _TENSORS = ("input_ids", "attention_mask", "position_ids", "completion_ids", "loss_mask", "advantages", "rewards",
                 "old_logp", "ref_logp", "sampler_logp", "sampler_log_mass", "token_advantages", "group_ids",
-                "cached_weights", "order")
+                "cached_weights", "weights_ready", "order")
 
     @property
     def num_rows(self) -> int:

@@ -833,6 +833,8 @@ def validate(cfg: DictConfig) -> DictConfig:
             if not e:
                 with open_dict(cfg):
                     cfg.advantage = typed
+    if not e:
+        e.extend(check_required_settings(cfg))
     if not e:  # the memory plan of a valid config, before any model is loaded (grail_exp/memory.py)
         from grail_exp.memory import check as check_memory_plan
 
@@ -842,6 +844,29 @@ def validate(cfg: DictConfig) -> DictConfig:
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
     return cfg
+
+
+def check_required_settings(cfg: DictConfig) -> list[str]:
+    """A method's required settings (``requires`` of the chosen estimator, scheme and loss terms: {key: value}) must
+    hold in the composed run. Its config-group file sets them, and the root defaults list composes the method groups
+    after the recipe family (conf/config.yaml), so a family recipe cannot undo them; an experiment file or an override
+    that sets another value is refused here, naming the key, instead of silently running another objective."""
+    from grail_exp.advantages import SCHEMES
+    from grail_exp.estimators import ESTIMATORS
+    from grail_exp.loss import LOSS_TERMS
+
+    methods = [(f"estimator={cfg.estimator.name}", ESTIMATORS[cfg.estimator.name].requires),
+               (f"advantage={cfg.advantage.name}", SCHEMES[cfg.advantage.name].requires)]
+    methods += [(f"loss term {name}", LOSS_TERMS[name].requires) for name in (cfg.loss.get("terms") or {})
+                if name in LOSS_TERMS]
+    e = []
+    for method, requires in methods:
+        for key, want in requires.items():
+            got = OmegaConf.select(cfg, key)
+            if got != want:
+                e.append(f"{key} = {got!r}: {method} requires {key}={want} (the method's definition); a recipe, "
+                         "experiment file or override set another value. Remove that setting or choose another method")
+    return e
 
 
 def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:

@@ -117,6 +117,9 @@ class AdvantageScheme:
     forward_outputs: ClassVar[tuple[str, ...]] = ()
     # True when ``weights`` must see the rollout batch's ``prepared`` state (batch-level schemes).
     batch_level: ClassVar[bool] = False
+    # Run settings the scheme is defined with, {dotted key: value}; validate() refuses a run that changes one
+    # (grail_exp/config.py check_required_settings). None of the shipped schemes has any.
+    requires: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, cfg, tokenizer=None, context: dict | None = None):
         self.cfg = cfg

@@ -328,7 +328,9 @@ class TrainerConfig:
     devices: Any = 1
     strategy: str = "auto"
     precision: str = "32-true"
-    max_steps: int = 200  # optimiser steps (each rollout batch gives mini_batches_per_rollout x loss.num_iterations)
+    # optimiser steps (each rollout batch gives mini_batches_per_rollout x loss.num_iterations); recipes from verl-based
+    # codebases state rollout batches: ${optimizer_steps:N,${loss.num_iterations},${trainer.mini_batches_per_rollout}}
+    max_steps: int = 200
     prompts_per_step: int = 16  # prompts per rollout batch (x G completions); paper: 32 x 8 = 256
     micro_batch_size: int = 64  # completions per forward/backward; gradient accumulation covers the rest
     # k: optimiser steps per pass over a rollout batch, each on 1/k of its prompts (whole groups, in rollout order),
@@ -613,9 +615,18 @@ def rollout_batches(max_steps, num_iterations, mini_batches) -> int:
     return -(-int(max_steps) // per)
 
 
+def optimizer_steps(rollout_batches, num_iterations, mini_batches) -> int:
+    """``${optimizer_steps:N,mu,k}``: the optimiser steps of N rollout batches (N x k mini-batches x mu epochs). The
+    recipes ported from verl-based codebases state their length this way in verl's unit, trainer steps = rollout
+    batches (``trainer.total_training_steps``), so ``trainer.max_steps`` follows a change of k or mu."""
+    return int(rollout_batches) * int(num_iterations) * int(mini_batches)
+
+
 def register_configs() -> None:
     if not OmegaConf.has_resolver("rollout_batches"):
         OmegaConf.register_new_resolver("rollout_batches", rollout_batches)
+    if not OmegaConf.has_resolver("optimizer_steps"):
+        OmegaConf.register_new_resolver("optimizer_steps", optimizer_steps)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="weights_schema", node=WeightsConfig)

@@ -136,24 +136,49 @@ def test_counters_over_mini_batches_and_epochs(tmp_path, formatted_model_dir, mo
     assert len({s[4] for s in seen}) > 1  # the halves differ, so the check can tell them apart
 
 
-@pytest.mark.parametrize("experiment, k, mu, n_rollouts", [("delta/qwen3_8b_dapo", 4, 1, 100),
-                                                               ("shear/qwen25_math_7b", 16, 1, 19),
-                                                               ("sdpg/qwen3_4b", 8, 1, 400),
-                                                               ("rlsd/official", 1, 1, 200)])
-def test_official_recipes_use_the_official_split(compose_cfg, experiment, k, mu, n_rollouts):
-    """DelTA (4 mini-batches of 32 prompts), SHEAR (16 of 32 completions), SDPG (8 of 16 prompts) and RLSD (the whole
-    256-prompt batch) split their rollout batches as their official scripts do; SDPG's T counts rollout batches."""
-    from grail_exp.config import rollout_batches
+# (experiment, k, μ, optimiser steps, rollout batches), the numbers written out from the upstream scripts (verl's trainer
+# steps = rollout batches): DelTA's run_DelTA.sh train_prompt_bsz 128 / mini 32 (100 rollout batches: our reading,
+# UNVERIFIED); SHEAR's App. J batch 512 / mini-batch 32, 300 steps; SDPG's run_qwen3_4b_sdpg_boxed.sh 128 / 16,
+# total_training_steps 400; RLSD's rlsd_train.sh global batch = rollout batch (256 / 256), 200 (CHOSEN).
+OFFICIAL = [("delta/qwen3_8b_dapo", 4, 1, 400, 100), ("shear/qwen25_math_7b", 16, 1, 4800, 300),
+            ("sdpg/qwen3_4b", 8, 1, 3200, 400), ("rlsd/official", 1, 1, 200, 200)]
 
+
+@pytest.mark.parametrize("experiment, k, mu, steps, n_rollouts", OFFICIAL)
+def test_official_recipes_use_the_official_split_and_length(compose_cfg, experiment, k, mu, steps, n_rollouts):
+    """Each recipe splits its rollout batches as its official script does and runs as many rollout batches as the
+    script's trainer steps; SDPG's β schedule T counts rollout batches (total_training_steps)."""
     cfg = compose_cfg([f"experiment={experiment}"])
     t = cfg.trainer
-    assert (t.mini_batches_per_rollout, cfg.loss.num_iterations) == (k, mu)
-    assert rollout_batches(t.max_steps, mu, k) == rollout_batches_expected(t.max_steps, k * mu) == n_rollouts
+    assert (t.mini_batches_per_rollout, cfg.loss.num_iterations, t.max_steps) == (k, mu, steps)
     if experiment.startswith("sdpg"):
-        assert cfg.loss.terms.sdpg_opd.total_steps == 400
+        assert cfg.loss.terms.sdpg_opd.total_steps == n_rollouts
+    # the length is stated in rollout batches: another k keeps it (and the optimiser steps follow)
+    assert compose_cfg([f"experiment={experiment}", "trainer.mini_batches_per_rollout=2"]).trainer.max_steps == \
+        2 * mu * n_rollouts
 
 
-def rollout_batches_expected(max_steps: int, per: int) -> int:
-    import math
+def test_the_run_draws_and_announces_its_rollout_batches(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """max_steps = 5 with k = 2, μ = 1: three rollout batches are sampled (the last gives one of its two steps), and
+    the start of the run says so in both units."""
+    import logging
 
-    return math.ceil(max_steps / per)
+    import grail_exp.rewards
+    from conftest import AlternatingVerifier, compose
+    from grail_exp.run import run
+    from grail_exp.training.rollout import RolloutPhase
+
+    monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
+    rounds, real = [], RolloutPhase.make_batch
+    monkeypatch.setattr(RolloutPhase, "make_batch", lambda self, i, t: rounds.append(i) or real(self, i, t))
+    cfg = compose([f"model.name_or_path={tiny_model_dir}", "logger=none", "trainer.prompts_per_step=4",
+                   "trainer.micro_batch_size=8", "rollout.num_generations=4", "rollout.max_completion_length=8",
+                   "trainer.eval_at_end=false", "trainer.eval_before_training=false", "trainer.sample_table_every=0",
+                   "trainer.mini_batches_per_rollout=2", "trainer.max_steps=5", "trainer.save_final_checkpoint=false"],
+                  tmp_path)
+    with caplog.at_level(logging.INFO, logger="grail_exp"):
+        run(cfg)
+    assert rounds == [0, 1, 2]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training length")]
+    assert lines == ["training length: 5 optimiser steps = 3 rollout batches (x 2 mini-batches x 1 epochs; the last one "
+                     "gives 1 of its 2 steps)"], lines

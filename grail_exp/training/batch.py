@@ -117,6 +117,9 @@ class TrainingBatch:
     @classmethod
     def from_state(cls, st: dict, device, prepared: Any = None) -> "TrainingBatch":
         t = {k: v.to(device) for k, v in st["tensors"].items()}
+        if "cached_weights" in t and "weights_ready" not in t:
+            # A buffer saved before the flag existed: weights are > 0 on valid tokens, so computed rows are non-zero.
+            t["weights_ready"] = (t["cached_weights"] != 0).any(1)
         return cls(prompt_length=st["prompt_length"], texts=st["texts"], problems=st.get("problems"),
                    golds=st.get("golds"), prepared=prepared, **t)
 

@@ -203,6 +203,7 @@ class UpdatePhase:
         the weights of mini-batches 2..k (the scheme's own forward per micro-batch; mini-batch 1's come from its training
         forward, also before that step). Every later step reuses them, so all k × μ steps see the weights of the
         parameters that sampled the batch. Their diagnostics are logged with the step that trains those rows."""
+        self.early_metrics.clear()  # a new rollout batch: nothing of the last one's is still to be logged
         if not self.per_rollout or self.mini_batches == 1:
             return
         t = time.perf_counter()

@@ -180,5 +180,5 @@ def test_the_run_draws_and_announces_its_rollout_batches(tmp_path, tiny_model_di
         run(cfg)
     assert rounds == [0, 1, 2]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training length")]
-    assert lines == ["training length: 5 optimiser steps = 3 rollout batches (x 2 mini-batches x 1 epochs; the last one "
+    assert lines == ["training length: 5 optimiser steps = 3 rollout batches (x 2 mini-batches x 1 epoch; the last one "
                      "gives 1 of its 2 steps)"], lines

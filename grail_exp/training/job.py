@@ -298,8 +298,9 @@ def log_length(cfg: DictConfig, rounds: int, per_round: int, start_round: int) -
     last = t.max_steps - (rounds - 1) * per_round
     partial = f"; the last one gives {last} of its {per_round} steps" if last != per_round else ""
     resumed = f", continuing at rollout batch {start_round + 1}" if start_round else ""
-    log.info("training length: %d optimiser steps = %d rollout batches (x %d mini-batches x %d epochs%s)%s",
-             t.max_steps, rounds, k, mu, partial, resumed)
+    plural = lambda n, word: f"{n} {word}" + ("es" if word.endswith("h") else "s") * (n != 1)  # noqa: E731
+    log.info("training length: %d optimiser steps = %s (x %s x %s%s)%s", t.max_steps, plural(rounds, "rollout batch"),
+             plural(k, "mini-batch"), plural(mu, "epoch"), partial, resumed)
 
 
 def finish(cfg: DictConfig, module, saver: Saver, evaluator: Evaluator, tracker, phases: dict, t0: float) -> dict:

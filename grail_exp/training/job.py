@@ -298,9 +298,13 @@ def log_length(cfg: DictConfig, rounds: int, per_round: int, start_round: int) -
     last = t.max_steps - (rounds - 1) * per_round
     partial = f"; the last one gives {last} of its {per_round} steps" if last != per_round else ""
     resumed = f", continuing at rollout batch {start_round + 1}" if start_round else ""
-    plural = lambda n, word: f"{n} {word}" + ("es" if word.endswith("h") else "s") * (n != 1)  # noqa: E731
-    log.info("training length: %d optimiser steps = %s (x %s x %s%s)%s", t.max_steps, plural(rounds, "rollout batch"),
-             plural(k, "mini-batch"), plural(mu, "epoch"), partial, resumed)
+    log.info("training length: %d optimiser steps = %s (x %s x %s%s)%s", t.max_steps, _count(rounds, "rollout batch"),
+             _count(k, "mini-batch"), _count(mu, "epoch"), partial, resumed)
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 epoch', '2 epochs', '3 rollout batches'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('h') else 's'}"
 
 
 def finish(cfg: DictConfig, module, saver: Saver, evaluator: Evaluator, tracker, phases: dict, t0: float) -> dict:

@@ -227,7 +227,7 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
     rows: list[dict] = []
     for r in range(int(bench.warmup) + int(bench.repeats)):
         batch = copy.copy(template)  # fields are replaced (permute, caches), never mutated in place
-        batch.old_logp = batch.ref_logp = batch.cached_weights = batch.prepared = None
+        batch.old_logp = batch.ref_logp = batch.cached_weights = batch.weights_ready = batch.prepared = None
         timings: dict[str, float] = {}
         _sync(device)
         with PeakMemory(device) as mem:

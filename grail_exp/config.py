@@ -304,7 +304,11 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    warmup_steps: int = 0  # linear warmup from 0 (transformers' constant_with_warmup: step 0 has lr 0)
+    warmup_steps: int = 0  # linear warmup from 0 (transformers' constant_with_warmup: step 0 has lr 0), in schedule_unit
+    # What one step of the lr schedule is: optimizer_step (TRL / transformers: the scheduler steps after every optimiser
+    # step) | rollout_batch (verl, EasyR1: actor_lr_scheduler.step() once per update_actor, i.e. once per rollout
+    # batch after its k x mu optimiser steps, which all share one rate). Recipes ported from verl set rollout_batch.
+    schedule_unit: str = "optimizer_step"
     max_grad_norm: Optional[float] = 1.0  # null = no clipping
     # fp32 master weights + fp32 Adam state for a bf16 model (grail_exp/optim.py); null = on for half-precision
     # models. Without them, Adam steps of ~lr = 1e-6 vanish in bf16 rounding (the paper's DeepSpeed keeps masters).
@@ -328,7 +332,9 @@ class TrainerConfig:
     devices: Any = 1
     strategy: str = "auto"
     precision: str = "32-true"
-    max_steps: int = 200  # optimiser steps (each rollout batch gives mini_batches_per_rollout x loss.num_iterations)
+    # optimiser steps (each rollout batch gives mini_batches_per_rollout x loss.num_iterations); recipes from verl-based
+    # codebases state rollout batches: ${optimizer_steps:N,${loss.num_iterations},${trainer.mini_batches_per_rollout}}
+    max_steps: int = 200
     prompts_per_step: int = 16  # prompts per rollout batch (x G completions); paper: 32 x 8 = 256
     micro_batch_size: int = 64  # completions per forward/backward; gradient accumulation covers the rest
     # k: optimiser steps per pass over a rollout batch, each on 1/k of its prompts (whole groups, in rollout order),
@@ -613,6 +619,13 @@ def rollout_batches(max_steps, num_iterations, mini_batches) -> int:
     return -(-int(max_steps) // per)
 
 
+def optimizer_steps(rollout_batches, num_iterations, mini_batches) -> int:
+    """``${optimizer_steps:N,mu,k}``: the optimiser steps of N rollout batches (N x k mini-batches x mu epochs). The
+    recipes ported from verl-based codebases state their length this way in verl's unit, trainer steps = rollout
+    batches (``trainer.total_training_steps``), so ``trainer.max_steps`` follows a change of k or mu."""
+    return int(rollout_batches) * int(num_iterations) * int(mini_batches)
+
+
 def slurm_tasks(devices) -> int:
     """``${slurm_tasks:${trainer.devices}}``: SLURM tasks per node = ranks per node (Lightning under SLURM runs one
     task per device and refuses any other count when the job starts)."""
@@ -627,7 +640,8 @@ def slurm_gpus(accelerator, devices) -> Optional[int]:
 
 
 def register_configs() -> None:
-    for name, fn in (("rollout_batches", rollout_batches), ("slurm_tasks", slurm_tasks), ("slurm_gpus", slurm_gpus)):
+    for name, fn in (("rollout_batches", rollout_batches), ("optimizer_steps", optimizer_steps),
+                     ("slurm_tasks", slurm_tasks), ("slurm_gpus", slurm_gpus)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
     cs = ConfigStore.instance()
@@ -644,6 +658,7 @@ def _check(errors: list[str], ok: bool, key: str, value: Any, why: str) -> None:
         errors.append(f"{key} = {value!r}: {why}")
 
 
+SCHEDULE_UNITS = ("optimizer_step", "rollout_batch")  # optim.schedule_unit
 HUB_MODEL_MAX_LR = 1e-5  # above this, a pretrained hub model needs optim.allow_high_lr=true
 
 
@@ -755,6 +770,8 @@ def validate(cfg: DictConfig) -> DictConfig:
                  f"(recipe {recipe}); rates like the demo's 1e-4 destroy 4-8B weights within tens of steps (the paper: "
                  "1e-6, recipe=paper). Set optim.allow_high_lr=true if you mean it")
     _check(e, o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _check(e, o.get("schedule_unit", "optimizer_step") in SCHEDULE_UNITS, "optim.schedule_unit",
+           o.get("schedule_unit"), f"must be one of: {', '.join(SCHEDULE_UNITS)}")
     _check(e, o.max_grad_norm is None or o.max_grad_norm > 0, "optim.max_grad_norm", o.max_grad_norm,
            "must be > 0 or null")
     _check(e, t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
@@ -846,6 +863,8 @@ def validate(cfg: DictConfig) -> DictConfig:
             if not e:
                 with open_dict(cfg):
                     cfg.advantage = typed
+    if not e:
+        e.extend(check_required_settings(cfg))
     if not e:  # the memory plan of a valid config, before any model is loaded (grail_exp/memory.py)
         from grail_exp.memory import check as check_memory_plan
 
@@ -855,6 +874,29 @@ def validate(cfg: DictConfig) -> DictConfig:
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
     return cfg
+
+
+def check_required_settings(cfg: DictConfig) -> list[str]:
+    """A method's required settings (``requires`` of the chosen estimator, scheme and loss terms: {key: value}) must
+    hold in the composed run. Its config-group file sets them, and the root defaults list composes the method groups
+    after the recipe family (conf/config.yaml), so a family recipe cannot undo them; an experiment file or an override
+    that sets another value is refused here, naming the key, instead of silently running another objective."""
+    from grail_exp.advantages import SCHEMES
+    from grail_exp.estimators import ESTIMATORS
+    from grail_exp.loss import LOSS_TERMS
+
+    methods = [(f"estimator={cfg.estimator.name}", ESTIMATORS[cfg.estimator.name].requires),
+               (f"advantage={cfg.advantage.name}", SCHEMES[cfg.advantage.name].requires)]
+    methods += [(f"loss term {name}", LOSS_TERMS[name].requires) for name in (cfg.loss.get("terms") or {})
+                if name in LOSS_TERMS]
+    e = []
+    for method, requires in methods:
+        for key, want in requires.items():
+            got = OmegaConf.select(cfg, key)
+            if got != want:
+                e.append(f"{key} = {got!r}: {method} requires {key}={want} (the method's definition); a recipe, "
+                         "experiment file or override set another value. Remove that setting or choose another method")
+    return e
 
 
 def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:

@@ -353,8 +353,10 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
         lhow if what.startswith("output") else "one decoder layer's saved set + gradients in flight" if what.startswith("layer")
         else "a second graph of the micro-batch (activations + its recompute)")
 
-    # ---- old / reference log-probs (no grad) when mu > 1 or a reference model is used
-    if L.num_iterations > 1 or uses_reference(cfg):
+    # ---- old / reference log-probs (no grad) when k x mu > 1, an IS correction or a reference model is used
+    from grail_exp.training.batch import needs_old_logprobs
+
+    if needs_old_logprobs(cfg) or uses_reference(cfg):
         add("logp", "no-grad forward", tok * b * (2 * s.hidden + 2 * s.intermediate) + lf + mask,
             "one layer's transients + the output layer's chunk")
         if gathered_train:

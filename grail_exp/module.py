@@ -120,7 +120,10 @@ class GRPOModule(L.LightningModule):
         opt = self.backend.build_optimizer(self.policy)
         warmup = self.cfg.optim.warmup_steps
 
-        def constant_with_warmup(step: int) -> float:  # transformers' get_constant_schedule_with_warmup
+        # transformers' get_constant_schedule_with_warmup and verl's (the same factor); ``step`` counts the schedule's
+        # own steps: optimiser steps or rollout batches (``optim.schedule_unit``, UpdatePhase.schedules_after). Its
+        # state (that count) is checkpointed with the run, so a resumed run continues the schedule exactly.
+        def constant_with_warmup(step: int) -> float:
             return step / max(1, warmup) if step < warmup else 1.0
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, constant_with_warmup)

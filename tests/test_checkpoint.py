@@ -32,19 +32,24 @@ def _state_equal(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("scheme, mu, first_leg, k", [("grpo", 1, 2, 1), ("grail", 1, 2, 1), ("grail", 2, 1, 1),
-                                                       ("grpo", 2, 3, 2),
-                                                       pytest.param("oar_g", 1, 2, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scheme, mu, first_leg, k, extra", [
+    ("grpo", 1, 2, 1, []), ("grail", 1, 2, 1, []), ("grail", 2, 1, 1, []), ("grpo", 2, 3, 2, []),
+    ("grpo", 1, 3, 2, ["optim.schedule_unit=rollout_batch", "optim.warmup_steps=3"]),
+    ("grail", 1, 1, 2, ["advantage.recompute=per_rollout"]),
+    pytest.param("oar_g", 1, 2, 1, [], marks=pytest.mark.slow)])
 def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir, monkeypatch, scheme, mu, first_leg,
-                                                   k):
+                                                   k, extra):
     """Bit-identical parameters and optimiser state; (grail, mu=2, 1) resumes mid-rollout-batch from the buffer, (grpo,
-    mu=2, 3, k=2) in the second epoch's second mini-batch."""
+    mu=2, 3, k=2) in the second epoch's second mini-batch; the rollout-batch lr schedule mid-batch (its warmup factor
+    1/3 held over the batch's second step); per_rollout weights of the second mini-batch, computed before the first
+    step, carried by the buffer."""
     import grail_exp.rewards
 
     from grail_exp.run import run
 
     monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
-    common = [f"advantage={scheme}", f"loss.num_iterations={mu}", "logger=none", f"trainer.mini_batches_per_rollout={k}"]
+    common = [f"advantage={scheme}", f"loss.num_iterations={mu}", "logger=none", f"trainer.mini_batches_per_rollout={k}",
+              *extra]
     if scheme == "grail":
         common.append("advantage.symmetry=both")
     straight, split = tmp_path / "straight" / "run", tmp_path / "split" / "run"

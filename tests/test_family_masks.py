@@ -179,3 +179,74 @@ def test_new_keys_are_validated(compose_cfg):
     cfg = compose_cfg(["logger=none"])
     assert (cfg.loss.family_mask_normaliser, cfg.loss.top_entropy_population, cfg.loss.gmpo_is_mean) == \
         ("unmasked", "all", "geometric")
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "bnpo"])
+def test_family_masks_through_the_update_step_equal_trls_loss(compose_cfg, formatted_model_dir, loss_type):
+    """The trainer's own step (UpdatePhase.step: forward, masks, aggregation, backward over two micro-batches) with the
+    top-entropy mask (ρ = 0.5) and OPSM (δ = 0.5) on, against TRL's loss written out here from grpo_trainer.py
+    (get_high_entropy_mask, get_off_policy_mask, _compute_loss) on a frozen copy of the model: the gradients agree."""
+    import copy
+
+    from conftest import MODEL_REORDER
+    from test_module import _FakeOpt, _build_module, _small
+
+    rho, delta = 0.5, 0.5
+    cfg = _small(compose_cfg, formatted_model_dir, ["advantage=grpo", f"loss.loss_type={loss_type}",
+                                               f"loss.top_entropy_quantile={rho}",
+                                               f"loss.off_policy_mask_threshold={delta}", "optim.max_grad_norm=null"])
+    module = _build_module(cfg, formatted_model_dir)  # the warm-started model: entropies spread out
+    module.manual_backward = lambda loss: loss.backward()
+    torch.manual_seed(0)
+    batch, _ = module.rollout.make_batch(0, {})  # 4 prompts x 4 rollouts; micro-batches of 8 rows
+    frozen = copy.deepcopy(module.policy)
+    P, C, T, L = batch.prompt_length, batch.completion_ids.shape[1], cfg.rollout.temperature, \
+        cfg.rollout.max_completion_length
+
+    def forward(rows):  # (logp, entropy) of the completion tokens, written out
+        z = frozen(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows],
+                   position_ids=batch.position_ids[rows]).logits[:, P - 1:P - 1 + C].float() / T
+        lsm = torch.log_softmax(z, -1)
+        return lsm.gather(-1, batch.completion_ids[rows].unsqueeze(-1)).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
+
+    # The sampler's log-probs: the rollout-time ones, lifted by 1 nat on every other row, so OPSM drops the rows with
+    # A < 0 among those (their mean log π_sampler − log π_θ = 1 > δ) and keeps the rest.
+    with torch.no_grad():
+        logp0, _ = forward(slice(None))
+    lifted = (torch.arange(batch.num_rows) % 2 == 1).float().unsqueeze(1)
+    batch.sampler_logp = logp0 + lifted
+    dropped = ((batch.advantages < 0) & (lifted.squeeze(1) > 0))
+    assert 0 < int(dropped.sum()) < int((batch.advantages < 0).sum())  # the mask acts, and not on every A < 0 row
+
+    captured = {}
+    opt = torch.optim.SGD(module.policy.parameters(), lr=0.0)
+    fake = _FakeOpt(opt)
+    fake.step = lambda: captured.setdefault("g", torch.cat([p.grad.flatten() for p in module.policy.parameters()]))
+    module.update.step(batch, fake, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       float(batch.loss_mask.sum()), {}, epoch=0)
+
+    K = 2  # micro-batches of the step
+    for s in (0, 8):
+        rows = slice(s, s + 8)
+        logp, ent = forward(rows)
+        m, adv = batch.loss_mask[rows], batch.advantages[rows].unsqueeze(1)
+        thr = torch.quantile(ent.detach()[m.bool()], 1 - rho)  # TRL: threshold = 1 − top_entropy_quantile
+        # No token within rounding of the threshold but the one(s) it is taken from: the masks are stable.
+        gap = (ent.detach()[m.bool()] - thr).abs()
+        assert bool(((gap == 0) | (gap > 1e-4)).all())
+        entropy_mask = ((ent.detach() >= thr) & m.bool()).float()
+        kl = ((batch.sampler_logp[rows] - logp.detach()) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+        off_policy_mask = ((adv >= 0) | (kl <= delta)).float()
+        ratio = torch.exp(logp - logp.detach())  # μ = 1: π_old = sg(π_θ)
+        per_token = -torch.min(ratio * adv, ratio.clamp(1 - cfg.loss.epsilon, 1 + cfg.loss.epsilon_high) * adv)
+        per_token = per_token * off_policy_mask * entropy_mask
+        if loss_type == "dr_grpo":  # TRL: Σ ℓ·m / (B · L_max), / gradient-accumulation steps
+            loss = (per_token * m).sum() / (8 * L) / K
+        else:  # bnpo: Σ ℓ·m / Σ m over the micro-batch (the unmasked count), / gradient-accumulation steps
+            loss = (per_token * m).sum() / m.sum().clamp(min=1) / K
+        loss.backward()
+    expected = torch.cat([p.grad.flatten() for p in frozen.parameters()])
+    assert expected.abs().sum() > 0
+    # Two fp32 computations of one gradient in another reduction order: <= MODEL_REORDER of its scale, x2 for
+    # cancellation (as tests/test_module.py's accumulation check).
+    assert torch.allclose(captured["g"], expected, rtol=0, atol=2 * MODEL_REORDER * expected.abs().max().item())

@@ -138,3 +138,52 @@ def test_per_rollout_reuses_the_first_iteration_weights():
     assert torch.equal(it0, it1)
     up1 = torch.cat([w for it, _, w in seen["per_update"] if it == 1])
     assert not torch.allclose(up1, it1)  # per_update saw the parameters after the first step
+
+
+def _weights_seen(overrides, lr=1e-2):
+    """Every (rows, weights) the update used over one rollout batch's k × μ optimiser steps, and the weights of each
+    micro-batch computed by brute force on a frozen copy of the rollout-time model (a fresh scheme, rows one by one
+    in micro-batches of 4)."""
+    import copy
+
+    from grail_exp.advantages import build_scheme
+    from grail_exp.optim import build_optimizer
+
+    module, batch = _module(torch.float32, overrides)
+    module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
+    module.rollout.prepare(batch, {})
+    frozen, reference = copy.deepcopy(module.policy), build_scheme(module.cfg.advantage, module.tokenizer)
+    expected = torch.cat([reference.weights(frozen, batch.scheme_view(module.scheme_ctx, s, s + 4)).weights
+                          for s in range(0, batch.num_rows, 4)])
+    batch.old_logp = module.rollout.logps(module.policy, batch)
+    module.cfg.optim.lr = lr
+    opt = build_optimizer(module.policy, module.cfg.optim, master_weights=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    seen, real = [], module.update.weights
+
+    def spy(b, s, e, it, fwd):
+        w, m, fresh = real(b, s, e, it, fwd)
+        seen.append((s, e, w.clone()))
+        return w, m, fresh
+
+    module.update.weights = spy
+    list(module.update.optimizer_steps(batch, opt, sched, 0, {}))
+    return seen, expected
+
+
+def test_per_rollout_weights_are_those_of_the_rollout_parameters():
+    """recompute=per_rollout with k = 2 mini-batches (one prompt each) and μ = 2: all four optimiser steps use the
+    weights of the parameters that sampled the batch, the second mini-batch's included (before: computed in its first
+    step, after the first mini-batch's update moved the parameters; per_update does that on purpose)."""
+    common = ["advantage=grail", "advantage.symmetry=both", "loss.num_iterations=2",
+              "trainer.mini_batches_per_rollout=2"]
+    seen, expected = _weights_seen([*common, "advantage.recompute=per_rollout"])
+    assert [(s, e) for s, e, _ in seen] == [(0, 4), (4, 8), (0, 4), (4, 8)]
+    # The first mini-batch's weights come from the training forward (GRAIL's shared probe), the others from the
+    # scheme's own forward at the same parameters: test_grail_shared_forward_equals_separate_probe's bound (3.2e-5).
+    tol = 0.5 * (2 + 8) * 320 * torch.finfo(torch.float32).eps / 6
+    for s, e, w in seen:
+        assert torch.allclose(w, expected[s:e], rtol=0, atol=tol), (s, (w - expected[s:e]).abs().max())
+    # The check can tell the parameters apart: per_update's second mini-batch (after one step at lr 1e-2) is far off.
+    live, _ = _weights_seen([*common, "advantage.recompute=per_update"])
+    assert (live[1][2] - expected[4:8]).abs().max() > 100 * tol

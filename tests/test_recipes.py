@@ -192,3 +192,59 @@ def test_reference_order_needs_seed_and_rejects_generated_data(tmp_path, compose
         validate(compose_cfg(["data.order=reference"]))  # the default data is the generated arithmetic stream
     with pytest.raises(ConfigError, match="data.order"):
         validate(compose_cfg(["data=deepmath", "data.order=random"]))
+
+
+# ---------------------------------------------------------------------------------------------- method settings
+CONF = Path(__file__).resolve().parent.parent / "conf"
+FAMILIES = {"demo": [], "paper": ["model=qwen3_4b"], "smollm2": ["model=smollm2_135m"]}
+TRAINING_KEYS = ("loss.", "optim.", "trainer.", "rollout.", "reward.")
+
+
+def _method_files():
+    """(group, file, its command-line selection) of every file of the method groups: estimators, advantage schemes,
+    auxiliary loss terms."""
+    for group, select in (("estimator", "{}={}"), ("advantage", "{}={}"), ("loss_term", "+{}={}")):
+        for f in sorted((CONF / group).glob("*.yaml")):
+            yield group, f, select.format(group, f.stem)
+
+
+def _settings(group: str, path: Path) -> dict:
+    """The leaves a group file sets, as root-level dotted keys (its `# @package` line, else the group's package)."""
+    text = path.read_text()
+    package = next((line.split()[2] for line in text.splitlines() if line.startswith("# @package")), group)
+    node = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+    node.pop("defaults", None)
+    return flatten(node, "" if package == "_global_" else package + ".")
+
+
+def _requires(group: str, path: Path, settings: dict) -> dict:
+    from grail_exp.advantages import SCHEMES
+    from grail_exp.estimators import ESTIMATORS
+    from grail_exp.loss import LOSS_TERMS
+
+    if group == "estimator":
+        return ESTIMATORS[settings["estimator.name"]].requires
+    if group == "advantage":
+        return SCHEMES[settings["advantage.name"]].requires
+    return LOSS_TERMS[path.stem].requires
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("group, path, select", list(_method_files()), ids=lambda x: getattr(x, "stem", x))
+def test_a_methods_group_settings_survive_every_recipe_family(group, path, select, family):
+    """Every value a method's group file sets is the composed value under each recipe family (a family recipe once
+    put back the paper's loss over estimator=scrl's)."""
+    composed = flatten(OmegaConf.to_container(compose([*FAMILIES[family], select]), resolve=False))
+    for key, value in _settings(group, path).items():
+        assert composed[key] == value, (key, composed[key], value)
+
+
+@pytest.mark.parametrize("group, path, select", list(_method_files()), ids=lambda x: getattr(x, "stem", x))
+def test_training_keys_a_method_sets_are_its_declared_requirements(group, path, select):
+    """A method group that sets training keys outside its own node declares them as `requires`, so validate()
+    refuses an experiment file or override that changes them (tests/test_scrl.py), and declares nothing it does not
+    set (that would refuse every run)."""
+    settings = _settings(group, path)
+    own = {"estimator": "estimator.", "advantage": "advantage.", "loss_term": f"loss.terms.{path.stem}."}[group]
+    outside = {k: v for k, v in settings.items() if not k.startswith(own) and k.startswith(TRAINING_KEYS)}
+    assert outside == _requires(group, path, settings)

@@ -188,6 +188,35 @@ def test_validate_rejects_nonsense_combinations(compose_cfg):
     assert cfg.model.warm_start.curriculum_fraction == 0.5
 
 
+@pytest.mark.parametrize("recipe", [["model=qwen3_4b"], ["experiment=paper/qwen3_4b_grpo"],
+                                    ["model=qwen3_8b", "advantage=grail"], ["model=smollm2_135m"], []])
+def test_scrl_loss_settings_survive_every_recipe_family(compose_cfg, recipe):
+    """The paper family's recipe sets loss.scale_rewards: none and loss.loss_type: dr_grpo; composed before it
+    (conf/config.yaml), estimator=scrl silently got them back on every paper model. Now the method composes after the
+    family: SCRL's objective on the paper, SmolLM2 and demo families alike."""
+    from grail_exp.config import validate
+
+    cfg = validate(compose_cfg([*recipe, "estimator=scrl", "data=scrl_jsonl", "logger=none"]))
+    assert (cfg.loss.scale_rewards, cfg.loss.loss_type) == ("group", "dapo")
+
+
+@pytest.mark.parametrize("overrides, keys", [
+    (["loss.scale_rewards=none"], ["loss.scale_rewards = 'none'"]),
+    (["loss.loss_type=bnpo"], ["loss.loss_type = 'bnpo'"]),
+    (["experiment=baselines/dr_grpo_cpu"], ["loss.scale_rewards = 'none'", "loss.loss_type = 'dr_grpo'"]),
+    (["experiment=paper/qwen3_4b_grpo", "data=scrl_jsonl", "loss.loss_type=dr_grpo"], ["loss.loss_type = 'dr_grpo'"])])
+def test_a_run_that_changes_scrls_required_settings_is_refused_naming_the_keys(compose_cfg, overrides, keys):
+    """An experiment file or override composed after the method can still change its settings: refused, one line
+    per key (SCRL's `requires`), instead of training another objective under SCRL's name."""
+    from grail_exp.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as exc:
+        validate(compose_cfg([*overrides, "estimator=scrl", "logger=none"]))
+    msg = str(exc.value)
+    for key in keys:
+        assert f"{key}: estimator=scrl requires" in msg, msg
+
+
 def test_estimator_scrl_composes_the_papers_loss_and_both_halves_share_a_scale(compose_cfg):
     """estimator=scrl sets scale_rewards: group and a token-mean loss (paper Eq. 5). On rewards [1, 0, 1, 0] in both
     halves the original rows and the curriculum spans then get the same ±0.5/(std + 1e-4), std = sqrt(1/3) (with
@@ -196,7 +225,6 @@ def test_estimator_scrl_composes_the_papers_loss_and_both_halves_share_a_scale(c
 
     cfg = validate(compose_cfg(["estimator=scrl"]))
     assert cfg.loss.scale_rewards == "group" and cfg.loss.loss_type == "dapo"
-    assert validate(compose_cfg(["estimator=scrl", "loss.scale_rewards=none"])).loss.scale_rewards == "none"
     c = Curriculum(("q1",), ("3",))
     texts = ["<p1>3</p1>", "<p1>4</p1>", "<p1>3</p1>", "<p1>5</p1>", "\\boxed{3}", "a", "\\boxed{3}", "b"]
     C = max(len(t) for t in texts) + 2

@@ -15,8 +15,10 @@ trainer drives a scheme in three calls, all optional but the last:
 3. ``weights(model, batch)`` per micro-batch: the straightforward implementation with its own forward passes.
 
 ``config.recompute`` (every scheme): ``per_update`` (default; both references recompute the weights at every
-micro-batch and every inner iteration with the current parameters, spec §3) or ``per_rollout`` (computed once per
-rollout batch, at the first inner iteration, with the parameters that generated it, and reused).
+micro-batch and every inner iteration with the current parameters, spec §3) or ``per_rollout`` (each row's weights
+computed once per rollout batch, with the parameters that generated it, and reused by every epoch and mini-batch:
+with k > 1 mini-batches the trainer computes those of mini-batches 2..k through ``weights`` before the first
+optimiser step; ``UpdatePhase.weigh_later_mini_batches``).
 Multi-GPU: ``prepare`` sees the rollout batch of its own data-parallel rank (all G rollouts of a prompt stay on one
 rank), so batch-level statistics are per rank, as DelTA's official code computes them.
 """
@@ -41,7 +43,7 @@ class SchemeConfig:
     name: str = "?"
     # per_update: recompute the weights at every micro-batch and inner iteration with the live parameters
     # (both reference codebases, spec §3) | per_rollout: once per rollout batch with the parameters that generated
-    # it, reused for the μ inner iterations (cheaper; a logged deviation, issue 12 §3)
+    # it, reused by all k x mu optimiser steps of the batch (cheaper; a logged deviation from the references)
     recompute: str = "per_update"
 
 
@@ -115,6 +117,9 @@ class AdvantageScheme:
     forward_outputs: ClassVar[tuple[str, ...]] = ()
     # True when ``weights`` must see the rollout batch's ``prepared`` state (batch-level schemes).
     batch_level: ClassVar[bool] = False
+    # Run settings the scheme is defined with, {dotted key: value}; validate() refuses a run that changes one
+    # (grail_exp/config.py check_required_settings). None of the shipped schemes has any.
+    requires: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, cfg, tokenizer=None, context: dict | None = None):
         self.cfg = cfg

@@ -52,6 +52,9 @@ class EstimatorSpec:
     check: Callable[[Any], list[str]] | None = None
     prompt_variants: Callable[..., list[list[PromptVariant]]] | None = None  # None = G rollouts of the problem
     check_run: Callable[[Any, Any], list[str]] | None = None  # (estimator cfg, run cfg) -> key-named errors
+    # Run settings the method is defined with, {dotted key: value} (SCRL: the paper's loss): its conf/estimator file
+    # sets them, and validate() refuses a run where a recipe, experiment file or override changed one.
+    requires: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,11 +63,12 @@ class EstimatorConfig:
 
 
 def register_estimator(name: str, config_class: type = EstimatorConfig, needs: tuple[str, ...] = (),
-                       check: Callable[[Any], list[str]] | None = None, prompt_variants=None, check_run=None):
+                       check: Callable[[Any], list[str]] | None = None, prompt_variants=None, check_run=None,
+                       requires: dict[str, Any] | None = None):
     def deco(fn):
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} registered twice")
-        ESTIMATORS[name] = EstimatorSpec(fn, config_class, needs, check, prompt_variants, check_run)
+        ESTIMATORS[name] = EstimatorSpec(fn, config_class, needs, check, prompt_variants, check_run, dict(requires or {}))
         return fn
 
     return deco

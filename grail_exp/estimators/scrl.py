@@ -160,9 +160,14 @@ def _verify(cfg, verifier, preds: list[str], golds: list[str]) -> list[bool]:
     return [g.correct for g in verifier.grade(preds, golds)]
 
 
+# The paper's objective (Eq. 5): GRPO's std-normalised advantages on the original half (the curriculum half's scale)
+# and one token mean over the whole batch.
+REQUIRES = {"loss.scale_rewards": "group", "loss.loss_type": "dapo"}
+
+
 @register_estimator("scrl", SCRLConfig, needs=("completion_texts", "completion_token_ids", "tokenizer", "verifier",
                                                 "rollout_variants"), check=_check,
-                    prompt_variants=prompt_variants, check_run=_check_run)
+                    prompt_variants=prompt_variants, check_run=_check_run, requires=REQUIRES)
 def scrl(inp: EstimatorInput, cfg) -> EstimatorOutput:
     x = inp.extras
     texts, ids, variants = x["completion_texts"], x["completion_token_ids"], x["rollout_variants"]

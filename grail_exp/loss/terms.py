@@ -54,6 +54,9 @@ class LossTerm:
     name: ClassVar[str]
     config_class: ClassVar[type]
     needs_reference: ClassVar[bool] = False  # the trainer then loads the frozen reference model and its log-probs
+    # Run settings the term is defined with, {dotted key: value}; validate() refuses a run that changes one. None of
+    # the shipped terms has any.
+    requires: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, cfg, tokenizer=None, model_cfg=None):
         self.cfg = cfg

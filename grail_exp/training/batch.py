@@ -49,7 +49,7 @@ class TrainingBatch:
     advantages: torch.Tensor  # (N,) sequence advantages (the schemes' polarity); or the row summary of token ones
     rewards: torch.Tensor  # (N,)
     texts: list[str]
-    old_logp: torch.Tensor | None = None  # (N, C) trainer log-probs at the rollout parameters (μ > 1 or IS)
+    old_logp: torch.Tensor | None = None  # (N, C) trainer log-probs at the rollout parameters (k × μ > 1 or IS)
     ref_logp: torch.Tensor | None = None  # (N, C) when beta > 0
     sampler_logp: torch.Tensor | None = None  # (N, C) the rollout engine's log-probs
     # (N, C) log M_t, the log top-k mass the sampler's processed (top-k-renormalised) log-probs drop: sampler + this =
@@ -59,13 +59,14 @@ class TrainingBatch:
     group_ids: torch.Tensor | None = None  # (N,) prompt index within the rank's batch
     problems: list[str] | None = None
     golds: list[str] | None = None
-    cached_weights: torch.Tensor | None = None  # (N, C) recompute=per_rollout: weights of the first epoch
+    cached_weights: torch.Tensor | None = None  # (N, C) recompute=per_rollout: weights at the rollout parameters
+    weights_ready: torch.Tensor | None = None  # (N,) bool: rows whose cached_weights are computed
     order: torch.Tensor | None = None  # (N,) rollout row of each row (after grouping probe rows)
     prepared: Any = None  # what the scheme's ``prepare`` returned for the whole batch (rows in this batch's order)
 
     _TENSORS = ("input_ids", "attention_mask", "position_ids", "completion_ids", "loss_mask", "advantages", "rewards",
                 "old_logp", "ref_logp", "sampler_logp", "sampler_log_mass", "token_advantages", "group_ids",
-                "cached_weights", "order")
+                "cached_weights", "weights_ready", "order")
 
     @property
     def num_rows(self) -> int:
@@ -116,6 +117,9 @@ class TrainingBatch:
     @classmethod
     def from_state(cls, st: dict, device, prepared: Any = None) -> "TrainingBatch":
         t = {k: v.to(device) for k, v in st["tensors"].items()}
+        if "cached_weights" in t and "weights_ready" not in t:
+            # A buffer saved before the flag existed: weights are > 0 on valid tokens, so computed rows are non-zero.
+            t["weights_ready"] = (t["cached_weights"] != 0).any(1)
         return cls(prompt_length=st["prompt_length"], texts=st["texts"], problems=st.get("problems"),
                    golds=st.get("golds"), prepared=prepared, **t)
 
@@ -131,6 +135,16 @@ def rank_rows(cfg) -> int:
 def mini_batch_rows(cfg) -> int:
     """Rows of one mini-batch (one optimiser step) on this rank: 1/k of the rank's rollout batch."""
     return rank_rows(cfg) // cfg.trainer.get("mini_batches_per_rollout", 1)
+
+
+def needs_old_logprobs(cfg) -> bool:
+    """Whether the update needs the rollout-time log-probs π_old (a no-grad forward at the rollout parameters) instead
+    of sg(log π_θ) of the live forward. verl's rule (``dp_actor.update_policy``: on-policy only with one mini-batch and
+    one epoch) and TRL's (``_generate_and_score_completions``: old log-probs whenever a generation batch feeds more than
+    one optimiser step): with k mini-batches × μ epochs > 1 every step after the first sees moved parameters, so the
+    PPO ratio, its clip and the off-policy mask need π_old. An IS correction needs them too (π_old vs the sampler)."""
+    steps = cfg.loss.num_iterations * cfg.trainer.get("mini_batches_per_rollout", 1)
+    return steps > 1 or cfg.rollout.is_correction.mode != "none"
 
 
 def micro_batch_rows(cfg) -> int:

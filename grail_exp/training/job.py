@@ -302,6 +302,7 @@ def fit(cfg: DictConfig, module, state: dict | None) -> None:
 
     rounds = -(-cfg.trainer.max_steps // module.update.steps_per_rollout)  # ceil
     start_round = int(state["round"]) if state else 0
+    log_length(cfg, rounds, module.update.steps_per_rollout, start_round)
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
         strategy=build_strategy(cfg), precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
@@ -311,6 +312,23 @@ def fit(cfg: DictConfig, module, state: dict | None) -> None:
     )
     with stop_on_signal(module):
         trainer.fit(module, train_dataloaders=DataLoader(range(start_round, rounds), batch_size=None, shuffle=False))
+
+
+def log_length(cfg: DictConfig, rounds: int, per_round: int, start_round: int) -> None:
+    """The run's length in both units, once at the start: optimiser steps (trainer.max_steps, TRL's "steps") and
+    rollout batches (verl's trainer steps, which the recipes ported from verl-based codebases state)."""
+    t = cfg.trainer
+    k, mu = t.get("mini_batches_per_rollout", 1), cfg.loss.num_iterations
+    last = t.max_steps - (rounds - 1) * per_round
+    partial = f"; the last one gives {last} of its {per_round} steps" if last != per_round else ""
+    resumed = f", continuing at rollout batch {start_round + 1}" if start_round else ""
+    log.info("training length: %d optimiser steps = %s (x %s x %s%s)%s", t.max_steps, _count(rounds, "rollout batch"),
+             _count(k, "mini-batch"), _count(mu, "epoch"), partial, resumed)
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 epoch', '2 epochs', '3 rollout batches'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('h') else 's'}"
 
 
 def closing(cfg: DictConfig, module, saver: Saver, evaluator: Evaluator, phases: dict) -> dict:

@@ -27,7 +27,7 @@ from grail_exp.rollout import SamplingParams, pad_completions
 from grail_exp.rollout.base import release
 from grail_exp.rollout.variants import sample_variants
 from grail_exp.training import world
-from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
+from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows, needs_old_logprobs
 from grail_exp.training.timing import timed
 
 # Aggregations whose value does not depend on how rows are split into micro-batches: rows may be reordered.
@@ -210,7 +210,7 @@ class RolloutPhase:
                 "sampling/token_log_kept_mass": seq_sum / max(n_tok, 1)}
 
     def needs_old_logp(self) -> bool:
-        return self.cfg.loss.num_iterations > 1 or self.cfg.rollout.is_correction.mode != "none"
+        return needs_old_logprobs(self.cfg)
 
     def check_sampler(self, batch: TrainingBatch) -> dict[str, float]:
         """Sampler-vs-trainer agreement on the sampled tokens: ~0 for rollout=hf (same weights, same distribution);

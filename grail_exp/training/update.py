@@ -47,6 +47,7 @@ class UpdatePhase:
         self.backend, self.scheme_ctx, self.terms = backend, scheme_ctx, list(terms)
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
+        self.early_metrics: dict[tuple[int, int], dict] = {}  # per_rollout: scheme diagnostics of rows weighed early
         # Called with (batch, s, e, weights, entropy) for every micro-batch of the first epoch (the weight tables).
         self.on_weights: Callable | None = None
 
@@ -78,15 +79,25 @@ class UpdatePhase:
         stop = self.steps_per_rollout if limit is None else min(self.steps_per_rollout, start + max(0, limit))
         for index in range(start, stop):
             rows = self.mini_batch_range(index)
+            if index == 0:
+                self.weigh_later_mini_batches(batch, timings)
             tokens = batch.loss_mask[rows[0]:rows[1]].sum()
             global_tokens = float(world.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
             yield index, self.step(batch, optimizer, scheduler, global_tokens, timings,
-                                   epoch=index // self.mini_batches, rows=rows)
+                                   epoch=index // self.mini_batches, rows=rows, schedule=self.schedules_after(index))
+
+    def schedules_after(self, index: int) -> bool:
+        """Whether the lr schedule advances after the index-th optimiser step of a rollout batch: after every one
+        (``optim.schedule_unit: optimizer_step``, TRL) or after the last (``rollout_batch``: verl steps its scheduler
+        once per ``update_actor``, so the k × μ steps of a rollout batch share one rate)."""
+        per_batch = self.cfg.optim.get("schedule_unit", "optimizer_step") == "rollout_batch"
+        return not per_batch or index == self.steps_per_rollout - 1
 
     def step(self, batch: TrainingBatch, optimizer, scheduler, global_tokens: float, timings: dict,
-             epoch: int, rows: tuple[int, int] | None = None) -> dict[str, float]:
+             epoch: int, rows: tuple[int, int] | None = None, schedule: bool = True) -> dict[str, float]:
         """One optimiser step over every micro-batch of ``rows`` of ``batch`` (default: all of it); ``global_tokens``:
-        the loss tokens of those rows over all ranks (the dapo normaliser)."""
+        the loss tokens of those rows over all ranks (the dapo normaliser); ``schedule``: advance the lr schedule
+        after it."""
         cfg = self.cfg
         sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch masked means
         counts: dict[str, float] = {}
@@ -158,6 +169,7 @@ class UpdatePhase:
         avg = {k: v / counts[k] for k, v in sums.items() if counts[k] > 0}
         avg.pop("loss_tokens", None)
 
+        lr = scheduler.get_last_lr()[0]  # the rate this update uses (logged as such, as verl does)
         result = self.backend.step(optimizer, math.isfinite(loss_total))
         if result.applied:
             self.nonfinite_in_a_row = 0
@@ -172,22 +184,44 @@ class UpdatePhase:
                 raise NonFiniteLossError(
                     f"{self.nonfinite_in_a_row} non-finite losses/gradients in a row (trainer.max_nonfinite_in_a_row"
                     f"={limit}); aborting. Lower optim.lr, check model.dtype, or inspect the last sample table.")
-        scheduler.step()
+        if schedule:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         timings["scheme"] = timings.get("scheme", 0.0) + t_scheme
         timings["update"] = timings.get("update", 0.0) + (time.perf_counter() - t0 - t_scheme)
-        avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": scheduler.get_last_lr()[0],
+        avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": lr,
                     "iteration": float(epoch), "mini_batch": float((rows or (0, 0))[0] // max(1, mini_batch_rows(cfg))),
                     "nonfinite_steps_total": float(self.nonfinite_total),
-                    "scheme/recompute_per_rollout": float(self.scheme.cfg.get("recompute") == "per_rollout")})
+                    "scheme/recompute_per_rollout": float(self.per_rollout)})
         return avg
 
+    @property
+    def per_rollout(self) -> bool:
+        """``advantage.recompute: per_rollout``: each row's weights once per rollout batch, at the rollout parameters."""
+        return self.scheme.cfg.get("recompute", "per_update") == "per_rollout"
+
+    def weigh_later_mini_batches(self, batch: TrainingBatch, timings: dict) -> None:
+        """per_rollout with k > 1 mini-batches: before the rollout batch's first optimiser step moves the parameters,
+        the weights of mini-batches 2..k (the scheme's own forward per micro-batch; mini-batch 1's come from its training
+        forward, also before that step). Every later step reuses them, so all k × μ steps see the weights of the
+        parameters that sampled the batch. Their diagnostics are logged with the step that trains those rows."""
+        self.early_metrics.clear()  # a new rollout batch: nothing of the last one's is still to be logged
+        if not self.per_rollout or self.mini_batches == 1:
+            return
+        t = time.perf_counter()
+        for s, e in batch.micro_batches(micro_batch_rows(self.cfg), (self.mini_batch_range(1)[0], batch.num_rows)):
+            if batch.weights_ready is None or not bool(batch.weights_ready[s:e].all()):
+                out = self.scheme.weights(self.policy, batch.scheme_view(self.scheme_ctx, s, e))
+                self.cache(batch, s, e, out.weights.detach())
+                self.early_metrics[(s, e)] = out.metrics
+        timings["scheme"] = timings.get("scheme", 0.0) + time.perf_counter() - t
+
     def weights(self, batch: TrainingBatch, s: int, e: int, epoch: int, fwd: PolicyForward):
-        """The scheme's weights of rows s:e (per_rollout: computed at the first epoch, then reused); returns
-        (weights, scheme metrics, whether they were computed now)."""
-        per_rollout = self.scheme.cfg.get("recompute", "per_update") == "per_rollout"
-        if per_rollout and batch.cached_weights is not None and epoch > 0:
-            return batch.cached_weights[s:e], {}, False
+        """The scheme's weights of rows s:e (per_rollout: computed the first time the rows are met, then reused; every
+        row is first met before the rollout batch's first optimiser step); returns (weights, scheme metrics, whether
+        they were computed now). ``epoch`` is the pass over the rollout batch (for callers that record it)."""
+        if self.per_rollout and batch.weights_ready is not None and bool(batch.weights_ready[s:e].all()):
+            return batch.cached_weights[s:e], self.early_metrics.pop((s, e), {}), False
         sb = batch.scheme_view(self.scheme_ctx, s, e)
         out = None
         if self.scheme.needs_model:
@@ -195,11 +229,17 @@ class UpdatePhase:
         if out is None:
             out = self.scheme.weights(self.policy, sb)
         w = out.weights.detach()
-        if per_rollout:
-            if batch.cached_weights is None:
-                batch.cached_weights = torch.zeros_like(batch.loss_mask)
-            batch.cached_weights[s:e] = w.to(batch.cached_weights.dtype)
+        if self.per_rollout:
+            self.cache(batch, s, e, w)
         return w, out.metrics, True
+
+    @staticmethod
+    def cache(batch: TrainingBatch, s: int, e: int, w: torch.Tensor) -> None:
+        if batch.cached_weights is None:
+            batch.cached_weights = torch.zeros_like(batch.loss_mask)
+            batch.weights_ready = torch.zeros(batch.num_rows, dtype=torch.bool, device=batch.loss_mask.device)
+        batch.cached_weights[s:e] = w.to(batch.cached_weights.dtype)
+        batch.weights_ready[s:e] = True
 
     def family_masks(self, batch, s, e, mask, logp, entropy):
         """GRPO family (issue 15 / 23): the top-entropy token mask (``loss.top_entropy_quantile``) and OPSM

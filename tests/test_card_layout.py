@@ -176,11 +176,15 @@ def test_the_cards_layout_fsdp_zero2_hf(tmp_path):
     assert evaluate_checkpoint(tmp_path, ["rollout=hf"]) == final
 
 
-def test_full_shard_generation_with_uneven_shares(tmp_path):
-    """trainer=fsdp (FULL_SHARD) + rollout=hf, 3 evaluation chunks over 2 ranks: rank 0 generates two, rank 1 one, and
-    their rollouts stop at different lengths. A layer used while generating must stay gathered: re-gathering it at
-    every call is a collective, which the rank with less to generate never joins (the run hangs)."""
-    check_card_run(tmp_path, run_card(tmp_path, "fsdp", "hf", ["benchmark.limit=6"]), problems=6)
+def test_full_shard_with_uneven_work_per_rank(tmp_path):
+    """trainer=fsdp (FULL_SHARD) + rollout=hf, work that differs between the ranks: 3 evaluation chunks over 2 ranks
+    (rank 0 generates two, rank 1 one), rollouts that stop at different lengths, and GRAIL's weights of mini-batch 2
+    computed once per rollout batch (advantage.recompute=per_rollout, k = 2) on the rows each rank needs. A layer used
+    outside the training forward must stay gathered: re-gathering it is a collective, which a rank with less to do
+    never joins (the run hangs)."""
+    extra = ["benchmark.limit=6", "advantage.recompute=per_rollout", "trainer.mini_batches_per_rollout=2",
+             "loss.num_iterations=1"]  # k = 2 mini-batches x μ = 1: the same 2 steps from one rollout batch
+    check_card_run(tmp_path, run_card(tmp_path, "fsdp", "hf", extra), problems=6)
 
 
 # ---------------------------------------------------------------------------------------------- refused before loading

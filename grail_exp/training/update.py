@@ -209,11 +209,14 @@ class UpdatePhase:
         if not self.per_rollout or self.mini_batches == 1:
             return
         t = time.perf_counter()
-        for s, e in batch.micro_batches(micro_batch_rows(self.cfg), (self.mini_batch_range(1)[0], batch.num_rows)):
-            if batch.weights_ready is None or not bool(batch.weights_ready[s:e].all()):
-                out = self.scheme.weights(self.policy, batch.scheme_view(self.scheme_ctx, s, e))
-                self.cache(batch, s, e, out.weights.detach())
-                self.early_metrics[(s, e)] = out.metrics
+        # The scheme calls the policy outside its training forward, on the rows each rank needs: every parameter
+        # gathered first (a collective all ranks join here), so nothing inside re-gathers on some ranks only.
+        with self.backend.full_parameters():
+            for s, e in batch.micro_batches(micro_batch_rows(self.cfg), (self.mini_batch_range(1)[0], batch.num_rows)):
+                if batch.weights_ready is None or not bool(batch.weights_ready[s:e].all()):
+                    out = self.scheme.weights(self.policy, batch.scheme_view(self.scheme_ctx, s, e))
+                    self.cache(batch, s, e, out.weights.detach())
+                    self.early_metrics[(s, e)] = out.metrics
         timings["scheme"] = timings.get("scheme", 0.0) + time.perf_counter() - t
 
     def weights(self, batch: TrainingBatch, s: int, e: int, epoch: int, fwd: PolicyForward):

@@ -105,7 +105,9 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
         module.end_fn = lambda: results.update(closing(cfg, module, saver, evaluator, phases))
         t = time.perf_counter()
         fit(cfg, module, state)
-        phases["train_s"] = phases.pop("closing_started", time.perf_counter()) - t - phases.get("eval_before_s", 0.0)
+        # training proper: the fit less the engine's start, the evaluation before it and the closing (own phases)
+        phases["train_s"] = (phases.pop("closing_started", time.perf_counter()) - t - phases.get("eval_before_s", 0.0)
+                             - phases.get("engine_build_s", 0.0))
         finish(cfg, module, tracker, phases, t0, evaluator.tables, results)
         status = "FINISHED"
         return results

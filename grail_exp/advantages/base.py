@@ -121,6 +121,12 @@ class AdvantageScheme:
         self.tokenizer = tokenizer
         self.context = context or {}  # model config (prompt building), seed, ...: what a scheme may need to build
 
+    @property
+    def share_prompts(self) -> bool:
+        """Whether this scheme's own forwards compute each distinct prompt once (``trainer.share_prompts``, given in
+        the context by the trainer; ``grail_exp.forward.body_forward``)."""
+        return bool(self.context.get("share_prompts", False))
+
     @staticmethod
     def check_config(cfg) -> list[str]:
         """Problems with the scheme's config, each as ``"<key> = <value>: <why>"``; empty if valid."""

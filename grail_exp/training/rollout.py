@@ -20,7 +20,7 @@ import torch
 
 from grail_exp.data.prompting import encode_prompts
 from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
-from grail_exp.forward import position_ids_from_mask, predicting_window
+from grail_exp.forward import position_ids_from_mask
 from grail_exp.logprobs import kept_log_mass
 from grail_exp.rewards import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
@@ -185,13 +185,12 @@ class RolloutPhase:
             batch.old_logp = self.logps(self.policy, batch)
             return
         logps, masses = [], []
-        P, C = batch.prompt_length, batch.completion_ids.shape[1]
         with self.backend.full_parameters():  # the output layer is read outside the forward
             for s, e in batch.micro_batches(micro_batch_rows(self.cfg)):
                 logp, _, fwd = self.backend.forward(self.policy, batch.input_ids[s:e], batch.attention_mask[s:e],
                                                     batch.position_ids[s:e], batch.completion_ids[s:e])
                 logps.append(logp)
-                masses.append(kept_log_mass(predicting_window(fwd.hidden, P, C), fwd.head_weight, fwd.head_bias, *kp,
+                masses.append(kept_log_mass(fwd.predicting(fwd.hidden), fwd.head_weight, fwd.head_bias, *kp,
                                             self.cfg.rollout.temperature, self.cfg.trainer.logprob_chunk_tokens))
         batch.old_logp, batch.sampler_log_mass = torch.cat(logps), torch.cat(masses)
 
@@ -317,7 +316,7 @@ class RolloutPhase:
                 for s, e in batch.micro_batches(micro_batch_rows(cfg)):
                     logp, _, fwd = self.backend.forward(self.policy, batch.input_ids[s:e], batch.attention_mask[s:e],
                                                         batch.position_ids[s:e], batch.completion_ids[s:e])
-                    h = predicting_window(fwd.hidden, batch.prompt_length, batch.completion_ids.shape[1])
+                    h = fwd.predicting(fwd.hidden)
                     spps.append(sum_pi_squared_from_hidden(h, fwd.head_weight, fwd.head_bias,
                                                            cfg.rollout.temperature, cfg.trainer.logprob_chunk_tokens))
                     logps.append(logp)

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import torch
 
 from grail_exp.errors import UserError
-from grail_exp.forward import PolicyForward, predicting_window
+from grail_exp.forward import PolicyForward
 from grail_exp.loss import TermContext, is_weights, policy_loss
 from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext
 from grail_exp.training import world
@@ -214,15 +214,14 @@ class UpdatePhase:
         cfg = self.cfg
         aggregate = lambda per_token, m: AGGREGATIONS[cfg.loss.loss_type](per_token, m, agg_ctx)  # noqa: E731
         ctx = TermContext(
-            model=self.policy, batch=batch.scheme_view(self.scheme_ctx, s, e), hidden=predicting_window(
-                fwd.hidden, batch.prompt_length, batch.completion_ids.shape[1]),
+            model=self.policy, batch=batch.scheme_view(self.scheme_ctx, s, e), hidden=fwd.predicting(fwd.hidden),
             head_weight=fwd.head_weight, head_bias=fwd.head_bias, logp=logp, entropy=entropy, mask=mask,
             token_advantages=token_adv, old_logp=old,
             ref_logp=batch.ref_logp[s:e] if batch.ref_logp is not None else None,
             sampler_logp=batch.sampler_logp[s:e] if batch.sampler_logp is not None else None,
             temperature=cfg.rollout.temperature, step=self.scheme_ctx.progress.step, aggregate=aggregate,
             tokenizer=self.tokenizer, rollout_step=self.scheme_ctx.progress.rollouts or None,
-            top_entropy_mask=top_entropy)
+            top_entropy_mask=top_entropy, share_prompts=self.backend.share_prompts)
         metrics = {}
         for term in self.terms:
             value, m = term(ctx)

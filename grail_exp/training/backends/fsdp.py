@@ -36,10 +36,10 @@ class PolicyCore(torch.nn.Module):
         self.policy = policy
 
     def forward(self, input_ids, attention_mask, position_ids, completion_ids, temperature: float, chunk_tokens: int,
-                hidden_states: bool, logprob_dtype: str = "float32"):
+                hidden_states: bool, logprob_dtype: str = "float32", share_prompts: bool = False):
         logp, entropy, fwd = policy_forward(self.policy, input_ids, attention_mask, position_ids, completion_ids,
                                             temperature, chunk_tokens=chunk_tokens, hidden_states=hidden_states,
-                                            logprob_dtype=logprob_dtype)
+                                            logprob_dtype=logprob_dtype, share_prompts=share_prompts)
         return logp.clone(), entropy.clone(), fwd  # not views: FSDP hooks the outputs for its backward
 
 
@@ -132,7 +132,7 @@ class FSDPBackend(UpdateBackend):
                                    hidden_states=hidden_states)
         return self.core(input_ids, attention_mask, position_ids, completion_ids, self.cfg.rollout.temperature,
                          self.cfg.trainer.logprob_chunk_tokens, hidden_states,
-                         self.cfg.trainer.get("logprob_dtype", "float32"))
+                         self.cfg.trainer.get("logprob_dtype", "float32"), self.share_prompts)
 
     def full_parameters(self):
         return full_parameters(self.core) if self.core is not None else super().full_parameters()

@@ -173,11 +173,28 @@ def used_columns(attention_mask: torch.Tensor, prompt_length: int) -> tuple[int,
     return first, prompt_length + used_c
 
 
+class _Anchor(torch.autograd.Function):
+    """y = x in the forward; ``anchor`` gets a zero gradient in the backward (it joins the graph, nothing else)."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        ctx.anchor_shape, ctx.anchor_dtype = anchor.shape, anchor.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g.new_zeros(ctx.anchor_shape, dtype=ctx.anchor_dtype)
+
+
 def body_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  prompt_length: int, *, share_prompts: bool = False, hidden_states: bool = False,
-                 trim: bool = True) -> BodyOutput:
+                 trim: bool = True, anchor_prefix: bool = False) -> BodyOutput:
     """The decoder body on a left-padded batch (B, P+C): each distinct prompt once when ``share_prompts`` (and the
-    model allows it, ``can_share_prompts``), unused padding columns skipped when ``trim``."""
+    model allows it, ``can_share_prompts``), unused padding columns skipped when ``trim``.
+
+    ``anchor_prefix``: the prefix pass's output joins the graph of the returned hidden state with a zero gradient.
+    FSDP2 gathers a layer's parameters for its backward from a hook on that layer's outputs; without the anchor the
+    last layer's prefix call would get its gradient only through its keys and values, which are not outputs."""
     P, C = prompt_length, input_ids.shape[1] - prompt_length
     lo, hi = used_columns(attention_mask, P) if trim else (0, P + C)
     hi = max(hi, min(P + 1, P + C))  # the last prompt token and (when C > 0) one completion column at least
@@ -200,7 +217,8 @@ def body_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     embeds = embed(ids[:, L:])
     out = body(inputs_embeds=embeds, attention_mask=attn, position_ids=pos[:, L:], past_key_values=prefix.cache(),
                use_cache=True, output_hidden_states=hidden_states)
-    return BodyOutput(embeds, out.last_hidden_state, out.hidden_states if hidden_states else None, P, C,
+    hidden = _Anchor.apply(out.last_hidden_state, pre.last_hidden_state) if anchor_prefix else out.last_hidden_state
+    return BodyOutput(embeds, hidden, out.hidden_states if hidden_states else None, P, C,
                       start=lo + L, prefix=prefix, positions=first.numel() * L + embeds.shape[0] * embeds.shape[1])
 
 
@@ -242,7 +260,7 @@ def output_layer(model) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def policy_forward(model, input_ids, attention_mask, position_ids, completion_ids, temperature: float, *,
                    chunk_tokens: int = 4096, hidden_states: bool = False, logprob_dtype: str = "float32",
-                   share_prompts: bool = False):
+                   share_prompts: bool = False, anchor_prefix: bool = False):
     """The trainer's policy forward of a micro-batch: token log-probs and entropies (B, C) in float32, and the
     forward's embeddings / hidden states for schemes that reuse it (``PolicyForward``).
 
@@ -254,7 +272,7 @@ def policy_forward(model, input_ids, attention_mask, position_ids, completion_id
     """
     P = input_ids.shape[1] - completion_ids.shape[1]
     body = body_forward(model, input_ids, attention_mask, position_ids, P, share_prompts=share_prompts,
-                        hidden_states=hidden_states)
+                        hidden_states=hidden_states, anchor_prefix=anchor_prefix)
     weight, bias = output_layer(model)
     C_used = min(completion_ids.shape[1], body.start + body.hidden.shape[1] - (P - 1))  # computed predicting columns
     h = predicting_window(body.hidden, P - body.start, C_used)

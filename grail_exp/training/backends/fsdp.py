@@ -39,7 +39,8 @@ class PolicyCore(torch.nn.Module):
                 hidden_states: bool, logprob_dtype: str = "float32", share_prompts: bool = False):
         logp, entropy, fwd = policy_forward(self.policy, input_ids, attention_mask, position_ids, completion_ids,
                                             temperature, chunk_tokens=chunk_tokens, hidden_states=hidden_states,
-                                            logprob_dtype=logprob_dtype, share_prompts=share_prompts)
+                                            logprob_dtype=logprob_dtype, share_prompts=share_prompts,
+                                            anchor_prefix=True)  # FSDP's backward hooks: forward.body_forward
         return logp.clone(), entropy.clone(), fwd  # not views: FSDP hooks the outputs for its backward
 
 

@@ -81,6 +81,9 @@ class _LinearLogprob(torch.autograd.Function):
                               probs if probs is not None else hidden.new_empty(0))
         ctx.has_bias, ctx.inv_t, ctx.chunk, ctx.kept = bias is not None, inv_t, chunk, probs is not None
         ctx.mark_non_differentiable(ids)
+        # An output no loss reads (the entropy, usually) gets None in the backward, not zeros: its (n, V) gradient
+        # term is then skipped instead of computed as zero.
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
@@ -98,15 +101,14 @@ class _LinearLogprob(torch.autograd.Function):
                 p = kept
             else:
                 p = (_chunk_logits(hidden[s:e], weight, bias, ctx.inv_t) - lse[s:e, None]).exp()
-            # ∂logp/∂z = onehot − p;   ∂H/∂z = −p (log p + H)   (z = (h·Wᵀ + b)/T, so × 1/T below)
-            gz = torch.zeros_like(p)
-            if g_logp is not None:
-                gz = -p * g_logp[s:e, None]
-                gz.scatter_add_(1, ids[s:e, None], g_logp[s:e, None])
+            # ∂logp/∂z = onehot − p;   ∂H/∂z = −p (log p + H);   z = (h·Wᵀ + b)/T: the 1/T rides on the (n,) factors
+            g = g_logp[s:e, None] * ctx.inv_t if g_logp is not None else None
+            gz = torch.zeros_like(p) if g is None else -p * g
+            if g is not None:
+                gz.scatter_add_(1, ids[s:e, None], g)
             if g_entropy is not None:
                 logp_all = torch.log(p.clamp_min(1e-30))
-                gz = gz - p * (logp_all + entropy[s:e, None]) * g_entropy[s:e, None]
-            gz = gz * ctx.inv_t
+                gz = gz - p * (logp_all + entropy[s:e, None]) * (g_entropy[s:e, None] * ctx.inv_t)
             if g_b is not None:
                 g_b += gz.sum(0)
             gz = gz.to(weight.dtype)

@@ -58,8 +58,10 @@ def _batch(tok):
                          golds=[QUESTIONS[q][1] for q, _, _ in ROWS], order=torch.arange(len(ROWS)))
 
 
-def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: bool = False) -> dict:
-    """Loss, token weights, gradients and old / reference log-probs of one optimiser step on the fixed batch."""
+def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: bool = False, metrics: bool = False,
+             reorder: bool = True) -> dict:
+    """Loss, token weights, gradients and old / reference log-probs of one optimiser step on the fixed batch (and the
+    step's metrics, the rows' order after ``prepare``). ``reorder=False``: ``prepare`` keeps the rollout order."""
     from pinned_step import build_model_and_tokenizer
     from test_pinned_step import _cfg
 
@@ -83,6 +85,8 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
     module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok, ctx), None, None, None, None, ref_model=ref,
                         terms=build_terms(cfg.loss.get("terms"), tok, cfg.model))
     module.manual_backward = lambda loss: loss.backward()
+    if not reorder:
+        module.rollout.rows_reorderable = lambda: False
     batch = _batch(tok)
     module.rollout.prepare(batch, {})
     batch.old_logp = module.rollout.logps(model, batch)
@@ -96,8 +100,10 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
     metrics = module.update.step(batch, opt, sched, float(batch.loss_mask.sum()), {}, epoch=0)
     order = batch.order.argsort()  # back to the batch's rollout order (prepare may group probe rows first)
     mask = batch.loss_mask[order].bool()
-    return {"loss": metrics["loss"], "weights": weights[order], "grads": grads, "mask": mask,
-            "old": batch.old_logp[order], "ref": batch.ref_logp[order] if ref is not None else None}
+    out = {"loss": metrics["loss"], "weights": weights[order], "grads": grads, "mask": mask,
+           "old": batch.old_logp[order], "ref": batch.ref_logp[order] if ref is not None else None,
+           "order": batch.order.tolist()}
+    return {**out, "metrics": metrics} if metrics else out
 
 
 def assert_same(a: dict, b: dict, weight_tol: float = 0.0):
@@ -215,3 +221,46 @@ def test_two_ranks_sharing_prompts_equal_one_unshared_process(tmp_path, model_di
     moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
     assert moved > 1e-3
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < _tolerance(moved)
+
+
+def test_token_efficiency_counts_positions():
+    """``tokens/efficiency`` = real tokens (each distinct prompt once, every completion) / positions computed, counted
+    by hand from the fixture's lengths: the shared path computes U × (P − 1) prompt positions and B × (C + 1) suffix
+    positions (the last prompt token and the completion, to the longest completion); the unshared path B × (P + C)."""
+    from pinned_step import build_model_and_tokenizer
+
+    _, tok = build_model_and_tokenizer()
+    batch = _batch(tok)
+    prompt_len = batch.attention_mask[:, :batch.prompt_length].sum(1)
+    comp_len = batch.loss_mask.sum(1).long()
+    firsts = {q: i for i, (q, _, _) in reversed(list(enumerate(ROWS)))}  # one row per distinct prompt
+    real = sum(int(prompt_len[i]) for i in firsts.values()) + int(comp_len.sum())
+    P, C, B, U = int(prompt_len.max()), int(comp_len.max()), len(ROWS), len(firsts)
+    expected = {True: U * (P - 1) + B * (C + 1), False: B * (P + C)}
+    for share in (True, False):
+        m = one_step(["advantage=grpo", "trainer.micro_batch_size=8"], share, metrics=True)["metrics"]
+        assert m["tokens/real"] == real and m["tokens/computed_positions"] == expected[share]
+        assert m["tokens/efficiency"] == pytest.approx(real / expected[share])
+
+
+def test_rows_are_grouped_by_length_only_where_order_changes_nothing():
+    """With micro-batches smaller than the mini-batch, ``prepare`` puts each group's rows together, groups by their
+    longest completion (a hand-written permutation), and the step's loss and gradient are those of the rollout order.
+    Where order matters (OAR-G's row-by-row noise, a per-micro-batch top-entropy quantile) the order is kept."""
+    from pinned_step import build_model_and_tokenizer
+
+    from grail_exp.training.rollout import row_order
+
+    _, tok = build_model_and_tokenizer()
+    batch = _batch(tok)
+    n = batch.loss_mask.sum(1).long().tolist()
+    groups = {g: [i for i, (q, _, _) in enumerate(ROWS) if q == g] for g in range(3)}
+    by_longest = sorted(groups, key=lambda g: max(n[i] for i in groups[g]))
+    expected = [i for g in by_longest for i in sorted(groups[g], key=lambda i: n[i])]
+    assert row_order(batch, 8, None, True).tolist() == expected
+    over = ["advantage=grpo", "trainer.micro_batch_size=4"]
+    sorted_step, kept_step = one_step(over, True), one_step(over, True, reorder=False)
+    assert sorted_step["order"] == expected and kept_step["order"] == list(range(8))
+    assert_same(sorted_step, kept_step)
+    assert one_step(["advantage=oar_g", "trainer.micro_batch_size=4"], True)["order"] == list(range(8))
+    assert one_step([*over, "loss.top_entropy_quantile=0.5"], True)["order"] == list(range(8))

@@ -115,6 +115,9 @@ class AdvantageScheme:
     forward_outputs: ClassVar[tuple[str, ...]] = ()
     # True when ``weights`` must see the rollout batch's ``prepared`` state (batch-level schemes).
     batch_level: ClassVar[bool] = False
+    # False for schemes whose weights depend on the order of the rows in the micro-batches (OAR-G draws its noise row
+    # by row from a seeded stream): the trainer then never reorders rows for speed (``RolloutPhase.prepare``).
+    row_order_invariant: ClassVar[bool] = True
 
     def __init__(self, cfg, tokenizer=None, context: dict | None = None):
         self.cfg = cfg

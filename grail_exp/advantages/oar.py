@@ -181,6 +181,8 @@ def _reasoning_mask(spans, mask: torch.Tensor) -> torch.Tensor:
 
 @register_scheme("oar_g", OARGConfig)
 class OARGScheme(AdvantageScheme):
+    row_order_invariant = False  # the noise is drawn row by row, in micro-batch order
+
     @staticmethod
     def check_config(cfg) -> list[str]:
         e: list[str] = []

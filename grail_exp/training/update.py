@@ -93,6 +93,7 @@ class UpdatePhase:
         t_scheme = 0.0
         t0 = time.perf_counter()
         loss_total = 0.0
+        computed, real = 0, 0  # decoder positions run / real tokens (each distinct prompt once per micro-batch)
         need_states = "hidden_states" in getattr(self.scheme, "forward_outputs", ())
         agg_ctx = AggregationContext(cfg.rollout.max_completion_length, self.accumulation_steps, global_tokens,
                                      world.world_size())
@@ -101,6 +102,7 @@ class UpdatePhase:
             logp, entropy, fwd = self.backend.forward(
                 self.policy, batch.input_ids[s:e], batch.attention_mask[s:e], batch.position_ids[s:e],
                 batch.completion_ids[s:e], hidden_states=need_states)
+            computed, real = computed + fwd.positions, real + real_tokens(batch, s, e)
             # GRPO family: top-entropy / off-policy masks multiply the policy term only (TRL); the normaliser, the KL
             # term and the metrics keep the loss mask (``loss.family_mask_normaliser: kept`` masks them too).
             fam = self.family_masks(batch, s, e, mask, logp, entropy)
@@ -177,6 +179,8 @@ class UpdatePhase:
         avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": scheduler.get_last_lr()[0],
                     "iteration": float(epoch), "mini_batch": float((rows or (0, 0))[0] // max(1, mini_batch_rows(cfg))),
                     "nonfinite_steps_total": float(self.nonfinite_total),
+                    "tokens/computed_positions": float(computed), "tokens/real": float(real),
+                    "tokens/efficiency": real / max(computed, 1),
                     "scheme/recompute_per_rollout": float(self.scheme.cfg.get("recompute") == "per_rollout")})
         return avg
 
@@ -235,3 +239,11 @@ class UpdatePhase:
 
     def load_state_dict(self, st: dict) -> None:
         self.nonfinite_total, self.nonfinite_in_a_row = st["nonfinite_total"], st["nonfinite_in_a_row"]
+
+
+def real_tokens(batch: TrainingBatch, s: int, e: int) -> int:
+    """The tokens rows s:e need computed: each distinct prompt's real tokens once, and every completion's."""
+    P = batch.prompt_length
+    ids, attn = batch.input_ids[s:e], batch.attention_mask[s:e]
+    prompts = torch.unique(torch.where(attn[:, :P].bool(), ids[:, :P], -1), dim=0)
+    return int((prompts >= 0).sum()) + int(attn[:, P:].sum())

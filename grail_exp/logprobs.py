@@ -47,7 +47,8 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     z = h @ weight.T
     if bias is not None:
         z = z + bias
-    return z.float() * inv_t  # (n, V) float32
+    z = z.float() if z.dtype != torch.float32 else z  # a fresh (n, V) float32 tensor either way: scaled in place
+    return z.mul_(inv_t) if inv_t != 1.0 else z
 
 
 class _LinearLogprob(torch.autograd.Function):
@@ -63,7 +64,7 @@ class _LinearLogprob(torch.autograd.Function):
             e = min(s + chunk, N)
             z = _chunk_logits(hidden[s:e], weight, bias, inv_t)
             lse[s:e] = torch.logsumexp(z, -1)
-            logz = z - lse[s:e, None]
+            logz = z.sub_(lse[s:e, None])  # in place: one (n, V) float32 tensor for z and log p
             if model_dtype:  # the reference's rounding: logits / T and log_softmax in the model's dtype
                 zm = hidden[s:e] @ weight.T
                 if bias is not None:
@@ -74,7 +75,7 @@ class _LinearLogprob(torch.autograd.Function):
             else:
                 logp[s:e] = logz.gather(1, ids[s:e, None]).squeeze(1)
             p = logz.exp()
-            entropy[s:e] = -(p * logz).sum(-1)
+            entropy[s:e] = -torch.bmm(p.unsqueeze(1), logz.unsqueeze(2)).view(-1)  # Σ_v p log p, no (n, V) product
             if N <= chunk:
                 probs = p  # one chunk: keep the softmax for the backward instead of recomputing it
         ctx.save_for_backward(hidden, weight, bias if bias is not None else hidden.new_empty(0), ids, lse, entropy,
@@ -100,10 +101,15 @@ class _LinearLogprob(torch.autograd.Function):
             if ctx.kept:
                 p = kept
             else:
-                p = (_chunk_logits(hidden[s:e], weight, bias, ctx.inv_t) - lse[s:e, None]).exp()
+                p = _chunk_logits(hidden[s:e], weight, bias, ctx.inv_t).sub_(lse[s:e, None]).exp_()
             # ∂logp/∂z = onehot − p;   ∂H/∂z = −p (log p + H);   z = (h·Wᵀ + b)/T: the 1/T rides on the (n,) factors
             g = g_logp[s:e, None] * ctx.inv_t if g_logp is not None else None
-            gz = torch.zeros_like(p) if g is None else -p * g
+            if g is None:
+                gz = torch.zeros_like(p)
+            elif ctx.kept or g_entropy is not None:
+                gz = -p * g
+            else:
+                gz = p.mul_(-g)  # this chunk's recomputed p is not needed again: in place
             if g is not None:
                 gz.scatter_add_(1, ids[s:e, None], g)
             if g_entropy is not None:

@@ -48,17 +48,18 @@ PROMPT_TOKENS = {"arithmetic": 64, "arithmetic_val": 64, "deepmath": 512, "scrl_
                  "aime24": 400, "amc23": 256, "minerva_math": 416, "college_math_200": 384, "olympiadbench_200": 1280}
 DEFAULT_PROMPT_TOKENS = 512
 # Output layer (grail_exp/logprobs.py), in fp32 (chunk, V) tensors alive at once, measured on CPU with the real
-# function (tests/test_plan.py::test_logprob_peak_matches_the_function): several chunks, bf16 weights: forward 5.5
-# (the previous chunk's logits, log-probs and probabilities while the next chunk's bf16 + fp32 logits are built),
-# fp32 weights 5.0; one chunk: 4.0 (its probabilities kept for the backward). Backward: 5.4 (several chunks) / 5.1
-# (one chunk, its kept probabilities included), plus the fp32 output-layer gradient (4·V·h) and, per chunk, its bf16 +
-# fp32 contribution (6·V·h) when that outweighs 2.4 units of the chunk's tensors (measured with h = 64 ... 2,048).
-LOGITS_FWD_UNITS = {"multi_half": 5.5, "multi_fp32": 5.0, "single": 4.0}
+# function (tests/test_plan.py::test_logprob_peak_matches_the_function; z and log p share one buffer): several chunks:
+# forward 4.1 (bf16 and fp32 weights alike); one chunk: 2.2 (its probabilities kept for the backward). Backward with
+# bf16 weights: 3.3 (several chunks) / 3.1 (one chunk, its kept probabilities included), plus the fp32 output-layer
+# gradient (4·V·h) and, per chunk, its bf16 + fp32 contribution (6·V·h) when that outweighs 1.65 units of the chunk's
+# tensors (measured with h = 64 ... 2,048); fp32 weights need less (2.2 / 3.1): the bf16 figures bound them.
+LOGITS_FWD_UNITS = {"multi_half": 4.1, "multi_fp32": 4.1, "single": 2.2}
+LOGITS_GRAD_OVERLAP = 1.65  # units of the chunk's tensors the output-layer gradient's per-chunk copy reuses
 # One generation step of HF generate, bytes per row and vocabulary entry: the model's bf16 logits (2), their fp32 copy
 # (4), the log-prob recorder's scaled copy and log-softmax (8) with the previous step's still pending (4), the
 # sampling probabilities (4). Against the H100 generation peaks of results/gpu.md: results/memory_plan.md.
 SCORE_BYTES = 22
-LOGITS_BWD_UNITS = {"multi": 5.4, "single": 5.1}  # single: 4.1 above the forward's kept probabilities (1.0)
+LOGITS_BWD_UNITS = {"multi": 3.3, "single": 3.1}  # single: 2.1 above the forward's kept probabilities (1.0)
 
 
 class PlanError(ValueError):
@@ -234,7 +235,7 @@ def logits_bytes(rows: int, chunk: int, s: Shape, b: int) -> tuple[float, float,
     bwd_u = LOGITS_BWD_UNITS["multi" if multi else "single"]
     vh = s.vocab * s.hidden
     fwd = fwd_u * unit
-    bwd = max(bwd_u * unit, (bwd_u - 2.4) * unit + 6 * vh) + 4 * vh
+    bwd = max(bwd_u * unit, (bwd_u - LOGITS_GRAD_OVERLAP) * unit + 6 * vh) + 4 * vh
     how = (f"{fwd_u:g} / {bwd_u:g} x ({n:,} rows x V {s.vocab:,} x 4 B), + 4·V·h fp32 output-layer gradient"
            + (" (several chunks)" if multi else " (one chunk)"))
     return fwd, bwd, how

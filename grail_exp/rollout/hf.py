@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from grail_exp.forward import can_share_prompts, decoder_body, output_layer, position_ids_from_mask
+from grail_exp.models import SDPA_GQA
 from grail_exp.rollout.base import Completion, SamplingParams
 from grail_exp.rollout.decode import RowGroups, decode_cache
 from grail_exp.rollout.decode import register as register_grouped_attention
@@ -175,7 +176,8 @@ def lean_decoding_applies(model) -> bool:
     attention (SDPA kernels; eager attention in a float32 model)."""
     impl = getattr(model.config, "_attn_implementation", None)
     dtype = next(model.parameters()).dtype
-    return can_share_prompts(model) and (impl == "sdpa" or (impl == "eager" and dtype in (torch.float32, torch.float64)))
+    return can_share_prompts(model) and (impl in ("sdpa", SDPA_GQA)
+                                         or (impl == "eager" and dtype in (torch.float32, torch.float64)))
 
 
 @torch.no_grad()

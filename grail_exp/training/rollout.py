@@ -21,6 +21,7 @@ import torch
 from grail_exp.data.prompting import encode_prompts
 from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
 from grail_exp.forward import position_ids_from_mask
+from grail_exp.host import return_freed_memory
 from grail_exp.logprobs import kept_log_mass
 from grail_exp.rewards import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
@@ -56,6 +57,7 @@ class RolloutPhase:
         batch, stats = self.make_batch(round_index, timings)
         with timed(timings, "engine_sleep"):
             release(self.engine)  # every generation of the round is done: free the engine's memory for the update
+            return_freed_memory()  # and the host heap generation freed (grail_exp/host.py)
         self.prepare(batch, timings)
         with timed(timings, "old_logp"):
             if self.needs_old_logp() and batch.old_logp is None:

@@ -29,6 +29,7 @@ import torch
 
 from grail_exp.errors import UserError
 from grail_exp.forward import PolicyForward
+from grail_exp.host import return_freed_memory
 from grail_exp.loss import TermContext, is_weights, policy_loss
 from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext
 from grail_exp.training import world
@@ -174,6 +175,7 @@ class UpdatePhase:
                     f"={limit}); aborting. Lower optim.lr, check model.dtype, or inspect the last sample table.")
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        return_freed_memory()  # the step's activations and gradients (grail_exp/host.py)
         timings["scheme"] = timings.get("scheme", 0.0) + t_scheme
         timings["update"] = timings.get("update", 0.0) + (time.perf_counter() - t0 - t_scheme)
         avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": scheduler.get_last_lr()[0],

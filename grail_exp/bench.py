@@ -307,6 +307,10 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     bench, overrides = parse_args(argv)
+    if bench.mode == "real":  # real training steps of an experiment (grail_exp/bench_real.py)
+        from grail_exp.bench_real import main as real_main
+
+        return real_main(bench, overrides, argv)
     device = torch.device("cuda" if bench.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if bench.device == "auto" else bench.device))
     torch.manual_seed(int(bench.seed))

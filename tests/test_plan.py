@@ -86,13 +86,22 @@ def _expected_phases(model: str, trainer: str) -> dict[str, float]:
     update = state + grads + saved + max(logits_fwd, logits_bwd, recompute)
     gathered = N * b if trainer.startswith("fsdp") else 0
     logp = state + tok * b * (2 * h + 2 * i) + logits_fwd + mb * T * T + (grads - 4 * N / W if trainer.startswith("fsdp") else 0)
-    # HF rollout: 32 // 8 = 4 prompts per generate() call (the rank has >= 4), x 8 = 32 rows of 4608 tokens
-    kv_token = 2 * L * nkv * d * b
+    if trainer == "cpu":  # the host's libraries (0.6 GiB) and the grading workers (0.15 GiB each, processes of their own)
+        workers = _cfg(f"model={model}", "advantage=grpo", f"trainer={trainer}", "rollout=hf").reward.num_workers
+        state += 0.6 * GiB + 0.15 * GiB * workers
+        update += 0.6 * GiB + 0.15 * GiB * workers
+        logp += 0.6 * GiB + 0.15 * GiB * workers
+    # HF rollout: 32 // 8 = 4 prompts per call (the rank has >= 4) x 8 = 32 rows. On GPU (transformers generate) every
+    # row's 4608 tokens in b bytes; on CPU (the engine's own loop) each prompt's 512 once in fp32, the rows' 4096 in b
+    kv_el = 2 * L * nkv * d
+    kv_token = kv_el * b
     rows = 32
-    rollout = state + gathered + rows * T * kv_token + rows * V * 22 + rows * 512 * b * (2 * h + 3 * i) + rows * T * kv_token / L
+    kv_roll = 4 * 512 * kv_el * 4 + rows * 4096 * kv_token if trainer == "cpu" else rows * T * kv_token
+    rollout = state + gathered + kv_roll + rows * V * 22 + rows * 512 * b * (2 * h + 3 * i) + rows * T * kv_token / L
     # evaluation on rank 0: 24 // 3 = 8 prompts x 3 samples, 1280-token prompt pad (OlympiadBench) + 8192 tokens
     Te = 1280 + 8192
-    ev = state + gathered + 24 * Te * kv_token + 24 * V * 22 + 24 * Te * kv_token / L
+    kv_ev = 8 * 1280 * kv_el * 4 + 24 * 8192 * kv_token if trainer == "cpu" else 24 * Te * kv_token
+    ev = state + gathered + kv_ev + 24 * V * 22 + 24 * Te * kv_token / L
     out = {"state": state, "update": update, "logp": logp, "rollout": rollout, "eval": ev}
     if trainer == "ddp":  # the flat fp32 all-reduce buffer + the masters' fp32 grads + the parameters' copies
         out["step"] = state + grads + 4 * N + 4 * N + 2 * N
@@ -351,14 +360,20 @@ def test_validate_refuses_before_loading_and_names_what_fits(monkeypatch):
         _validate_on(f"model=qwen3_8b advantage=grail {option}", H100)
 
 
-def test_cpu_runs_and_unknown_devices_are_not_refused():
+def test_cpu_runs_are_planned_against_the_hosts_memory():
+    """A CPU run is planned in RAM: the machine's memory (or trainer.device_memory_gb, to plan for another machine),
+    and refused with the keys that would make it fit when it does not. The SmolLM2 experiment fits a laptop of 8 GiB
+    (issue 29: 4 GiB peak RSS), not 4.5 GiB (it says which keys would); an 8 B model does not fit 24 GiB of RAM."""
     from grail_exp.memory import check, plan
 
-    big_on_cpu = compose(["model=qwen3_8b", "recipe=demo", "optim.lr=1e-6"], Path("/nonexistent"))
-    p = plan(big_on_cpu)
-    assert p.capacity is None and p.fits is None and "CPU" in p.capacity_source
-    assert check(big_on_cpu) is None
-    validate(big_on_cpu)
+    smol = ["experiment=real/smollm2_grpo"]
+    assert plan(compose(smol, Path("/nonexistent"))).capacity is not None  # this machine's /proc/meminfo
+    assert check(compose([*smol, "trainer.device_memory_gb=8"], Path("/nonexistent"))) is None
+    refused = check(compose([*smol, "trainer.device_memory_gb=4.5"], Path("/nonexistent")))
+    assert refused is not None and "It would fit with trainer.micro_batch_size=" in refused and "eval.batch_size=" in refused
+    with pytest.raises(ConfigError, match="memory plan: the peak per device"):
+        validate(compose(["model=qwen3_8b", "recipe=demo", "optim.lr=1e-6", "trainer.device_memory_gb=24"],
+                         Path("/nonexistent")))
     # a GPU recipe validated where no CUDA device is visible (this machine) and no device_memory_gb: no verdict
     import torch
 

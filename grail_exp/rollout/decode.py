@@ -38,8 +38,8 @@ class DecodeKV:
         self.kp, self.vp = keys.float(), values.float()  # (U, H_kv, P, D), read in float32 by every step
         self.prompt_mask = prompt_mask.bool()[:, None, None, :]  # (U, 1, 1, P)
         B = groups.rows.numel()
-        self.kg = keys.new_zeros(B, H, capacity, D, dtype=torch.float32)
-        self.vg = torch.zeros_like(self.kg)
+        self.kg = keys.new_zeros(B, H, capacity, D)  # the generated keys / values in the model's dtype (half the memory
+        self.vg = torch.zeros_like(self.kg)          # of float32 at 2 B); read in float32, a step's slice at a time
         self.length = 0  # generated positions written
         self.groups = groups
 
@@ -93,12 +93,13 @@ def grouped_decode_attention(module, query, key, value, attention_mask=None, sca
     s_p = s_p.masked_fill(~kv.prompt_mask, float("-inf"))
     s_p = groups.rows_of(s_p.view(groups.num_prompts, Hkv, groups.width, g * q_len, -1).permute(0, 2, 1, 3, 4))
     t = kv.length
-    s_g = (q @ kv.kg[:, :, :t].transpose(-1, -2)) * scale  # (B, Hkv, g, t)
+    kg, vg = kv.kg[:, :, :t].float(), kv.vg[:, :, :t].float()
+    s_g = (q @ kg.transpose(-1, -2)) * scale  # (B, Hkv, g, t)
     a = torch.softmax(torch.cat([s_p, s_g], -1), -1)
     P = s_p.shape[-1]
     a_p = groups.grouped(a[..., :P]).permute(0, 2, 1, 3, 4).reshape(groups.num_prompts, Hkv, groups.width * g * q_len, P)
     o_p = groups.rows_of((a_p @ kv.vp).view(groups.num_prompts, Hkv, groups.width, g * q_len, D).permute(0, 2, 1, 3, 4))
-    o = o_p + a[..., P:] @ kv.vg[:, :, :t]  # (B, Hkv, g, D)
+    o = o_p + a[..., P:] @ vg  # (B, Hkv, g, D)
     return o.view(B, H, q_len, D).transpose(1, 2).to(query.dtype), None
 
 

@@ -171,13 +171,14 @@ def _processors(params: SamplingParams):
 
 
 def lean_decoding_applies(model) -> bool:
-    """Whether ``sample`` reproduces ``generate``'s distribution for this model: every layer attends to all earlier
-    positions (``forward.can_share_prompts``), and its attention accumulates in float32 like the grouped decode
-    attention (SDPA kernels; eager attention in a float32 model)."""
+    """Whether ``sample`` runs for this model: on CPU (where the per-token overhead of ``generate`` is the cost; on GPU
+    its kernels are what a long generation needs), every layer attending to all earlier positions
+    (``forward.can_share_prompts``), an attention that accumulates in float32 like the grouped decode attention (SDPA
+    kernels; eager attention in a float32 model)."""
     impl = getattr(model.config, "_attn_implementation", None)
-    dtype = next(model.parameters()).dtype
-    return can_share_prompts(model) and (impl in ("sdpa", SDPA_GQA)
-                                         or (impl == "eager" and dtype in (torch.float32, torch.float64)))
+    p = next(model.parameters())
+    return (p.device.type == "cpu" and can_share_prompts(model)
+            and (impl in ("sdpa", SDPA_GQA) or (impl == "eager" and p.dtype in (torch.float32, torch.float64))))
 
 
 @torch.no_grad()
@@ -198,6 +199,7 @@ def sample(model, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams,
     groups = RowGroups(expand, U)
     cache = decode_cache(pre.past_key_values, attn, T, groups)
     logits = _head(pre.last_hidden_state[:, -1], weight, bias).index_select(0, expand)  # (B, V) float32
+    del pre  # the prefill's own cache: the decode cache holds the prompts' keys and values (in float32)
     history = torch.cat([ids.index_select(0, expand), ids.new_full((B, T), pad_id)], 1)  # the repetition penalty's
     next_pos = pos[:, -1].index_select(0, expand) + 1
     tokens = ids.new_full((B, T), pad_id)

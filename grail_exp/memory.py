@@ -420,12 +420,17 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
 
 def vllm_kv_cache_bytes(cfg, max_model_len: int, block: int = 16) -> int:
     """The KV cache a vLLM engine on CPU is given (``kv_cache_memory_bytes``; on GPU ``gpu_memory_utilization`` sizes
-    it): every row of one rollout batch at ``max_model_len`` tokens, in ``block``-token pages, in the engine's dtype.
-    With prefix caching the G rows of a prompt share its pages, so this holds the batch with room to spare."""
+    it): every row of one rollout batch at ``max_model_len`` tokens, in ``block``-token pages, in the engine's dtype,
+    x ``VLLM_CPU_PAGE_FACTOR`` (vLLM's CPU pages hold fewer tokens than the bare keys and values: SmolLM2 at 118 MB,
+    3,200 tokens instead of 5,120). With prefix caching the G rows of a prompt share its pages: room to spare."""
     s, r, t = model_shape(cfg.model), cfg.rollout, cfg.trainer
     rows = max(1, min(int(r.generation_batch_size), t.prompts_per_step // _world(t) * int(r.num_generations)))
     pages = -(-int(max_model_len) // block)
-    return int(rows * pages * block * s.kv_bytes_per_token * _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype))
+    dtype = _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
+    return int(VLLM_CPU_PAGE_FACTOR * rows * pages * block * s.kv_bytes_per_token * dtype)
+
+
+VLLM_CPU_PAGE_FACTOR = 1.6
 
 
 def computed_positions(cfg, rows: int, P: int, C: int) -> int:

@@ -229,9 +229,12 @@ def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) ->
     kwargs = dict(v.kwargs or {})
     if not torch.cuda.is_available() and "kv_cache_memory_bytes" not in kwargs \
             and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        from grail_exp.memory import vllm_kv_cache_bytes
+        from grail_exp.memory import PlanError, vllm_kv_cache_bytes
 
-        kwargs["kv_cache_memory_bytes"] = vllm_kv_cache_bytes(cfg, max_len)
+        try:
+            kwargs["kv_cache_memory_bytes"] = vllm_kv_cache_bytes(cfg, max_len)
+        except PlanError:  # a model the planner has no shape for: vLLM sizes its cache itself
+            pass
     return VLLMRolloutEngine(
         model_path, tokenizer, dtype=v.dtype or cfg.model.dtype, batch_size=batch_size,
         gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=max_len,

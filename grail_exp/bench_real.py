@@ -71,6 +71,7 @@ def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | Non
 def _build(overrides: list[str], scheme: str):
     """The experiment's parts and a ``GRPOModule`` driven without Lightning (as ``bench`` does)."""
     import lightning as L
+    import torch
     from hydra import compose, initialize_config_dir
 
     from grail_exp.conf_path import CONFIG_DIR
@@ -86,11 +87,13 @@ def _build(overrides: list[str], scheme: str):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = validate(compose(config_name="config", overrides=[*overrides, *fixed]))
     if cfg.trainer.get("num_threads") and not os.environ.get("GRAIL_EXP_BENCH_THREADS"):
-        import torch
-
         torch.set_num_threads(int(cfg.trainer.num_threads))
     L.seed_everything(cfg.seed, verbose=False)
     parts = build_parts(cfg, None, None, NullTracker(), {}, time.perf_counter())
+    if str(cfg.trainer.accelerator) == "gpu" and torch.cuda.is_available():  # where Lightning would put them
+        parts.policy.to("cuda")
+        if parts.ref_model is not None:
+            parts.ref_model.to("cuda")
     module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, parts.engine, parts.source, parts.verifier,
                         NullTracker(), parts.ref_model, terms=parts.terms)
     module.manual_backward = lambda loss: loss.backward()  # no Lightning trainer here

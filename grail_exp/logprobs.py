@@ -94,7 +94,10 @@ class _LinearLogprob(torch.autograd.Function):
         N = hidden.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         g_h = torch.zeros_like(hidden) if need_h else None
-        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # One chunk: its weight gradient straight from the product (accumulated in fp32 inside it, rounded once, as the
+        # fp32 buffer below would give), without a (V, d) fp32 buffer and its copy. Several: fp32 across chunks.
+        single = N <= ctx.chunk
+        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w and not single else None
         g_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if (need_b and ctx.has_bias) else None
         for s in range(0, N, ctx.chunk):
             e = min(s + ctx.chunk, N)
@@ -121,7 +124,10 @@ class _LinearLogprob(torch.autograd.Function):
             if need_h:
                 g_h[s:e] = gz @ weight
             if need_w:
-                g_w += (gz.T @ hidden[s:e]).float()
+                if single:
+                    g_w = gz.T @ hidden[s:e]
+                else:
+                    g_w += (gz.T @ hidden[s:e]).float()
         return (g_h, g_w.to(weight.dtype) if g_w is not None else None,
                 g_b.to(bias.dtype) if g_b is not None else None, None, None, None, None, None)
 

@@ -263,17 +263,27 @@ class OARGScheme(AdvantageScheme):
             where[:, P - 1:P + C - 1] = 1.0
         noise = torch.randn(full, generator=batch.generator, dtype=torch.float32).to(emb) * cfg.noise_std
         cols = slice(clean.start, clean.start + emb.shape[1])
-        noisy = (emb + noise[:, cols] * where[:, cols].unsqueeze(-1)).requires_grad_(True)
-        with torch.enable_grad():
-            h = continue_forward(model, clean, noisy, sel, attn, pos)
-            if forward is not None:
-                logq = torch.log_softmax(span_mean_logits_gathered(model, clean.predicting(h), span_r), -1)
-            else:
-                logq = torch.log_softmax(span_mean_logits(detached_head_logits(model, clean.predicting(h)), span_r), -1)
-            J = (p0 * (torch.log(p0 + cfg.eps) - logq)).sum()  # KL(P0 ‖ P_noisy), summed over rows with a box
-            (g,) = torch.autograd.grad(J, noisy)
-        act = emb if original else noisy.detach()
+        noisy = emb + noise[:, cols] * where[:, cols].unsqueeze(-1)
+        # J is a sum over rows and a row's gradient is its own: the noisy pass runs G rows at a time (the graph of one
+        # group alive at once, not the micro-batch's), the same numbers.
+        gathered = forward is not None
+        g = torch.cat([self._noisy_gradient(model, clean, noisy[c], sel[c], attn[c], pos[c], span_r[c], p0[c], gathered)
+                       for c in torch.arange(sel.numel(), device=sel.device).split(max(1, batch.num_generations or 8))])
+        act = emb if original else noisy
         return (window(g).float() * window(act).float()).sum(-1).abs()
+
+    def _noisy_gradient(self, model, clean, noisy, sel, attn, pos, span, p0, gathered: bool) -> torch.Tensor:
+        """∂KL(P0 ‖ P_noisy)/∂e for some rows: the noisy forward (sharing the clean forward's prompts) and its input
+        gradient."""
+        noisy = noisy.detach().requires_grad_(True)
+        with torch.enable_grad():
+            h = clean.predicting(continue_forward(model, clean, noisy, sel, attn, pos))
+            logits = span_mean_logits_gathered(model, h, span) if gathered else \
+                span_mean_logits(detached_head_logits(model, h), span)
+            logq = torch.log_softmax(logits, -1)
+            J = (p0 * (torch.log(p0 + self.cfg.eps) - logq)).sum()  # KL(P0 ‖ P_noisy), summed over the rows
+            (g,) = torch.autograd.grad(J, noisy)
+        return g
 
 
 @register_scheme("oar_p", OARPConfig)

@@ -137,6 +137,7 @@ class UpdatePhase:
                                                     agg_ctx, fam.top_entropy)
                 metrics.update(term_metrics)
             self.backend.backward(loss)
+            return_freed_memory()  # this micro-batch's activations, before the next one's forward
             loss_total += loss.item()
             with torch.no_grad():
                 m = term_mask.float()

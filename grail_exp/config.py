@@ -376,6 +376,11 @@ class TrainerConfig:
     # model = logits / T and log_softmax in the model's dtype, as the GRAIL reference (TRL) rounds them (bf16: most
     # ratios are exactly 1 after a small update). The ratio arithmetic, entropies and the backward stay float32.
     logprob_dtype: str = "float32"
+    # Each distinct prompt of a micro-batch computed once in every forward of the update (policy, old / reference
+    # log-probs, probes, teachers): the G completions of a prompt reuse its keys and values, and its gradient is
+    # accumulated once (grail_exp/forward.py). Same numbers up to floating-point reduction order. auto = on unless
+    # model.gradient_checkpointing (a replayed layer has no cache); true | false. docs/performance.md
+    share_prompts: Any = "auto"
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
 
@@ -750,6 +755,11 @@ def validate(cfg: DictConfig) -> DictConfig:
     from grail_exp.training.world import configured_world_size
 
     world = configured_world_size(t)
+    share = t.get("share_prompts", "auto")
+    _check(e, share in ("auto", True, False), "trainer.share_prompts", share, "must be auto, true or false")
+    _check(e, not (share is True and cfg.model.gradient_checkpointing), "trainer.share_prompts", share,
+           "cannot be true with model.gradient_checkpointing=true (a layer replayed in the backward has no cache of "
+           "the shared prompt); set it to auto or false")
     _check(e, t.prompts_per_step % max(1, world) == 0, "trainer.prompts_per_step", t.prompts_per_step,
            f"must be divisible by the data-parallel world size trainer.devices x trainer.num_nodes = {world} "
            "(every rank samples whole groups)")

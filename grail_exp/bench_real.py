@@ -235,16 +235,14 @@ def table_markdown(summaries: dict, baseline: str = "grpo") -> str:
 
 def main(bench, overrides: list[str], argv: list[str]) -> dict:
     """Every scheme of ``bench.schemes`` in its own process, one after the other."""
-    ctx = multiprocessing.get_context("spawn")
     results, summaries = {}, {}
     for name in bench.schemes:
-        with ctx.Pool(1) as pool:
-            try:
-                results[name] = pool.apply(_child, (overrides, name, int(bench.steps), bench.get("threads")))
-                summaries[name] = summarize(results[name], int(bench.skip))
-            except Exception as exc:  # one scheme's failure is a row of the table, not the end of the run
-                log.exception("bench real: scheme %s failed", name)
-                summaries[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        try:
+            results[name] = in_own_process(_run_scheme_logged, overrides, name, int(bench.steps), bench.get("threads"))
+            summaries[name] = summarize(results[name], int(bench.skip))
+        except Exception as exc:  # one scheme's failure is a row of the table, not the end of the run
+            log.exception("bench real: scheme %s failed", name)
+            summaries[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
         log.info("bench real %s: %s", name, summaries[name])
     table = table_markdown(summaries)
     print(table, flush=True)
@@ -259,10 +257,41 @@ def main(bench, overrides: list[str], argv: list[str]) -> dict:
     return payload
 
 
-def _child(overrides, name, steps, threads):
+def in_own_process(fn, *args):
+    """``fn(*args)`` in a fresh spawned process (its peak memory is its own); ``fn`` importable at module level. A
+    plain, non-daemonic process: a run starts processes of its own (the grading workers), which a pool's daemonic
+    workers may not."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(send, fn, args))
+    child.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        ok, value = False, f"the process ended without a result (exit code {child.join() or child.exitcode})"
+    child.join()
+    if not ok:
+        raise RuntimeError(value)
+    return value
+
+
+def _run_scheme_logged(overrides, name, steps, threads):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine (its own process is this one)
     return run_scheme(list(overrides), name, steps, threads)
+
+
+def _child(send, fn, args):
+    try:
+        send.send((True, fn(*args)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as this scheme's row
+        import traceback
+
+        traceback.print_exc()
+        send.send((False, f"{type(exc).__name__}: {exc}"))
+    finally:
+        send.close()
 
 
 def _load() -> str:

@@ -47,13 +47,14 @@ def test_bench_help_prints_the_phases_instead_of_composing(capsys):
 
 def test_real_mode_runs_training_steps_per_scheme(tmp_path, tiny_model_dir):
     """bench.mode=real: each scheme's own process runs the composed run's real steps (generation, grading, update) and
-    the table reports phase times, tokens, token efficiency, peak memory and the floor."""
+    the table reports phase times, tokens, token efficiency, peak memory and the floor. Grading runs in its own worker
+    process, as in a real run (a daemonic pool worker could not start it)."""
     from grail_exp.bench import main
 
     out = tmp_path / "real.json"
     payload = main(["bench.mode=real", "bench.steps=2", "bench.skip=1", "bench.schemes=[grpo,grail]", "bench.threads=1",
                     f"model.name_or_path={tiny_model_dir}", "trainer.prompts_per_step=2", "rollout.num_generations=4",
-                    "rollout.max_completion_length=12", "trainer.micro_batch_size=8", "reward.num_workers=0",
+                    "rollout.max_completion_length=12", "trainer.micro_batch_size=8", "reward.num_workers=1",
                     f"paths.cache_dir={tmp_path}", f"json={out}", f"markdown={tmp_path / 'real.md'}"])
     written = json.loads(out.read_text())
     assert list(written["schemes"]) == ["grpo", "grail"]
@@ -90,3 +91,22 @@ def test_step_flops_counts_each_prompt_once():
     generation = prompt + comps + 2 * 10 * 4  # + the first token's logits of the one prompt
     assert step_flops(s, batch, "grpo", old_logp=False) == pytest.approx(generation + 3 * (prompt + comps))
     assert step_flops(s, batch, "oar_g", old_logp=True) == pytest.approx(generation + 4 * (prompt + comps) + 2 * comps)
+
+
+def _start_a_grandchild() -> int:
+    """What a run does in the bench's per-scheme process: start a process of its own (the grading workers)."""
+    import multiprocessing
+
+    p = multiprocessing.get_context("spawn").Process(target=int)
+    p.start()
+    p.join()
+    return p.exitcode
+
+
+def test_real_mode_scheme_process_may_start_processes():
+    """Each scheme's process may start processes (the grading pool): a daemonic pool worker could not."""
+    from grail_exp.bench_real import in_own_process
+
+    assert in_own_process(_start_a_grandchild) == 0
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        in_own_process(divmod, 1, 0)

@@ -117,6 +117,8 @@ class DataConfig:
     seed: int = 1234  # data seed: fixed validation/test splits, independent of the run seed
     num_validation: int = 256
     num_test: int = 256
+    train_seed: Optional[int] = None  # the training stream's order alone (e.g. ${seed}); null = data.seed
+    solution_style: str = "compact"  # compact | steps | words: how reference solutions write the chain
     # hub datasets
     path: Optional[str] = None  # hub id or local dir/file for `datasets.load_dataset`
     revision: Optional[str] = None
@@ -368,6 +370,11 @@ class TrainerConfig:
     logprob_dtype: str = "float32"
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
+    # Evaluations through the completion cache (grail_exp/evaluate.py): the one before training is keyed by the
+    # starting weights' sha256, so every run that starts from the same weights with the same evaluation settings
+    # samples it once (a study's arms: one "before" for all); later ones are keyed by this run and step, so an
+    # evaluation cut off by a kill continues where it stopped after resume=auto.
+    eval_cache: bool = False
 
 
 @dataclass
@@ -419,6 +426,15 @@ class PathsConfig:
 
 
 @dataclass
+class StudyConfig:
+    """A study on disk (grail_exp/study.py): each finished arm's evaluation summary goes to ``<dir>/<arm>/``, and a
+    job whose arm is already there (same configuration) is skipped, so a restarted study continues."""
+
+    dir: Optional[str] = None  # null = not part of a study; e.g. results/real_model_study/<study>
+    arm: Optional[str] = None  # the arm's folder; null = <model>-<scheme>-s<seed>
+
+
+@dataclass
 class RunConfig:
     """Root schema: the config groups plus run-level keys."""
 
@@ -442,6 +458,7 @@ class RunConfig:
     optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
     experiment: Any = None  # free-form notes set by experiment files
     tune: Any = None  # Optuna study settings of `python -m grail_exp.tune` (conf/tune.yaml; typed in grail_exp/tune.py)
+    study: StudyConfig = field(default_factory=StudyConfig)
     extras: dict = field(default_factory=dict)
 
 
@@ -529,6 +546,9 @@ class RunSelection:
     parent_run_id: Optional[str] = None  # children of this run (tag mlflow.parentRunId): one sweep or study
     tags: dict = field(default_factory=dict)  # tag filters, e.g. {task_name: paper_table}
     filter: Optional[str] = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
+    # A study folder instead of MLflow (grail_exp/study.py: one <arm>/arm.json + samples per finished arm); when
+    # set, the filters above are not used
+    dir: Optional[str] = None
 
 
 @dataclass
@@ -569,6 +589,22 @@ class PlotsConfig:
 
 
 @dataclass
+class DesignCheck:
+    """What makes a set of runs one study (grail_exp/report.py ``check_design``); flat config keys, fnmatch patterns."""
+
+    strict: bool = False  # true: refuse a report whose arms differ where they must agree (else footnotes only)
+    # must agree between every run of a model (a key matching same_within_seed is exempt)
+    same_everywhere: list[str] = field(default_factory=lambda: [
+        "model.*", "data.*", "benchmark.*", "eval.*", "rollout.*", "loss.*", "optim.*", "estimator.*",
+        "reward.extraction", "reward.overlong_buffer.*",
+        "trainer.max_steps", "trainer.prompts_per_step", "trainer.mini_batches_per_rollout", "trainer.precision",
+        "trainer.logprob_dtype", "trainer.eval_before_training", "task_name"])
+    # must agree between the arms of a seed: the starting weights and what the run seed sets per seed
+    same_within_seed: list[str] = field(default_factory=lambda: [
+        "start_weights.sha256", "data.train_seed", "model.build.seed", "seed"])
+
+
+@dataclass
 class ReportConfig:
     """Schema of ``python -m grail_exp.report`` (conf/report.yaml)."""
 
@@ -595,6 +631,7 @@ class ReportConfig:
     pairing_params: list[str] = field(default_factory=lambda: [
         "eval.seed", "eval.n", "eval.temperature", "eval.top_p", "eval.top_k", "eval.max_tokens", "eval.sampling",
         "benchmark.limit", "benchmark.olympiad_gold"])
+    design_check: DesignCheck = field(default_factory=DesignCheck)
     stats: StatsConfig = field(default_factory=StatsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     log_to: str = "auto"  # auto (the parent run if runs.parent_run_id, else a new report run) | report | parent | none
@@ -750,6 +787,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
     _check_extraction(e, cfg.reward, "reward.extraction")
     _check(e, t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0")
+    _check(e, not cfg.study.dir or t.eval_at_end, "trainer.eval_at_end", t.eval_at_end,
+           f"must be true in a study (study.dir={cfg.study.dir}): each arm is recorded with its final evaluation")
     order = cfg.data.get("order", "shuffled")
     _check(e, order in ("shuffled", "reference"), "data.order", order, "must be one of: shuffled, reference")
     _check(e, order == "shuffled" or cfg.data.name != "arithmetic", "data.order", order,

@@ -26,6 +26,7 @@ import torch
 
 from grail_exp.distributed import launch_rank
 from grail_exp.errors import Preempted
+from grail_exp.study import kill_after_step
 from grail_exp.training import state as run_state
 from grail_exp.training import world
 from grail_exp.training.backends import build_backend
@@ -165,6 +166,7 @@ class GRPOModule(L.LightningModule):
         every = cfg.trainer.checkpoint_every
         if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
             self.checkpoint_fn(self.position)
+        kill_after_step(step, cfg.advantage.name)  # test-only fault injection (GRAIL_EXP_FAULT); a no-op otherwise
         every = cfg.trainer.save_weights_only_every
         if self.weights_fn and every and step % every == 0:
             self.weights_fn(step)

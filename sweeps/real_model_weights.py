@@ -99,8 +99,14 @@ def main() -> None:
     if wrong_only:
         probed = probed[~probed["correct"]]
     lengths = df.groupby(key)["length"].first()
-    print(f"rollouts {len(lengths)}, boxed {len(boxed)}, profiled {probed.groupby(key).ngroups}; completion length "
-          f"mean {lengths.mean():.0f}, median {lengths.median():.0f}, range {lengths.min()}-{lengths.max()} tokens")
+    summary = (f"rollouts {len(lengths)}, boxed {len(boxed)}, profiled {probed.groupby(key).ngroups}; completion "
+               f"length mean {lengths.mean():.0f}, median {lengths.median():.0f}, range {lengths.min()}-"
+               f"{lengths.max()} tokens")
+    print(summary)
+    if probed.empty:  # nothing to draw: say so in the table's place
+        (args.out / "grail_weights_profile.md").write_text(
+            f"No boxed rollout of {args.min_length}-{args.max_length} tokens to profile ({summary}).\n")
+        return
 
     # heatmap: the profiled rollouts, sorted by length
     rows = sorted((g for _, g in probed.groupby(key)), key=len)[-60:]

@@ -7,7 +7,9 @@ completion lengths of candidate task designs, measured on the packaged model its
 
 A candidate is a set of Hydra overrides on top of ``experiment=real/smollm2_grpo`` (the model, its chat template and
 default system turn) plus worked examples written by the task's own generator (``data.solution_style``), shown as
-earlier chat turns. Each is sampled as training samples it (T 1.0, top_p 1, no top-k; ``--n`` completions per
+earlier chat turns, or (``sft`` candidates) a supervised cold start instead: ``sft_steps`` AdamW steps on the
+generator's chain-formatted solutions of fresh training problems, zero-shot prompts, loss on the solution (a
+prototype to measure the design, bf16 autocast over float32 weights; its time is reported). Each is sampled as training samples it (T 1.0, top_p 1, no top-k; ``--n`` completions per
 problem) on the first ``--problems`` problems of the task's *validation* split (never the test split), and graded
 by the training reward (math-verify on the last ``\\boxed{}``). One JSON line per finished candidate goes to
 ``--out``; a candidate already there is skipped, so an interrupted measurement continues where it stopped.
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from omegaconf import OmegaConf
 
 # name -> (data overrides, solution style of the worked examples, number of worked examples)
 CANDIDATES: dict[str, tuple[list[str], str, int]] = {
@@ -34,7 +37,9 @@ CANDIDATES: dict[str, tuple[list[str], str, int]] = {
     "words3_ops23_le5": (["data.min_steps=2", "data.max_steps=3", "data.max_operand=5"], "words", 3),
     "words2_ops23_le10": (["data.min_steps=2", "data.max_steps=3", "data.max_operand=10"], "words", 2),
     "words3_ops23_le20": (["data.min_steps=2", "data.max_steps=3", "data.max_operand=20"], "words", 3),
+    "sft60_words_ops23_le10": (["data.min_steps=2", "data.max_steps=3", "data.max_operand=10"], "words", 0),
 }
+SFT = {"sft60_words_ops23_le10": {"steps": 60, "batch": 16, "lr": 5e-5}}  # cold-start candidates: their SFT
 SHOT_INDEX = 9_000_000  # worked examples come from this far into the training stream (runs use the start of it)
 
 
@@ -49,6 +54,34 @@ def worked_examples(task, k: int) -> list[dict]:
         if p.question.count("+") + p.question.count("-") + p.question.count("*") == counts[len(out) % len(counts)]:
             out.append({"question": p.question, "answer": p.solution})
     return out
+
+
+def cold_start(path: str, cfg, task, spec: dict):
+    """The packaged model fine-tuned on ``spec['steps']`` batches of the task's chain solutions (zero-shot prompts);
+    returns (bf16 model, seconds, CPU seconds)."""
+    import torch
+
+    from grail_exp.embedded import _encode_sft_batch
+    from grail_exp.models import load_causal_lm, load_tokenizer
+
+    t, c = time.perf_counter(), time.process_time()
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(path, cfg)
+    model = load_causal_lm(path, OmegaConf.merge(cfg, {"model": {"dtype": "float32"}}), trainable=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.0)
+    model.train()
+    for step in range(spec["steps"]):
+        problems = task.train_problems(20_000_000 + step * spec["batch"], spec["batch"])
+        ids, attn, lab = _encode_sft_batch(tokenizer, problems, {}, cfg.data.instruction)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=attn, labels=lab).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        print(f"sft step {step + 1}/{spec['steps']} loss {loss.item():.3f}", flush=True)
+    model.eval()
+    return model.to(torch.bfloat16), time.perf_counter() - t, time.process_time() - c
 
 
 def compose(overrides: list[str]):
@@ -77,7 +110,7 @@ def candidate_config(name: str, problems: int, n: int, max_tokens: int, extra: l
                    *data_overrides, *extra])
     task = arithmetic_task(OmegaConf.merge(cfg.data, {"solution_style": style}))
     with open_dict(cfg):
-        cfg.model.few_shot = worked_examples(task, shots)
+        cfg.model.few_shot = worked_examples(task, shots) if shots else []
     return cfg
 
 
@@ -121,11 +154,15 @@ def table(rows: list[dict]) -> str:
         d = r["data"]
         style = r["few_shot"][0]["answer"].split(" ")[0] if r["few_shot"] else "-"
         style = {"We": "words", "Step": "steps"}.get(style, "compact")
+        shots = f"{len(r['few_shot'])} ({style})"
+        if "sft" in r:
+            sft = r["sft"]
+            shots = f"0 + SFT {sft['steps']} × {sft['batch']} ({sft['style']}; {sft['wall_s'] / 60:.0f} min)"
         tc = "—" if r["tokens_correct_mean"] is None else f"{r['tokens_correct_mean']:.0f}, {r['tokens_correct_min']}"
         ge = "—" if r["correct_ge40"] is None else f"{100 * r['correct_ge40']:.0f} %"
         lines.append(
-            f"| {r['candidate']} | {d['min_steps']}–{d['max_steps']} | ≤ {d['max_operand']} | {len(r['few_shot'])} "
-            f"({style}) | {r['prompt_tokens']} | **{100 * r['reward']:.1f} %** [{100 * r['reward_ci95'][0]:.1f}, "
+            f"| {r['candidate']} | {d['min_steps']}–{d['max_steps']} | ≤ {d['max_operand']} | {shots} "
+            f"| {r['prompt_tokens']} | **{100 * r['reward']:.1f} %** [{100 * r['reward_ci95'][0]:.1f}, "
             f"{100 * r['reward_ci95'][1]:.1f}] | {100 * r['boxed']:.0f} % | {100 * r['mixed_groups']:.0f} % | "
             f"{r['tokens_mean']:.0f} | {tc} | {ge} | {100 * r['truncated']:.0f} % | {r['wall_s']:.0f} / {r['cpu_s']:.0f} |")
     return "\n".join(lines)
@@ -169,7 +206,17 @@ def main() -> None:
             if (name, args.problems, args.n, args.max_tokens) in have:
                 print(f"{name}: already measured in {args.out}")
                 continue
-            row = measure(name, cfg, model, tokenizer, engine, verifier)
+            if name in SFT:  # a cold start: measure its own weights, then go back to the packaged model's
+                from grail_exp.data import arithmetic_task
+
+                task = arithmetic_task(OmegaConf.merge(cfg.data, {"solution_style": CANDIDATES[name][1]}))
+                tuned, sft_wall, sft_cpu = cold_start(path, cfg, task, SFT[name])
+                row = measure(name, cfg, tuned, tokenizer, build_engine("hf", tuned, tokenizer, cfg0.eval.batch_size),
+                              verifier)
+                row.update(sft={**SFT[name], "style": CANDIDATES[name][1], "wall_s": sft_wall, "cpu_s": sft_cpu})
+                del tuned
+            else:
+                row = measure(name, cfg, model, tokenizer, engine, verifier)
             row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -283,3 +283,22 @@ def test_driver_chooses_the_learning_rate_once_on_the_validation_split(tmp_path)
         assert arm["config"]["benchmark.names"] == ["arithmetic_val"] and arm["scheme"] == "grpo"
     again = _driver(tmp_path, LR="", LRS="1e-4 3e-4", LR_STEPS="1", PHASES="lr")
     assert "phase lr: start" not in again.stdout  # chosen once
+
+
+@pytest.mark.slow
+def test_gpu_mode_study1gpu_runs_end_to_end_on_a_cpu(tmp_path):
+    """sweeps/gpu_checks.sh study1gpu with trainer=cpu, the shipped tiny model as SMOLLM2_PATH and a toy budget: the
+    mode's commands compose, run, record three arms and write the paired table (its GPU timing is not tested here)."""
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    extra = ("model.dtype=float32 model.attn_implementation=eager model.few_shot=[] trainer.prompts_per_step=2 "
+             "trainer.micro_batch_size=16 rollout.max_completion_length=16 eval.max_tokens=16 data.num_test=8 "
+             "eval.batch_size=64 rollout.generation_batch_size=64 logger=none")
+    env = {**os.environ, "PY": sys.executable, "SMOLLM2_PATH": str(tiny), "TRAINER": "cpu", "STEPS": "1",
+           "EXTRA": extra, "LR": "1e-4", "GRAIL_EXP_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", str(ROOT / "sweeps" / "gpu_checks.sh"), "study1gpu", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=env, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    arms = sorted(p.parent.name for p in (tmp_path / "out" / "study1gpu").glob("*/arm.json"))
+    assert arms == ["smollm2_135m-grail-s1", "smollm2_135m-grpo-s1", "smollm2_135m-oar_g-s1"]
+    assert "| smollm2_135m | oar_g" in (tmp_path / "out" / "study1gpu.md").read_text()

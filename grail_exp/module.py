@@ -26,7 +26,7 @@ import torch
 
 from grail_exp.distributed import launch_rank
 from grail_exp.errors import Preempted
-from grail_exp.study import kill_after_step
+from grail_exp.study import fault_at_step
 from grail_exp.training import state as run_state
 from grail_exp.training import world
 from grail_exp.training.backends import build_backend
@@ -163,10 +163,11 @@ class GRPOModule(L.LightningModule):
         done_round = index == self.update.steps_per_rollout - 1
         self.position = {"round": round_index + 1 if done_round else round_index,
                          "buffer": None if done_round else run_state.pack_buffer(batch, stats, round_index, index + 1)}
+        fault_at_step("term_at_step", step, cfg.advantage.name)  # test-only fault injection (GRAIL_EXP_FAULT)
         every = cfg.trainer.checkpoint_every
         if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
             self.checkpoint_fn(self.position)
-        kill_after_step(step, cfg.advantage.name)  # test-only fault injection (GRAIL_EXP_FAULT); a no-op otherwise
+        fault_at_step("kill_after_step", step, cfg.advantage.name)
         every = cfg.trainer.save_weights_only_every
         if self.weights_fn and every and step % every == 0:
             self.weights_fn(step)

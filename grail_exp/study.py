@@ -199,20 +199,24 @@ def read_study(directory: str | os.PathLike) -> list[tuple[Path, dict]]:
     return [(f.parent, read_arm(f.parent)) for f in sorted(root.glob(f"*/{ARM_FILE}"))]
 
 
-def kill_after_step(step: int, scheme: str) -> None:
-    """Test-only fault injection: ``GRAIL_EXP_FAULT=kill_after_step:<N>[:<scheme>]`` SIGKILLs this process right after
-    optimiser step N (and its checkpoint, if one is due), in any job or only in jobs of that scheme: a study is
-    killed mid-arm at a known point instead of by a timer."""
-    fault = os.environ.get("GRAIL_EXP_FAULT", "")
-    if not fault.startswith("kill_after_step:"):
-        return
-    parts = fault.split(":")
-    if int(parts[1]) == step and (len(parts) < 3 or parts[2] == scheme):
-        import signal
+def fault_at_step(point: str, step: int, scheme: str) -> None:
+    """Test-only fault injection at the end of optimiser step N, in any job or only in jobs of one scheme: a study is
+    stopped mid-arm at a known point instead of by a timer.
 
-        log.warning("GRAIL_EXP_FAULT: killing this process after step %d of %s", step, scheme)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
+    ``GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]`` sends this process SIGTERM before the step's checkpoint decision
+    (as if it had arrived during step N: the run checkpoints step N and stops); ``kill_after_step:<N>[:<scheme>]``
+    SIGKILLs it after the checkpoint decision (``point``: which of the two places calls)."""
+    fault = os.environ.get("GRAIL_EXP_FAULT", "").split(":")
+    if fault[0] != point or len(fault) < 2 or int(fault[1]) != step or (len(fault) > 2 and fault[2] != scheme):
+        return
+    import signal
+
+    log.warning("GRAIL_EXP_FAULT: %s at step %d of %s", point, step, scheme)
+    if point == "term_at_step":
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def choose_lr(folder: str | os.PathLike, out: str | os.PathLike, expected: list[str],

@@ -237,7 +237,7 @@ def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_o
 
     first = _driver(tmp_path, fault="kill_after_step:1:grail")
     log1 = first.stdout + first.stderr
-    assert first.returncode != 0 and "GRAIL_EXP_FAULT: killing this process after step 1 of grail" in log1, log1[-3000:]
+    assert first.returncode != 0 and "GRAIL_EXP_FAULT: kill_after_step at step 1 of grail" in log1, log1[-3000:]
     res = tmp_path / "res"
     assert (res / "smollm2_135m-grpo-s1" / "arm.json").is_file()  # recorded the moment it finished
     assert not (res / "smollm2_135m-grail-s1").exists()
@@ -270,6 +270,24 @@ def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_o
     assert report["tables"][0]["rows"][1]["cells"]["arithmetic"]["delta"]["n_problems"] == 8
     assert (res / "weights" / "grail_weights_profile.md").is_file()
     assert "phase study: end (2 arms recorded)" in (res / "driver_log.txt").read_text()
+
+
+def test_sigterm_stops_the_whole_study_after_a_checkpoint_and_the_same_command_continues(tmp_path):
+    """SIGTERM (delivered by the fault hook during grpo's step 1): that arm checkpoints step 1 and the multirun exits
+    143 without starting the next arm; the same command resumes grpo at step 2 and then runs grail."""
+    first = _driver(tmp_path, fault="term_at_step:1:grpo", PHASES="study")
+    log1 = first.stdout + first.stderr
+    assert first.returncode == 143, log1[-3000:]
+    assert "SIGTERM received" in log1 and "the multirun stops after this job's checkpoint" in log1
+    out = tmp_path / "out" / "study"
+    assert (out / "grpo_s1" / "checkpoints" / "step-1" / "COMPLETE").is_file() and not (out / "grail_s1").exists()
+    assert not list((tmp_path / "res").glob("*/arm.json"))
+    second = _driver(tmp_path, PHASES="study")
+    log2 = second.stdout + second.stderr
+    assert second.returncode == 0, log2[-3000:]
+    assert "resuming from" in log2 and "step-1 (step 1)" in log2
+    assert sorted(p.parent.name for p in (tmp_path / "res").glob("*/arm.json")) == [
+        "smollm2_135m-grail-s1", "smollm2_135m-grpo-s1"]
 
 
 @pytest.mark.slow

@@ -116,7 +116,7 @@ class GRPOModule(L.LightningModule):
     def training_step(self, round_index, batch_idx):
         cfg = self.cfg
         timings: dict[str, float] = {}
-        t_step = time.perf_counter()
+        t_step, c_step = time.perf_counter(), time.process_time()
         round_index = int(round_index)
         self.progress.rollouts = round_index + 1
         start = 0
@@ -135,9 +135,11 @@ class GRPOModule(L.LightningModule):
             metrics.update(stats)
             metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
             metrics["timing/step_s"] = time.perf_counter() - t_step
+            # CPU seconds of this process (all its threads): the step's cost when other jobs share the machine
+            metrics["timing/step_cpu_s"] = time.process_time() - c_step
             self._after_step(step, metrics, batch, stats, round_index, index)
             timings.clear()
-            t_step = time.perf_counter()
+            t_step, c_step = time.perf_counter(), time.process_time()
 
     def _after_step(self, step: int, metrics: dict, batch: TrainingBatch, stats: dict, round_index: int,
                     index: int) -> None:

@@ -44,7 +44,8 @@ NOT_IDENTITY = ("paths.", "hydra.", "logger.", "study.", "resume", "trainer.num_
                 "trainer.progress_log_every", "reward.num_workers", "optimized_metric")
 HISTORY_KEYS = ("reward/mean", "accuracy", "completions/mean_length", "completions/truncated_rate", "entropy",
                 "loss", "grad_norm", "frac_reward_zero_std", "weights/mean", "clip_ratio/region_mean",
-                "timing/step_s", "timing/rollout_s", "timing/scheme_s", "timing/update_s", "memory/peak_rss_gb")
+                "timing/step_s", "timing/step_cpu_s", "timing/rollout_s", "timing/scheme_s", "timing/update_s",
+                "memory/peak_rss_gb")
 
 
 class StudyError(UserError, ValueError):

@@ -36,10 +36,11 @@ CANDIDATES: dict[str, tuple[list[str], str, int]] = {
                               "words", 3),
     "words3_ops23_le5": (["data.min_steps=2", "data.max_steps=3", "data.max_operand=5"], "words", 3),
     "words2_ops23_le10": (["data.min_steps=2", "data.max_steps=3", "data.max_operand=10"], "words", 2),
-    "words3_ops23_le20": (["data.min_steps=2", "data.max_steps=3", "data.max_operand=20"], "words", 3),
-    "sft60_words_ops23_le10": (["data.min_steps=2", "data.max_steps=3", "data.max_operand=10"], "words", 0),
+    "sft40_words_ops23_le10": (["data.min_steps=2", "data.max_steps=3", "data.max_operand=10"], "words", 0),
+    "sft40_words_ops24_le10": (["data.min_steps=2", "data.max_steps=4", "data.max_operand=10"], "words", 0),
+    "sft40_words_ops34_le20": (["data.min_steps=3", "data.max_steps=4", "data.max_operand=20"], "words", 0),
 }
-SFT = {"sft60_words_ops23_le10": {"steps": 60, "batch": 16, "lr": 5e-5}}  # cold-start candidates: their SFT
+SFT = {name: {"steps": 40, "batch": 8, "lr": 1e-4} for name in CANDIDATES if name.startswith("sft")}  # their SFT
 SHOT_INDEX = 9_000_000  # worked examples come from this far into the training stream (runs use the start of it)
 
 

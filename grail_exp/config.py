@@ -60,6 +60,19 @@ class WarmStartConfig:
 
 
 @dataclass
+class ColdStartConfig:
+    """A supervised cold start on the arithmetic task's own chain solutions, built once and cached
+    (grail_exp/cold_start.py); the real-model study's starting weights (conf/recipe_base/smollm2_chain.yaml)."""
+
+    enabled: bool = False
+    steps: int = 40  # AdamW steps
+    batch_size: int = 8  # problems per step
+    lr: float = 1.0e-4
+    seed: int = 0  # of the update (the problems are fixed by data.seed and first_index)
+    first_index: int = 20_000_000  # where in the task's training stream its problems start (RL reads it from 0)
+
+
+@dataclass
 class ModelConfig:
     """Policy model: a hub id / local directory, or (name_or_path: null) the embedded model."""
 
@@ -88,6 +101,8 @@ class ModelConfig:
     shipped_weights: bool = True  # load the packaged warm-started model when model.build/warm_start/data match its build exactly (docs/embedded-model.md); false = always build locally
     build: Optional[BuildConfig] = None
     warm_start: Optional[WarmStartConfig] = None
+    # Any model: a supervised cold start on the task's solutions before RL (cached; grail_exp/cold_start.py)
+    cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
 
 
 @dataclass
@@ -787,6 +802,13 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
     _check_extraction(e, cfg.reward, "reward.extraction")
     _check(e, t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0")
+    cs = cfg.model.get("cold_start")
+    if cs is not None and cs.enabled:
+        _check(e, cfg.data.name == "arithmetic", "model.cold_start.enabled", True,
+               f"the cold start learns the arithmetic task's own solutions; data.name is {cfg.data.name!r}")
+        for key in ("steps", "batch_size"):
+            _check(e, cs[key] >= 1, f"model.cold_start.{key}", cs[key], "must be >= 1")
+        _check(e, cs.lr > 0, "model.cold_start.lr", cs.lr, "must be > 0")
     _check(e, not cfg.study.dir or t.eval_at_end, "trainer.eval_at_end", t.eval_at_end,
            f"must be true in a study (study.dir={cfg.study.dir}): each arm is recorded with its final evaluation")
     order = cfg.data.get("order", "shuffled")

@@ -320,3 +320,66 @@ def test_gpu_mode_study1gpu_runs_end_to_end_on_a_cpu(tmp_path):
     arms = sorted(p.parent.name for p in (tmp_path / "out" / "study1gpu").glob("*/arm.json"))
     assert arms == ["smollm2_135m-grail-s1", "smollm2_135m-grpo-s1", "smollm2_135m-oar_g-s1"]
     assert "| smollm2_135m | oar_g" in (tmp_path / "out" / "study1gpu.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ the cold start
+def _cold_cfg(tmp: Path, *extra: str):
+    from grail_exp.config import validate
+
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    return validate(compose(["experiment=real/chain_grpo", f"model.name_or_path={tiny}", "model.dtype=float32",
+                             "model.attn_implementation=eager", "model.cold_start.enabled=true",
+                             "model.cold_start.steps=3", "seed=1",
+                             f"paths.cache_dir={tmp}/cache", f"paths.output_dir={tmp}/run", *extra], None))
+
+
+def test_cold_start_trains_on_the_training_prompts_and_the_generators_solutions(tmp_path):
+    """The SFT batch: each row is the prompt exactly as RL encodes it, then the solution + EOS; labels only there."""
+    from grail_exp.cold_start import sft_batch
+    from grail_exp.data.arithmetic import ArithmeticTask
+    from grail_exp.data.prompting import encode_prompts
+    from grail_exp.models import load_tokenizer, resolve_model_path
+
+    cfg = _cold_cfg(tmp_path, "model.cold_start.enabled=false")
+    tok = load_tokenizer(resolve_model_path(cfg), cfg)
+    d = cfg.data
+    task = ArithmeticTask(min_steps=d.min_steps, max_steps=d.max_steps, max_operand=d.max_operand, seed=d.seed,
+                          num_validation=d.num_validation, num_test=d.num_test, solution_style="words")
+    problems = task.train_problems(20_000_000, 2)
+    assert problems[0].solution.startswith("We go from left to right. First, ")
+    ids, attn, labels = sft_batch(problems, tok, cfg)
+    for i, p in enumerate(problems):
+        prompt = encode_prompts([p.question], tok, cfg.model, d.instruction)[0]
+        completion = tok(p.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        row = ids[i][attn[i].bool()].tolist()
+        assert row == prompt + completion
+        assert labels[i][labels[i] != -100].tolist() == completion
+
+
+def test_cold_start_is_built_once_cached_recorded_and_shared_by_every_seed(tmp_path):
+    import hashlib as h
+
+    from grail_exp.cold_start import MANIFEST
+    from grail_exp.models import resolve_model_path
+    from grail_exp.study import weights_sha256
+
+    path = Path(resolve_model_path(_cold_cfg(tmp_path)))
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["cold_start"]["steps"] == 3 and len(manifest["build"]["losses"]) == 3
+    assert manifest["base_weights_sha256"] == weights_sha256(ROOT / "grail_exp" / "data" / "embedded" / "tiny")
+    for name, sha in manifest["files"].items():
+        assert h.sha256((path / name).read_bytes()).hexdigest() == sha
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert Path(resolve_model_path(_cold_cfg(tmp_path, "seed=2"))) == path  # data.train_seed follows the seed: same
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # cached, not rebuilt
+    assert Path(resolve_model_path(_cold_cfg(tmp_path, "model.cold_start.lr=2e-4"))) != path
+    # the same build in another cache: the same bits (one machine, one thread count)
+    again = Path(resolve_model_path(_cold_cfg(tmp_path / "other")))
+    assert weights_sha256(again) == weights_sha256(path)
+
+
+def test_cold_start_needs_the_arithmetic_task(tmp_path):
+    from grail_exp.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.cold_start.enabled"):
+        _cold_cfg(tmp_path, "data=deepmath")

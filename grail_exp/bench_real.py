@@ -94,7 +94,8 @@ def _build(overrides: list[str], scheme: str):
         parts.policy.to("cuda")
         if parts.ref_model is not None:
             parts.ref_model.to("cuda")
-    module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, parts.engine, parts.source, parts.verifier,
+    engine = parts.engine_factory()  # one process, no process group: the engine is built here, as setup() would
+    module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, engine, parts.source, parts.verifier,
                         NullTracker(), parts.ref_model, terms=parts.terms)
     module.manual_backward = lambda loss: loss.backward()  # no Lightning trainer here
     module.backend.configure_model(parts.policy)

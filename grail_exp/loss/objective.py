@@ -1,4 +1,4 @@
-"""The objective of one micro-batch: the pieces of ``grail_exp/loss/`` composed into the scalar the update backpropagates.
+"""The objective of one micro-batch: the pieces of ``grail_exp/loss/`` composed into the scalar to backpropagate.
 
     ρ_{i,t}   = exp(logp_{i,t} − logp^old_{i,t})
     Â_{i,t}   = sg(w_{i,t}) · A_i                      (w: the advantage scheme's weights; A_{i,t} for token estimators)
@@ -84,7 +84,8 @@ def family_mask_split(loss, mask: torch.Tensor, policy_mask: torch.Tensor | None
     return mask, policy_mask
 
 
-def weighted_surrogate(loss, logp, old_logp, adv, mask, policy_mask, is_weight) -> tuple[PolicyLossOutput, torch.Tensor]:
+def weighted_surrogate(loss, logp, old_logp, adv, mask, policy_mask,
+                       is_weight) -> tuple[PolicyLossOutput, torch.Tensor]:
     """(the surrogate's output, f · ρ^IS · s per token). A surrogate registered with ``folds_token_weights`` takes f
     and ρ^IS itself (they enter its per-sequence geometric mean, not a product after it)."""
     fn = POLICY_LOSSES[loss.policy_loss]

@@ -134,8 +134,9 @@ class UpdatePhase:
             ic = cfg.rollout.is_correction
             if ic.mode != "none" and batch.sampler_logp is not None:
                 isw, is_metrics = is_weights(old, batch.sampler_logp[s:e], mask, ic.mode, ic.clip_min, ic.clip_max)
-            out = compose_objective(cfg.loss, agg_ctx, logp, old, token_adv, mask, is_weight=isw, policy_mask=fam.policy,
-                                    ref_logp=batch.ref_logp[s:e] if batch.ref_logp is not None else None)
+            ref = batch.ref_logp[s:e] if batch.ref_logp is not None else None
+            out = compose_objective(cfg.loss, agg_ctx, logp, old, token_adv, mask, ref_logp=ref, is_weight=isw,
+                                    policy_mask=fam.policy)
             loss = out.loss
             metrics = {k: v.item() for k, v in out.metrics.items()}
             metrics.update(is_metrics)

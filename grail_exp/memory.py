@@ -21,6 +21,11 @@ Per rank (one device), with N parameters, b bytes per model-dtype element, W ran
 - **the reference model** (β > 0, KL in the reward, loss terms that need it): a frozen copy, N·b per rank;
 - a **headroom** of 2 GiB + 5 % of the device (allocator fragmentation, NCCL and cuBLAS workspaces, CUDA graphs).
 
+What a parallel strategy holds (the state rows, the update's gradients and gathered parameters, the gradient sync)
+is the answer of its update backend (``training/backends/``: ``planned_*``), so this file never asks which strategy it
+plans. ``plan`` is one function per phase — ``model_state_lines``, ``update_lines``, ``logp_lines``,
+``vllm_share`` / ``rollout_lines``, ``eval_lines`` — and ``assemble``.
+
 The peak is the largest phase; vLLM's reserve is held through every phase. CPU runs (``trainer.accelerator=cpu``) are
 planned (the table prints) but never refused: host memory is not this planner's. A GPU config validated where no
 CUDA device is visible is refused only with ``trainer.device_memory_gb`` set (planning offline); otherwise its plan is
@@ -30,7 +35,6 @@ printed by ``python -m grail_exp.plan`` without a verdict. Measured peaks agains
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from dataclasses import dataclass, field
@@ -176,18 +180,6 @@ def _dtype_bytes(dtype) -> int:
     return 4 if str(dtype) == "float32" else 2
 
 
-def strategy_of(cfg) -> str:
-    """single | ddp | fsdp_full | fsdp_grad_op | zero1 | zero2."""
-    t = cfg.trainer
-    s = str(t.strategy)
-    if s == "fsdp":
-        return "fsdp_grad_op" if (t.get("sharding_strategy") or "FULL_SHARD") == "SHARD_GRAD_OP" else "fsdp_full"
-    if s == "deepspeed":
-        stage = ((t.get("deepspeed") or {}).get("zero_optimization") or {}).get("stage", 2)
-        return "zero1" if stage == 1 else "zero2"
-    return "ddp" if _world(t) > 1 else "single"
-
-
 def device_capacity(cfg) -> tuple[Optional[float], Optional[float], str]:
     """(usable bytes, total bytes, where from) of one device; (None, None, why) when there is none to plan for."""
     t = cfg.trainer
@@ -231,6 +223,8 @@ def _probes_between_forward_and_backward(cfg) -> bool:
         return bool(SCHEMES[str(cfg.advantage.get("name"))].needs_model)
     except Exception:  # noqa: BLE001 - an unknown scheme: validate() reports it; plan the larger case
         return True
+
+
 def few_shot_tokens(model_cfg) -> int:
     """Tokens the worked examples of ``model.few_shot`` add to every prompt: ~3 characters per token and 10 tokens of
     chat-turn markup per example (SmolLM2's three arithmetic examples: 63 tokens; measured: 131-133-token prompts
@@ -269,163 +263,201 @@ def logits_bytes(rows: int, chunk: int, s: Shape, b: int) -> tuple[float, float,
     return fwd, bwd, how
 
 
+def backend_of(cfg):
+    """The update backend class serving ``trainer.strategy``: it answers the plan's questions about the strategy's own
+    memory (training/backends/base.py ``planned_*``). An unregistered name: validate() reports it; no plan."""
+    from grail_exp.training.backends import BACKENDS
+
+    name = str(cfg.trainer.strategy)
+    if name not in BACKENDS:
+        raise PlanError(f"trainer.strategy={name!r}: no update backend of that name ({', '.join(sorted(BACKENDS))})")
+    return BACKENDS[name]
+
+
+@dataclass
+class Sizes:
+    """What every phase of the plan reads, worked out once from the config."""
+
+    shape: Shape
+    b: int  # bytes per model-dtype element
+    world: int  # W: ranks
+    backend: type  # the update backend of trainer.strategy
+    rows: int  # m: rows of one micro-batch
+    P: int  # padded prompt tokens of a training row
+    C: int  # completion tokens
+    positions: int  # decoder positions one micro-batch computes
+    capacity: Optional[float]  # usable bytes of one device (None: no device to judge)
+    total: Optional[float]  # the device's bytes
+    capacity_source: str
+    cpu: bool
+
+    @property
+    def T(self) -> int:
+        return self.P + self.C
+
+    @property
+    def n(self) -> int:
+        return self.shape.params
+
+
+def sizes(cfg, prompt_tokens: Optional[int] = None) -> Sizes:
+    t, m = cfg.trainer, cfg.model
+    s, W = model_shape(m), _world(t)
+    local_rows = max(1, t.prompts_per_step * cfg.rollout.num_generations // W)
+    mb = min(int(t.micro_batch_size), local_rows)
+    C = int(cfg.rollout.max_completion_length)
+    P = int(prompt_tokens) if prompt_tokens else _prompt_tokens([cfg.data.name]) + few_shot_tokens(m)
+    cap, total, src = device_capacity(cfg)
+    return Sizes(s, _dtype_bytes(m.dtype), W, backend_of(cfg), mb, P, C, computed_positions(cfg, mb, P, C), cap, total,
+                 src, str(t.accelerator) == "cpu")
+
+
 def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
     """The per-device memory plan of the composed run config ``cfg`` (resolved lazily; nothing is loaded).
-    ``prompt_tokens``: the padded prompt length of training rows (default: ``PROMPT_TOKENS`` of ``data.name``)."""
-    t, r, L, m = cfg.trainer, cfg.rollout, cfg.loss, cfg.model
-    s = model_shape(m)
-    b = _dtype_bytes(m.dtype)
-    half = b == 2
-    N, W = s.params, _world(t)
-    strat = strategy_of(cfg)
-    lines: list[Line] = []
+    ``prompt_tokens``: the padded prompt length of training rows (default: ``PROMPT_TOKENS`` of ``data.name``).
+    The lines come phase by phase in the table's order; ``assemble`` sums them into the phases' totals."""
+    z = sizes(cfg, prompt_tokens)
+    lines = model_state_lines(cfg, z) + update_lines(cfg, z) + logp_lines(cfg, z)
+    reserve, reserve_lines, problems, notes = vllm_share(cfg, z)
+    lines += reserve_lines + rollout_lines(cfg, z) + eval_lines(cfg, z)
+    if z.cpu:
+        lines += host_lines(cfg)
+    return assemble(cfg, z, lines, reserve, problems, notes)
 
-    def add(phase: str, what: str, nbytes: float, how: str) -> None:
-        lines.append(Line(phase, what, float(nbytes), how))
 
-    # ---- model state (held through every phase) and the gradients of the update
-    master = cfg.optim.get("master_weights")
-    master = half if master is None else bool(master)
-    gathered_train = 0.0  # FSDP: bf16 parameters gathered for forward + backward
-    if strat in ("single", "ddp"):
-        add("state", "parameters", N * b, f"N {N:,} x {b} B")
-        if master:
-            add("state", "fp32 master weights", 4 * N, "4 B x N")
-        add("state", "Adam moments", 8 * N, "2 x 4 B x N (fp32)" if master or b == 4 else "2 x b x N")
-        if strat == "single":
-            add("update", "gradients", 4 * N if master or b == 4 else b * N,
-                "fp32, accumulated over micro-batches (the bf16 ones are freed as they arrive)" if master else "b x N")
-        else:
-            add("update", "gradients", b * N + (4 * N if master else 0),
-                "b x N on the parameters between all-reduces" + (" + fp32 masters' 4 B x N" if master else ""))
-            add("step", "gradient all-reduce", 4 * N + (4 * N if master else 0) + b * N,
-                "flat fp32 buffer 4N + the masters' 4N + the parameters' copies bN (training/backends/local.py)")
-    elif strat.startswith("fsdp"):
-        add("state", "fp32 parameter shards (the masters)", 4 * N / W, f"4 B x N / W {W}")
-        add("state", "Adam moments", 8 * N / W, "8 B x N / W")
-        add("update", "gradients", 4 * N / W, "fp32 shards 4 B x N / W (reduce-scattered in backward)")
-        if strat == "fsdp_grad_op":
-            gathered_train = N * b
-            add("update", "gathered parameters", N * b, "every layer's b-byte copy, kept from forward to backward (SHARD_GRAD_OP)")
-        elif _probes_between_forward_and_backward(cfg):
-            gathered_train = N * b
-            add("update", "gathered parameters", N * b, "every layer's b-byte copy: the scheme or a loss term calls the "
-                "model between forward and backward, so FULL_SHARD keeps the layers gathered until the backward")
-        else:
-            root = s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
-            per_layer = (N - root) / s.layers
-            gathered_train = (root + 2 * per_layer) * b
-            add("update", "gathered parameters", gathered_train,
-                "the root unit (embeddings, output layer) + two layers (one prefetched), b bytes (FULL_SHARD)")
-    else:  # DeepSpeed ZeRO-1 / 2
-        ds = (t.get("deepspeed") or {}).get("zero_optimization") or {}
-        bucket = float(ds.get("reduce_bucket_size", 5e8)) + float(ds.get("allgather_bucket_size", 5e8))
-        add("state", "parameters", N * b, f"N {N:,} x {b} B, replicated")
-        add("state", "fp32 master partition", 4 * N / W, "4 B x N / W")
-        add("state", "Adam moments", 8 * N / W, "8 B x N / W")
-        grads = (b * N if strat == "zero1" else b * N / W) + 4 * N / W
-        add("update", "gradients", grads, ("b x N" if strat == "zero1" else "b x N / W") + " partition + fp32 4 B x N / W")
-        add("update", "DeepSpeed buckets", bucket * b, "(reduce_bucket_size + allgather_bucket_size) x b")
+def model_state_lines(cfg, z: Sizes) -> list[Line]:
+    """The model state held through every phase, as the strategy's backend lays it out, with what its update adds to it
+    (gradients, gathered parameters, the gradient sync), and the frozen reference model when one is loaded."""
+    B, n, b, W = z.backend, z.n, z.b, z.world
+    lines = [Line("state", *item) for item in B.planned_state(cfg, n, b, W)]
+    lines += [Line("update", *item) for item in B.planned_gradients(cfg, n, b, W)]
+    gathered = B.planned_gathered(cfg, z.shape, b, _probes_between_forward_and_backward(cfg))
+    lines += [Line("update", *gathered)] if gathered else []
+    lines += [Line("step", *item) for item in B.planned_gradient_sync(cfg, n, b, W)]
     if uses_reference(cfg):
-        add("state", "reference model", N * b, "a frozen copy, N x b (loss.beta > 0 / KL in reward / a term needs it)")
+        lines.append(Line("state", "reference model", n * b, "a frozen copy, N x b (loss.beta > 0 / KL in reward / a "
+                          "term needs it)"))
+    return lines
 
-    # ---- the update of one micro-batch
-    G = r.num_generations
-    local_rows = max(1, t.prompts_per_step * G // W)
-    mb = min(int(t.micro_batch_size), local_rows)
-    C = int(r.max_completion_length)
-    P = int(prompt_tokens) if prompt_tokens else _prompt_tokens([cfg.data.name]) + few_shot_tokens(m)
-    T = P + C
-    tok = computed_positions(cfg, mb, P, C)
-    chunk = int(t.logprob_chunk_tokens)
+
+def _saved_activations(cfg, z: Sizes) -> tuple[float, float, Line]:
+    """(bytes autograd saves for one micro-batch, a recomputed layer's transients in backward, the table's line)."""
+    s, b, tok, mb = z.shape, z.b, z.positions, z.rows
     layer = layer_activation_bytes(s, b)
-    final = tok * s.hidden * (4 + b) + mb * C * s.hidden * b  # final RMSNorm + the completion window's hidden copy
-    mask = mb * T * T  # the (m, 1, T, T) boolean attention mask of a left-padded batch
-    if m.get("gradient_checkpointing"):
+    final = tok * s.hidden * (4 + b) + mb * z.C * s.hidden * b  # final RMSNorm + the completion window's hidden copy
+    mask = mb * z.T * z.T  # the (m, 1, T, T) boolean attention mask of a left-padded batch
+    if cfg.model.get("gradient_checkpointing"):
         saved = s.layers * tok * s.hidden * b + final + mask
         recompute = tok * layer + tok * b * (2 * s.hidden + 2 * s.intermediate)  # one layer again + its grads in flight
-        add("update", "activations (checkpointed)", saved,
-            f"{s.layers} layers x {mb} rows x {T} tokens x h {s.hidden} x {b} B + final norm, window copy, mask")
-    else:
-        saved = s.layers * tok * layer + final + mask
-        recompute = 0.0
-        add("update", "activations", saved, f"{s.layers} layers x {tok:,} positions ({_positions_how(cfg, mb, P, C)}) x "
-            f"{layer:,.0f} B + final norm, mask")
-    lf, lb, lhow = logits_bytes(mb * C, chunk, s, b)
-    scheme = str(cfg.advantage.get("name", ""))
-    teacher = saved + recompute if scheme == "oar_g" else 0.0  # OAR-G: the noisy pass's own graph (with input grads)
+        return saved, recompute, Line("update", "activations (checkpointed)", saved, f"{s.layers} layers x {mb} rows x "
+                                      f"{z.T} tokens x h {s.hidden} x {b} B + final norm, window copy, mask")
+    saved = s.layers * tok * layer + final + mask
+    return saved, 0.0, Line("update", "activations", saved, f"{s.layers} layers x {tok:,} positions "
+                            f"({_positions_how(cfg, mb, z.P, z.C)}) x {layer:,.0f} B + final norm, mask")
+
+
+def update_lines(cfg, z: Sizes) -> list[Line]:
+    """One micro-batch's update: the saved activations and the largest transient on top of them (the output layer's
+    chunks, a layer recomputed in backward, or OAR-G's second graph)."""
+    saved, recompute, activations = _saved_activations(cfg, z)
+    lf, lb, lhow = logits_bytes(z.rows * z.C, int(cfg.trainer.logprob_chunk_tokens), z.shape, z.b)
+    teacher = saved + recompute if str(cfg.advantage.get("name", "")) == "oar_g" else 0.0  # its noisy pass's own graph
     transient = {"output layer, forward": lf, "output layer, backward": lb, "layer recomputed in backward": recompute,
                  "OAR-G noisy teacher pass": teacher}
     what, worst = max(transient.items(), key=lambda kv: kv[1])
-    add("update", f"peak transient: {what}", worst,
-        lhow if what.startswith("output") else "one decoder layer's saved set + gradients in flight" if what.startswith("layer")
-        else "a second graph of the micro-batch (activations + its recompute)")
+    how = (lhow if what.startswith("output") else "one decoder layer's saved set + gradients in flight"
+           if what.startswith("layer") else "a second graph of the micro-batch (activations + its recompute)")
+    return [activations, Line("update", f"peak transient: {what}", worst, how)]
 
-    # ---- old / reference log-probs (no grad) when k x mu > 1, an IS correction or a reference model is used
+
+def logp_lines(cfg, z: Sizes) -> list[Line]:
+    """The no-grad forward of old / reference log-probs, when k x mu > 1, an IS correction or a reference needs them."""
     from grail_exp.training.batch import needs_old_logprobs
 
-    if needs_old_logprobs(cfg) or uses_reference(cfg):
-        add("logp", "no-grad forward", tok * b * (2 * s.hidden + 2 * s.intermediate) + lf + mask,
-            "one layer's transients + the output layer's chunk")
-        if gathered_train:
-            add("logp", "gathered parameters", gathered_train, "as in the update")
+    if not (needs_old_logprobs(cfg) or uses_reference(cfg)):
+        return []
+    s, b = z.shape, z.b
+    lf, _, _ = logits_bytes(z.rows * z.C, int(cfg.trainer.logprob_chunk_tokens), s, b)
+    lines = [Line("logp", "no-grad forward", z.positions * b * (2 * s.hidden + 2 * s.intermediate) + lf
+                  + z.rows * z.T * z.T, "one layer's transients + the output layer's chunk")]
+    gathered = z.backend.planned_gathered(cfg, s, b, _probes_between_forward_and_backward(cfg))
+    if gathered and gathered.bytes:
+        lines.append(Line("logp", "gathered parameters", gathered.bytes, "as in the update"))
+    return lines
 
-    # ---- rollouts and evaluation
-    engine = str(r.engine)
-    vllm_reserve = 0.0
-    _, total, _src = device_capacity(cfg)
-    problems: list[str] = []
-    notes: list[str] = []
-    if engine == "vllm":
-        util = float(r.vllm.gpu_memory_utilization)
-        if str(t.accelerator) == "cpu":
-            pass  # vLLM's CPU build: its weights and KV cache are host lines (host_lines), not a device fraction
-        elif total is None:
-            add("state", "vLLM reserve (not counted)", 0.0, f"rollout.vllm.gpu_memory_utilization {util:g} x the device: "
-                "no device named, so not in the totals (trainer.device_memory_gb=<GiB> counts it)")
-            notes.append(f"vLLM's share (rollout.vllm.gpu_memory_utilization {util:g} of each device) is not in the "
-                         "totals: no device is named; set trainer.device_memory_gb to count it")
-        else:
-            vllm_reserve = util * total
-            vb = _dtype_bytes(r.vllm.get("dtype") or m.dtype)
-            need = N * vb + VLLM_PROFILE_BYTES + s.kv_bytes_per_token * vb * T
-            if vllm_reserve < need:
-                problems.append(
-                    f"rollout.vllm.gpu_memory_utilization = {util:g}: {vllm_reserve / GiB:.1f} GiB of the "
-                    f"{total / GiB:.1f} GiB device cannot hold the engine's weights ({N * vb / GiB:.1f} GiB), its "
-                    f"profile (~{VLLM_PROFILE_BYTES / GiB:.1f} GiB) and the KV cache of one {T:,}-token sequence "
-                    f"({s.kv_bytes_per_token * vb * T / GiB:.2f} GiB); needs >= {math.ceil(need / total * 100) / 100:.2f}")
-        sync = _sync_chunk_bytes(cfg, s, strat)
-        if sync:
-            add("rollout", "weight sync: one chunk in flight", sync, _SYNC_HOW)
-    else:
-        per_call = max(1, int(r.generation_batch_size) // G)
-        rows = min(per_call, max(1, t.prompts_per_step // W)) * G
-        kv, how = hf_engine_kv_bytes(s, b, rows // G, G, P, C, str(t.accelerator) == "cpu")
-        add("rollout", "KV cache (HF engine)", kv, how)
-        add("rollout", "scores and prefill", rows * s.vocab * SCORE_BYTES + rows * P * b * (2 * s.hidden + 3 * s.intermediate)
-            + s.kv_bytes_per_token * b * rows * T / s.layers,
-            f"{SCORE_BYTES} B x rows x V of one step's scores + one prefill layer's transients + one layer's KV being grown")
-        if strat.startswith("fsdp"):
-            add("rollout", "gathered parameters", N * b, "full_parameters(): every layer's b-byte copy")
-    evaluates = bool(t.get("eval_at_end") or t.get("eval_before_training") or t.get("eval_every"))
-    if evaluates and engine == "vllm" and _sync_chunk_bytes(cfg, s, strat):
-        add("eval", "weight sync: one chunk in flight", _sync_chunk_bytes(cfg, s, strat), _SYNC_HOW)
-    if evaluates and engine != "vllm":
-        ev = cfg.eval
-        per_call = max(1, int(ev.batch_size) // int(ev.n))
-        rows = per_call * int(ev.n)
-        Pe = _prompt_tokens(cfg.benchmark.names)
-        Te = Pe + int(ev.max_tokens)
-        kv, how = hf_engine_kv_bytes(s, b, per_call, int(ev.n), Pe, int(ev.max_tokens), str(t.accelerator) == "cpu")
-        add("eval", "KV cache (HF engine)", kv, how + "; every rank (its share of the chunks)")
-        add("eval", "scores and prefill", rows * s.vocab * SCORE_BYTES + s.kv_bytes_per_token * b * rows * Te / s.layers,
-            f"{SCORE_BYTES} B x rows x V of one step's scores + one layer's KV being grown")
-        if strat.startswith("fsdp"):
-            add("eval", "gathered parameters", N * b, "full_parameters()")
 
-    if str(t.accelerator) == "cpu":
-        lines.extend(host_lines(cfg))
+def vllm_share(cfg, z: Sizes) -> tuple[float, list[Line], list[str], list[str]]:
+    """(bytes vLLM reserves on the device through every phase, its lines, problems, notes). On CPU its weights and KV
+    cache are host lines instead (``host_lines``); with no device named its share is left out and said so."""
+    r = cfg.rollout
+    if str(r.engine) != "vllm" or z.cpu:
+        return 0.0, [], [], []
+    util = float(r.vllm.gpu_memory_utilization)
+    if z.total is None:
+        return 0.0, [Line("state", "vLLM reserve (not counted)", 0.0, f"rollout.vllm.gpu_memory_utilization {util:g} "
+                          "x the device: no device named, so not in the totals (trainer.device_memory_gb=<GiB> counts "
+                          "it)")], [], [
+            f"vLLM's share (rollout.vllm.gpu_memory_utilization {util:g} of each device) is not in the totals: no "
+            "device is named; set trainer.device_memory_gb to count it"]
+    reserve, total = util * z.total, z.total
+    vb = _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
+    kv = z.shape.kv_bytes_per_token * vb * z.T
+    need = z.n * vb + VLLM_PROFILE_BYTES + kv
+    problems = [] if reserve >= need else [
+        f"rollout.vllm.gpu_memory_utilization = {util:g}: {reserve / GiB:.1f} GiB of the {total / GiB:.1f} GiB device "
+        f"cannot hold the engine's weights ({z.n * vb / GiB:.1f} GiB), its profile (~{VLLM_PROFILE_BYTES / GiB:.1f} "
+        f"GiB) and the KV cache of one {z.T:,}-token sequence ({kv / GiB:.2f} GiB); needs >= "
+        f"{math.ceil(need / total * 100) / 100:.2f}"]
+    return reserve, [], problems, []
+
+
+def rollout_lines(cfg, z: Sizes) -> list[Line]:
+    """Sampling the rollout batch: vLLM's weight sync, or the HF engine's KV cache, scores and prefill (with the
+    parameters gathered where the strategy shards them)."""
+    r, s, b = cfg.rollout, z.shape, z.b
+    if str(r.engine) == "vllm":
+        sync = _sync_chunk_bytes(cfg, z)
+        return [Line("rollout", "weight sync: one chunk in flight", sync, _SYNC_HOW)] if sync else []
+    G = r.num_generations
+    per_call = max(1, int(r.generation_batch_size) // G)
+    rows = min(per_call, max(1, cfg.trainer.prompts_per_step // z.world)) * G
+    kv, how = hf_engine_kv_bytes(s, b, rows // G, G, z.P, z.C, z.cpu)
+    lines = [Line("rollout", "KV cache (HF engine)", kv, how),
+             Line("rollout", "scores and prefill", rows * s.vocab * SCORE_BYTES + rows * z.P * b
+                  * (2 * s.hidden + 3 * s.intermediate) + s.kv_bytes_per_token * b * rows * z.T / s.layers,
+                  f"{SCORE_BYTES} B x rows x V of one step's scores + one prefill layer's transients + one layer's KV "
+                  "being grown")]
+    if z.backend.shards_parameters:
+        lines.append(Line("rollout", "gathered parameters", z.n * b, "full_parameters(): every layer's b-byte copy"))
+    return lines
+
+
+def eval_lines(cfg, z: Sizes) -> list[Line]:
+    """Evaluation on the benchmarks, when the run evaluates: vLLM's weight sync, or the HF engine's KV cache and scores
+    of one call (with the parameters gathered where the strategy shards them)."""
+    t, s, b = cfg.trainer, z.shape, z.b
+    if not (t.get("eval_at_end") or t.get("eval_before_training") or t.get("eval_every")):
+        return []
+    if str(cfg.rollout.engine) == "vllm":
+        sync = _sync_chunk_bytes(cfg, z)
+        return [Line("eval", "weight sync: one chunk in flight", sync, _SYNC_HOW)] if sync else []
+    ev = cfg.eval
+    per_call = max(1, int(ev.batch_size) // int(ev.n))
+    rows = per_call * int(ev.n)
+    Pe = _prompt_tokens(cfg.benchmark.names)
+    kv, how = hf_engine_kv_bytes(s, b, per_call, int(ev.n), Pe, int(ev.max_tokens), z.cpu)
+    lines = [Line("eval", "KV cache (HF engine)", kv, how + "; every rank (its share of the chunks)"),
+             Line("eval", "scores and prefill", rows * s.vocab * SCORE_BYTES + s.kv_bytes_per_token * b * rows
+                  * (Pe + int(ev.max_tokens)) / s.layers,
+                  f"{SCORE_BYTES} B x rows x V of one step's scores + one layer's KV being grown")]
+    if z.backend.shards_parameters:
+        lines.append(Line("eval", "gathered parameters", z.n * b, "full_parameters()"))
+    return lines
+
+
+def assemble(cfg, z: Sizes, lines: list[Line], reserve: float, problems: list[str], notes: list[str]) -> MemoryPlan:
+    """The phases' totals (the state, plus each phase's own lines, plus vLLM's reserve held through all of them), the
+    headroom and the table's header."""
     state = sum(x.bytes for x in lines if x.phase == "state")
     phases = {"state": state}
     for ph in ("update", "logp", "step", "rollout", "eval"):
@@ -434,39 +466,43 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
             if ph == "step":  # DDP's all-reduce happens with the gradients of the update allocated
                 extra += sum(x.bytes for x in lines if x.phase == "update" and x.what == "gradients")
             phases[ph] = state + extra
-    for ph in phases:
-        phases[ph] += vllm_reserve
-    if vllm_reserve:
-        add("state", "vLLM reserve", vllm_reserve, f"rollout.vllm.gpu_memory_utilization {r.vllm.gpu_memory_utilization:g}"
-            " x the device, held through every phase")
-    peak_phase = max(phases, key=phases.get)
-    cap, _, src = device_capacity(cfg)
-    cpu = str(t.accelerator) == "cpu"
-    total_cap = device_capacity(cfg)[1] if cap is not None else None
-    headroom = ((HOST_HEADROOM_FIXED if cpu else HEADROOM_FIXED) + HEADROOM_FRACTION * (total_cap if cpu else cap)
-                if cap is not None else 0.0)
-    facts = {"model": f"{s.name} ({N / 1e9:.2f} B parameters, {m.dtype})", "strategy": f"{strat}, {W} device(s)",
-             "micro-batch": f"{mb} rows x ({P} prompt + {C} completion) tokens",
-             "engine": engine + (f" (gpu_memory_utilization {r.vllm.gpu_memory_utilization:g})" if engine == "vllm" else
-                                 f" (generation_batch_size {r.generation_batch_size}, eval.batch_size {cfg.eval.batch_size})"),
-             "checkpointing": bool(m.get("gradient_checkpointing")), "logprob_chunk_tokens": chunk}
-    return MemoryPlan(lines, phases, peak_phase, cap, src, headroom, problems, facts, notes)
+    phases = {ph: v + reserve for ph, v in phases.items()}
+    r = cfg.rollout
+    if reserve:
+        lines.append(Line("state", "vLLM reserve", reserve, f"rollout.vllm.gpu_memory_utilization "
+                          f"{r.vllm.gpu_memory_utilization:g} x the device, held through every phase"))
+    headroom = 0.0 if z.capacity is None else (
+        (HOST_HEADROOM_FIXED if z.cpu else HEADROOM_FIXED) + HEADROOM_FRACTION * (z.total if z.cpu else z.capacity))
+    return MemoryPlan(lines, phases, max(phases, key=phases.get), z.capacity, z.capacity_source, headroom, problems,
+                      _facts(cfg, z), notes)
+
+
+def _facts(cfg, z: Sizes) -> dict:
+    """The table's header: the inputs the plan was made from."""
+    r, m, engine = cfg.rollout, cfg.model, str(cfg.rollout.engine)
+    sampling = (f" (gpu_memory_utilization {r.vllm.gpu_memory_utilization:g})" if engine == "vllm" else
+                f" (generation_batch_size {r.generation_batch_size}, eval.batch_size {cfg.eval.batch_size})")
+    return {"model": f"{z.shape.name} ({z.n / 1e9:.2f} B parameters, {m.dtype})",
+            "strategy": f"{z.backend.memory_layout(cfg, z.world)}, {z.world} device(s)",
+            "micro-batch": f"{z.rows} rows x ({z.P} prompt + {z.C} completion) tokens", "engine": engine + sampling,
+            "checkpointing": bool(m.get("gradient_checkpointing")),
+            "logprob_chunk_tokens": int(cfg.trainer.logprob_chunk_tokens)}
 
 
 _SYNC_HOW = ("rollout.vllm.sync_chunk_mb of full parameters gathered and cast to the engine's dtype (a larger tensor, "
              "the embedding, alone)")
 
 
-def _sync_chunk_bytes(cfg, s: Shape, strat: str) -> float:
+def _sync_chunk_bytes(cfg, z: Sizes) -> float:
     """Bytes a weight sync to vLLM holds beyond the model: one chunk (or the largest tensor, V x h) in the engine's
     dtype — when sharded parameters are gathered or the engine's dtype differs from the model's (else the live
     tensors are pushed as they are: 0)."""
     r, m = cfg.rollout, cfg.model
     vdtype = r.vllm.get("dtype") or m.dtype
-    if not strat.startswith("fsdp") and str(vdtype) == str(m.dtype):
+    if not z.backend.shards_parameters and str(vdtype) == str(m.dtype):
         return 0.0
     chunk = float(r.vllm.get("sync_chunk_mb", 256) or 256) * 2**20
-    return max(chunk, s.vocab * s.hidden * _dtype_bytes(vdtype))
+    return max(chunk, z.shape.vocab * z.shape.hidden * _dtype_bytes(vdtype))
 
 
 def vllm_kv_cache_bytes(cfg, max_model_len: int, block: int = 16) -> int:
@@ -574,7 +610,6 @@ def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
     cheapest first; switches of the engine)."""
     t, r = cfg.trainer, cfg.rollout
     fam: list[list[list[str]]] = []
-    strat = strategy_of(cfg)
     fam.append([[f"trainer.logprob_chunk_tokens={v}"] for v in (2048, 1024, 512) if v < int(t.logprob_chunk_tokens)])
     fam.append([[f"trainer.micro_batch_size={v}"] for v in (4, 2, 1) if v < int(t.micro_batch_size)])
     if not cfg.model.get("gradient_checkpointing"):
@@ -590,38 +625,17 @@ def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
                                             f"{_vllm_need(cfg, VLLM_SUGGESTED_SEQUENCES)}"])
     else:
         engines.append(["rollout=hf"])
-    if strat in ("fsdp_grad_op", "zero2", "zero1", "ddp"):
-        fam.append([["trainer=fsdp", f"trainer.devices={t.devices}"]])
-    if strat == "single" and str(t.accelerator) != "cpu":  # one device: shard the state over several (ZeRO-2)
-        fam.append([["trainer=fsdp_zero2", f"trainer.devices={d}"] for d in (2, 4, 8) if t.prompts_per_step % d == 0])
-    if strat != "single":  # more ranks shard more state and each rank samples fewer rows
-        d, nodes, opts = (t.devices if isinstance(t.devices, int) else 1), int(t.get("num_nodes", 1) or 1), []
-        while d < 8 and t.prompts_per_step % (2 * d * nodes) == 0:
-            d *= 2
-            opts.append([f"trainer.devices={d}"])
-        fam.append(opts)
+    fam += backend_of(cfg).shard_options(cfg, _world(t))  # the strategy's own: shard more, or over more ranks
     return [f for f in fam if f], engines
 
 
 def replan(cfg, overrides: list[str]):
-    """``cfg`` with ``key=value`` overrides applied, as a new config. Group switches offered by ``suggest``:
-    ``trainer=fsdp`` / ``trainer=fsdp_zero2`` (with a ``trainer.devices`` override), ``rollout=vllm`` / ``rollout=hf``."""
-    import yaml
-    from omegaconf import OmegaConf, open_dict
+    """``cfg`` with ``key=value`` and group overrides applied as on the run's command line, as a new config: a group
+    switch offered by ``suggest`` (``trainer=fsdp_zero2``, ``rollout=hf``) is the option's file as Hydra composes it,
+    under what the run set on top of its group (``grail_exp/recompose.py``)."""
+    from grail_exp.recompose import apply_overrides
 
-    new = copy.deepcopy(cfg)
-    with open_dict(new):
-        for o in overrides:
-            k, v = o.split("=", 1)
-            if k == "trainer":  # fsdp (FULL_SHARD) | fsdp_zero2 (SHARD_GRAD_OP); devices come as their own override
-                new.trainer.name, new.trainer.strategy = v, "fsdp"
-                new.trainer.sharding_strategy = "SHARD_GRAD_OP" if v == "fsdp_zero2" else "FULL_SHARD"
-                new.trainer.accelerator = "gpu"
-            elif k == "rollout":
-                new.rollout.engine = v
-            else:
-                OmegaConf.update(new, k, yaml.safe_load(v), merge=False)
-    return new
+    return apply_overrides(cfg, overrides)
 
 
 def _fits(cfg, overrides: list[str], margin: bool = False) -> bool:

@@ -29,7 +29,8 @@ def main(rows: int = 64, completion_len: int = 48, reps: int = 5) -> None:
     from grail_exp.advantages.rlsd import RlsdConfig, RlsdScheme
     from grail_exp.data import build_source
     from grail_exp.data.prompting import encode_prompts
-    from grail_exp.loss import TermContext, policy_loss
+    from grail_exp.config import LossConfig
+    from grail_exp.loss import AggregationContext, TermContext, compose_objective
     from grail_exp.loss.sdpg import SdpgOpdConfig, SdpgOpdTerm, SdpgRefKlConfig, SdpgRefKlTerm
     from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.forward import policy_forward, position_ids_from_mask
@@ -62,8 +63,9 @@ def main(rows: int = 64, completion_len: int = 48, reps: int = 5) -> None:
         return policy_forward(model, b.input_ids, b.attention_mask, b.position_ids, b.completion_ids, 1.0)
 
     def loss_of(logp):
-        return policy_loss(logp, logp.detach(), adv.unsqueeze(1).expand_as(logp), mask, loss_type="dr_grpo",
-                           epsilon=0.2, epsilon_high=0.28, max_completion_length=completion_len).loss
+        return compose_objective(LossConfig(loss_type="dr_grpo", epsilon=0.2, epsilon_high=0.28),
+                                 AggregationContext(completion_len), logp, logp.detach(),
+                                 adv.unsqueeze(1).expand_as(logp), mask).loss
 
     def ctx(logp, entropy, f, ref_logp=None):
         return TermContext(model=model, batch=b, hidden=predicting_window(f.hidden, b.prompt_length, completion_len),

@@ -178,13 +178,13 @@ def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
 
     module, batch = _module(torch.bfloat16)
     seen = {}
-    real = mod.policy_loss
+    real = mod.compose_objective
 
-    def spy(logp, old, token_adv, mask, **kw):
+    def spy(loss, ctx, logp, old, token_adv, mask, **kw):
         seen["dtype"], seen["adv"] = token_adv.dtype, token_adv
-        return real(logp, old, token_adv, mask, **kw)
+        return real(loss, ctx, logp, old, token_adv, mask, **kw)
 
-    monkeypatch.setattr(mod, "policy_loss", spy)
+    monkeypatch.setattr(mod, "compose_objective", spy)
     w = torch.full(batch.loss_mask.shape, 1.0078125, dtype=torch.bfloat16)  # exactly representable in bf16
     module.update.weights = lambda b, s, e, it, fwd: (w[s:e], {}, True)
     from grail_exp.optim import build_optimizer

@@ -46,13 +46,14 @@ def test_sequence_modes_use_the_product_over_valid_tokens():
 def test_none_is_ones_and_weights_enter_the_loss_detached():
     w, m = is_weights(OLD, SAMPLER, MASK, "none", None, 2.0)
     assert torch.equal(w, torch.ones_like(w)) and m == {}
-    from grail_exp.loss import policy_loss
+    from grail_exp.config import LossConfig
+    from grail_exp.loss import AggregationContext, compose_objective
 
     logp = OLD.clone().requires_grad_(True)
     isw, _ = is_weights(OLD, SAMPLER, MASK, "token_truncate", None, 1.5)
     adv = torch.ones(2, 3)
-    out = policy_loss(logp, OLD, adv, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.28,
-                      max_completion_length=3, is_weight=isw)
+    out = compose_objective(LossConfig(loss_type="bnpo", epsilon=0.2, epsilon_high=0.28), AggregationContext(3),
+                            logp, OLD, adv, MASK, is_weight=isw)
     out.loss.backward()
     # on-policy ratio 1: d loss / d logp = -A * w_IS / n_tokens
     assert torch.allclose(logp.grad, -(isw * MASK) / 5, atol=1e-6)

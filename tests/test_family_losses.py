@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grail_exp.loss import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, AggregationContext, policy_loss
+from grail_exp.loss import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, AggregationContext, compose_objective
 from grail_exp.loss.policies import check_family_config
 
 
@@ -122,12 +122,12 @@ def test_kl_straight_through_abs_and_bias_correction():
         assert torch.allclose(g, (logp - ref).detach())  # k2's gradient
     assert KL_ESTIMATORS["abs"](logp, ref)[0].tolist() == pytest.approx([0.3, 0.3])
     old = logp.detach() - 0.2
-    kw = dict(loss_type="token_sum", epsilon=0.2, epsilon_high=0.28, max_completion_length=2, ref_logp=ref, beta=1.0,
-              kl_estimator="k3")
+    kw = dict(loss_type="token_sum", policy_loss="ppo_clip", beta=1.0, kl_estimator="k3")
     zero = torch.zeros_like(ref)
     m = torch.ones_like(ref)
-    plain = policy_loss(logp, old, zero, m, **kw).loss
-    corrected = policy_loss(logp, old, zero, m, loss_cfg=cfg(kl_bias_correction=True), **kw).loss
+    ctx = AggregationContext(max_completion_length=2)
+    plain = compose_objective(cfg(**kw), ctx, logp, old, zero, m, ref_logp=ref).loss
+    corrected = compose_objective(cfg(kl_bias_correction=True, **kw), ctx, logp, old, zero, m, ref_logp=ref).loss
     assert corrected.item() == pytest.approx(plain.item() * math.exp(0.2))
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grail_exp.family import family_token_masks
-from grail_exp.loss import policy_loss
+from grail_exp.loss import AggregationContext, compose_objective
 
 # The 2 × 4 example: every token valid, A = (+1, −1), entropies chosen so that ρ = 0.2 keeps 4 tokens.
 # torch.quantile(·, 0.8) over the 8 entropies sorted [0.1, 0.1, 0.2, 0.3, 2, 2, 2, 2]: position 0.8·7 = 5.6 lies
@@ -48,10 +48,10 @@ def _cfg(**kw):
 def _grad(cfg, loss_type="grpo", name="ppo_clip", policy_mask=KEPT, beta=0.0, logp0=None, ref=None, is_weight=None,
           adv=A):
     logp = (torch.full((2, 4), math.log(0.5)) if logp0 is None else logp0.clone()).requires_grad_(True)
-    out = policy_loss(logp, logp.detach(), adv.unsqueeze(1).expand(2, 4), MASK, loss_type=loss_type,
-                      epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, max_completion_length=4,
-                      global_num_tokens=float(MASK.sum()), ref_logp=ref, beta=beta, name=name, loss_cfg=cfg,
-                      is_weight=is_weight, policy_mask=policy_mask)
+    loss = SimpleNamespace(**vars(cfg), loss_type=loss_type, policy_loss=name, beta=beta, kl_estimator="k3")
+    ctx = AggregationContext(max_completion_length=4, global_num_tokens=float(MASK.sum()))
+    out = compose_objective(loss, ctx, logp, logp.detach(), adv.unsqueeze(1).expand(2, 4), MASK, ref_logp=ref,
+                            is_weight=is_weight, policy_mask=policy_mask)
     out.loss.backward()
     return logp.grad, out
 

@@ -116,20 +116,79 @@ def _code(path: Path) -> str:
 STRATEGY_BRANCH = re.compile(r"\bstrategy\b\s*\)?\s*(==|!=|\bin\b|\.\s*startswith)|\.\s*(fsdp|zero)\b")
 
 
+def strategy_names() -> set[str]:
+    """Every name that denotes a parallel strategy: the update backends' ``trainer.strategy`` names, the trainer
+    options that select one (``fsdp_zero2``, ``deepspeed_zero2``, ...), FSDP's sharding strategies and ZeRO's stages.
+    ``auto`` is left out: it is also the "decide for me" value of many unrelated keys (``resume``, ``dtype``,
+    ``share_prompts``), and a comparison with it is caught by ``STRATEGY_BRANCH`` when the value is a strategy."""
+    from grail_exp.recompose import group_options, option_file
+    from grail_exp.training.backends import BACKENDS
+    from grail_exp.training.backends.fsdp import SHARDING_STRATEGIES
+
+    options = {o for o in group_options("trainer") if str(option_file("trainer", o).get("strategy", "auto")) != "auto"}
+    return (set(BACKENDS) - {"auto"}) | options | set(SHARDING_STRATEGIES) | {f"zero{i}" for i in range(4)}
+
+
+def _is_strategy_name(text: str, names: set[str], prefix: bool) -> bool:
+    """``text`` names a strategy (or a layout derived from one: ``fsdp_full``); ``prefix``: ``text`` is a
+    ``startswith`` argument, so a prefix of a name counts too."""
+    return any(text == n or text.startswith(n + "_") or (prefix and text and n.startswith(text)) for n in names)
+
+
+def strategy_name_tests(source: str, names: set[str]) -> list[str]:
+    """The comparisons (``==``, ``!=``, ``in``, ``match`` cases) and ``startswith`` / ``endswith`` calls of
+    ``source`` that test a value against a strategy name, whatever the value is called."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        strings, prefix = [], False
+        if isinstance(node, ast.Compare):
+            strings = [c for part in [node.left, *node.comparators] for c in ast.walk(part)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("startswith", "endswith"):
+            strings, prefix = [c for a in node.args for c in ast.walk(a)], True
+        elif isinstance(node, ast.MatchValue):
+            strings = list(ast.walk(node.value))
+        if any(isinstance(c, ast.Constant) and isinstance(c.value, str) and _is_strategy_name(c.value, names, prefix)
+               for c in strings):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
 def test_no_strategy_branches_outside_the_update_backends():
     allowed = {PKG / "distributed.py"}  # build_strategy: "auto" is Lightning's own single-process strategy
+    names = strategy_names()
     offenders = []
     for f in PKG.rglob("*.py"):
         if "backends" in f.relative_to(PKG).parts or f in allowed:
             continue
         for m in STRATEGY_BRANCH.finditer(_code(f)):
             offenders.append(f"{f.relative_to(ROOT)}: {m.group(0)}")
+        offenders += [f"{f.relative_to(ROOT)} {hit}" for hit in strategy_name_tests(f.read_text(), names)]
     assert not offenders, "strategy branches outside grail_exp/training/backends: " + "; ".join(offenders)
 
 
 def test_the_strategy_branch_pattern_catches_the_old_module():
     old = 'self.fsdp = str(cfg.trainer.strategy) == "fsdp"\nif self.zero is not None:\n    pass\n'
     assert len(STRATEGY_BRANCH.findall(old)) == 3  # self.fsdp, strategy ==, self.zero
+
+
+def test_the_strategy_name_scan_catches_branches_whatever_the_variable():
+    """The old planner's branches (its variable was ``strat``), a match statement and a set test are found; the same
+    names in strings that are not compared (a suggested override, a message) and other keys' values are not."""
+    names = strategy_names()
+    assert {"ddp", "fsdp", "deepspeed", "fsdp_zero2", "deepspeed_zero2", "SHARD_GRAD_OP", "zero2"} <= names
+    branches = (
+        'if strat.startswith("fsdp"):\n    pass\n'
+        'if strat in ("single", "ddp"):\n    pass\n'
+        'x = "zero1" if layout == "zero1" else "zero2"\n'
+        'if (t.get("sharding_strategy") or "FULL_SHARD") == "SHARD_GRAD_OP":\n    pass\n'
+        'if kind != "fsdp_full":\n    pass\n'
+        'match mode:\n    case "deepspeed":\n        pass\n'
+    )
+    assert len(strategy_name_tests(branches, names)) == 6, strategy_name_tests(branches, names)
+    plain = ('options = [["trainer=fsdp_zero2", "trainer.devices=2"]]\nmsg = "use fsdp"\n'
+             'if resume == "auto" or dtype != "auto" or name.startswith("gpu"):\n    pass\n')
+    assert strategy_name_tests(plain, names) == []
 
 
 def test_every_module_has_a_room_in_the_developer_guide():

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from grail_exp.loss import entropy_from_logits, policy_loss, selective_log_softmax
+from grail_exp.config import LossConfig
+from grail_exp.loss import AggregationContext, compose_objective, entropy_from_logits, selective_log_softmax
 
 # A 2 x 3 batch: row 0 has 3 valid tokens, row 1 has 2.
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, -3.0]])
@@ -25,10 +26,17 @@ def hand_per_token(eps_lo=0.2, eps_hi=0.28):
     return out
 
 
+def objective(logp, old, adv, mask, *, max_completion_length, accumulation_steps=1, global_num_tokens=None,
+              ref_logp=None, **loss_keys):
+    """The objective with a ``loss`` node of these keys (the schema's defaults for the rest) in this context."""
+    ctx = AggregationContext(max_completion_length, accumulation_steps, global_num_tokens)
+    return compose_objective(LossConfig(**loss_keys), ctx, logp, old, adv, mask, ref_logp=ref_logp)
+
+
 def run(loss_type, **kw):
     args = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, max_completion_length=4)
     args.update(kw)
-    return policy_loss(LOGP, OLD, ADV, MASK, **args)
+    return objective(LOGP, OLD, ADV, MASK, **args)
 
 
 def test_grpo_sequence_mean_then_mean():
@@ -71,13 +79,13 @@ def test_clip_fractions_by_hand():
 
 
 def test_symmetric_clip_when_epsilon_high_is_null():
-    a = policy_loss(LOGP, OLD, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=None, max_completion_length=4)
-    b = policy_loss(LOGP, OLD, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.2, max_completion_length=4)
+    a = objective(LOGP, OLD, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=None, max_completion_length=4)
+    b = objective(LOGP, OLD, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.2, max_completion_length=4)
     assert a.loss.item() == b.loss.item()
 
 
 def test_ratio_one_on_policy_means_no_clipping_and_loss_is_minus_mean_advantage():
-    out = policy_loss(LOGP, LOGP.clone(), ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.28,
+    out = objective(LOGP, LOGP.clone(), ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.28,
                       max_completion_length=4)
     assert out.metrics["ratio_mean"].item() == 1.0
     assert out.metrics["clip_ratio/region_mean"].item() == 0.0
@@ -86,7 +94,7 @@ def test_ratio_one_on_policy_means_no_clipping_and_loss_is_minus_mean_advantage(
 
 def test_gradient_is_minus_advantage_on_policy():
     logp = LOGP.clone().requires_grad_(True)
-    policy_loss(logp, logp.detach(), ADV, MASK, loss_type="grpo", epsilon=0.2, epsilon_high=0.28,
+    objective(logp, logp.detach(), ADV, MASK, loss_type="grpo", epsilon=0.2, epsilon_high=0.28,
                 max_completion_length=4).loss.backward()
     # d/dlogp of -ratio*A at ratio=1 is -A, scaled by 1/(|o_i| * B)
     expected = -ADV * MASK / MASK.sum(1, keepdim=True) / 2
@@ -94,27 +102,27 @@ def test_gradient_is_minus_advantage_on_policy():
 
 
 def test_k3_kl_zero_when_policy_equals_reference_and_positive_otherwise():
-    zero = policy_loss(LOGP, LOGP, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.28,
+    zero = objective(LOGP, LOGP, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.28,
                        max_completion_length=4, ref_logp=LOGP.clone(), beta=0.04)
     assert zero.metrics["kl"].item() == 0.0
-    other = policy_loss(LOGP, LOGP, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.28,
+    other = objective(LOGP, LOGP, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.28,
                         max_completion_length=4, ref_logp=OLD, beta=0.04)
     d = OLD - LOGP
     k3 = (torch.exp(d) - d - 1) * MASK
     assert other.metrics["kl"].item() == pytest.approx((k3.sum() / MASK.sum()).item(), rel=1e-6)
-    no_kl = policy_loss(LOGP, LOGP, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.28, max_completion_length=4)
+    no_kl = objective(LOGP, LOGP, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=0.28, max_completion_length=4)
     assert other.loss.item() == pytest.approx(no_kl.loss.item() + 0.04 * other.metrics["kl"].item(), rel=1e-6)
 
 
 def test_beta_without_reference_is_an_error():
     with pytest.raises(ValueError, match="reference"):
-        policy_loss(LOGP, LOGP, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=None, max_completion_length=4,
+        objective(LOGP, LOGP, ADV, MASK, loss_type="bnpo", epsilon=0.2, epsilon_high=None, max_completion_length=4,
                     beta=0.1)
 
 
 def test_masked_tokens_carry_no_gradient():
     logp = LOGP.clone().requires_grad_(True)
-    run_loss = policy_loss(logp, OLD, ADV, MASK, loss_type="dr_grpo", epsilon=0.2, epsilon_high=0.28,
+    run_loss = objective(logp, OLD, ADV, MASK, loss_type="dr_grpo", epsilon=0.2, epsilon_high=0.28,
                            max_completion_length=4).loss
     run_loss.backward()
     assert logp.grad[1, 2] == 0.0

@@ -5,7 +5,8 @@ import torch
 from omegaconf import OmegaConf
 
 from grail_exp.advantages import SCHEMES, build_scheme, scheme_config_class
-from grail_exp.loss import policy_loss, selective_log_softmax
+from grail_exp.config import LossConfig
+from grail_exp.loss import AggregationContext, compose_objective, selective_log_softmax
 from grail_exp.forward import completion_logits
 from grail_exp.weights import scheme_batch
 
@@ -65,8 +66,8 @@ def test_grail_std0_without_overrides_is_exactly_grpo(setup):
         model.zero_grad(set_to_none=True)
         logp = selective_log_softmax(completion_logits(model, batch.input_ids, batch.attention_mask,
                                                        batch.position_ids, C, 1.0), batch.completion_ids)
-        out = policy_loss(logp, logp.detach(), w * batch.advantages.unsqueeze(1), batch.completion_mask,
-                          loss_type="dr_grpo", epsilon=0.2, epsilon_high=0.28, max_completion_length=C)
+        out = compose_objective(LossConfig(loss_type="dr_grpo", epsilon=0.2, epsilon_high=0.28), AggregationContext(C),
+                                logp, logp.detach(), w * batch.advantages.unsqueeze(1), batch.completion_mask)
         out.loss.backward()
         grads.append((out.loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     assert grads[0][0] == grads[1][0] and torch.equal(grads[0][1], grads[1][1])

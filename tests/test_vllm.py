@@ -204,7 +204,7 @@ class TestEngine:
     def test_push_through_a_safetensors_directory(self, engine, tokenizer, hf_model):
         """The multiprocess fallback (weights written to disk, one file per chunk, read by the worker) gives the same
         engine."""
-        from grail_exp.rollout.base import chunked
+        from grail_exp.tensor_chunks import chunked
 
         model = _perturb(hf_model, seed=5)
         engine._push_via_path(chunked(model.state_dict().items(), 200_000))  # several files: the tiny model is ~1.7 MB

@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 
 from grail_exp.errors import ConfigError, MissingDependencyError
-from grail_exp.rollout.base import Completion, SamplingParams, chunked
+from grail_exp.rollout.base import Completion, SamplingParams
+from grail_exp.tensor_chunks import chunked
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@
             policy forward (through the update backend) → logp (B, C), entropy       (no (B, C, V) float32 copy)
             GRPO-family token masks (top-entropy, off-policy)
             scheme → w (B, C)                  (GRPO: ones; GRAIL / OAR: from that same forward, with the live model)
-            Â = sg(w)·A → policy loss × ρ^IS (+ β·KL) → aggregate (+ auxiliary loss terms) → backend.backward
+            Â = sg(w)·A → the objective (loss/objective.py: f·ρ^IS·surrogate + β·KL, aggregated)
+                       (+ auxiliary loss terms) → backend.backward
         backend.step: gradient sync, global norm, clipping, optimiser step (skipped when not finite) → scheduler step
 
 k = 1 is TRL's layout (the whole rollout batch per optimiser step, μ steps); k > 1 is verl's (``ppo_mini_batch_size``
@@ -30,8 +31,7 @@ import torch
 from grail_exp.errors import UserError
 from grail_exp.forward import PolicyForward
 from grail_exp.host import return_freed_memory
-from grail_exp.loss import TermContext, is_weights, policy_loss
-from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext
+from grail_exp.loss import AggregationContext, TermContext, aggregator, compose_objective, is_weights
 from grail_exp.training import world
 from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
 
@@ -134,13 +134,9 @@ class UpdatePhase:
             ic = cfg.rollout.is_correction
             if ic.mode != "none" and batch.sampler_logp is not None:
                 isw, is_metrics = is_weights(old, batch.sampler_logp[s:e], mask, ic.mode, ic.clip_min, ic.clip_max)
-            out = policy_loss(
-                logp, old, token_adv, mask, loss_type=cfg.loss.loss_type, epsilon=cfg.loss.epsilon,
-                epsilon_high=cfg.loss.epsilon_high, max_completion_length=cfg.rollout.max_completion_length,
-                accumulation_steps=self.accumulation_steps, global_num_tokens=global_tokens,
-                ref_logp=batch.ref_logp[s:e] if batch.ref_logp is not None else None, beta=cfg.loss.beta,
-                kl_estimator=cfg.loss.kl_estimator, name=cfg.loss.policy_loss, loss_cfg=cfg.loss, is_weight=isw,
-                world_size=world.world_size(), policy_mask=fam.policy)
+            ref = batch.ref_logp[s:e] if batch.ref_logp is not None else None
+            out = compose_objective(cfg.loss, agg_ctx, logp, old, token_adv, mask, ref_logp=ref, is_weight=isw,
+                                    policy_mask=fam.policy)
             loss = out.loss
             metrics = {k: v.item() for k, v in out.metrics.items()}
             metrics.update(is_metrics)
@@ -264,14 +260,14 @@ class UpdatePhase:
         """The configured auxiliary loss terms (``loss.terms``: entropy bonus, SDPG's distillation, ...) added to the
         micro-batch's loss, each aggregated like the policy loss."""
         cfg = self.cfg
-        aggregate = lambda per_token, m: AGGREGATIONS[cfg.loss.loss_type](per_token, m, agg_ctx)  # noqa: E731
         ctx = TermContext(
             model=self.policy, batch=batch.scheme_view(self.scheme_ctx, s, e), hidden=fwd.predicting(fwd.hidden),
             head_weight=fwd.head_weight, head_bias=fwd.head_bias, logp=logp, entropy=entropy, mask=mask,
             token_advantages=token_adv, old_logp=old,
             ref_logp=batch.ref_logp[s:e] if batch.ref_logp is not None else None,
             sampler_logp=batch.sampler_logp[s:e] if batch.sampler_logp is not None else None,
-            temperature=cfg.rollout.temperature, step=self.scheme_ctx.progress.step, aggregate=aggregate,
+            temperature=cfg.rollout.temperature, step=self.scheme_ctx.progress.step,
+            aggregate=aggregator(cfg.loss, agg_ctx),
             tokenizer=self.tokenizer, rollout_step=self.scheme_ctx.progress.rollouts or None,
             top_entropy_mask=top_entropy, share_prompts=self.backend.share_prompts)
         metrics = {}

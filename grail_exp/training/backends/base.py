@@ -15,6 +15,10 @@ probe gradient inside the policy forward), so the operations that differ between
   skip when the loss or the norm is not finite).
 - ``optimizer_state`` / ``load_optimizer_state`` / ``full_state_dict``: what a checkpoint stores and restores
   (collectives on every rank).
+- ``planned_*``, ``memory_layout``, ``shards_parameters``, ``shard_options``: the memory planner's questions
+  (``grail_exp/memory.py``), answered by the class from the config alone, before any model exists: the model state
+  per rank, the gradients and gathered parameters of the update, the gradient sync, and which strategy changes put
+  less on each device.
 
 Nothing outside ``grail_exp/training/backends/`` asks which strategy it runs under. Adding a strategy = one file here
 with a class registered under the ``trainer.strategy`` names it serves (``@register_backend("name")``).
@@ -25,12 +29,12 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 
 from grail_exp.forward import policy_forward, share_prompts_of
-from grail_exp.rollout.base import chunked
+from grail_exp.tensor_chunks import chunked
 from grail_exp.training import probe
 
 BACKENDS: dict[str, type["UpdateBackend"]] = {}
@@ -54,6 +58,25 @@ def raw_optimizer(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
+class PlanItem(NamedTuple):
+    """One line of the memory plan a backend contributes (the planner adds the phase)."""
+
+    what: str
+    bytes: float
+    how: str  # the formula with its numbers
+
+
+def more_ranks(cfg) -> list[list[str]]:
+    """``trainer.devices`` doubled up to 8 while the step's prompts still split evenly over the ranks, mildest first:
+    more ranks shard more state and each samples fewer rows (the planner's suggestion on a multi-rank layout)."""
+    t = cfg.trainer
+    d, nodes, options = (t.devices if isinstance(t.devices, int) else 1), int(t.get("num_nodes", 1) or 1), []
+    while d < 8 and t.prompts_per_step % (2 * d * nodes) == 0:
+        d *= 2
+        options.append([f"trainer.devices={d}"])
+    return options
+
+
 @dataclass
 class StepResult:
     grad_norm: float  # global gradient norm before clipping (inf / NaN when not finite)
@@ -69,6 +92,9 @@ class UpdateBackend:
     # True where the strategy keeps fp32 master weights itself (FSDP's fp32 shards, ZeRO's master partition), so a
     # bf16 model needs no ``optim.master_weights``.
     owns_master_weights: ClassVar[bool] = False
+    # True where the parameters live in shards: ``full_parameters`` (generation, evaluation) and a weight sync to an
+    # engine hold gathered b-byte copies, which the memory planner counts.
+    shards_parameters: ClassVar[bool] = False
 
     def __init__(self, cfg, module):
         self.cfg = cfg
@@ -82,6 +108,41 @@ class UpdateBackend:
     @classmethod
     def check_config(cls, cfg) -> list[str]:
         """Key-named problems of ``cfg`` for this strategy (``config.validate`` calls it)."""
+        return []
+
+    # ---- the memory planner's questions (grail_exp/memory.py), per rank: n parameters, b bytes per model-dtype
+    # element, ``world`` ranks. Class-level: the plan is made before any model or process group exists.
+    @classmethod
+    def memory_layout(cls, cfg, world: int) -> str:
+        """The layout's name in the plan's header (``single``, ``ddp``, ``fsdp_full``, ``zero2``, ...)."""
+        raise NotImplementedError
+
+    @classmethod
+    def planned_state(cls, cfg, n: int, b: int, world: int) -> list[PlanItem]:
+        """What the strategy holds through every phase: parameters, master weights, optimiser moments."""
+        raise NotImplementedError
+
+    @classmethod
+    def planned_gradients(cls, cfg, n: int, b: int, world: int) -> list[PlanItem]:
+        """What the update adds: the gradients (or their shards) and the strategy's communication buffers."""
+        raise NotImplementedError
+
+    @classmethod
+    def planned_gathered(cls, cfg, shape, b: int, held: bool) -> PlanItem | None:
+        """Parameters gathered for the update's forward and backward (and the no-grad log-prob pass); None where every
+        rank holds them all anyway. ``shape``: ``memory.Shape``; ``held``: the scheme or a loss term calls the model
+        between a micro-batch's forward and backward (``forward``'s ``hold_gathered``)."""
+        return None
+
+    @classmethod
+    def planned_gradient_sync(cls, cfg, n: int, b: int, world: int) -> list[PlanItem]:
+        """What the optimiser step's gradient synchronisation holds on top of the gradients (none by default)."""
+        return []
+
+    @classmethod
+    def shard_options(cls, cfg, world: int) -> list[list[list[str]]]:
+        """Override sets that put less of this strategy's state on each device, grouped in families, each family's
+        sets mildest first (the planner tries them when a plan does not fit)."""
         return []
 
     # ---- the model

@@ -38,7 +38,7 @@ import torch
 
 from grail_exp.optim import build_optimizer
 from grail_exp.training import world
-from grail_exp.training.backends.base import StepResult, UpdateBackend, register_backend
+from grail_exp.training.backends.base import PlanItem, StepResult, UpdateBackend, more_ranks, register_backend
 
 
 def deepspeed_config(cfg) -> dict:
@@ -158,6 +158,35 @@ class DeepSpeedBackend(UpdateBackend):
                      "(default: in the model's dtype); set trainer.deepspeed.data_types.grad_accum_dtype instead and "
                      "leave optim.grad_accum_dtype null")
         return e
+
+    # ---- the memory planner's questions: bf16 parameters replicated, fp32 masters and Adam state partitioned
+    @staticmethod
+    def _zero(cfg) -> dict:
+        """``trainer.deepspeed.zero_optimization`` (stage 2 when unset, as ``check_config`` reads it)."""
+        return (cfg.trainer.get("deepspeed") or {}).get("zero_optimization") or {}
+
+    @classmethod
+    def memory_layout(cls, cfg, world):
+        return "zero1" if cls._zero(cfg).get("stage", 2) == 1 else "zero2"
+
+    @classmethod
+    def planned_state(cls, cfg, n, b, world):
+        return [PlanItem("parameters", n * b, f"N {n:,} x {b} B, replicated"),
+                PlanItem("fp32 master partition", 4 * n / world, "4 B x N / W"),
+                PlanItem("Adam moments", 8 * n / world, "8 B x N / W")]
+
+    @classmethod
+    def planned_gradients(cls, cfg, n, b, world):
+        zero = cls._zero(cfg)
+        stage1 = zero.get("stage", 2) == 1  # ZeRO-1 keeps full b-byte gradients; ZeRO-2 reduce-scatters them
+        bucket = float(zero.get("reduce_bucket_size", 5e8)) + float(zero.get("allgather_bucket_size", 5e8))
+        return [PlanItem("gradients", (b * n if stage1 else b * n / world) + 4 * n / world,
+                         ("b x N" if stage1 else "b x N / W") + " partition + fp32 4 B x N / W"),
+                PlanItem("DeepSpeed buckets", bucket * b, "(reduce_bucket_size + allgather_bucket_size) x b")]
+
+    @classmethod
+    def shard_options(cls, cfg, world):
+        return [[["trainer=fsdp", f"trainer.devices={cfg.trainer.devices}"]], more_ranks(cfg)]
 
     def build_optimizer(self, policy):
         # ZeRO keeps the fp32 master partition and Adam state; the client AdamW it steps is plain.

@@ -24,8 +24,8 @@ import torch
 
 from grail_exp.forward import policy_forward
 from grail_exp.optim import build_optimizer, grad_params
-from grail_exp.rollout.base import chunked
-from grail_exp.training.backends.base import UpdateBackend, raw_optimizer, register_backend
+from grail_exp.tensor_chunks import chunked
+from grail_exp.training.backends.base import PlanItem, UpdateBackend, more_ranks, raw_optimizer, register_backend
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
@@ -136,6 +136,7 @@ def gathered_tensors(policy: torch.nn.Module):
 class FSDPBackend(UpdateBackend):
     broadcast_initial_weights = False  # every rank built the same weights and shards them itself
     owns_master_weights = True  # fp32 sharded parameters
+    shards_parameters = True
 
     def __init__(self, cfg, module):
         super().__init__(cfg, module)
@@ -154,6 +155,46 @@ class FSDPBackend(UpdateBackend):
             return [f"optim.grad_accum_dtype = {cfg.optim.grad_accum_dtype!r}: FSDP accumulates in its fp32 sharded "
                     "gradients (reduce_dtype fp32); leave it null"]
         return []
+
+    # ---- the memory planner's questions: fp32 shards of everything; b-byte layers gathered around their use
+    @staticmethod
+    def _keeps_gathered(cfg) -> bool:
+        """SHARD_GRAD_OP: each layer stays gathered from its forward to its backward."""
+        return (cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "SHARD_GRAD_OP"
+
+    @classmethod
+    def memory_layout(cls, cfg, world):
+        return "fsdp_grad_op" if cls._keeps_gathered(cfg) else "fsdp_full"
+
+    @classmethod
+    def planned_state(cls, cfg, n, b, world):
+        return [PlanItem("fp32 parameter shards (the masters)", 4 * n / world, f"4 B x N / W {world}"),
+                PlanItem("Adam moments", 8 * n / world, "8 B x N / W")]
+
+    @classmethod
+    def planned_gradients(cls, cfg, n, b, world):
+        return [PlanItem("gradients", 4 * n / world, "fp32 shards 4 B x N / W (reduce-scattered in backward)")]
+
+    @classmethod
+    def planned_gathered(cls, cfg, shape, b, held):
+        n = shape.params
+        if cls._keeps_gathered(cfg):
+            return PlanItem("gathered parameters", n * b,
+                            "every layer's b-byte copy, kept from forward to backward (SHARD_GRAD_OP)")
+        if held:  # hold(): FULL_SHARD keeps every layer gathered until the micro-batch's backward
+            return PlanItem("gathered parameters", n * b, "every layer's b-byte copy: the scheme or a loss term calls "
+                            "the model between forward and backward, so FULL_SHARD keeps the layers gathered until the "
+                            "backward")
+        root = shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
+        per_layer = (n - root) / shape.layers
+        return PlanItem("gathered parameters", (root + 2 * per_layer) * b,
+                        "the root unit (embeddings, output layer) + two layers (one prefetched), b bytes (FULL_SHARD)")
+
+    @classmethod
+    def shard_options(cls, cfg, world):
+        if cls._keeps_gathered(cfg):  # FULL_SHARD frees each layer after its forward
+            return [[["trainer=fsdp", f"trainer.devices={cfg.trainer.devices}"]], more_ranks(cfg)]
+        return [more_ranks(cfg)]
 
     def configure_model(self, policy):
         if self.core is None:

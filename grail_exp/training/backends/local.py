@@ -12,12 +12,11 @@ that of one process on the whole batch.
 
 from __future__ import annotations
 
-
 import torch
 
 from grail_exp.optim import GRAD_ACCUM_DTYPES, build_optimizer, grad_params
 from grail_exp.training import world
-from grail_exp.training.backends.base import UpdateBackend, raw_optimizer, register_backend
+from grail_exp.training.backends.base import PlanItem, UpdateBackend, more_ranks, raw_optimizer, register_backend
 
 
 @register_backend("auto", "ddp")
@@ -31,6 +30,55 @@ class LocalBackend(UpdateBackend):
             return [f"optim.grad_accum_dtype = {acc!r}: only one process (trainer.strategy=auto) implements a choice; "
                     "under trainer=ddp gradients accumulate in the parameters' .grad: set it to null"]
         return []
+
+    # ---- the memory planner's questions: every rank holds the whole model state
+    @classmethod
+    def memory_layout(cls, cfg, world):
+        return "ddp" if world > 1 else "single"
+
+    @staticmethod
+    def _masters(cfg, b: int) -> bool:
+        """fp32 master weights: ``optim.master_weights``, or null = on for a half-precision model (build_optimizer)."""
+        master = cfg.optim.get("master_weights")
+        return b == 2 if master is None else bool(master)
+
+    @classmethod
+    def planned_state(cls, cfg, n, b, world):
+        master = cls._masters(cfg, b)
+        items = [PlanItem("parameters", n * b, f"N {n:,} x {b} B")]
+        if master:
+            items.append(PlanItem("fp32 master weights", 4 * n, "4 B x N"))
+        items.append(PlanItem("Adam moments", 8 * n, "2 x 4 B x N (fp32)" if master or b == 4 else "2 x b x N"))
+        return items
+
+    @classmethod
+    def planned_gradients(cls, cfg, n, b, world):
+        master = cls._masters(cfg, b)
+        if world == 1:  # accumulated into the fp32 masters after each backward (grail_exp/optim.py)
+            return [PlanItem("gradients", 4 * n if master or b == 4 else b * n,
+                             "fp32, accumulated over micro-batches (the bf16 ones are freed as they arrive)"
+                             if master else "b x N")]
+        masters = " + fp32 masters' 4 B x N" if master else ""
+        return [PlanItem("gradients", b * n + (4 * n if master else 0), "b x N on the parameters between all-reduces"
+                         + masters)]
+
+    @classmethod
+    def planned_gradient_sync(cls, cfg, n, b, world):
+        if world == 1:
+            return []
+        master = cls._masters(cfg, b)
+        return [PlanItem("gradient all-reduce", 4 * n + (4 * n if master else 0) + b * n, "flat fp32 buffer 4N + the "
+                         "masters' 4N + the parameters' copies bN (training/backends/local.py)")]
+
+    @classmethod
+    def shard_options(cls, cfg, world):
+        t = cfg.trainer
+        if world > 1:  # shard the state across the same ranks, or use more of them
+            return [[["trainer=fsdp", f"trainer.devices={t.devices}"]], more_ranks(cfg)]
+        if str(t.accelerator) == "cpu":
+            return []
+        # one device: shard the state over several (the paper's ZeRO-2 layout)
+        return [[["trainer=fsdp_zero2", f"trainer.devices={d}"] for d in (2, 4, 8) if t.prompts_per_step % d == 0]]
 
     def build_optimizer(self, policy):
         o = self.cfg.optim

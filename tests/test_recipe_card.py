@@ -127,13 +127,16 @@ def test_cfg_job_shows_the_recipe(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- learning rate
 def test_hub_model_with_a_demo_learning_rate_is_refused():
-    cfg = compose(["model=qwen3_8b", "recipe=demo"], Path("/nonexistent"))
+    # trainer=gpu: the 8B model on this CPU host would also be refused by the memory plan (which runs once every other
+    # check passes); without a CUDA device the GPU plan gives no verdict, so only the learning rate is judged here.
+    gpu = ["model=qwen3_8b", "recipe=demo", "trainer=gpu"]
+    cfg = compose(gpu, Path("/nonexistent"))
     with pytest.raises(ConfigError, match=r"optim.lr = 0.0001: above 1e-05 .*Qwen/Qwen3-8B.*optim.allow_high_lr=true"):
         validate(cfg)
-    validate(compose(["model=qwen3_8b", "recipe=demo", "optim.allow_high_lr=true"], Path("/nonexistent")))
-    validate(compose(["model=qwen3_8b", "recipe=demo", "optim.lr=1e-5"], Path("/nonexistent")))  # the bound itself
+    validate(compose([*gpu, "optim.allow_high_lr=true"], Path("/nonexistent")))
+    validate(compose([*gpu, "optim.lr=1e-5"], Path("/nonexistent")))  # the bound itself
     # random weights or the embedded model: nothing to destroy
-    validate(compose(["model=qwen3_8b", "recipe=demo", "model.random_init=true"], Path("/nonexistent")))
+    validate(compose([*gpu, "model.random_init=true"], Path("/nonexistent")))
     validate(compose(["optim.lr=1e-3"], Path("/nonexistent")))
 
 

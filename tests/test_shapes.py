@@ -38,7 +38,8 @@ def build(cfg):
 
 # ------------------------------------------------------------------------------- shipped configs
 def test_every_paper_model_has_a_shipped_architecture():
-    assert sorted(PAPER_MODELS) == available()
+    # the paper's five, and SmolLM2's (the real model this machine trains: its CPU memory plan needs it)
+    assert available() == sorted([*PAPER_MODELS, "smollm2_135m"])
 
 
 @pytest.mark.parametrize("name", PAPER_MODELS)

@@ -1,4 +1,4 @@
-"""Trainer-side controls of the GRPO family (issue 15), called from grail_exp/module.py at marked hooks.
+"""Trainer-side controls of the GRPO family (issue 15), called from grail_exp/training/module.py at marked hooks.
 
     overlong_penalty     DAPO soft overlong punishment, a reward transform (arXiv 2503.14476 §3.4)
     KLInRewardController r_i ← r_i − β·Σ_t KL_t with a fixed or adaptive β (Ziegler et al. arXiv 1909.08593 §2.2)

@@ -14,7 +14,7 @@ def _module(dtype, overrides=()):
     from grail_exp.advantages import build_scheme
     from grail_exp.estimators.group import group_advantages
     from grail_exp.forward import position_ids_from_mask
-    from grail_exp.module import GRPOModule, TrainingBatch
+    from grail_exp.training.module import GRPOModule, TrainingBatch
 
     cfg = _cfg(["advantage=grpo", *overrides])
     torch.manual_seed(0)

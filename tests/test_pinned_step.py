@@ -24,7 +24,7 @@ def run_case_legacy(overrides):
     from grail_exp.advantages import build_scheme
     from grail_exp.estimators.group import group_advantages
     from grail_exp.forward import position_ids_from_mask
-    from grail_exp.module import GRPOModule, TrainingBatch
+    from grail_exp.training.module import GRPOModule, TrainingBatch
 
     cfg = _cfg(overrides)
     torch.manual_seed(0)
@@ -68,7 +68,7 @@ def run_case(overrides, extra=()):
     from grail_exp.advantages import build_scheme
     from grail_exp.estimators.group import group_advantages
     from grail_exp.forward import position_ids_from_mask
-    from grail_exp.module import GRPOModule, TrainingBatch
+    from grail_exp.training.module import GRPOModule, TrainingBatch
 
     cfg = _cfg([*overrides, *extra])
     torch.manual_seed(0)

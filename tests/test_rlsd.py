@@ -228,7 +228,7 @@ def _module(cfg, model_dir):
     """test_module._build_module with the scheme context the run passes (model config, data)."""
     from grail_exp.data import build_source
     from grail_exp.models import load_causal_lm, load_tokenizer
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker
     from test_module import _AlternatingVerifier

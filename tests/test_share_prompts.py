@@ -68,7 +68,7 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
     from grail_exp.advantages import build_scheme
     from grail_exp.forward import share_prompts_of
     from grail_exp.loss import build_terms
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
 
     cfg = _cfg([*overrides, f"trainer.share_prompts={str(share).lower()}"])
     torch.manual_seed(0)

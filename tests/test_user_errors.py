@@ -65,7 +65,7 @@ def test_every_user_error_type_is_a_user_error():
     from grail_exp.errors import DataError, MissingDependencyError, UserError
     from grail_exp.extrapolate import ExtrapolateError
     from grail_exp.models import ModelLoadError
-    from grail_exp.module import NonFiniteLossError
+    from grail_exp.training.module import NonFiniteLossError
     from grail_exp.packaged_tokenizers import PackagedTokenizerError
     from grail_exp.tracking import TrackingError
     from grail_exp.weights import InputError

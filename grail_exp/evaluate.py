@@ -39,7 +39,7 @@ from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
 from grail_exp.data import load_benchmark
 from grail_exp.data.prompting import bos_prefix, encode_prompt_texts, prompt_bos, render_prompt
-from grail_exp.rewards import strip_think
+from grail_exp.extraction import strip_think
 from grail_exp.rollout import Completion, SamplingParams
 
 log = logging.getLogger("grail_exp.evaluate")

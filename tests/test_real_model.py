@@ -127,7 +127,7 @@ def _generate(smollm2, questions, n, temperature, max_new_tokens, seed=0):
 
 
 def test_greedy_answers_in_the_worked_examples_form_and_stops_at_eos(smollm2):
-    from grail_exp.rewards import extract_last_boxed
+    from grail_exp.boxed import extract_last_boxed
 
     comps, texts = _generate(smollm2, ["Compute 4+3.", "Compute 12-5."], n=1, temperature=0, max_new_tokens=20)
     for c, text in zip(comps, texts):
@@ -166,7 +166,7 @@ def test_answer_spans_cover_the_boxed_answer_of_real_completions(smollm2, sample
     SmolLM2's own completions: 'Ġ\\' is one live token, but "a" + text[:s] re-encodes with a bare 'Ġ')."""
     from omegaconf import OmegaConf
 
-    from grail_exp.rewards import find_first_boxed_span
+    from grail_exp.boxed import find_first_boxed_span
 
     _, tok, _ = smollm2
     b = sampled_batch

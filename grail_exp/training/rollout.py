@@ -23,7 +23,7 @@ from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
 from grail_exp.forward import position_ids_from_mask
 from grail_exp.host import return_freed_memory
 from grail_exp.logprobs import kept_log_mass
-from grail_exp.rewards import strip_think
+from grail_exp.extraction import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
 from grail_exp.rollout.base import release
 from grail_exp.rollout.variants import sample_variants

@@ -34,6 +34,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from grail_exp import faults
 from grail_exp import metrics as M
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
@@ -121,22 +122,7 @@ class CompletionCache:
             f.flush()
             os.fsync(f.fileno())
         self.chunks[chunk] = rec
-        _fault_injection_kill_after_chunk()
-
-
-_chunks_put = 0  # chunks this process has cached (for the fault injection below)
-
-
-def _fault_injection_kill_after_chunk() -> None:
-    """Test-only fault injection: ``GRAIL_EXP_FAULT=kill_eval_after_chunks:<N>`` SIGKILLs this process right after
-    it has cached its N-th chunk, so that a test kills an evaluation at a known point instead of racing a timer."""
-    global _chunks_put
-    _chunks_put += 1
-    if os.environ.get("GRAIL_EXP_FAULT", "") == f"kill_eval_after_chunks:{_chunks_put}":
-        import signal
-
-        log.warning("GRAIL_EXP_FAULT: killing this process after %d cached chunks", _chunks_put)
-        os.kill(os.getpid(), signal.SIGKILL)
+        faults.kill_eval_after_chunks()  # test-only (GRAIL_EXP_FAULT)
 
 
 def model_fingerprint(path: str, revision: str | None) -> str:

@@ -47,11 +47,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import threading
-import time
 from dataclasses import dataclass
 
+from grail_exp import faults
 from grail_exp.grading_pool import Failed, WorkerPool
 
 __all__ = ["grade_one", "GradeResult", "MathVerifier", "STATUSES"]
@@ -187,10 +186,6 @@ def grade_one(
 # Grading in the worker pool
 # --------------------------------------------------------------------------
 
-_DEBUG_SLEEP = "__sleep__:"  # test hook, honoured only with _allow_debug=True
-_DEBUG_CRASH = "__crash__"
-
-
 def _start_grading_worker(parse_timeout, verify_timeout) -> None:
     """A grading worker's start-up, before it reports ready: math-verify's timeout warnings switched on (so that
     ``_TimeoutLogCatcher`` sees them), and a warm-up grade (imports sympy/antlr, compiles regexes), so that start-up
@@ -202,11 +197,8 @@ def _start_grading_worker(parse_timeout, verify_timeout) -> None:
 def _grade_in_worker(pred: str, gold: str, whole: bool, *, parse_timeout, verify_timeout,
                      allow_debug: bool) -> tuple[bool, str, str | None]:
     """One job of the pool: ``(correct, status, extracted)`` of ``_grade_with_status``."""
-    if allow_debug and pred.startswith(_DEBUG_SLEEP):
-        time.sleep(float(pred[len(_DEBUG_SLEEP) :]))
+    if allow_debug and faults.grading_answer(pred):  # test-only: "__sleep__:<s>" hangs, "__crash__" dies
         return False, "ok", pred
-    if allow_debug and pred == _DEBUG_CRASH:
-        os._exit(3)
     return _grade_with_status(pred, gold, parse_timeout, verify_timeout, whole)
 
 

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grail_exp.family import (KLInRewardController, informative_groups, off_policy_sequence_mask, overlong_penalty,
-                              top_entropy_mask)
+from grail_exp.family import off_policy_sequence_mask, top_entropy_mask
+from grail_exp.reward_shaping import KLInRewardController, overlong_penalty
+from grail_exp.training.rollout import informative_groups
 
 
 def test_overlong_penalty_by_hand():

@@ -171,7 +171,9 @@ def _benchmark(name: str, tokenizer, cfg, per_call: int, cache_dir, model_key, r
     if cache_dir is not None:
         what = {"model": model_key, "benchmark": name, "sampling": OmegaConf.to_container(cfg.eval, resolve=True),
                 "per_call": per_call}
-        if bos_prefix(tokenizer):  # prompts gained BOS (issue 22): not the completions cached without it
+        # Prompts start with BOS where the tokenizer adds one (as vLLM encodes them): completions cached from prompts
+        # without it are other completions, so the key names the BOS (tokenizers without one keep their old keys).
+        if bos_prefix(tokenizer):
             what["bos"] = bos_prefix(tokenizer)
         if cfg.rollout.engine != "hf":  # another engine samples other completions (hf keys stay as they were)
             what["engine"] = str(cfg.rollout.engine)

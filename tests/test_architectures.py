@@ -17,7 +17,7 @@ from grail_exp.architectures import (ARCH_DIR, BYTES, MARKER, available, hf_conf
                                      meta_parameter_count, parameter_counts, training_memory)
 from grail_exp.config import ConfigError, validate
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 PAPER_MODELS = ["qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b"]
 CONF_MODEL = Path(__file__).resolve().parent.parent / "conf" / "model"

@@ -16,7 +16,7 @@ import re
 import time
 
 import pytest
-from conftest import compose
+from helpers.compose import compose
 
 from grail_exp.config import validate
 from grail_exp.data import BENCHMARKS, load_benchmark

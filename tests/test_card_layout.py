@@ -2,7 +2,7 @@
 fsdp_zero2 with one colocated vLLM engine per rank (rollout=vllm_paper), μ = 4, and a final evaluation. Here: the same
 trainer and engine settings on the shipped tiny model, 2 gloo ranks, μ = 2, 2 optimiser steps, the final evaluation on.
 
-Every rank writes what it did through the probe (tests/card_probe.py), and the run is judged by that, not by its exit
+Every rank writes what it did through the probe (tests/helpers/card_probe.py), and the run is judged by that, not by its exit
 code (a run whose engine took over the process group exited 0 as two one-rank runs):
 
 - every rank ran in the configured world (2 ranks, gloo) and MLflow has world_size / dist_backend;
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from card_probe import read
-from conftest import HANG_TIMEOUT_S, MODEL_REORDER
+from helpers.card_probe import read
+from helpers.tolerances import HANG_TIMEOUT_S, MODEL_REORDER
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ GLOO_ABORT = "terminate called without an active exception"
 def _env(probe_dir: Path) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")]),
                 OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                GRAIL_EXP_PROBE="card_probe:CardProbe", GRAIL_EXP_PROBE_DIR=str(probe_dir))
+                GRAIL_EXP_PROBE="helpers.card_probe:CardProbe", GRAIL_EXP_PROBE_DIR=str(probe_dir))
 
 
 def run_card(tmp_path: Path, trainer: str, rollout: str, extra: list[str] = ()) -> subprocess.CompletedProcess:

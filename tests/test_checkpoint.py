@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import HANG_TIMEOUT_S, AlternatingVerifier, compose
+from helpers.compose import compose
+from helpers.fakes import AlternatingVerifier
+from helpers.tolerances import HANG_TIMEOUT_S
 from grail_exp.checkpoint import complete_checkpoints, load_training_state
 
 

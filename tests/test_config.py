@@ -8,7 +8,7 @@ import pytest
 
 from grail_exp.config import ConfigError, validate
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 CONF = Path(__file__).parents[1] / "conf"
 

@@ -133,7 +133,7 @@ def test_dynamic_sampling_and_controllers_four_steps_equal_two_plus_resume_plus_
     import grail_exp.rewards
     from safetensors.torch import load_file
 
-    from conftest import compose
+    from helpers.compose import compose
     from grail_exp.checkpoint import load_training_state
     from grail_exp.run import run
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 

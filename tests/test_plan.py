@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose
+from helpers.compose import compose
 from grail_exp.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parent.parent

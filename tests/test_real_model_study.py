@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import HANG_TIMEOUT_S, compose
+from helpers.compose import compose
+from helpers.tolerances import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).parents[1]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import compose
+from helpers.compose import compose
 from grail_exp.config import ConfigError, validate
 from grail_exp.tracking import flatten
 

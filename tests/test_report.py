@@ -14,7 +14,8 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import HANG_TIMEOUT_S, compose
+from helpers.compose import compose
+from helpers.tolerances import HANG_TIMEOUT_S
 
 BENCH = {"math500": 4, "aime24": 3}  # problems per benchmark; 3 samples per problem
 N = 3

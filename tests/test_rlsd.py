@@ -258,7 +258,7 @@ def test_lambda_zero_is_grpo_exactly(compose_cfg, tiny_model_dir):
 
 def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path):
     """The weights of the trainer's first micro-batch == ``grail_exp.weights`` on rows with problem / answer fields."""
-    from test_conftest_helpers import compose_weights
+    from helpers.compose import compose_weights
     from test_module import _small
     from grail_exp.weights import compute
 

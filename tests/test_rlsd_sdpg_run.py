@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from conftest import HANG_TIMEOUT_S, AlternatingVerifier, compose
+from helpers.compose import compose
+from helpers.fakes import AlternatingVerifier
+from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def _run(tmp_path, model_dir, extra, monkeypatch):

@@ -9,7 +9,7 @@ from grail_exp.loss import policy_loss, selective_log_softmax
 from grail_exp.forward import completion_logits
 from grail_exp.weights import scheme_batch
 
-from conftest import MODEL_REORDER
+from helpers.tolerances import MODEL_REORDER
 
 EOS = "<|im_end|>"
 

@@ -311,7 +311,7 @@ class _ScriptedEngine:
 
 
 def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny_model, tiny_tokenizer):
-    from conftest import compose
+    from helpers.compose import compose
 
     from grail_exp.advantages import build_scheme
     from grail_exp.config import validate

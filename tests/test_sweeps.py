@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HANG_TIMEOUT_S, compose
+from helpers.compose import compose
+from helpers.tolerances import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 

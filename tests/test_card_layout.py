@@ -140,6 +140,7 @@ def evaluate_checkpoint(tmp_path: Path, rollout: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- the card (vLLM)
+@pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 def test_the_cards_layout_fsdp_zero2_vllm_paper(tmp_path):
@@ -151,6 +152,7 @@ def test_the_cards_layout_fsdp_zero2_vllm_paper(tmp_path):
     assert evaluate_checkpoint(tmp_path, ["rollout=vllm_paper", *VLLM[:1]]) == final
 
 
+@pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 def test_the_cards_layout_ddp_vllm_paper(tmp_path):
@@ -167,6 +169,7 @@ def _check_one_engine_per_rank(probe: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- HF generation
+@pytest.mark.e2e
 def test_the_cards_layout_fsdp_zero2_hf(tmp_path):
     """The card's trainer with rollout=hf: generation and the data-parallel evaluation on the sharded policy's gathered
     parameters (FSDP must not re-gather inside generation: the ranks generate different lengths); the final
@@ -176,6 +179,7 @@ def test_the_cards_layout_fsdp_zero2_hf(tmp_path):
     assert evaluate_checkpoint(tmp_path, ["rollout=hf"]) == final
 
 
+@pytest.mark.e2e
 def test_full_shard_with_uneven_work_per_rank(tmp_path):
     """trainer=fsdp (FULL_SHARD) + rollout=hf, work that differs between the ranks: 3 evaluation chunks over 2 ranks
     (rank 0 generates two, rank 1 one), rollouts that stop at different lengths, and GRAIL's weights of mini-batch 2
@@ -245,6 +249,7 @@ def test_ranks_that_sample_the_same_prompt_stop_the_run(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- the GPU check, composed
+@pytest.mark.e2e
 def test_the_one_gpu_card_check_composes_and_plans(tmp_path):
     """`bash sweeps/gpu_checks.sh card1gpu` (run by the lead on one H100) shrinks the card's command to world size 1
     with real widths and vocabulary; here its composition and its plan, with nothing run (CARD1GPU_DRY=1)."""

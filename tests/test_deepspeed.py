@@ -63,6 +63,7 @@ def test_plain_state_drops_deepspeed_objects_and_keeps_tensors():
     assert out["base_optimizer_state"]["param_groups"][0]["betas"] == (0.9, 0.99)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow  # 30 s; the bf16 resume test in e2e/test_ddp.py (in make test) also depends on the fp32 masters
 def test_bf16_run_keeps_fp32_masters_that_move_at_the_papers_lr(tmp_path):
     """bf16 parameters, lr 1e-6, 2 steps: a bf16-only AdamW would leave almost every weight where it was; ZeRO's fp32

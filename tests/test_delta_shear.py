@@ -371,6 +371,7 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
         assert torch.allclose(torch.tensor(r["weights"]), w_train[i, :n], atol=1e-5), i
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["delta", "shear"])
 def test_two_step_run_on_the_embedded_default(tmp_path, scheme):

@@ -252,6 +252,7 @@ def test_one_rl_step_of_the_real_model_per_scheme(scheme, smollm2_dir, smollm2_c
     assert 0.0 <= metrics["train/reward/mean"] <= 1.0 and metrics["train/completions/mean_length"] > 0
 
 
+@pytest.mark.e2e
 def test_hub_id_at_the_pinned_revision_loads_through_the_hub_path(smollm2_dir, tmp_path):
     """model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct (the released weights' hub id, model.revision pinned) goes
     through transformers' hub resolution: here from an offline hub cache laid out as a download at that revision

@@ -334,6 +334,7 @@ def test_the_written_directory_loads_with_transformers_sharded_and_tied(relex_of
     assert torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])  # re-tied to the prediction
 
 
+@pytest.mark.e2e
 def test_cli_extrapolate_then_evaluate(relex_of_a_real_model):
     """The CLI writes a bfloat16 directory that grail_exp.evaluate scores; a user error exits 2 with one line."""
     from grail_exp.evaluate import evaluate_job

@@ -82,6 +82,7 @@ for tokens in (8, 64):
 """
 
 
+@pytest.mark.e2e
 def test_generation_memory_does_not_grow_with_vocab_times_length():
     """32 completions at V = 151,936: keeping every step's float32 scores (what ``output_scores`` did) would add
     1.2 GB between 8 and 64 generated tokens; the engine keeps one step's (N, V) log-softmax (19 MB). Peak RSS is
@@ -167,6 +168,7 @@ def test_engine_sleeps_after_the_rounds_generation_and_wakes_in_the_sync(compose
         assert ev[2:] and all(e == "forward:asleep" for e in ev[2:]), ev  # old log-probs + update: engine asleep
 
 
+@pytest.mark.e2e
 def test_a_run_sleeps_the_engine_between_rounds_and_evaluations(tmp_path, tiny_model_dir):
     """End to end (``python -m grail_exp.run`` with a plug-in engine that refuses to generate while asleep): every
     evaluation and every round syncs (waking the engine) before generating and puts it to sleep afterwards."""

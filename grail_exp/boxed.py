@@ -1,19 +1,19 @@
-"""Finding ``\\boxed{...}`` in text: the primitives the extraction rules (``grail_exp.extraction``), the grader
-(``grail_exp.rewards``) and the answer spans (``grail_exp.spans``) share. Standard library only, linear time."""
+"""Finding ``\\boxed{...}`` in text: the primitives the extraction rules (``grail_exp.extraction``, which the grader
+uses) and the answer spans (``grail_exp.spans``) share. Standard library only, linear time."""
 
 from __future__ import annotations
 
 import re
 
-_BOX_OPEN = "\\boxed{"
-_BOX_LEN = len(_BOX_OPEN)  # 7; the opening brace sits at start + 6
+BOX_OPEN = "\\boxed{"
+BOX_LEN = len(BOX_OPEN)  # 7; the opening brace sits at start + 6
 # Runs of identical braces are matched at once: fewer Python-level iterations.
 _BRACE_RUN_RE = re.compile(r"\{+|\}+")
 # `\boxed{` is tried first, so its brace is consumed as a box opener.
 _TOKEN_RE = re.compile(r"\\boxed\{|\{+|\}+")
 
 
-def _matching_close(text: str, open_idx: int) -> int:
+def matching_close(text: str, open_idx: int) -> int:
     """Index of the brace closing the `{` at ``open_idx``, or -1 if unterminated."""
     depth = 0
     for m in _BRACE_RUN_RE.finditer(text, open_idx):
@@ -61,16 +61,16 @@ def find_last_boxed_span(text: str) -> tuple[int, int] | None:
     are kept; an unterminated box is skipped). ``\\boxed {`` and ``\\fbox`` are not recognised.
     Linear time.
     """
-    last = text.rfind(_BOX_OPEN)
+    last = text.rfind(BOX_OPEN)
     if last < 0:
         return None
     # Common case: the last box is balanced; only the tail is scanned.
-    close = _matching_close(text, last + _BOX_LEN - 1)
+    close = matching_close(text, last + BOX_LEN - 1)
     if close >= 0:
         return last, close + 1
     # The last box is unterminated: one linear pass over all boxes.
     best: tuple[int, int] | None = None
-    for start, close in _balanced_boxes(text, text.find(_BOX_OPEN)):
+    for start, close in _balanced_boxes(text, text.find(BOX_OPEN)):
         if best is None or start > best[0]:
             best = (start, close)
     return None if best is None else (best[0], best[1] + 1)
@@ -79,7 +79,7 @@ def find_last_boxed_span(text: str) -> tuple[int, int] | None:
 def extract_last_boxed(text: str) -> str | None:
     """Content of the last balanced ``\\boxed{...}`` in ``text`` (the answer the reward grades), or None."""
     span = find_last_boxed_span(text)
-    return None if span is None else text[span[0] + _BOX_LEN : span[1] - 1]
+    return None if span is None else text[span[0] + BOX_LEN : span[1] - 1]
 
 
 def find_first_boxed_span(text: str) -> tuple[int, int] | None:
@@ -90,10 +90,10 @@ def find_first_boxed_span(text: str) -> tuple[int, int] | None:
     (so a balanced box nested inside an unterminated one is found). This is
     the balanced box with the smallest start, computed in linear time.
     """
-    first = text.find(_BOX_OPEN)
+    first = text.find(BOX_OPEN)
     if first < 0:
         return None
-    close = _matching_close(text, first + _BOX_LEN - 1)
+    close = matching_close(text, first + BOX_LEN - 1)
     if close >= 0:
         return first, close + 1
     best: tuple[int, int] | None = None

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grail_exp import faults
 from grail_exp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_l
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save(state, tmp / STATE_FILE)
-        _fault_injection_stall(step)
+        faults.stall_checkpoint(step)  # test-only (GRAIL_EXP_FAULT)
 
     final = write_dir_atomically(root / f"step-{step}", write, what="checkpoint")
     if keep_last:
@@ -152,20 +153,6 @@ def write_dir_atomically(final: Path, write, what: str = "checkpoint", stale: st
                 f"larger disk. The previous complete checkpoint is intact.") from exc
         raise CheckpointError(f"cannot write {what} {final}: {exc}") from exc
     return final
-
-
-def _fault_injection_stall(step: int) -> None:
-    """Test-only fault injection: ``GRAIL_EXP_FAULT=stall_checkpoint:<N>`` stalls mid-write of step N until the
-    process is killed, so that a test can SIGKILL it while the checkpoint is half written, however slow the machine.
-    It gives up when its parent (the test) has gone, or after an hour."""
-    fault = os.environ.get("GRAIL_EXP_FAULT", "")
-    if fault == f"stall_checkpoint:{step}":
-        import time
-
-        log.warning("GRAIL_EXP_FAULT: stalling mid-write of checkpoint step %d", step)
-        parent, end = os.getppid(), time.monotonic() + 3600
-        while os.getppid() == parent and time.monotonic() < end:
-            time.sleep(0.5)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

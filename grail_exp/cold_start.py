@@ -66,11 +66,13 @@ def cache_key(s: dict) -> str:
     return hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def ensure_cold_start(base_dir: str, cfg) -> str:
-    """The cold-started model directory for ``cfg`` (built from ``base_dir`` on first use, then cached)."""
+def ensure_cold_start(base_dir: str, cfg, load_tokenizer, load_causal_lm) -> str:
+    """The cold-started model directory for ``cfg`` (built from ``base_dir`` on first use, then cached).
+
+    ``load_tokenizer`` / ``load_causal_lm``: ``grail_exp.models``' loaders, handed in by ``models.resolve_model_path``
+    (the one caller), so that this module stays below models.py instead of importing it back."""
     from filelock import FileLock
 
-    from grail_exp.models import load_tokenizer
     from grail_exp.study import weights_sha256
 
     tokenizer = load_tokenizer(base_dir, cfg)
@@ -86,7 +88,7 @@ def ensure_cold_start(base_dir: str, cfg) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         log.info("cold start: %d steps on the task's solutions from %s into %s (once; cached afterwards)",
                  cfg.model.cold_start.steps, base_dir, out)
-        build = train(base_dir, cfg, tokenizer, tmp)
+        build = train(base_dir, cfg, tokenizer, tmp, load_causal_lm)
         files = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"key": cache_key(s), **s, "base_dir": str(base_dir),
                                                 "files": files, "build": build}, indent=1))
@@ -96,13 +98,11 @@ def ensure_cold_start(base_dir: str, cfg) -> str:
     return str(out)
 
 
-def train(base_dir: str, cfg, tokenizer, out: Path) -> dict:
+def train(base_dir: str, cfg, tokenizer, out: Path, load_causal_lm) -> dict:
     """The supervised pass; saves the float32 model and the tokenizer into ``out``; returns the build record."""
     import torch
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
-
-    from grail_exp.models import load_causal_lm
 
     cs, task = cfg.model.cold_start, _task(cfg)
     t0, c0 = time.perf_counter(), time.process_time()

@@ -34,12 +34,13 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from grail_exp import faults
 from grail_exp import metrics as M
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
 from grail_exp.data import load_benchmark
 from grail_exp.data.prompting import bos_prefix, encode_prompt_texts, prompt_bos, render_prompt
-from grail_exp.rewards import strip_think
+from grail_exp.extraction import strip_think
 from grail_exp.rollout import Completion, SamplingParams
 
 log = logging.getLogger("grail_exp.evaluate")
@@ -121,22 +122,7 @@ class CompletionCache:
             f.flush()
             os.fsync(f.fileno())
         self.chunks[chunk] = rec
-        _fault_injection_kill_after_chunk()
-
-
-_chunks_put = 0  # chunks this process has cached (for the fault injection below)
-
-
-def _fault_injection_kill_after_chunk() -> None:
-    """Test-only fault injection: ``GRAIL_EXP_FAULT=kill_eval_after_chunks:<N>`` SIGKILLs this process right after
-    it has cached its N-th chunk, so that a test kills an evaluation at a known point instead of racing a timer."""
-    global _chunks_put
-    _chunks_put += 1
-    if os.environ.get("GRAIL_EXP_FAULT", "") == f"kill_eval_after_chunks:{_chunks_put}":
-        import signal
-
-        log.warning("GRAIL_EXP_FAULT: killing this process after %d cached chunks", _chunks_put)
-        os.kill(os.getpid(), signal.SIGKILL)
+        faults.kill_eval_after_chunks()  # test-only (GRAIL_EXP_FAULT)
 
 
 def model_fingerprint(path: str, revision: str | None) -> str:
@@ -185,7 +171,9 @@ def _benchmark(name: str, tokenizer, cfg, per_call: int, cache_dir, model_key, r
     if cache_dir is not None:
         what = {"model": model_key, "benchmark": name, "sampling": OmegaConf.to_container(cfg.eval, resolve=True),
                 "per_call": per_call}
-        if bos_prefix(tokenizer):  # prompts gained BOS (issue 22): not the completions cached without it
+        # Prompts start with BOS where the tokenizer adds one (as vLLM encodes them): completions cached from prompts
+        # without it are other completions, so the key names the BOS (tokenizers without one keep their old keys).
+        if bos_prefix(tokenizer):
             what["bos"] = bos_prefix(tokenizer)
         if cfg.rollout.engine != "hf":  # another engine samples other completions (hf keys stay as they were)
             what["engine"] = str(cfg.rollout.engine)

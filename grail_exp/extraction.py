@@ -30,6 +30,9 @@ Three modes, chosen by config (the same names for the training reward and for ev
     (no ``$``, no anchor) it reads none of those three. An earlier ``\\boxed{4}`` before the final
     ``\\boxed{5}`` gives 5. The gold is parsed as in the other modes (``$gold$``).
 
+With ``model.strip_think: true``, a thinking model's completion is first cut to the text after its last
+``</think>`` (``strip_think``), whatever the mode.
+
 Box extraction runs in the calling process (pure string work, linear time); ``math_verify`` sends the
 whole completion to the grading worker, under the same hard timeout (``rewards.MathVerifier``).
 Standard library only, like ``grail_exp.rewards`` (it sits on the grading path).
@@ -39,8 +42,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from grail_exp.boxed import _BOX_LEN, _BOX_OPEN, _matching_close, extract_last_boxed
+from grail_exp.boxed import BOX_LEN, BOX_OPEN, matching_close, extract_last_boxed
 from grail_exp.errors import ConfigError
+
+def strip_think(text: str) -> str:
+    """Text after the last ``</think>`` (thinking models, ``model.strip_think``), or ``text`` unchanged if absent:
+    a box drafted while thinking is never graded."""
+    head, sep, tail = text.rpartition("</think>")
+    return tail if sep else text
+
 
 MODES = ("paper", "last_balanced", "math_verify")  # the values of reward.extraction / benchmark.extraction
 WHOLE_COMPLETION = "math_verify"  # the rule that hands the whole completion to math-verify
@@ -49,23 +59,23 @@ WHOLE_COMPLETION = "math_verify"  # the rule that hands the whole completion to 
 def eval_reference(text: str) -> str | None:
     """The reference evaluation's box: last box read left to right before the first unterminated one."""
     answer, pos = None, 0
-    while (start := text.find(_BOX_OPEN, pos)) >= 0:
-        close = _matching_close(text, start + _BOX_LEN - 1)
+    while (start := text.find(BOX_OPEN, pos)) >= 0:
+        close = matching_close(text, start + BOX_LEN - 1)
         if close < 0:  # unterminated: the reference stops here, boxes after it are never read
             break
-        answer, pos = text[start + _BOX_LEN : close], close + 1
+        answer, pos = text[start + BOX_LEN : close], close + 1
     return answer
 
 
 def reward_reference(text: str) -> str | None:
     """The reference reward's box: last non-overlapping balanced box, unterminated ones skipped, stripped."""
     answer, pos = None, 0
-    while (start := text.find(_BOX_OPEN, pos)) >= 0:
-        close = _matching_close(text, start + _BOX_LEN - 1)
+    while (start := text.find(BOX_OPEN, pos)) >= 0:
+        close = matching_close(text, start + BOX_LEN - 1)
         if close < 0:  # no match here: the regex scan moves on and may match a box inside this one
             pos = start + 1
         else:  # a match: the scan resumes after it, so boxes nested inside are not matches of their own
-            answer, pos = text[start + _BOX_LEN : close].strip(), close + 1
+            answer, pos = text[start + BOX_LEN : close].strip(), close + 1
     return answer
 
 

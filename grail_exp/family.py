@@ -1,10 +1,14 @@
-"""Trainer-side controls of the GRPO family (issue 15), called from grail_exp/module.py at marked hooks.
+"""The GRPO family's token masks: which tokens of a micro-batch the policy term learns from (f in the policy
+objective, ``grail_exp/loss/``), built by the update phase (``grail_exp/training/update.py``) per micro-batch.
 
-    overlong_penalty     DAPO soft overlong punishment, a reward transform (arXiv 2503.14476 §3.4)
-    KLInRewardController r_i ← r_i − β·Σ_t KL_t with a fixed or adaptive β (Ziegler et al. arXiv 1909.08593 §2.2)
-    informative_groups   DAPO dynamic sampling's filter: groups whose rewards are not all equal (§3.2)
-    family_token_masks   top-entropy token mask (Wang et al. "Beyond the 80/20 rule", arXiv 2506.01939) and
-                         off-policy sequence masking (OPSM, DeepSeek-V3.2 arXiv 2512.02556): the policy term's mask
+    top_entropy_mask          the top-ρ entropy quantile of the valid tokens (Wang et al. "Beyond the 80/20 rule",
+                              arXiv 2506.01939; ``loss.top_entropy_quantile``)
+    off_policy_sequence_mask  OPSM: rows with A < 0 that drifted too far off-policy (DeepSeek-V3.2 arXiv 2512.02556;
+                              ``loss.off_policy_mask_threshold``)
+    family_token_masks        f = E · O, as TRL's GRPOTrainer builds it, and the mask the auxiliary terms use
+
+The family's other controls live where they act: the reward transforms in ``grail_exp/reward_shaping.py``, dynamic
+sampling's filter in ``grail_exp/training/rollout.py``, the losses in ``grail_exp/loss/policies/``.
 """
 
 from __future__ import annotations
@@ -15,54 +19,6 @@ import torch
 
 NORMALISERS = ("unmasked", "kept")  # loss.family_mask_normaliser
 POPULATIONS = ("all", "off_policy_kept")  # loss.top_entropy_population
-
-
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
-    """(N,) DAPO's length penalty, added to the reward:
-
-        R_len(L) = 0                                  L ≤ L_max − L_cache
-                 = −(L − (L_max − L_cache)) / L_cache · factor      L_max − L_cache < L ≤ L_max
-
-    (a truncated completion has L = L_max and gets −factor)."""
-    exceed = lengths.float() - (max_length - buffer)
-    return torch.clamp(-exceed / buffer * factor, max=0.0)
-
-
-class KLInRewardController:
-    """β for KL-in-reward; ``adaptive`` follows Ziegler et al. (1909.08593 §2.2, verl's AdaptiveKLController):
-
-        e = clip((KL − target) / target, −0.2, 0.2),    β ← β · (1 + e · n / horizon)
-
-    with KL the mean per-token KL of the batch and n its number of sequences. The state survives checkpoints."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-        self.coef = float(cfg.coef)
-
-    def penalise(self, rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """rewards (N,), per-token kl (N, C), mask (N, C) -> penalised rewards and metrics; then updates β."""
-        m = mask.float()
-        seq_kl = (kl.float() * m).sum(-1)
-        out = rewards.float() - self.coef * seq_kl.to(rewards.device)
-        token_kl = float(((kl.float() * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean())
-        metrics = {"kl_in_reward/coef": self.coef, "kl_in_reward/kl": token_kl,
-                   "kl_in_reward/penalty_mean": float((self.coef * seq_kl).mean())}
-        if self.cfg.controller == "adaptive":
-            err = max(-0.2, min(0.2, (token_kl - self.cfg.target) / self.cfg.target))
-            self.coef *= 1.0 + err * rewards.numel() / self.cfg.horizon
-        return out, metrics
-
-    def state_dict(self) -> dict:
-        return {"coef": self.coef}
-
-    def load_state_dict(self, st: dict) -> None:
-        self.coef = float(st["coef"])
-
-
-def informative_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
-    """(P,) bool: the group's rewards are not all equal (DAPO keeps 0 < #correct < G)."""
-    r = rewards.view(-1, G)
-    return (r.max(1).values - r.min(1).values) > 1e-6
 
 
 def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
@@ -95,7 +51,8 @@ class FamilyMasks:
 
     def term_mask(self, mask: torch.Tensor, loss_cfg) -> torch.Tensor:
         """The loss mask the auxiliary terms aggregate with: the unmasked one (TRL), or mask · f under
-        ``loss.family_mask_normaliser: kept`` (before issue 23), so terms and policy loss share a normaliser."""
+        ``loss.family_mask_normaliser: kept`` (the masks shrink the loss mask itself; docs/deviations.md), so terms
+        and policy loss share a normaliser."""
         if self.policy is None or _get(loss_cfg, "family_mask_normaliser", "unmasked") != "kept":
             return mask
         return mask * self.policy.to(mask.dtype)
@@ -114,8 +71,8 @@ def family_token_masks(entropy: torch.Tensor, logp: torch.Tensor, behaviour_logp
         O   = off_policy_sequence_mask(A, logp, logp_behaviour, mask, δ)
         f   = E · O
 
-    ``loss.top_entropy_population: off_policy_kept`` takes the quantile over the tokens O keeps instead (the order
-    before issue 23). ``entropy`` (B, C) the token entropies, ``logp`` (B, C) the live log-probs (detached inside),
+    ``loss.top_entropy_population: off_policy_kept`` takes the quantile over the tokens O keeps instead (the mask
+    after OPSM; docs/deviations.md). ``entropy`` (B, C) the token entropies, ``logp`` (B, C) the live log-probs (detached inside),
     ``behaviour_logp`` (B, C) the log-probs of the policy that sampled (the rollout engine's, else the old ones),
     ``advantages`` (B,) the sequence advantages, ``mask`` (B, C) the loss mask. Returns ``policy = None`` when both
     masks are off. Metrics are fractions of the micro-batch's loss tokens."""

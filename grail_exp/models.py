@@ -42,7 +42,7 @@ def resolve_model_path(cfg) -> str:
     if cs is not None and cs.enabled:
         from grail_exp.cold_start import ensure_cold_start
 
-        return ensure_cold_start(path, cfg)
+        return ensure_cold_start(path, cfg, load_tokenizer, load_causal_lm)
     return path
 
 

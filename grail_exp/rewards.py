@@ -1,4 +1,4 @@
-"""Answer extraction and math-verify grading for RL with verifiable rewards.
+"""The reward: math-verify grading of a completion's answer against the gold answer, under hard timeouts.
 
 The reward
 ----------
@@ -26,13 +26,12 @@ for minutes or forever. math-verify guards itself with ``signal.alarm``, but
   inside a C extension (e.g. a giant integer power) is not interrupted at all.
 
 The only reliable bound is to grade in separate processes and kill a process
-that overruns. ``MathVerifier`` therefore keeps a few long-lived worker
-processes (started lazily, reused across calls), sends each one answer at a
-time over a ``multiprocessing`` Pipe, waits with a deadline, and on overrun
-terminates/kills the worker, records ``status="timeout"`` (reward 0) and starts
-a fresh worker. ``concurrent.futures`` is deliberately not used: a hung task
-in its pools cannot be killed. A crashing worker is replaced the same way and
-its answer counted as ``"error"``.
+that overruns. ``MathVerifier`` therefore grades in a ``grail_exp.grading_pool``
+``WorkerPool``: a few long-lived worker processes (started lazily, reused across
+calls), one answer at a time each, under a hard deadline; on overrun the worker
+is killed, the answer records ``status="timeout"`` (reward 0) and a fresh
+worker starts. A crashing worker is replaced the same way and its answer
+counted as ``"error"``.
 
 This module imports only the standard library (math_verify lazily, inside the
 grading functions) so that spawned workers start fast; in particular it must
@@ -45,45 +44,16 @@ keep both light for fast worker start-up.
 
 from __future__ import annotations
 
-import atexit
+import functools
 import logging
 import math
-import multiprocessing
-import multiprocessing.connection
-import os
-import signal
 import threading
-import time
-import weakref
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-__all__ = [
-    "extract_last_boxed",
-    "find_first_boxed_span",
-    "strip_think",
-    "grade_one",
-    "GradeResult",
-    "MathVerifier",
-    "STATUSES",
-]
+from grail_exp import faults
+from grail_exp.grading_pool import Failed, WorkerPool
 
-# Box finding lives in grail_exp/boxed.py (shared with the extraction rules and the answer spans).
-from grail_exp.boxed import (  # noqa: E402,F401  (re-exported: the grading API's names)
-    _BOX_LEN,
-    _BOX_OPEN,
-    _matching_close,
-    extract_last_boxed,
-    find_first_boxed_span,
-    find_last_boxed_span,
-)
-
-
-def strip_think(text: str) -> str:
-    """Text after the last ``</think>`` (thinking models), or ``text`` unchanged if absent."""
-    head, sep, tail = text.rpartition("</think>")
-    return tail if sep else text
+__all__ = ["grade_one", "GradeResult", "MathVerifier", "STATUSES"]
 
 
 # --------------------------------------------------------------------------
@@ -213,75 +183,27 @@ def grade_one(
 
 
 # --------------------------------------------------------------------------
-# Worker process
+# Grading in the worker pool
 # --------------------------------------------------------------------------
 
-_READY = "ready"
-_DEBUG_SLEEP = "__sleep__:"  # test hook, honoured only with _allow_debug=True
-_DEBUG_CRASH = "__crash__"
-
-
-def _worker_main(conn, parse_timeout, verify_timeout, allow_debug: bool) -> None:
-    """Worker loop: receive ``(pred, gold, whole)``, send back ``(correct, status, extracted)``; exit on EOF/None.
-
-    Module-level so that it pickles under the ``spawn`` start method.
-    """
-    # Ctrl-C goes to the whole process group; the parent decides what happens to workers.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Make sure math-verify's timeout warnings are emitted so they can be detected.
+def _start_grading_worker(parse_timeout, verify_timeout) -> None:
+    """A grading worker's start-up, before it reports ready: math-verify's timeout warnings switched on (so that
+    ``_TimeoutLogCatcher`` sees them), and a warm-up grade (imports sympy/antlr, compiles regexes), so that start-up
+    time is never charged to an answer's hard timeout."""
     logging.getLogger("math_verify").setLevel(logging.WARNING)
-    # Warm-up (imports sympy/antlr, compiles regexes) before reporting ready,
-    # so that start-up time is never charged to an answer's hard timeout.
     _grade_with_status("1", "1", parse_timeout, verify_timeout)
-    conn.send(_READY)
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return  # parent closed the pipe or died
-        if job is None:
-            return
-        pred, gold, whole = job
-        if allow_debug and pred.startswith(_DEBUG_SLEEP):
-            time.sleep(float(pred[len(_DEBUG_SLEEP) :]))
-            result: tuple[bool, str, str | None] = (False, "ok", pred)
-        elif allow_debug and pred == _DEBUG_CRASH:
-            os._exit(3)
-        else:
-            result = _grade_with_status(pred, gold, parse_timeout, verify_timeout, whole)
-        conn.send(result)
 
 
-@dataclass
-class _Worker:
-    process: Any  # multiprocessing BaseProcess
-    conn: Any  # multiprocessing Connection (parent end)
-    ready: bool = False
-    # Indices (into the current grade() call) sent and not yet answered; the
-    # worker grades them in order, so jobs[0] is the one running now.
-    jobs: deque = field(default_factory=deque)
-    deadline: float = 0.0  # hard deadline of jobs[0], or start-up deadline while not ready
-
-
-# All live verifiers, closed at interpreter exit so that no worker outlives the parent.
-_LIVE_VERIFIERS: "weakref.WeakSet[MathVerifier]" = weakref.WeakSet()
-
-
-def _close_all_verifiers() -> None:
-    for verifier in list(_LIVE_VERIFIERS):
-        verifier.close()
-
-
-atexit.register(_close_all_verifiers)
-
-
-# --------------------------------------------------------------------------
-# Pool
-# --------------------------------------------------------------------------
+def _grade_in_worker(pred: str, gold: str, whole: bool, *, parse_timeout, verify_timeout,
+                     allow_debug: bool) -> tuple[bool, str, str | None]:
+    """One job of the pool: ``(correct, status, extracted)`` of ``_grade_with_status``."""
+    if allow_debug and faults.grading_answer(pred):  # test-only: "__sleep__:<s>" hangs, "__crash__" dies
+        return False, "ok", pred
+    return _grade_with_status(pred, gold, parse_timeout, verify_timeout, whole)
 
 
 class MathVerifier:
-    """Grades answers with math-verify in killable worker processes.
+    """Grades answers with math-verify in killable worker processes (``grail_exp.grading_pool.WorkerPool``).
 
     ``num_workers`` long-lived workers are started on first use and reused.
     Each answer gets at most ``hard_timeout_s`` seconds of wall time in its
@@ -300,12 +222,6 @@ class MathVerifier:
     ``paper_eval``, ``math_verify``). Every rule grades under the same hard
     timeout: ``math_verify`` sends the whole completion to the worker.
     """
-
-    _STARTUP_TIMEOUT_S = 120.0  # importing sympy on a loaded machine can be slow
-    _STOP_GRACE_S = 1.0
-    _MAX_STARTUP_FAILURES = 3
-    _PIPELINE_DEPTH = 2  # answers in flight per worker: the running one + one queued
-    _PIPELINE_MAX_CHARS = 8192  # only small answers are queued (pipe buffers are ~64 KiB)
 
     def __init__(
         self,
@@ -331,15 +247,21 @@ class MathVerifier:
         self.verify_timeout = verify_timeout
         self.mp_context = mp_context
         self.extraction = extraction
-        self._allow_debug = _allow_debug
-        self._ctx = multiprocessing.get_context(mp_context)
-        self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(_COUNTER_KEYS, 0)
-        self.worker_restarts = 0  # workers replaced after a timeout or crash
-        self._startup_failures = 0  # consecutive workers that died before becoming ready
-        _LIVE_VERIFIERS.add(self)
+        self._pool = None
+        if num_workers:
+            work = functools.partial(_grade_in_worker, parse_timeout=parse_timeout, verify_timeout=verify_timeout,
+                                     allow_debug=_allow_debug)
+            init = functools.partial(_start_grading_worker, parse_timeout, verify_timeout)
+            self._pool = WorkerPool(work, num_workers, hard_timeout_s, init=init, mp_context=mp_context,
+                                    name="math-verify")
+
+    @property
+    def worker_restarts(self) -> int:
+        """Workers replaced after a timeout or crash."""
+        return self._pool.worker_restarts if self._pool is not None else 0
 
     # ---- public API -------------------------------------------------------
 
@@ -352,7 +274,7 @@ class MathVerifier:
         if len(preds) != len(golds):
             raise ValueError(f"{len(preds)} preds but {len(golds)} golds")
         results: list[GradeResult | None] = [None] * len(preds)
-        todo: deque[int] = deque()
+        todo: list[int] = []
         for i, pred in enumerate(preds):
             if pred is None or not pred.strip():
                 results[i] = GradeResult(False, None if whole else pred, "no_answer")
@@ -361,14 +283,20 @@ class MathVerifier:
         with self._lock:
             if self._closed:
                 raise RuntimeError("MathVerifier is closed")
-            if todo and self.num_workers == 0:
+            if todo and self._pool is None:
                 for i in todo:
                     correct, status, extracted = _grade_with_status(
                         preds[i], golds[i], self.parse_timeout, self.verify_timeout, whole
                     )
                     results[i] = GradeResult(correct, extracted, status)
             elif todo:
-                self._grade_in_pool(preds, golds, todo, results, whole)
+                replies = self._pool.run([(preds[i], golds[i], whole) for i in todo])
+                for i, reply in zip(todo, replies):
+                    if isinstance(reply, Failed):
+                        results[i] = GradeResult(False, None if whole else preds[i], reply.status)
+                    else:
+                        correct, status, extracted = reply
+                        results[i] = GradeResult(bool(correct), extracted if whole else preds[i], status)
             self._count(results)
         return results  # type: ignore[return-value]
 
@@ -387,15 +315,8 @@ class MathVerifier:
     def close(self) -> None:
         """Stop all workers (idempotent). Idle workers exit on EOF; busy ones are killed."""
         self._closed = True
-        workers, self._workers = self._workers, []
-        for w in workers:
-            _safe_close(w.conn)  # idle workers see EOF and exit by themselves
-        deadline = time.monotonic() + self._STOP_GRACE_S
-        for w in workers:
-            if not w.jobs and w.ready:
-                w.process.join(max(0.0, deadline - time.monotonic()))
-            _kill(w.process)
-        _LIVE_VERIFIERS.discard(self)
+        if self._pool is not None:
+            self._pool.close()
 
     def __enter__(self) -> "MathVerifier":
         return self
@@ -418,155 +339,3 @@ class MathVerifier:
             self.counters["correct"] += int(r.correct)
             if r.status != "ok":
                 self.counters[r.status] += 1
-
-    def _start_worker(self) -> _Worker:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
-            target=_worker_main,
-            args=(child_conn, self.parse_timeout, self.verify_timeout, self._allow_debug),
-            name="math-verify-worker",
-            daemon=True,  # multiprocessing also kills daemons at exit
-        )
-        process.start()
-        # Drop our copy of the child's end, otherwise a dead worker never reads as EOF.
-        child_conn.close()
-        return _Worker(process, parent_conn, deadline=time.monotonic() + self._STARTUP_TIMEOUT_S)
-
-    def _replace_worker(self, k: int) -> None:
-        old = self._workers[k]
-        _safe_close(old.conn)
-        _kill(old.process)
-        self._workers[k] = self._start_worker()
-        self.worker_restarts += 1
-
-    def _grade_in_pool(
-        self,
-        preds: list[str | None],
-        golds: list[str],
-        todo: deque[int],
-        results: list[GradeResult | None],
-        whole: bool,
-    ) -> None:
-        while len(self._workers) < self.num_workers:  # lazy start / top up
-            self._workers.append(self._start_worker())
-        try:
-            self._event_loop(preds, golds, todo, results, whole)
-        except BaseException:
-            # Interrupted (e.g. KeyboardInterrupt): results of in-flight jobs would
-            # arrive during the next call and be misattributed, so drop those workers.
-            keep = []
-            for w in self._workers:
-                if w.ready and not w.jobs:
-                    keep.append(w)
-                else:
-                    _safe_close(w.conn)
-                    _kill(w.process)
-            self._workers = keep
-            raise
-
-    def _event_loop(
-        self,
-        preds: list[str | None],
-        golds: list[str],
-        todo: deque[int],
-        results: list[GradeResult | None],
-        whole: bool,
-    ) -> None:
-        workers = self._workers
-        while todo or any(w.jobs for w in workers):
-            # 1. Keep every ready worker busy. A second answer is queued behind the
-            #    running one so the worker never idles during the result round trip.
-            for k, w in enumerate(workers):
-                while w.ready and todo and len(w.jobs) < self._PIPELINE_DEPTH:
-                    i = todo[0]
-                    if w.jobs and len(preds[i]) + len(golds[i]) > self._PIPELINE_MAX_CHARS:
-                        break  # a big message could block on a hung worker's full pipe
-                    try:
-                        w.conn.send((preds[i], golds[i], whole))
-                    except (OSError, ValueError):  # the worker died
-                        if not w.jobs:  # nothing will report it: replace it now
-                            self._replace_worker(k)
-                        break  # otherwise its EOF is handled in step 3
-                    todo.popleft()
-                    if not w.jobs:
-                        w.deadline = time.monotonic() + self.hard_timeout_s
-                    w.jobs.append(i)
-
-            # 2. Wait for a result, a crash (EOF) or the nearest deadline.
-            watched = [w for w in workers if w.jobs or not w.ready]
-            timeout = max(0.0, min(w.deadline for w in watched) - time.monotonic())
-            readable = multiprocessing.connection.wait([w.conn for w in watched], timeout)
-
-            # 3. Collect results; replace crashed workers.
-            for k, w in enumerate(workers):
-                if w.conn not in readable:
-                    continue
-                try:
-                    msg = w.conn.recv()
-                except (EOFError, OSError):
-                    if not w.jobs:  # died during start-up
-                        w.process.join(self._STOP_GRACE_S)
-                        code = w.process.exitcode
-                        self._startup_failures += 1
-                        if self._startup_failures > self._MAX_STARTUP_FAILURES:
-                            # Systematic (e.g. an import error in the worker): give up loudly.
-                            raise RuntimeError(
-                                f"math-verify workers keep dying during start-up (last exit code {code})"
-                            )
-                    else:
-                        self._fail_head_job(w, "error", preds, todo, results, whole)
-                    self._replace_worker(k)
-                    continue
-                if not w.ready:
-                    w.ready = msg == _READY
-                    self._startup_failures = 0
-                    continue
-                correct, status, extracted = msg
-                i = w.jobs.popleft()
-                results[i] = GradeResult(bool(correct), extracted if whole else preds[i], status)
-                if w.jobs:  # the queued answer starts now
-                    w.deadline = time.monotonic() + self.hard_timeout_s
-
-            # 4. Kill workers that overran their deadline.
-            now = time.monotonic()
-            for k, w in enumerate(workers):
-                if w.jobs and w.deadline <= now:
-                    self._fail_head_job(w, "timeout", preds, todo, results, whole)
-                    self._replace_worker(k)
-                elif not w.ready and w.deadline <= now:
-                    self._replace_worker(k)
-                    raise RuntimeError(
-                        f"math-verify worker not ready after {self._STARTUP_TIMEOUT_S:.0f} s"
-                    )
-
-    @staticmethod
-    def _fail_head_job(
-        w: _Worker,
-        status: str,
-        preds: list[str | None],
-        todo: deque[int],
-        results: list[GradeResult | None],
-        whole: bool,
-    ) -> None:
-        """Record the running answer as failed; answers queued behind it go back to the front of ``todo``."""
-        i = w.jobs.popleft()
-        results[i] = GradeResult(False, None if whole else preds[i], status)
-        todo.extendleft(reversed(w.jobs))
-        w.jobs.clear()
-
-
-def _safe_close(conn) -> None:
-    try:
-        conn.close()
-    except OSError:
-        pass
-
-
-def _kill(process, grace_s: float = 1.0) -> None:
-    """Terminate, then kill, and always reap (no zombies)."""
-    if process.is_alive():
-        process.terminate()
-        process.join(grace_s)
-    if process.is_alive():
-        process.kill()
-    process.join()

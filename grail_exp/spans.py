@@ -23,7 +23,7 @@ Per row:
    other special token disappear from the text).
 2. ``lead`` = number of *leading* pad ids of the row (0 for right-padded completions).
 3. ``(s, e)`` = char span of the first complete ``\\boxed{...}`` in ``text`` (marker and closing
-   brace included; ``grail_exp.rewards.find_first_boxed_span``). None -> no box.
+   brace included; ``grail_exp.boxed.find_first_boxed_span``). None -> no box.
 4. Token positions are *counts from re-encoding* (``add_special_tokens=False``), never matched
    against the live tokens::
 
@@ -87,7 +87,7 @@ much slower than the reference mode but fine for diagnostics and moderate widths
 Switch ``box`` (``advantage.box``)
 ---------------------------------
 ``"first"`` (reference): the first complete box drives the probe and the overrides. ``"last"``:
-the last balanced box, i.e. the box the reward grades (``grail_exp.rewards.extract_last_boxed``;
+the last balanced box, i.e. the box the reward grades (``grail_exp.boxed.extract_last_boxed``;
 with ``model.strip_think`` the reward grades the last box after ``</think>``, which is this box
 whenever the answer part contains one).
 """
@@ -101,7 +101,7 @@ from typing import Callable
 import torch
 
 from grail_exp.checkpoint import checkpointable
-from grail_exp.boxed import _BOX_LEN, _BOX_OPEN, find_first_boxed_span, find_last_boxed_span
+from grail_exp.boxed import BOX_LEN, BOX_OPEN, find_first_boxed_span, find_last_boxed_span
 from grail_exp.errors import ConfigError
 
 __all__ = ["AnswerSpans", "answer_spans", "find_last_boxed_span", "SPAN_MAPPINGS", "BOX_MODES"]
@@ -158,7 +158,7 @@ def _tokenizer_consts(tokenizer) -> tuple[int, int]:
     entry = _CONSTS.get(id(tokenizer))
     if entry is not None and entry[0]() is tokenizer:
         return entry[1], entry[2]
-    a_ids, a_marker_ids = _encode_many(tokenizer, ["a", "a" + _BOX_OPEN])
+    a_ids, a_marker_ids = _encode_many(tokenizer, ["a", "a" + BOX_OPEN])
     marker_len = len(a_marker_ids) - len(a_ids)
     try:
         ref: Callable[[], object] = weakref.ref(tokenizer)
@@ -348,7 +348,7 @@ def _exact_spans(rows, texts, char_spans, valid, tokenizer, B, C) -> AnswerSpans
         if char_spans[b] is None or C == 0:
             continue
         s, e = char_spans[b]
-        m, c = s + _BOX_LEN, e - 1  # marker chars [s, m), content [m, c), closing char c
+        m, c = s + BOX_LEN, e - 1  # marker chars [s, m), content [m, c), closing char c
         off = _RowOffsets(tokenizer, rows[b], texts[b])
         first = _lower_bound(0, C, lambda i: off.ceil(i + 1) > s)  # first token reaching into the box
         after = _lower_bound(first, C, lambda i: off.floor(i) >= e)  # first token starting after it

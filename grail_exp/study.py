@@ -200,26 +200,6 @@ def read_study(directory: str | os.PathLike) -> list[tuple[Path, dict]]:
     return [(f.parent, read_arm(f.parent)) for f in sorted(root.glob(f"*/{ARM_FILE}"))]
 
 
-def fault_at_step(point: str, step: int, scheme: str) -> None:
-    """Test-only fault injection at the end of optimiser step N, in any job or only in jobs of one scheme: a study is
-    stopped mid-arm at a known point instead of by a timer.
-
-    ``GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]`` sends this process SIGTERM before the step's checkpoint decision
-    (as if it had arrived during step N: the run checkpoints step N and stops); ``kill_after_step:<N>[:<scheme>]``
-    SIGKILLs it after the checkpoint decision (``point``: which of the two places calls)."""
-    fault = os.environ.get("GRAIL_EXP_FAULT", "").split(":")
-    if fault[0] != point or len(fault) < 2 or int(fault[1]) != step or (len(fault) > 2 and fault[2] != scheme):
-        return
-    import signal
-
-    log.warning("GRAIL_EXP_FAULT: %s at step %d of %s", point, step, scheme)
-    if point == "term_at_step":
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    logging.shutdown()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def choose_lr(folder: str | os.PathLike, out: str | os.PathLike, expected: list[str],
               metric: str = "eval/arithmetic_val/acc") -> dict:
     """The learning rate of a sweep folder's arms with the best ``metric`` (ties: the smaller), written to ``out``.

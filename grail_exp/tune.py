@@ -37,7 +37,7 @@ FAIL -> FAILED, with ``optuna.state`` equal to Optuna's state, and a FAILED chil
 died before it had one. A kill between the two writes is therefore repaired on the next start: before
 Optuna's write the trial goes stale and is FAIL in both stores (and re-queued); after it, the child takes
 Optuna's state. ``GRAIL_EXP_FAULT=tune_kill:<point>[:<trial number or state>]`` SIGKILLs the worker at one of
-``CRASH_POINTS`` (test-only fault injection, as ``stall_checkpoint`` in ``checkpoint.py``).
+``CRASH_POINTS`` (test-only fault injection: ``grail_exp/faults.py``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ import gc
 import json
 import logging
 import math
-import os
-import signal
 import socket
 import traceback
 import uuid
@@ -60,6 +58,7 @@ from typing import Any, Optional
 import hydra
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
+from grail_exp import faults
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, register_configs, validate
 from grail_exp.errors import RunStopped
@@ -310,7 +309,7 @@ class _StudyRuns:
                 "optuna.storage": _public_url(storage_url), "optuna.direction": settings.direction,
                 "optuna.metric": metric, "model": str(cfg.model.name), "scheme": str(cfg.advantage.name)}
         mine = MlflowTracker(uri, exp, f"study-{settings.study_name}", art, tags)
-        _fault_kill("parent_created", -1)
+        faults.tune_kill("parent_created", -1)
         study.set_user_attr("mlflow_parent_run_id", mine.run_id)
         winner = study.user_attrs.get("mlflow_parent_run_id")  # two workers starting at once: one parent wins
         if winner != mine.run_id:
@@ -482,20 +481,6 @@ CRASH_POINTS = (
 )
 
 
-def _fault_kill(point: str, number: int, state: str | None = None) -> None:
-    """Test-only fault injection: ``GRAIL_EXP_FAULT=tune_kill:<point>[:<trial number or state>]`` kills this worker
-    with SIGKILL (no cleanup, like the OOM killer or a lost node) at ``point`` of the first trial that matches."""
-    fault = os.environ.get("GRAIL_EXP_FAULT", "")
-    if not fault.startswith("tune_kill:"):
-        return
-    want, _, which = fault[len("tune_kill:"):].partition(":")
-    if want == point and which in ("", str(number), state):
-        log.warning("GRAIL_EXP_FAULT: killing this worker at %s of trial %d (%s)", point, number, state)
-        for handler in logging.getLogger().handlers + log.handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # ---------------------------------------------------------------------------------------------- the study
 class _Pruned(RunStopped):
     pass
@@ -590,7 +575,7 @@ def optimize(cfg: DictConfig) -> dict:
         info = pending[trial.number] = _TrialInfo(
             trial.number, trial_dir, tags,
             resumes_checkpoint=retry_of is not None and latest_checkpoint(Path(trial_dir) / "checkpoints") is not None)
-        _fault_kill("trial_started", trial.number)
+        faults.tune_kill("trial_started", trial.number)
         values = {key: _suggest(trial, key, dist) for key, dist in space.items()}
         tags["optuna.params"] = _trial_overrides(values)
         log.info("trial %d%s: %s", trial.number, f" (retry of {retry_of})" if retry_of is not None else "",
@@ -615,7 +600,7 @@ def optimize(cfg: DictConfig) -> dict:
             if metric in metrics and math.isfinite(metrics[metric]):
                 if step not in inherited:
                     trial.report(float(metrics[metric]), step)
-                    _fault_kill("reported", trial.number)
+                    faults.tune_kill("reported", trial.number)
                 if trial.should_prune():
                     raise _Pruned(f"pruned at step {step}: {metric} = {metrics[metric]:.4f}")
 
@@ -631,17 +616,17 @@ def optimize(cfg: DictConfig) -> dict:
             hand_back_to_submitit()  # in a submitit job this requeues the worker and exits here
             raise SystemExit(143)
         except _Pruned as exc:
-            _fault_kill("run_ended", trial.number, "PRUNED")
+            faults.tune_kill("run_ended", trial.number, "PRUNED")
             log.info("trial %d %s", trial.number, exc)
             raise optuna.TrialPruned(str(exc)) from None
         except Exception:
             info.error = traceback.format_exc()
-            _fault_kill("run_ended", trial.number, "FAIL")
+            faults.tune_kill("run_ended", trial.number, "FAIL")
             raise  # Optuna records the trial as FAIL; catch= below keeps the study going
         finally:
             gc.collect()
             _empty_cuda_cache()
-        _fault_kill("run_ended", trial.number, "COMPLETE")
+        faults.tune_kill("run_ended", trial.number, "COMPLETE")
         return value
 
     def budget_reached() -> bool:
@@ -649,7 +634,7 @@ def optimize(cfg: DictConfig) -> dict:
 
     def after_trial(study_, trial) -> None:
         """Optuna has stored the trial's outcome: now its MLflow child run, then the study's counters."""
-        _fault_kill("optuna_recorded", trial.number, trial.state.name)
+        faults.tune_kill("optuna_recorded", trial.number, trial.state.name)
         info = pending.pop(trial.number, None)
         if info is not None:
             try:

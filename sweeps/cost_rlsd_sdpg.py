@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 def main(rows: int = 64, completion_len: int = 48, reps: int = 5) -> None:
     sys.path.insert(0, "tests")
-    from conftest import compose
+    from helpers.compose import compose
 
     from grail_exp.advantages import SchemeBatch
     from grail_exp.advantages.probe import predicting_window

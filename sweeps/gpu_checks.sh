@@ -58,7 +58,7 @@ if [[ $what == e2e || $what == all ]]; then
   /usr/bin/time -v $PY -m grail_exp.run "${QWEN[@]}" "$SMALL" trainer=gpu advantage=grail "${RUN[@]}" \
       paths.root_dir=/tmp/e2e_gpu hydra.run.dir=/tmp/e2e_gpu/run 2>&1 | tee "$out/e2e_gpu.log" | grep -v "it/s\]" | tail -25
   PYTHONPATH="$PWD/tests:${PYTHONPATH:-}" $PY -m grail_exp.run "${QWEN[@]}" "$SMALL" trainer=fsdp trainer.devices=1 \
-      advantage=grail advantage.symmetry=both rollout.engine=fakes:ScriptedEngine "${RUN[@]}" \
+      advantage=grail advantage.symmetry=both rollout.engine=helpers.fakes:ScriptedEngine "${RUN[@]}" \
       paths.root_dir=/tmp/e2e_fsdp hydra.run.dir=/tmp/e2e_fsdp/run 2>&1 | tee "$out/e2e_fsdp.log" | grep -v "it/s\]" | tail -25
   ls -la /tmp/e2e_gpu/run/checkpoints/* /tmp/e2e_fsdp/run/checkpoints/* 2>&1 | tail -12
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# RELEX on the embedded default (issue 14 §3): train the default GRAIL run keeping every step's weights, observe
+# RELEX on the embedded default (docs/notes/relex.md): train the default GRAIL run keeping every step's weights, observe
 # its first 10-50 % of steps, extrapolate each cut to the last step (rank 1, linear fit: the paper's setting),
 # and evaluate every model with one evaluation config (eval=quick, the 256 held-out arithmetic problems).
 # Prints the table of results/relex.md and writes it to <EV>/table.md.

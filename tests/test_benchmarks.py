@@ -16,7 +16,7 @@ import re
 import time
 
 import pytest
-from conftest import compose
+from helpers.compose import compose
 
 from grail_exp.config import validate
 from grail_exp.data import BENCHMARKS, load_benchmark
@@ -27,7 +27,8 @@ from grail_exp.data.benchmarks import (
     BenchmarkDataError,
     read_jsonl,
 )
-from grail_exp.rewards import MathVerifier, extract_last_boxed
+from grail_exp.boxed import extract_last_boxed
+from grail_exp.rewards import MathVerifier
 
 PAPER = ["math500", "aime24", "amc23", "minerva_math", "college_math_200", "olympiadbench_200"]
 INSTRUCTION = " Please reason step by step, and put your final answer within \\boxed{}."

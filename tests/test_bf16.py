@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pinned_step import build_model_and_tokenizer, rollout_batch
+from helpers.pinned_step import build_model_and_tokenizer, rollout_batch
 
 
 def _module(dtype, overrides=()):
-    from test_pinned_step import _cfg
+    from helpers.pinned_step import pinned_config
 
     from grail_exp.advantages import build_scheme
     from grail_exp.estimators.group import group_advantages
     from grail_exp.forward import position_ids_from_mask
-    from grail_exp.module import GRPOModule, TrainingBatch
+    from grail_exp.training.module import GRPOModule, TrainingBatch
 
-    cfg = _cfg(["advantage=grpo", *overrides])
+    cfg = pinned_config(["advantage=grpo", *overrides])
     torch.manual_seed(0)
     model, tok = build_model_and_tokenizer()
     model = model.to(dtype)

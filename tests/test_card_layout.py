@@ -2,7 +2,7 @@
 fsdp_zero2 with one colocated vLLM engine per rank (rollout=vllm_paper), μ = 4, and a final evaluation. Here: the same
 trainer and engine settings on the shipped tiny model, 2 gloo ranks, μ = 2, 2 optimiser steps, the final evaluation on.
 
-Every rank writes what it did through the probe (tests/card_probe.py), and the run is judged by that, not by its exit
+Every rank writes what it did through the probe (tests/helpers/card_probe.py), and the run is judged by that, not by its exit
 code (a run whose engine took over the process group exited 0 as two one-rank runs):
 
 - every rank ran in the configured world (2 ranks, gloo) and MLflow has world_size / dist_backend;
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from card_probe import read
-from conftest import HANG_TIMEOUT_S, MODEL_REORDER
+from helpers.card_probe import read
+from helpers.tolerances import HANG_TIMEOUT_S, MODEL_REORDER
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ GLOO_ABORT = "terminate called without an active exception"
 def _env(probe_dir: Path) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")]),
                 OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                GRAIL_EXP_PROBE="card_probe:CardProbe", GRAIL_EXP_PROBE_DIR=str(probe_dir))
+                GRAIL_EXP_PROBE="helpers.card_probe:CardProbe", GRAIL_EXP_PROBE_DIR=str(probe_dir))
 
 
 def run_card(tmp_path: Path, trainer: str, rollout: str, extra: list[str] = ()) -> subprocess.CompletedProcess:
@@ -140,6 +140,7 @@ def evaluate_checkpoint(tmp_path: Path, rollout: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- the card (vLLM)
+@pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 def test_the_cards_layout_fsdp_zero2_vllm_paper(tmp_path):
@@ -151,6 +152,7 @@ def test_the_cards_layout_fsdp_zero2_vllm_paper(tmp_path):
     assert evaluate_checkpoint(tmp_path, ["rollout=vllm_paper", *VLLM[:1]]) == final
 
 
+@pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 def test_the_cards_layout_ddp_vllm_paper(tmp_path):
@@ -167,6 +169,7 @@ def _check_one_engine_per_rank(probe: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- HF generation
+@pytest.mark.e2e
 def test_the_cards_layout_fsdp_zero2_hf(tmp_path):
     """The card's trainer with rollout=hf: generation and the data-parallel evaluation on the sharded policy's gathered
     parameters (FSDP must not re-gather inside generation: the ranks generate different lengths); the final
@@ -176,6 +179,7 @@ def test_the_cards_layout_fsdp_zero2_hf(tmp_path):
     assert evaluate_checkpoint(tmp_path, ["rollout=hf"]) == final
 
 
+@pytest.mark.e2e
 def test_full_shard_with_uneven_work_per_rank(tmp_path):
     """trainer=fsdp (FULL_SHARD) + rollout=hf, work that differs between the ranks: 3 evaluation chunks over 2 ranks
     (rank 0 generates two, rank 1 one), rollouts that stop at different lengths, and GRAIL's weights of mini-batch 2
@@ -245,6 +249,7 @@ def test_ranks_that_sample_the_same_prompt_stop_the_run(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- the GPU check, composed
+@pytest.mark.e2e
 def test_the_one_gpu_card_check_composes_and_plans(tmp_path):
     """`bash sweeps/gpu_checks.sh card1gpu` (run by the lead on one H100) shrinks the card's command to world size 1
     with real widths and vocabulary; here its composition and its plan, with nothing run (CARD1GPU_DRY=1)."""

@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import HANG_TIMEOUT_S, AlternatingVerifier, compose
+from helpers.compose import compose
+from helpers.fakes import AlternatingVerifier
+from helpers.tolerances import HANG_TIMEOUT_S
 from grail_exp.checkpoint import complete_checkpoints, load_training_state
 
 
@@ -96,6 +98,7 @@ def _cli_args(run_dir, model_dir, tmp_path, extra=()):
             "advantage=grpo", "loss.mask_truncated_completions=false", *extra]
 
 
+@pytest.mark.e2e
 def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     args = _cli_args(run_dir, tiny_model_dir, tmp_path, ["trainer.max_steps=3", "trainer.checkpoint_every=1"])
@@ -124,6 +127,7 @@ def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path, tiny_model_d
     assert steps[-1] == 3 and 1 in steps
 
 
+@pytest.mark.e2e
 def test_sigterm_writes_a_checkpoint_before_exit(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     proc = _run_cli(_cli_args(run_dir, tiny_model_dir, tmp_path, ["trainer.max_steps=500", "trainer.log_every=1"]))
@@ -159,6 +163,7 @@ def test_sigterm_writes_a_checkpoint_before_exit(tmp_path, tiny_model_dir):
     assert c.get_run(runs[0].info.run_id).info.status == "KILLED"
 
 
+@pytest.mark.e2e
 def test_sweep_continues_past_a_failing_job(tmp_path, tiny_model_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "grail_exp.run", "-m", f"model.name_or_path={tiny_model_dir},{tmp_path}/no_such_model",
@@ -197,6 +202,7 @@ def test_disk_full_on_checkpoint_is_one_clear_error_and_leaves_no_partial_checkp
     assert [c.name for c in complete_checkpoints(root)] == ["step-1"] and not list(root.glob("*.tmp-*"))
 
 
+@pytest.mark.e2e
 def test_unreachable_tracking_server_fails_fast(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}"],
                           env={**os.environ, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"},
@@ -205,18 +211,21 @@ def test_unreachable_tracking_server_fails_fast(tmp_path):
     assert "unreachable" in proc.stderr and "logger=none" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_missing_model_dir_is_one_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}", "logger=none",
                            f"model.name_or_path={tmp_path}/nope"], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 2 and "no Hugging Face model there" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_resume_from_a_non_checkpoint_is_one_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", f"paths.root_dir={tmp_path}", "logger=none",
                            f"resume={tmp_path}"], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_parallel_jobs_can_create_one_sqlite_store_at_once(tmp_path):
     """Parallel sweep jobs (e.g. submitit_local) initialising the same fresh sqlite store must not race."""
     code = ("import sys; from grail_exp.tracking import MlflowTracker; "

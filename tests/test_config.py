@@ -8,7 +8,7 @@ import pytest
 
 from grail_exp.config import ConfigError, validate
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 CONF = Path(__file__).parents[1] / "conf"
 
@@ -109,6 +109,7 @@ def test_wrong_group_option_lists_valid_options(compose_cfg):
     assert "grpo" in str(err.value)
 
 
+@pytest.mark.e2e
 def test_cli_wrong_scheme_exits_nonzero_and_lists_schemes(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "advantage=nope", f"paths.root_dir={tmp_path}"],
                           capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
@@ -117,6 +118,7 @@ def test_cli_wrong_scheme_exits_nonzero_and_lists_schemes(tmp_path):
     assert "advantage" in out and "grpo" in out
 
 
+@pytest.mark.e2e
 def test_cli_invalid_value_is_one_clear_message(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "rollout.num_generations=1",
                            f"paths.root_dir={tmp_path}"], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
@@ -125,6 +127,7 @@ def test_cli_invalid_value_is_one_clear_message(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_cli_two_steps_leaves_an_mlflow_run_with_params_metrics_and_eval_table(tmp_path):
     """`python -m grail_exp.run trainer.max_steps=2` (warm start shortened so the test stays fast)."""
     from mlflow.tracking import MlflowClient

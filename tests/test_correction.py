@@ -63,7 +63,7 @@ def test_sampler_check_fails_loudly_on_a_stale_engine(compose_cfg, tiny_model_di
     """A jump of the sampler/trainer log-prob gap (e.g. an engine that reloaded its initial weights) aborts the run."""
     from test_module import _build_module, _small
 
-    from grail_exp.module import SamplerMismatchError
+    from grail_exp.training.module import SamplerMismatchError
 
     cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])
     module = _build_module(cfg, tiny_model_dir)

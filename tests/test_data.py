@@ -94,7 +94,7 @@ def test_few_shot_examples_come_before_the_problem_in_both_styles(tiny_tokenizer
 
     from grail_exp.config import ConfigError, validate
     from grail_exp.data.prompting import render_prompt
-    from tests.conftest import compose
+    from helpers.compose import compose
 
     shots = [{"question": "Compute 1+1.", "answer": "1+1=2. \\boxed{2}"}]
     chat = OmegaConf.create({"prompt_style": "chat", "chat_template": None, "chat_template_kwargs": {"enable_thinking": False},

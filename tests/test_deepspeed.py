@@ -12,7 +12,7 @@ import torch
 
 from grail_exp.config import ConfigError, validate
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 pytest.importorskip("deepspeed")
 TESTS = Path(__file__).resolve().parent
@@ -63,19 +63,20 @@ def test_plain_state_drops_deepspeed_objects_and_keeps_tensors():
     assert out["base_optimizer_state"]["param_groups"][0]["betas"] == (0.9, 0.99)
 
 
-@pytest.mark.slow  # 30 s; the bf16 resume test in test_ddp.py (in make test) also depends on the fp32 masters
+@pytest.mark.e2e
+@pytest.mark.slow  # 30 s; the bf16 resume test in e2e/test_ddp.py (in make test) also depends on the fp32 masters
 def test_bf16_run_keeps_fp32_masters_that_move_at_the_papers_lr(tmp_path):
     """bf16 parameters, lr 1e-6, 2 steps: a bf16-only AdamW would leave almost every weight where it was; ZeRO's fp32
     master partition moves (> 90 % of its entries are no longer bf16-representable), the bf16 weights are its
     rounding, and the checkpoint loads with weights_only."""
-    from pinned_step import build_model_and_tokenizer
+    from helpers.pinned_step import build_model_and_tokenizer
 
     model_dir = tmp_path / "model"
     model, tok = build_model_and_tokenizer()
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     run_dir = tmp_path / "run"
-    args = ["logger=none", "rollout.engine=fakes:ScriptedEngine", f"model.name_or_path={model_dir}",
+    args = ["logger=none", "rollout.engine=helpers.fakes:ScriptedEngine", f"model.name_or_path={model_dir}",
             "model.dtype=bfloat16", "optim.master_weights=false", "optim.lr=1e-6", "trainer=deepspeed_zero2",
             "trainer.accelerator=cpu", "trainer.devices=1", "trainer.max_steps=2", "trainer.prompts_per_step=4",
             "rollout.num_generations=4", "trainer.micro_batch_size=8", "trainer.eval_before_training=false",

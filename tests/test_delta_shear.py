@@ -19,7 +19,7 @@ from grail_exp.weights import scheme_weights
 
 from test_schemes import batch_of, rows_of
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def cfg_of(name, **kw):
@@ -337,7 +337,7 @@ def test_config_validation():
 def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path, scheme):
     """The whole rollout batch through the trainer (prepare, then every micro-batch) equals the weights CLI on the
     same rows with their groups and rewards."""
-    from test_conftest_helpers import compose_weights
+    from helpers.compose import compose_weights
     from test_module import _build_module, _small
     from grail_exp.training.batch import micro_batch_rows
     from grail_exp.weights import compute
@@ -371,6 +371,7 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
         assert torch.allclose(torch.tensor(r["weights"]), w_train[i, :n], atol=1e-5), i
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["delta", "shear"])
 def test_two_step_run_on_the_embedded_default(tmp_path, scheme):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,6 +168,7 @@ def test_every_page_is_in_the_nav_once():
     )
 
 
+@pytest.mark.e2e
 def test_site_builds_with_warnings_as_errors(tmp_path):
     """What `make docs` runs: broken links or anchors, and pages left out of the nav, fail the build.
 

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from grail_exp.extraction import RULES, benchmark_rule, eval_reference, reward_reference, reward_rule
-from grail_exp.rewards import MathVerifier, extract_last_boxed
+from grail_exp.boxed import extract_last_boxed
+from grail_exp.rewards import MathVerifier
 
 # text -> (last_balanced, paper reward, paper evaluation), worked out by hand
 CASES = [

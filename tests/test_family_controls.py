@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grail_exp.family import (KLInRewardController, informative_groups, off_policy_sequence_mask, overlong_penalty,
-                              top_entropy_mask)
+from grail_exp.family import off_policy_sequence_mask, top_entropy_mask
+from grail_exp.reward_shaping import KLInRewardController, overlong_penalty
+from grail_exp.training.rollout import informative_groups
 
 
 def test_overlong_penalty_by_hand():
@@ -132,7 +133,7 @@ def test_dynamic_sampling_and_controllers_four_steps_equal_two_plus_resume_plus_
     import grail_exp.rewards
     from safetensors.torch import load_file
 
-    from conftest import compose
+    from helpers.compose import compose
     from grail_exp.checkpoint import load_training_state
     from grail_exp.run import run
 

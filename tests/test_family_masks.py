@@ -188,7 +188,7 @@ def test_family_masks_through_the_update_step_equal_trls_loss(compose_cfg, forma
     (get_high_entropy_mask, get_off_policy_mask, _compute_loss) on a frozen copy of the model: the gradients agree."""
     import copy
 
-    from conftest import MODEL_REORDER
+    from helpers.tolerances import MODEL_REORDER
     from test_module import _FakeOpt, _build_module, _small
 
     rho, delta = 0.5, 0.5

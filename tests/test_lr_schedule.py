@@ -39,7 +39,7 @@ class _RecordingOpt(_FakeOpt):
 
 def _schedule_of(cfg, policy, backend):
     """The module's own scheduler (GRPOModule.configure_optimizers) for ``policy``."""
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
 
     opts, scheds = GRPOModule.configure_optimizers(SimpleNamespace(cfg=cfg, policy=policy, backend=backend))
     return opts[0], scheds[0]["scheduler"]

@@ -5,7 +5,7 @@ optimiser steps on the four quarters."""
 import pytest
 import torch
 
-from conftest import MODEL_REORDER
+from helpers.tolerances import MODEL_REORDER
 from test_module import _FakeOpt, _build_module, _small
 
 
@@ -98,7 +98,8 @@ def test_counters_over_mini_batches_and_epochs(tmp_path, formatted_model_dir, mo
     (rollout rows 0-7 or 8-15 of its round, counted from the engine's completions, not from the batch's mask)."""
     import grail_exp.rewards
     import grail_exp.training.rollout as rollout_module
-    from conftest import AlternatingVerifier, compose
+    from helpers.compose import compose
+    from helpers.fakes import AlternatingVerifier
     from grail_exp.run import run
     from grail_exp.training.update import UpdatePhase
 
@@ -164,7 +165,8 @@ def test_the_run_draws_and_announces_its_rollout_batches(tmp_path, tiny_model_di
     import logging
 
     import grail_exp.rewards
-    from conftest import AlternatingVerifier, compose
+    from helpers.compose import compose
+    from helpers.fakes import AlternatingVerifier
     from grail_exp.run import run
     from grail_exp.training.rollout import RolloutPhase
 

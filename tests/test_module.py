@@ -24,7 +24,7 @@ def _build_module(cfg, model_dir):
     from grail_exp.advantages import build_scheme
     from grail_exp.data import build_source
     from grail_exp.models import load_causal_lm, load_tokenizer
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker
 
@@ -107,7 +107,7 @@ def test_truncated_completions_carry_no_loss(compose_cfg, tiny_model_dir):
 
 
 def test_nonfinite_loss_is_skipped_then_aborts(compose_cfg, tiny_model_dir):
-    from grail_exp.module import NonFiniteLossError
+    from grail_exp.training.module import NonFiniteLossError
 
     cfg = _small(compose_cfg, tiny_model_dir, ["trainer.max_nonfinite_in_a_row=2"])
     module = _build_module(cfg, tiny_model_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,11 +38,13 @@ def _job_config(cwd: Path, env: dict) -> str:
     return out.stdout
 
 
+@pytest.mark.e2e
 def test_run_composes_from_another_directory(tmp_path):
     text = _job_config(tmp_path, dict(os.environ))
     assert "name: grpo" in text
 
 
+@pytest.mark.e2e
 def test_run_composes_from_an_installed_wheel(tmp_path):
     """Build the wheel, unpack it, and compose `python -m grail_exp.run` from it (not from the checkout)."""
     # From a copy of the sources: setuptools reuses a checkout's build/lib, where files from an earlier build would
@@ -105,6 +107,7 @@ print(path, "loaded")
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("entry", ["grail_exp.evaluate", "grail_exp.weights"])
 def test_other_entry_points_find_the_tree(tmp_path, entry):
     out = subprocess.run([sys.executable, "-m", entry, "--cfg", "job"], cwd=tmp_path, capture_output=True, text=True,

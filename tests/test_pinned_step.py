@@ -1,4 +1,4 @@
-"""One optimiser step on a fixed batch reproduces the numbers pinned before the trainer refactor (tests/pinned_step.py)."""
+"""One optimiser step on a fixed batch reproduces the numbers pinned before the trainer refactor (tests/helpers/pinned_step.py)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,7 @@ import json
 import pytest
 import torch
 
-from pinned_step import CASES, PINNED, build_model_and_tokenizer, rollout_batch, summarise
-
-
-def _cfg(overrides):
-    from conftest import compose
-    from grail_exp.config import validate
-
-    return validate(compose(["logger=none", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
-                             "rollout.num_generations=4", "rollout.max_completion_length=32", "optim.max_grad_norm=null",
-                             *overrides]))
+from helpers.pinned_step import CASES, PINNED, build_model_and_tokenizer, pinned_config, rollout_batch, summarise
 
 
 def run_case_legacy(overrides):
@@ -24,9 +15,9 @@ def run_case_legacy(overrides):
     from grail_exp.advantages import build_scheme
     from grail_exp.estimators.group import group_advantages
     from grail_exp.forward import position_ids_from_mask
-    from grail_exp.module import GRPOModule, TrainingBatch
+    from grail_exp.training.module import GRPOModule, TrainingBatch
 
-    cfg = _cfg(overrides)
+    cfg = pinned_config(overrides)
     torch.manual_seed(0)
     model, tok = build_model_and_tokenizer()
     rb, texts, rewards = rollout_batch(tok)
@@ -68,9 +59,9 @@ def run_case(overrides, extra=()):
     from grail_exp.advantages import build_scheme
     from grail_exp.estimators.group import group_advantages
     from grail_exp.forward import position_ids_from_mask
-    from grail_exp.module import GRPOModule, TrainingBatch
+    from grail_exp.training.module import GRPOModule, TrainingBatch
 
-    cfg = _cfg([*overrides, *extra])
+    cfg = pinned_config([*overrides, *extra])
     torch.manual_seed(0)
     model, tok = build_model_and_tokenizer()
     rb, texts, rewards = rollout_batch(tok)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose
+from helpers.compose import compose
 from grail_exp.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,6 +165,7 @@ print(fwd, hwm() - base)
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("hidden, rows", [(64, 1536), (64, 512), (1024, 1536), (2048, 1536)])
 def test_logprob_peak_matches_the_function(hidden, rows):
     """The output layer's forward / backward peak of grail_exp/logprobs.py, measured as peak RSS on CPU (every
@@ -208,6 +209,7 @@ print(sum(v for (ptr, n), v in seen.items() if ptr not in params))
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_layer_activations_match_the_saved_tensors(model_type, checkpointing):
@@ -398,6 +400,7 @@ def test_paper_recipes_fit_with_hf_on_h100_and_as_the_reference_on_h200(model):
         assert ref.fits, (model, scheme, ref.peak / GiB, ref.peak_phase)
 
 
+@pytest.mark.e2e
 def test_plan_cli(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "grail_exp.plan", "model=qwen3_4b", "advantage=grail",
                          f"trainer.device_memory_gb={H100}"], capture_output=True, text=True, timeout=300)

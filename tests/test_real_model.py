@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import compose
+from helpers.compose import compose
 
 EOS = "<|im_end|>"  # SmolLM2's ChatML end of turn: its EOS and pad token (id 2)
 
@@ -127,7 +127,7 @@ def _generate(smollm2, questions, n, temperature, max_new_tokens, seed=0):
 
 
 def test_greedy_answers_in_the_worked_examples_form_and_stops_at_eos(smollm2):
-    from grail_exp.rewards import extract_last_boxed
+    from grail_exp.boxed import extract_last_boxed
 
     comps, texts = _generate(smollm2, ["Compute 4+3.", "Compute 12-5."], n=1, temperature=0, max_new_tokens=20)
     for c, text in zip(comps, texts):
@@ -166,7 +166,7 @@ def test_answer_spans_cover_the_boxed_answer_of_real_completions(smollm2, sample
     SmolLM2's own completions: 'Ġ\\' is one live token, but "a" + text[:s] re-encodes with a bare 'Ġ')."""
     from omegaconf import OmegaConf
 
-    from grail_exp.rewards import find_first_boxed_span
+    from grail_exp.boxed import find_first_boxed_span
 
     _, tok, _ = smollm2
     b = sampled_batch
@@ -252,6 +252,7 @@ def test_one_rl_step_of_the_real_model_per_scheme(scheme, smollm2_dir, smollm2_c
     assert 0.0 <= metrics["train/reward/mean"] <= 1.0 and metrics["train/completions/mean_length"] > 0
 
 
+@pytest.mark.e2e
 def test_hub_id_at_the_pinned_revision_loads_through_the_hub_path(smollm2_dir, tmp_path):
     """model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct (the released weights' hub id, model.revision pinned) goes
     through transformers' hub resolution: here from an offline hub cache laid out as a download at that revision
@@ -270,7 +271,7 @@ def test_hub_id_at_the_pinned_revision_loads_through_the_hub_path(smollm2_dir, t
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)  # "main" points elsewhere: only the pinned revision can resolve
     code = (
-        "import sys; from tests.conftest import compose; from grail_exp.config import validate\n"
+        "import sys; from tests.helpers.compose import compose; from grail_exp.config import validate\n"
         "from grail_exp.models import resolve_model_path, load_tokenizer, load_causal_lm\n"
         f"cfg = validate(compose(['model=smollm2_135m', 'model.name_or_path={entry.hub_id}'], __import__('pathlib')"
         f".Path(sys.argv[1])))\n"

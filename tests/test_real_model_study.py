@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import HANG_TIMEOUT_S, compose
+from helpers.compose import compose
+from helpers.tolerances import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).parents[1]
 
@@ -242,6 +243,7 @@ def _driver(tmp: Path, fault: str | None = None, **env) -> subprocess.CompletedP
                           text=True, timeout=HANG_TIMEOUT_S, env=e, cwd=ROOT)
 
 
+@pytest.mark.e2e
 def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_one(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -282,6 +284,7 @@ def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_o
     assert "phase study: end (2 arms recorded)" in (res / "driver_log.txt").read_text()
 
 
+@pytest.mark.e2e
 def test_sigterm_stops_the_whole_study_after_a_checkpoint_and_the_same_command_continues(tmp_path):
     """SIGTERM (delivered by the fault hook during grpo's step 1): that arm checkpoints step 1 and the multirun exits
     143 without starting the next arm; the same command resumes grpo at step 2 and then runs grail."""
@@ -300,6 +303,7 @@ def test_sigterm_stops_the_whole_study_after_a_checkpoint_and_the_same_command_c
         "smollm2_135m-grail-s1", "smollm2_135m-grpo-s1"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_driver_chooses_the_learning_rate_once_on_the_validation_split(tmp_path):
     done = _driver(tmp_path, LR="", LRS="1e-4 3e-4", LR_STEPS="1", PHASES="lr")
@@ -313,6 +317,7 @@ def test_driver_chooses_the_learning_rate_once_on_the_validation_split(tmp_path)
     assert "phase lr: start" not in again.stdout  # chosen once
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_gpu_mode_study1gpu_runs_end_to_end_on_a_cpu(tmp_path):
     """sweeps/gpu_checks.sh study1gpu with trainer=cpu, the shipped tiny model as SMOLLM2_PATH and a toy budget: the

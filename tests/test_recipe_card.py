@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import compose
+from helpers.compose import compose
 from grail_exp.config import ConfigError, validate
 from grail_exp.tracking import flatten
 
@@ -116,6 +116,7 @@ def test_the_hf_batches_of_the_paper_recipe_follow_the_engine():
     assert (hf["rollout.generation_batch_size"], hf["eval.batch_size"]) == (32, 24)
 
 
+@pytest.mark.e2e
 def test_cfg_job_shows_the_recipe(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grail_exp.run", "model=qwen3_8b", "advantage=grail",
                            f"paths.root_dir={tmp_path}", "--cfg", "job"], capture_output=True, text=True, timeout=300)
@@ -189,6 +190,7 @@ def _load_offline(tmp_path, endpoint: str, repo: str, env_extra=None) -> dict:
 OFFLINE_BOUND_S = 20.0
 
 
+@pytest.mark.e2e
 def test_unreachable_hub_fails_within_seconds_with_the_message(tmp_path):
     got = _load_offline(tmp_path, f"http://127.0.0.1:{_closed_port()}", "Qwen/Qwen3-8B")
     for what in ("tokenizer", "model"):
@@ -199,6 +201,7 @@ def test_unreachable_hub_fails_within_seconds_with_the_message(tmp_path):
     assert got["probes"] == 1  # detected once, for both loads
 
 
+@pytest.mark.e2e
 def test_hub_that_never_answers_times_out_once(tmp_path):
     """A server that accepts the connection and never answers: the probe's own timeout, not five retries."""
     server = socket.socket()
@@ -223,6 +226,7 @@ def test_hub_that_never_answers_times_out_once(tmp_path):
     assert connections == 1 and got["probes"] == 1, (connections, got)
 
 
+@pytest.mark.e2e
 def test_unreachable_hub_uses_the_local_cache(tmp_path, tiny_model_dir):
     """A repo already in the hub cache loads without the network (local_files_only), fast."""
     snap = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)

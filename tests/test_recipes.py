@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from grail_exp.config import validate
 from grail_exp.tracking import flatten
-from conftest import compose
+from helpers.compose import compose
 
 MODELS = {  # model -> (model.name_or_path, model.prompt_style)
     "qwen3_4b": ("Qwen/Qwen3-4B", "chat"),

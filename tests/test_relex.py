@@ -14,7 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import HANG_TIMEOUT_S, TINY_BUILD, AlternatingVerifier, compose
+from helpers.compose import compose
+from helpers.fakes import AlternatingVerifier
+from helpers.models import TINY_BUILD
+from helpers.tolerances import HANG_TIMEOUT_S
 from grail_exp import extrapolate as X
 from grail_exp.config import ConfigError
 
@@ -331,6 +334,7 @@ def test_the_written_directory_loads_with_transformers_sharded_and_tied(relex_of
     assert torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])  # re-tied to the prediction
 
 
+@pytest.mark.e2e
 def test_cli_extrapolate_then_evaluate(relex_of_a_real_model):
     """The CLI writes a bfloat16 directory that grail_exp.evaluate scores; a user error exits 2 with one line."""
     from grail_exp.evaluate import evaluate_job

@@ -14,7 +14,8 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import HANG_TIMEOUT_S, compose
+from helpers.compose import compose
+from helpers.tolerances import HANG_TIMEOUT_S
 
 BENCH = {"math500": 4, "aime24": 3}  # problems per benchmark; 3 samples per problem
 N = 3
@@ -220,6 +221,7 @@ def _check_latex(tex: str):
     assert "_" not in re.sub(r"\\_", "", body.replace("\\textsuperscript", "")).replace("grail\\_exp", "")
 
 
+@pytest.mark.e2e
 def test_markdown_and_latex_are_well_formed(store):
     from grail_exp.report import build_report
 
@@ -285,6 +287,7 @@ def _idx(letter: str) -> int:
     return ord(letter) - ord("a")
 
 
+@pytest.mark.e2e
 def test_cli_runs(store, tmp_path):
     done = subprocess.run([sys.executable, "-m", "grail_exp.report", f"logger.tracking_uri={store['uri']}",
                            f"paths.root_dir={tmp_path}", f"output.dir={tmp_path}/cli", "output.name=table",

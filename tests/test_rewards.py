@@ -9,14 +9,9 @@ import time
 
 import pytest
 
-from grail_exp.rewards import (
-    GradeResult,
-    MathVerifier,
-    extract_last_boxed,
-    find_first_boxed_span,
-    grade_one,
-    strip_think,
-)
+from grail_exp.boxed import extract_last_boxed, find_first_boxed_span
+from grail_exp.extraction import strip_think
+from grail_exp.rewards import GradeResult, MathVerifier, grade_one
 
 BOX = "\\boxed{"
 HANG_GUARD_S = 1.0  # generous: these only guard against quadratic blow-ups / hangs (CPU seconds, not wall time)
@@ -322,7 +317,7 @@ def test_debug_hook_off_by_default_and_close_reaps_workers():
         res = mv.grade([f"__sleep__:{SLEEP_S}", "9"], ["9", "9"])
         assert res[0].status in ("ok", "error") and res[0].correct is False
         assert res[1] == GradeResult(True, "9", "ok")
-        processes = [w.process for w in mv._workers]
+        processes = [w.process for w in mv._pool.workers]
         assert len(processes) == 1 and processes[0].is_alive()
     for p in processes:
         assert not p.is_alive() and p.exitcode is not None  # exited and reaped

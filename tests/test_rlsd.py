@@ -228,7 +228,7 @@ def _module(cfg, model_dir):
     """test_module._build_module with the scheme context the run passes (model config, data)."""
     from grail_exp.data import build_source
     from grail_exp.models import load_causal_lm, load_tokenizer
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker
     from test_module import _AlternatingVerifier
@@ -258,7 +258,7 @@ def test_lambda_zero_is_grpo_exactly(compose_cfg, tiny_model_dir):
 
 def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path):
     """The weights of the trainer's first micro-batch == ``grail_exp.weights`` on rows with problem / answer fields."""
-    from test_conftest_helpers import compose_weights
+    from helpers.compose import compose_weights
     from test_module import _small
     from grail_exp.weights import compute
 

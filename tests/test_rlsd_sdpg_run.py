@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from conftest import HANG_TIMEOUT_S, AlternatingVerifier, compose
+from helpers.compose import compose
+from helpers.fakes import AlternatingVerifier
+from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def _run(tmp_path, model_dir, extra, monkeypatch):
@@ -45,6 +47,7 @@ def test_rlsd_live_teacher_rollout_student_trains(tmp_path, tiny_model_dir, monk
     assert len(logged) == 2 and all(m["rlsd/lambda"] > 0 for m in logged)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_cli_on_the_embedded_default(tmp_path):
     """The commands of docs/self-distillation.md, on the embedded default (built into the cache when missing)."""

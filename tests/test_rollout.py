@@ -10,7 +10,7 @@ from grail_exp.loss import selective_log_softmax
 from grail_exp.forward import completion_logits, position_ids_from_mask
 from grail_exp.rollout import SamplingParams, build_engine, pad_completions
 
-from conftest import HANG_TIMEOUT_S, MODEL_REORDER
+from helpers.tolerances import HANG_TIMEOUT_S, MODEL_REORDER
 
 
 def _prompts(tok, n=3):
@@ -82,6 +82,7 @@ for tokens in (8, 64):
 """
 
 
+@pytest.mark.e2e
 def test_generation_memory_does_not_grow_with_vocab_times_length():
     """32 completions at V = 151,936: keeping every step's float32 scores (what ``output_scores`` did) would add
     1.2 GB between 8 and 64 generated tokens; the engine keeps one step's (N, V) log-softmax (19 MB). Peak RSS is
@@ -138,7 +139,7 @@ def test_engine_sleeps_after_the_rounds_generation_and_wakes_in_the_sync(compose
     CPU build refuses sleep mode, so the order is checked on an engine with its contract; tests/test_vllm.py drives
     VLLMRolloutEngine's own sleep / wake calls.)"""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from fakes import SleepRecordingEngine
+    from helpers.fakes import SleepRecordingEngine
     from test_module import _build_module, _FakeOpt, _small
 
     cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])  # μ = 2: an old-log-prob forward
@@ -167,6 +168,7 @@ def test_engine_sleeps_after_the_rounds_generation_and_wakes_in_the_sync(compose
         assert ev[2:] and all(e == "forward:asleep" for e in ev[2:]), ev  # old log-probs + update: engine asleep
 
 
+@pytest.mark.e2e
 def test_a_run_sleeps_the_engine_between_rounds_and_evaluations(tmp_path, tiny_model_dir):
     """End to end (``python -m grail_exp.run`` with a plug-in engine that refuses to generate while asleep): every
     evaluation and every round syncs (waking the engine) before generating and puts it to sleep afterwards."""
@@ -177,7 +179,7 @@ def test_a_run_sleeps_the_engine_between_rounds_and_evaluations(tmp_path, tiny_m
     tests = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", GRAIL_EXP_ENGINE_EVENTS=str(events))
-    args = ["logger=none", "rollout.engine=fakes:SleepRecordingEngine", f"model.name_or_path={tiny_model_dir}",
+    args = ["logger=none", "rollout.engine=helpers.fakes:SleepRecordingEngine", f"model.name_or_path={tiny_model_dir}",
             "debug=fast", "rollout.max_completion_length=8", "eval.max_tokens=8", "benchmark.limit=2",
             f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path}/run"]
     done = subprocess.run([sys.executable, "-m", "grail_exp.run", *args], env=env, capture_output=True, text=True,

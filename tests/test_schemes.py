@@ -10,7 +10,7 @@ from grail_exp.loss import AggregationContext, compose_objective, selective_log_
 from grail_exp.forward import completion_logits
 from grail_exp.weights import scheme_batch
 
-from conftest import MODEL_REORDER
+from helpers.tolerances import MODEL_REORDER
 
 EOS = "<|im_end|>"
 

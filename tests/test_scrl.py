@@ -311,12 +311,12 @@ class _ScriptedEngine:
 
 
 def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny_model, tiny_tokenizer):
-    from conftest import compose
+    from helpers.compose import compose
 
     from grail_exp.advantages import build_scheme
     from grail_exp.config import validate
     from grail_exp.data import build_source
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
     from grail_exp.optim import build_optimizer
     from grail_exp.rewards import MathVerifier
 

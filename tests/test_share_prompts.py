@@ -9,8 +9,8 @@ gradient of every parameter, and the no-grad old / reference log-prob passes.
 Tolerances. The two paths compute the same function in another float order: the prompt's keys and values come from
 a U-row instead of a B-row matrix product, and the prompt's gradient is one backward of the sum of its G rows'
 key/value gradients instead of G backwards summed at the parameters. Each output moves by at most a reordered
-reduction per stage (conftest.MODEL_REORDER relative to its terms' scale). A sharing bug (wrong row, position or
-mask) moves outputs by O(1) of their scale.
+reduction per stage (helpers.tolerances.MODEL_REORDER relative to its terms' scale). A sharing bug (wrong row,
+position or mask) moves outputs by O(1) of their scale.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import MODEL_REORDER
-from test_ddp import model_dir  # noqa: F401  (fixture: the tiny model saved once)
+from helpers.tolerances import MODEL_REORDER
 
 # (prompt index, completion, reward): three prompts, groups interleaved and of unequal size in the batch order.
 QUESTIONS = [("Compute 12+7-5.", "14"), ("Compute 3+4.", "7"), ("Compute 100-8+3-1.", "94")]
@@ -62,15 +61,15 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
              reorder: bool = True) -> dict:
     """Loss, token weights, gradients and old / reference log-probs of one optimiser step on the fixed batch (and the
     step's metrics, the rows' order after ``prepare``). ``reorder=False``: ``prepare`` keeps the rollout order."""
-    from pinned_step import build_model_and_tokenizer
-    from test_pinned_step import _cfg
+    from helpers.pinned_step import build_model_and_tokenizer
+    from helpers.pinned_step import pinned_config
 
     from grail_exp.advantages import build_scheme
     from grail_exp.forward import share_prompts_of
     from grail_exp.loss import build_terms
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
 
-    cfg = _cfg([*overrides, f"trainer.share_prompts={str(share).lower()}"])
+    cfg = pinned_config([*overrides, f"trainer.share_prompts={str(share).lower()}"])
     torch.manual_seed(0)
     model, tok = build_model_and_tokenizer()
     model.config._attn_implementation = attn
@@ -126,7 +125,7 @@ def assert_same(a: dict, b: dict, weight_tol: float = 0.0):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_policy_forward_and_gradient_equal_unshared(attn):
     """The policy forward alone: log-probs, entropies and the gradient of a loss that reads both."""
-    from pinned_step import build_model_and_tokenizer
+    from helpers.pinned_step import build_model_and_tokenizer
 
     from grail_exp.forward import policy_forward
 
@@ -191,43 +190,45 @@ def test_grail_with_split_groups_and_sdpa():
 
 
 def test_share_prompts_key_is_validated():
-    from test_pinned_step import _cfg
+    from helpers.pinned_step import pinned_config
 
     from grail_exp.errors import ConfigError
 
     with pytest.raises(ConfigError, match="trainer.share_prompts"):
-        _cfg(["trainer.share_prompts=sometimes"])
+        pinned_config(["trainer.share_prompts=sometimes"])
     with pytest.raises(ConfigError, match="trainer.share_prompts.*gradient_checkpointing"):
-        _cfg(["trainer.share_prompts=true", "model.gradient_checkpointing=true"])
+        pinned_config(["trainer.share_prompts=true", "model.gradient_checkpointing=true"])
     from grail_exp.forward import resolve_share_prompts
 
     assert resolve_share_prompts("auto", False) and not resolve_share_prompts("auto", True)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
-def test_two_ranks_sharing_prompts_equal_one_unshared_process(tmp_path, model_dir, trainer):
+def test_two_ranks_sharing_prompts_equal_one_unshared_process(tmp_path, pinned_model_dir, trainer):
     """Under DDP (gloo) and FSDP2 (gloo, layers called twice per forward: prefix and suffix pass) with GRAIL's probe:
     2 ranks computing each prompt once give the parameters of one process that computes every row's prompt."""
     from safetensors.torch import load_file
 
-    from test_ddp import _run, _tolerance, _weights
+    from helpers.scripted_run import rank_tolerance, run_scripted, step_weights
 
     extra = ["advantage=grail", "advantage.symmetry=both", "loss.loss_type=dr_grpo"]
     one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
-    w1 = _weights(one, _run(one, model_dir, [*extra, "trainer.share_prompts=false"]))
-    w2 = _weights(two, _run(two, model_dir, [*extra, "trainer.share_prompts=true", f"trainer={trainer}",
-                                             "trainer.accelerator=cpu", "trainer.devices=2"]))
-    start = load_file(model_dir / "model.safetensors")
+    w1 = step_weights(one, run_scripted(one, pinned_model_dir, [*extra, "trainer.share_prompts=false"]))
+    w2 = step_weights(two, run_scripted(two, pinned_model_dir, [*extra, "trainer.share_prompts=true",
+                                                            f"trainer={trainer}", "trainer.accelerator=cpu",
+                                                            "trainer.devices=2"]))
+    start = load_file(pinned_model_dir / "model.safetensors")
     moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
     assert moved > 1e-3
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < _tolerance(moved)
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < rank_tolerance(moved)
 
 
 def test_token_efficiency_counts_positions():
     """``tokens/efficiency`` = real tokens (each distinct prompt once, every completion) / positions computed, counted
     by hand from the fixture's lengths: the shared path computes U × (P − 1) prompt positions and B × (C + 1) suffix
     positions (the last prompt token and the completion, to the longest completion); the unshared path B × (P + C)."""
-    from pinned_step import build_model_and_tokenizer
+    from helpers.pinned_step import build_model_and_tokenizer
 
     _, tok = build_model_and_tokenizer()
     batch = _batch(tok)
@@ -247,7 +248,7 @@ def test_rows_are_grouped_by_length_only_where_order_changes_nothing():
     """With micro-batches smaller than the mini-batch, ``prepare`` puts each group's rows together, groups by their
     longest completion (a hand-written permutation), and the step's loss and gradient are those of the rollout order.
     Where order matters (OAR-G's row-by-row noise, a per-micro-batch top-entropy quantile) the order is kept."""
-    from pinned_step import build_model_and_tokenizer
+    from helpers.pinned_step import build_model_and_tokenizer
 
     from grail_exp.training.rollout import row_order
 

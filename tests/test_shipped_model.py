@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from conftest import compose
+from helpers.compose import compose
 
 REBUILD = "rebuild it: `PYTHONPATH=. python sweeps/build_shipped_model.py` and commit grail_exp/data/embedded/tiny"
 

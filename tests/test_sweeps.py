@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HANG_TIMEOUT_S, compose
+from helpers.compose import compose
+from helpers.tolerances import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,6 +125,7 @@ def test_a_slurm_shape_that_disagrees_with_the_trainer_names_both_keys(tmp_path,
         check_slurm_layout(instantiate(cfg.hydra.launcher).params, cfg)
 
 
+@pytest.mark.e2e
 def test_a_mismatched_slurm_sweep_is_refused_before_submission(tmp_path):
     """The real launcher, end to end: `-m hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1` on the card's
     command exits 2 with one line naming both keys, and nothing was submitted (no submitit folder, no sbatch)."""
@@ -184,6 +186,7 @@ def test_stop_signals_include_submitits_only_in_its_jobs(monkeypatch):
         signal.signal(signal.SIGUSR1, previous)
 
 
+@pytest.mark.e2e
 def test_every_run_is_tagged_with_what_ran_and_the_code(compose_cfg):
     import socket
 
@@ -203,6 +206,7 @@ def test_every_run_is_tagged_with_what_ran_and_the_code(compose_cfg):
 
 
 # ---------------------------------------------------------------------------------------------- multiruns
+@pytest.mark.e2e
 def test_basic_multirun_is_one_parent_run_with_a_tagged_child_per_job(tmp_path, tiny_model_dir):
     """`python -m grail_exp.run -m advantage=grpo,grail seed=1,2 debug=fast ...` (the basic launcher)."""
     sweep = tmp_path / "sweep"
@@ -228,6 +232,7 @@ def test_basic_multirun_is_one_parent_run_with_a_tagged_child_per_job(tmp_path, 
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_submitit_local_multirun_of_two_jobs(tmp_path, tiny_model_dir):
     sweep = tmp_path / "sweep"
@@ -250,6 +255,7 @@ def _children_pids(pid: int) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_submitit_local_job_preempted_checkpoints_and_is_requeued_with_resume_auto(tmp_path, tiny_model_dir):
     """USR2 (what SLURM sends before the time limit or on preemption) mid-training: the job finishes its step,
@@ -293,6 +299,7 @@ def test_submitit_local_job_preempted_checkpoints_and_is_requeued_with_resume_au
     assert (sweep / "0" / "checkpoints" / f"step-{stopped_at}").is_dir()
 
 
+@pytest.mark.e2e
 def test_paper_table_cpu_script_queues_model_seed_groups_over_lanes(tmp_path):
     """`LANES=2 bash sweeps/paper_table.sh --cpu <overrides>`: one multirun per (model, seed) with that seed's
     warm start and arms, single-threaded lanes, the caller's overrides intact, then the report with the study's

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from conftest import HANG_TIMEOUT_S, TINY_BUILD, compose
+from helpers.compose import compose
+from helpers.models import TINY_BUILD
+from helpers.tolerances import HANG_TIMEOUT_S
 
 optuna = pytest.importorskip("optuna")
 
@@ -210,6 +212,7 @@ def _assert_stores_agree(study, client, tmp_path):
     assert sorted(runs) == [t.number for t in study.trials]
 
 
+@pytest.mark.e2e
 def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_path, able_model_dir):
     """Two workers die with SIGKILL, each between the two stores' writes of a pruned trial (deterministic fault
     injection, no timer): the first after run() ended the trial's MLflow run as KILLED and before Optuna stored
@@ -294,6 +297,7 @@ def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_pa
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "tune")} >= {"tune/best.yaml", "tune/trials.csv"}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("point", [
     "run_ended:COMPLETE",        # window 1: the child FINISHED, Optuna's trial still RUNNING
     "optuna_recorded:COMPLETE",  # window 2: Optuna COMPLETE, the child without optuna.state / optuna/value
@@ -344,6 +348,7 @@ def test_a_worker_killed_at_any_point_of_a_trial_leaves_both_stores_agreeing_aft
         assert "died" in tb.read_text()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_sigterm_on_a_worker_checkpoints_the_trial_and_the_restart_continues_it(tmp_path, tiny_model_dir):
     """SIGTERM mid-trial: the trial checkpoints and stays RUNNING (exit 143); the restarted study retries it with

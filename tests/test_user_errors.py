@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def _cli(module: str, args: list[str], tmp_path) -> subprocess.CompletedProcess:
@@ -33,6 +33,7 @@ def _assert_one_clear_error(proc, *needles: str) -> str:
     return message
 
 
+@pytest.mark.e2e
 def test_arithmetic_knobs_that_cannot_fill_the_splits_name_the_keys_before_any_model_is_built(tmp_path):
     proc = _cli("grail_exp.run", ["data.min_steps=1", "data.max_steps=1", "data.max_operand=9", "data.operators=+"],
                 tmp_path)
@@ -41,6 +42,7 @@ def test_arithmetic_knobs_that_cannot_fill_the_splits_name_the_keys_before_any_m
     assert not (tmp_path / "cache").exists()  # validation said it before the embedded model was built
 
 
+@pytest.mark.e2e
 def test_a_training_dataset_that_cannot_be_loaded_is_one_line_naming_data_path(tmp_path, tiny_model_dir):
     """Raised deep in the run (building the prompt source, after the model is loaded), still one line."""
     missing = tmp_path / "no_such_file.jsonl"
@@ -49,6 +51,7 @@ def test_a_training_dataset_that_cannot_be_loaded_is_one_line_naming_data_path(t
     _assert_one_clear_error(proc, f"data.path={str(missing)!r}", "cannot load the dataset")
 
 
+@pytest.mark.e2e
 def test_an_unusable_tune_storage_is_one_line_naming_tune_storage(tmp_path):
     proc = _cli("grail_exp.tune", ["tune.storage=nosuchdb://host/db"], tmp_path)
     _assert_one_clear_error(proc, "tune.storage='nosuchdb://host/db'", "cannot open the Optuna storage")
@@ -65,7 +68,7 @@ def test_every_user_error_type_is_a_user_error():
     from grail_exp.errors import DataError, MissingDependencyError, UserError
     from grail_exp.extrapolate import ExtrapolateError
     from grail_exp.models import ModelLoadError
-    from grail_exp.module import NonFiniteLossError
+    from grail_exp.training.module import NonFiniteLossError
     from grail_exp.packaged_tokenizers import PackagedTokenizerError
     from grail_exp.tracking import TrackingError
     from grail_exp.weights import InputError

@@ -19,7 +19,7 @@ import torch
 from grail_exp.config import ConfigError, validate
 from grail_exp.rollout import SamplingParams, build_engine
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (vLLM's default: 4)
@@ -413,6 +413,7 @@ def _run(args, tmp_path, timeout=HANG_TIMEOUT_S):
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
 
 
+@pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 def test_evaluate_through_vllm(tmp_path, model_dir):
@@ -428,6 +429,7 @@ def test_evaluate_through_vllm(tmp_path, model_dir):
     assert len(lines) == 4 * 2
 
 
+@pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 def test_two_training_steps_with_vllm(tmp_path, model_dir):
@@ -444,6 +446,7 @@ def test_two_training_steps_with_vllm(tmp_path, model_dir):
     assert (tmp_path / "run" / "checkpoints" / "step-2").is_dir()
 
 
+@pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 def test_two_training_steps_with_vllm_paper(tmp_path, model_dir):

@@ -21,7 +21,8 @@ import socket
 import pytest
 import torch
 
-from conftest import TINY_BUILD, compose
+from helpers.compose import compose
+from helpers.models import TINY_BUILD
 
 MAX_BYTES = 40_000  # bf16: the tiny model's 2 x 64 x 128 projections are 16 kB each; its 320 x 64 embedding is 41 kB
 STRATEGIES = ("fsdp", "fsdp_zero2", "ddp", "deepspeed_zero2")

@@ -9,7 +9,7 @@ import torch
 
 from test_module import _build_module, _small
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def _training_rows(compose_cfg, model_dir, scheme_overrides):
@@ -55,7 +55,7 @@ def _training_rows(compose_cfg, model_dir, scheme_overrides):
 
 @pytest.mark.parametrize("scheme", ["grail", "oar_g"])
 def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path, scheme):
-    from test_conftest_helpers import compose_weights
+    from helpers.compose import compose_weights
 
     extra = ["advantage=grail", "advantage.symmetry=both"] if scheme == "grail" else ["advantage=oar_g", "advantage.noise_std=0.0"]
     rows, w_train, mask = _training_rows(compose_cfg, tiny_model_dir, extra)
@@ -74,6 +74,7 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
         assert torch.allclose(torch.tensor(r["weights"]), w_train[i][:n].float(), atol=1e-5), i
 
 
+@pytest.mark.e2e
 def test_weights_cli_end_to_end_with_text_rows_and_html(tiny_model_dir, tmp_path):
     inp = tmp_path / "rows.jsonl"
     rows = [{"prompt": "<|im_start|>user\nCompute 7+5-3.<|im_end|>\n<|im_start|>assistant\n",
@@ -95,6 +96,7 @@ def test_weights_cli_end_to_end_with_text_rows_and_html(tiny_model_dir, tmp_path
     assert "wrong rollouts" in page and "correct rollouts" in page and "w = 5.000" in page
 
 
+@pytest.mark.e2e
 def test_weights_cli_bad_row_names_file_and_line(tiny_model_dir, tmp_path):
     inp = tmp_path / "rows.jsonl"
     inp.write_text('{"prompt_ids": [1, 2], "completion_ids": [3], "advantage": 1.0}\n{"prompt_ids": [1], "advantage": 1}\n')

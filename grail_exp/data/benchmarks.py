@@ -251,7 +251,7 @@ del _spec
 
 # ---------------------------------------------------------------------------------------------- free-form rows
 # Rows (0-based index = line - 1) whose gold answer, boxed, does NOT verify against itself with
-# math-verify 0.9.0 (grail_exp.rewards: extract_last_boxed + grade_one). A model cannot score on them
+# math-verify 0.9.0 (grail_exp.boxed.extract_last_boxed + grail_exp.rewards.grade_one). A model cannot score on them
 # under rule-based grading. Pinned by tests/test_benchmarks.py: a row may leave this list only when it
 # starts verifying, and every listed row must still fail.
 FREE_FORM: dict[str, dict[int, str]] = {

@@ -12,8 +12,8 @@ token and Σπ²_{i,t} = Σ_v π(v | prefix)² its collision probability:
 
 Zero tail (``estimator.handle_zero_tail``, verl's default ``handle_zero_tail=True``): when a group's longest
 completion is unique, B_t = 0 on its positions t ≥ the second-longest length (lengths = loss-mask token counts), so
-those tail tokens get A = r. Without it the group there is that one row and B_t = r·W/(W + 1e-8) gives A ≈ 0
-(``false``, the behaviour before issue 23). A group of one rollout has no baseline (A = r), as verl.
+those tail tokens get A = r. Without it (``false``) the group there is that one row and B_t = r·W/(W + 1e-8) gives
+A ≈ 0: the lone row's own return is its baseline. A group of one rollout has no baseline (A = r), as verl.
 
 Needs ``sum_pi_squared`` and ``logp`` (N, C) from the policy at rollout time: the trainer computes both in one chunked
 pass (``sum_pi_squared_from_hidden``: logits chunk by chunk, never a (N, C, V) float32 copy).

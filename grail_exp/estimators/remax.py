@@ -3,8 +3,8 @@
     A_i = r_i − r(greedy completion of prompt(i))
 
 The trainer generates one greedy completion per prompt at rollout time and grades it (``needs=("greedy_rewards",)``,
-grail_exp/module.py ``_greedy_rewards``): one extra generation per prompt. Rows whose group has no reward variance
-still get a signal when the greedy answer differs from the samples."""
+grail_exp/training/rollout.py ``_estimator_extras``): one extra generation per prompt. Rows whose group has no reward
+variance still get a signal when the greedy answer differs from the samples."""
 
 from __future__ import annotations
 

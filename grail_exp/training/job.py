@@ -74,7 +74,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     import torch
 
     from grail_exp.distributed import launch_rank
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
     from grail_exp.tracking import NullTracker, build_tracker
 
     from grail_exp import study

@@ -23,7 +23,7 @@ from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
 from grail_exp.forward import position_ids_from_mask
 from grail_exp.host import return_freed_memory
 from grail_exp.logprobs import kept_log_mass
-from grail_exp.rewards import strip_think
+from grail_exp.extraction import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
 from grail_exp.rollout.base import release
 from grail_exp.rollout.variants import sample_variants
@@ -80,14 +80,14 @@ class RolloutPhase:
             t = time.perf_counter()
             self.backend.sync_engine(self.engine)  # vLLM: the full weights streamed in chunks (gathered when sharded)
             timings["weight_sync"] = time.perf_counter() - t
-        # GRPO family hook (issue 15): dynamic sampling draws whole groups until P are informative.
+        # Dynamic sampling (DAPO §3.2, rollout.dynamic_sampling) draws whole groups until P are informative.
         problems, completions, texts, graded, variant_infos, family_stats = self._sample_groups(round_index, P, timings)
         rb = pad_completions(completions, self.tokenizer.pad_token_id)
         golds = [p.answer for p in problems for _ in range(r.num_generations)]
         rewards = torch.tensor([float(g.correct) for g in graded])
         ob = cfg.reward.get("overlong_buffer")
-        if ob is not None and ob.enabled:  # GRPO family hook: DAPO soft overlong punishment (a reward transform)
-            from grail_exp.family import overlong_penalty
+        if ob is not None and ob.enabled:  # DAPO soft overlong punishment (a reward transform)
+            from grail_exp.reward_shaping import overlong_penalty
 
             penalty = overlong_penalty(rb.completion_mask.sum(1), r.max_completion_length, ob.length, ob.penalty_factor)
             rewards = rewards + penalty
@@ -108,7 +108,7 @@ class RolloutPhase:
             problems=[p.question for p in problems for _ in range(r.num_generations)], golds=golds,
             order=torch.arange(len(texts), device=dev),
         )
-        # GRPO family hook: what the estimator asks for (greedy rewards, Σπ²) and KL-in-reward, before the advantages.
+        # What the estimator asks for (greedy rewards, Σπ²) and KL-in-reward, before the advantages.
         extras, rewards = self._estimator_extras(batch, problems, completions, texts, variant_infos, rewards,
                                                  family_stats, timings)
         est = estimate(cfg.estimator, EstimatorInput(rewards, r.num_generations, loss_mask,
@@ -288,8 +288,6 @@ class RolloutPhase:
             completions, texts, graded, variant_infos = self.generate_and_grade(
                 problems, G, cfg.rollout.temperature, timings, plan)
             return problems, completions, texts, graded, variant_infos, {}
-        from grail_exp.family import informative_groups
-
         kept, dropped, rounds = [], [], 0
         self.last_prompt_indices = []
         while len(kept) < P and rounds <= ds.max_extra_rounds:
@@ -347,8 +345,8 @@ class RolloutPhase:
                 extras.update(available[k]())
         kir = cfg.loss.get("kl_in_reward")
         if kir is not None and kir.enabled:  # r_i <- r_i - β Σ_t KL_t (needs the reference before the advantages)
-            from grail_exp.family import KLInRewardController
             from grail_exp.loss import KL_ESTIMATORS
+            from grail_exp.reward_shaping import KLInRewardController
 
             if self.kl_controller is None:
                 self.kl_controller = KLInRewardController(kir)
@@ -370,10 +368,17 @@ class RolloutPhase:
         self.prompt_cursor = int(st.get("prompt_cursor", 0))
         self.logp_diff_history = list(st.get("logp_diff_history", []))
         if st.get("kl_controller") is not None:
-            from grail_exp.family import KLInRewardController
+            from grail_exp.reward_shaping import KLInRewardController
 
             self.kl_controller = KLInRewardController(self.cfg.loss.kl_in_reward)
             self.kl_controller.load_state_dict(st["kl_controller"])
+
+
+def informative_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
+    """(P,) bool: the group's rewards are not all equal; dynamic sampling's filter (DAPO §3.2 keeps the groups with
+    0 < #correct < G)."""
+    r = rewards.view(-1, G)
+    return (r.max(1).values - r.min(1).values) > 1e-6
 
 
 def row_order(batch: TrainingBatch, size: int, probe: torch.Tensor | None, by_length: bool) -> torch.Tensor:

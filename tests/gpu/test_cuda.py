@@ -50,7 +50,7 @@ def _bench_yaml():
 
 def _module(cfg, model, tok):
     from grail_exp.advantages import build_scheme
-    from grail_exp.module import GRPOModule
+    from grail_exp.training.module import GRPOModule
     from grail_exp.tracking import NullTracker
 
     module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, NullTracker())

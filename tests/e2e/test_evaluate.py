@@ -6,9 +6,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
+
+pytestmark = pytest.mark.e2e  # every test here runs a child process (tests/test_suite_rules.py)
 
 
 def _args(tmp_path, model_dir, run_dir, extra=()):

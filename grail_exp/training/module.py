@@ -25,8 +25,8 @@ import lightning as L
 import torch
 
 from grail_exp.distributed import launch_rank
+from grail_exp import faults
 from grail_exp.errors import Preempted
-from grail_exp.study import fault_at_step
 from grail_exp.training import probe
 from grail_exp.training import state as run_state
 from grail_exp.training import world
@@ -200,11 +200,11 @@ class GRPOModule(L.LightningModule):
         done_round = index == self.update.steps_per_rollout - 1
         self.position = {"round": round_index + 1 if done_round else round_index,
                          "buffer": None if done_round else run_state.pack_buffer(batch, stats, round_index, index + 1)}
-        fault_at_step("term_at_step", step, cfg.advantage.name)  # test-only fault injection (GRAIL_EXP_FAULT)
+        faults.term_at_step(step, cfg.advantage.name)  # test-only (GRAIL_EXP_FAULT)
         every = cfg.trainer.checkpoint_every
         if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
             self.checkpoint_fn(self.position)
-        fault_at_step("kill_after_step", step, cfg.advantage.name)
+        faults.kill_after_step(step, cfg.advantage.name)
         every = cfg.trainer.save_weights_only_every
         if self.weights_fn and every and step % every == 0:
             self.weights_fn(step)

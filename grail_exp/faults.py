@@ -1,0 +1,111 @@
+"""Test-only fault injection: a crash, a stop or a hang at a known point of a real run, so that a recovery test
+kills the process where it means to instead of racing a timer (docs/developer.md, "Faults injected, never raced").
+
+Every function here is a no-op unless the environment variable ``GRAIL_EXP_FAULT`` names its fault (the grader's
+hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls them at the marked points:
+
+    GRAIL_EXP_FAULT=stall_checkpoint:<N>               checkpoint.save_checkpoint: hang mid-write of step N's checkpoint
+    GRAIL_EXP_FAULT=kill_eval_after_chunks:<N>         evaluate: SIGKILL right after the N-th cached chunk
+    GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]        training/module.py: SIGTERM at the end of optimiser step N
+    GRAIL_EXP_FAULT=kill_after_step:<N>[:<scheme>]     training/module.py: SIGKILL after step N's checkpoint decision
+    GRAIL_EXP_FAULT=tune_kill:<point>[:<trial|state>]  tune: SIGKILL at a point of a trial's life (tune.CRASH_POINTS)
+    answers "__sleep__:<s>" / "__crash__"              rewards.py's grading worker: hang <s> seconds / die
+
+Each fault logs one ``GRAIL_EXP_FAULT: ...`` warning first (tests look for it). Standard library only: the grading
+workers import this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+ENV = "GRAIL_EXP_FAULT"
+log = logging.getLogger("grail_exp.faults")
+
+
+def _fault() -> str:
+    return os.environ.get(ENV, "")
+
+
+def _sigkill() -> None:
+    """Die at once, without cleanup (as the OOM killer or a lost node would), once the log lines are out."""
+    logging.shutdown()  # flushes every handler: the warning above must reach the test
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stall_checkpoint(step: int) -> None:
+    """``stall_checkpoint:<N>``: stall mid-write of step N's checkpoint (its files written, not yet renamed into
+    place) until the process is killed, so that a test can SIGKILL it while the checkpoint is half written, however
+    slow the machine. It gives up when its parent (the test) has gone, or after an hour."""
+    if _fault() != f"stall_checkpoint:{step}":
+        return
+    log.warning("GRAIL_EXP_FAULT: stalling mid-write of checkpoint step %d", step)
+    parent, end = os.getppid(), time.monotonic() + 3600
+    while os.getppid() == parent and time.monotonic() < end:
+        time.sleep(0.5)
+
+
+_chunks_put = 0  # evaluation chunks this process has cached
+
+
+def kill_eval_after_chunks() -> None:
+    """``kill_eval_after_chunks:<N>``: called once per evaluation chunk written to the completion cache; SIGKILLs
+    this process right after its N-th, so that a test kills an evaluation at a known point."""
+    global _chunks_put
+    _chunks_put += 1
+    if _fault() == f"kill_eval_after_chunks:{_chunks_put}":
+        log.warning("GRAIL_EXP_FAULT: killing this process after %d cached chunks", _chunks_put)
+        _sigkill()
+
+
+def _at_step(point: str, step: int, scheme: str) -> bool:
+    fault = _fault().split(":")
+    return fault[0] == point and len(fault) >= 2 and int(fault[1]) == step and (len(fault) == 2 or fault[2] == scheme)
+
+
+def term_at_step(step: int, scheme: str) -> None:
+    """``term_at_step:<N>[:<scheme>]``: at the end of optimiser step N (of any job, or only of jobs training
+    ``scheme``), send this process SIGTERM before the step's checkpoint decision, as if the signal had arrived during
+    step N: the run checkpoints step N and stops."""
+    if _at_step("term_at_step", step, scheme):
+        log.warning("GRAIL_EXP_FAULT: term_at_step at step %d of %s", step, scheme)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def kill_after_step(step: int, scheme: str) -> None:
+    """``kill_after_step:<N>[:<scheme>]``: SIGKILL this process after optimiser step N's checkpoint decision (of
+    any job, or only of jobs training ``scheme``): a study is stopped mid-arm at a known point."""
+    if _at_step("kill_after_step", step, scheme):
+        log.warning("GRAIL_EXP_FAULT: kill_after_step at step %d of %s", step, scheme)
+        _sigkill()
+
+
+def tune_kill(point: str, number: int, state: str | None = None) -> None:
+    """``tune_kill:<point>[:<trial number or state>]``: SIGKILL this Optuna worker at ``point`` (one of
+    ``tune.CRASH_POINTS``) of the first trial whose number or state matches (any trial when neither is given)."""
+    fault = _fault()
+    if not fault.startswith("tune_kill:"):
+        return
+    want, _, which = fault[len("tune_kill:"):].partition(":")
+    if want == point and which in ("", str(number), state):
+        log.warning("GRAIL_EXP_FAULT: killing this worker at %s of trial %d (%s)", point, number, state)
+        _sigkill()
+
+
+GRADING_SLEEP = "__sleep__:"  # an answer "__sleep__:<seconds>" hangs the grading worker that long
+GRADING_CRASH = "__crash__"  # an answer "__crash__" kills the grading worker (exit code 3)
+
+
+def grading_answer(answer: str) -> bool:
+    """The grading worker's hooks, honoured only under ``MathVerifier(_allow_debug=True)`` (its caller checks):
+    ``__sleep__:<s>`` sleeps ``s`` seconds and returns True (the caller reports the answer as graded, wrong);
+    ``__crash__`` ends the worker at once. Any other answer: False, grade it."""
+    if answer.startswith(GRADING_SLEEP):
+        time.sleep(float(answer[len(GRADING_SLEEP):]))
+        return True
+    if answer == GRADING_CRASH:
+        os._exit(3)
+    return False

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import compose
+from helpers.compose import compose
 
 CASES = [
     # (the run's overrides, the suggestion's, keys where the two may differ: see below)

@@ -50,7 +50,7 @@ PLAN_ERROR = 0.10
 # Padded prompt length per rollout / evaluation call (HF pads a call to its longest prompt). Benchmarks: the longest
 # prompt of each shipped benchmark with the paper's instruction and chat template (Qwen3 / Llama-3 tokenizers measure
 # within 2 tokens of each other), rounded up; training sets: DeepMath-103K is not available offline, its prompts are
-# ~300 tokens (issue 22), 512 is the planner's pad width.
+# ~300 tokens (the DeepMath-103K card's statistics), 512 is the planner's pad width.
 PROMPT_TOKENS = {"arithmetic": 64, "arithmetic_val": 64, "deepmath": 512, "scrl_jsonl": 512, "math500": 800,
                  "aime24": 400, "amc23": 256, "minerva_math": 416, "college_math_200": 384, "olympiadbench_200": 1280}
 DEFAULT_PROMPT_TOKENS = 512

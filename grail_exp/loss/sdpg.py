@@ -14,7 +14,7 @@ other-methods.md §5):
 
 T is the rollout temperature. The official ``_compute_kl_distill_micro_batch`` divides only the actor's logits by it
 ("applied to actor logits only"); the teacher's are used as they are (``teacher_temperature: raw``, the default).
-``teacher_temperature: sampling`` divides them by T too (the behaviour before issue 23). The two agree at T = 1,
+``teacher_temperature: sampling`` divides them by T too (a teacher sampled like the student). The two agree at T = 1,
 which every shipped recipe uses. k is the 1-based rollout-batch index (``TermContext.rollout_index()``: the official
 trainer's ``global_steps``, constant over the optimiser steps of a rollout batch) and T (``total_steps``) counts
 rollout batches (the official ``total_training_steps``); the official piecewise rule (warmup while k < T_warm, decay
@@ -63,7 +63,7 @@ class SdpgOpdConfig:
     template: str = "sdpg"  # teacher prompt: a name in teacher.py TEMPLATES or a literal with {answer}
     instruction: str = ""  # the {instruction} field (the recipe sets ${data.instruction}, the student's)
     chunk_tokens: int = 1024  # positions per chunk: (chunk, V) float32 student and teacher logits alive at once
-    # raw: the teacher's logits are not divided by the rollout temperature (official SDPG) | sampling: they are (before issue 23)
+    # raw: the teacher's logits are not divided by the rollout temperature (official SDPG) | sampling: they are, like the actor's
     teacher_temperature: str = "raw"
 
 

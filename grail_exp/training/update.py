@@ -248,7 +248,7 @@ class UpdatePhase:
         batch.weights_ready[s:e] = True
 
     def family_masks(self, batch, s, e, mask, logp, entropy):
-        """GRPO family (issue 15 / 23): the top-entropy token mask (``loss.top_entropy_quantile``) and OPSM
+        """GRPO family: the top-entropy token mask (``loss.top_entropy_quantile``) and OPSM
         (``loss.off_policy_mask_threshold``) of rows s:e, as ``family.FamilyMasks`` (``policy`` is None when off)."""
         from grail_exp.family import family_token_masks
 

@@ -1,4 +1,4 @@
-"""The GRPO family's policy losses (issue 15), one file each; importing this package registers them.
+"""The GRPO family's policy losses (TRL, verl, OpenRLHF), one file each; importing this package registers them.
 
 Every loss here has the ``grail_exp.loss.policy`` signature fn(logp, old_logp, adv, mask, cfg) -> PolicyLossOutput
 with Â = sg(w)·A (B, T), so it composes with every token-weight scheme (GRAIL, OAR, ...). With μ = 1 (ratio 1,

@@ -16,7 +16,7 @@ Token weights are folded into the per-sequence means (``folds_token_weights``), 
   geometric mean (a row with no kept token adds nothing);
 - the rollout IS weights enter as their geometric mean over K_i, as verl ``geo_mean`` does
   (``loss.gmpo_is_mean: geometric``). ``arithmetic`` uses their arithmetic mean over K_i instead — what multiplying
-  each token's loss by its weight under the per-sequence mean gave before issue 23.
+  each token's loss by its weight under the per-sequence mean gives.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-# --- the GRPO family's estimators (verl's kl_penalty names) 
+# --- the GRPO family's estimators (verl's kl_penalty names) ----------------------------------------------------------
 @register_kl("abs")
 def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """|log π − log π_ref| (verl ``abs``)."""

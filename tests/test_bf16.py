@@ -5,36 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.pinned_step import build_model_and_tokenizer, rollout_batch
-
-
-def _module(dtype, overrides=()):
-    from helpers.pinned_step import pinned_config
-
-    from grail_exp.advantages import build_scheme
-    from grail_exp.estimators.group import group_advantages
-    from grail_exp.forward import position_ids_from_mask
-    from grail_exp.training.module import GRPOModule, TrainingBatch
-
-    cfg = pinned_config(["advantage=grpo", *overrides])
-    torch.manual_seed(0)
-    model, tok = build_model_and_tokenizer()
-    model = model.to(dtype)
-    rb, texts, rewards = rollout_batch(tok)
-    adv, _ = group_advantages(rewards, 4, "none")
-    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, None)
-    attn = rb.attention_mask
-    batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
-                          rb.completion_mask.float(), adv, rewards, texts, order=torch.arange(len(texts)))
-    module.manual_backward = lambda loss: loss.backward()
-    return module, batch
+from helpers.pinned_step import pinned_module
 
 
 def _train(dtype, steps: int, lr: float, master_weights=None):
     """``steps`` optimiser steps on the fixed batch; returns per-step losses and the trained fp32 parameters."""
     from grail_exp.optim import MasterWeightAdamW, build_optimizer
 
-    module, batch = _module(dtype)
+    module, batch = pinned_module(dtype)
     cfg = module.cfg
     cfg.optim.lr = lr
     master = (dtype != torch.float32) if master_weights is None else master_weights
@@ -78,7 +56,7 @@ def test_master_weights_survive_a_checkpoint_round_trip():
     from grail_exp.optim import build_optimizer
 
     losses, _, masters, model = _train(torch.bfloat16, steps=2, lr=1e-3)
-    module, _ = _module(torch.bfloat16)
+    module, _ = pinned_module(torch.bfloat16)
     opt = build_optimizer(model, module.cfg.optim, master_weights=True)
     sd = opt.state_dict()
     sd["master_weights"] = [m.clone() for m in masters]
@@ -176,7 +154,7 @@ def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
     bf16 product would round to -0.7578125."""
     import grail_exp.training.update as mod
 
-    module, batch = _module(torch.bfloat16)
+    module, batch = pinned_module(torch.bfloat16)
     seen = {}
     real = mod.compose_objective
 
@@ -204,7 +182,7 @@ def test_grail_probe_in_bf16_shared_forward_equals_separate_probe():
     from grail_exp.advantages import build_scheme
     from grail_exp.forward import policy_forward
 
-    module, batch = _module(torch.bfloat16, ["advantage=grail", "advantage.symmetry=both"])
+    module, batch = pinned_module(torch.bfloat16, ["advantage=grail", "advantage.symmetry=both"])
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
     module.rollout.prepare(batch, {})
     sb = batch.scheme_view(module.scheme_ctx, 0, 4)
@@ -228,7 +206,7 @@ def test_logprob_dtype_model_is_the_references_bf16_log_softmax(temperature):
     bit for bit. ``float32`` (the default) is the float32 softmax of the same bf16 logits, unchanged by the option."""
     from grail_exp.forward import completion_logits, policy_forward
 
-    module, batch = _module(torch.bfloat16)
+    module, batch = pinned_module(torch.bfloat16)
     model, C = module.policy, batch.completion_ids.shape[1]
     args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, temperature)
     with torch.no_grad():
@@ -256,7 +234,7 @@ def test_logprob_dtype_model_gives_exact_ratio_one_after_a_small_update():
     log-probs are unchanged, so ρ = exp(logp − logp_old) is exactly 1 for them; in float32 almost none are."""
     from grail_exp.forward import policy_forward
 
-    module, batch = _module(torch.bfloat16)
+    module, batch = pinned_module(torch.bfloat16)
     model = module.policy
     args = (batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, 1.0)
     with torch.no_grad():
@@ -289,7 +267,7 @@ def test_grad_accum_dtype_sums_the_micro_batches_as_named(acc):
     from grail_exp.optim import MasterWeightAdamW
     from grail_exp.training.backends.local import LocalBackend
 
-    module, batch = _module(torch.bfloat16, ["trainer.micro_batch_size=2", f"optim.grad_accum_dtype={acc}"])
+    module, batch = pinned_module(torch.bfloat16, ["trainer.micro_batch_size=2", f"optim.grad_accum_dtype={acc}"])
     assert batch.num_rows // 2 == 4
     opt = LocalBackend(module.cfg, module).build_optimizer(module.policy)
     assert isinstance(opt, MasterWeightAdamW)

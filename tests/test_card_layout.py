@@ -269,8 +269,8 @@ def test_the_one_gpu_card_check_composes_and_plans(tmp_path):
     assert list(job.benchmark.names) == ["math500", "aime24", "amc23", "minerva_math", "college_math_200",
                                          "olympiadbench_200"] and job.benchmark.limit == 1
     plan = (tmp_path / "card1gpu_plan.txt").read_text()
-    from test_plan import _arch, _params  # the parameter count by hand, from the architecture file
+    from helpers.architectures import architecture, parameter_count  # by hand, from the architecture file
 
-    n = _params({**_arch("qwen3_8b"), "num_hidden_layers": 2})
+    n = parameter_count({**architecture("qwen3_8b"), "num_hidden_layers": 2})
     assert f"qwen3_8b ({n / 1e9:.2f} B parameters, bfloat16)" in plan and "fsdp_grad_op, 1 device(s)" in plan
     assert re.search(r"peak [\d.]+ GiB \(update\) fits$", plan, re.M), plan[-800:]

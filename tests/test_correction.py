@@ -61,12 +61,12 @@ def test_none_is_ones_and_weights_enter_the_loss_detached():
 
 def test_sampler_check_fails_loudly_on_a_stale_engine(compose_cfg, tiny_model_dir):
     """A jump of the sampler/trainer log-prob gap (e.g. an engine that reloaded its initial weights) aborts the run."""
-    from test_module import _build_module, _small
+    from helpers.module import build_module, small_config
 
     from grail_exp.training.module import SamplerMismatchError
 
-    cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])
-    module = _build_module(cfg, tiny_model_dir)
+    cfg = small_config(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])
+    module = build_module(cfg, tiny_model_dir)
     torch.manual_seed(0)
     batch, _ = module.rollout.make_batch(0, {})
     batch.old_logp = module.rollout.logps(module.policy, batch)
@@ -114,12 +114,12 @@ def test_vllm_paper_composes_the_reference_settings(compose_cfg):
 def test_kept_mass_stats_and_sampler_check_on_processed_logprobs(compose_cfg, tiny_model_dir):
     """With processed sampler log-probs (sampler = raw − log M_t), the old-log-prob forward measures log M_t, the step
     logs Σ_t log M_t per sequence, and the sampler check adds it back: no false alarm from the renormalisation."""
-    from test_module import _build_module, _small
+    from helpers.module import build_module, small_config
 
     from grail_exp.logprobs import kept_log_mass
 
-    cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2", "rollout.top_k=3"])
-    module = _build_module(cfg, tiny_model_dir)
+    cfg = small_config(compose_cfg, tiny_model_dir, ["loss.num_iterations=2", "rollout.top_k=3"])
+    module = build_module(cfg, tiny_model_dir)
     module.rollout.engine.logprobs_mode = "processed_logprobs"  # the HF engine as if it reported processed ones
     assert module.rollout.sampler_filter() == (3, 1.0)
     torch.manual_seed(0)

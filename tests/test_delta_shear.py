@@ -17,8 +17,7 @@ from grail_exp.advantages.delta import delta_weights
 from grail_exp.advantages.shear import shear_weights, sinkhorn_w1, span_starts
 from grail_exp.weights import scheme_weights
 
-from test_schemes import batch_of, rows_of
-
+from helpers.batches import batch_of, rows_of
 from helpers.tolerances import HANG_TIMEOUT_S
 
 
@@ -338,14 +337,14 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
     """The whole rollout batch through the trainer (prepare, then every micro-batch) equals the weights CLI on the
     same rows with their groups and rewards."""
     from helpers.compose import compose_weights
-    from test_module import _build_module, _small
+    from helpers.module import build_module, small_config
     from grail_exp.training.batch import micro_batch_rows
     from grail_exp.weights import compute
 
     extra = [f"advantage={scheme}", "trainer.micro_batch_size=4"] + (["advantage.window=6", "advantage.stride=3"]
                                                                        if scheme == "shear" else [])
-    cfg = _small(compose_cfg, tiny_model_dir, extra)
-    module = _build_module(cfg, tiny_model_dir)
+    cfg = small_config(compose_cfg, tiny_model_dir, extra)
+    module = build_module(cfg, tiny_model_dir)
     torch.manual_seed(0)
     batch, _ = module.rollout.make_batch(0, {})
     module.rollout.prepare(batch, {})

@@ -1,9 +1,8 @@
-"""Group advantages and the scheme registry."""
+"""Group advantages: the rewards normalised within each group of rollouts (scale_rewards none / group / batch)."""
 
 import pytest
 import torch
 
-from grail_exp.advantages import SCHEMES, build_scheme
 from grail_exp.estimators.group import group_advantages
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # two groups of G = 4
@@ -32,23 +31,3 @@ def test_bad_inputs():
         group_advantages(R, 3, "none")
     with pytest.raises(ValueError, match="scale_rewards"):
         group_advantages(R, 4, "nope")
-
-
-def test_registry_has_grpo_and_grpo_weights_are_ones():
-    from omegaconf import OmegaConf
-
-    from grail_exp.advantages import SchemeBatch
-
-    assert "grpo" in SCHEMES
-    scheme = build_scheme(OmegaConf.create({"name": "grpo"}))
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    out = scheme.weights(None, SchemeBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5), torch.zeros(2, 5),
-                                           2, torch.zeros(2, 3, dtype=torch.long), mask, torch.zeros(2), torch.zeros(2)))
-    assert out.weights.shape == (2, 3) and torch.all(out.weights == 1)
-
-
-def test_unknown_scheme():
-    from omegaconf import OmegaConf
-
-    with pytest.raises(KeyError, match="grpo"):
-        build_scheme(OmegaConf.create({"name": "nope"}))

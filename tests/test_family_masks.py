@@ -189,13 +189,14 @@ def test_family_masks_through_the_update_step_equal_trls_loss(compose_cfg, forma
     import copy
 
     from helpers.tolerances import MODEL_REORDER
-    from test_module import _FakeOpt, _build_module, _small
+    from helpers.module import FakeOpt, build_module, small_config
 
     rho, delta = 0.5, 0.5
-    cfg = _small(compose_cfg, formatted_model_dir, ["advantage=grpo", f"loss.loss_type={loss_type}",
-                                               f"loss.top_entropy_quantile={rho}",
-                                               f"loss.off_policy_mask_threshold={delta}", "optim.max_grad_norm=null"])
-    module = _build_module(cfg, formatted_model_dir)  # the warm-started model: entropies spread out
+    cfg = small_config(compose_cfg, formatted_model_dir, ["advantage=grpo", f"loss.loss_type={loss_type}",
+                                                          f"loss.top_entropy_quantile={rho}",
+                                                          f"loss.off_policy_mask_threshold={delta}",
+                                                          "optim.max_grad_norm=null"])
+    module = build_module(cfg, formatted_model_dir)  # the warm-started model: entropies spread out
     module.manual_backward = lambda loss: loss.backward()
     torch.manual_seed(0)
     batch, _ = module.rollout.make_batch(0, {})  # 4 prompts x 4 rollouts; micro-batches of 8 rows
@@ -220,7 +221,7 @@ def test_family_masks_through_the_update_step_equal_trls_loss(compose_cfg, forma
 
     captured = {}
     opt = torch.optim.SGD(module.policy.parameters(), lr=0.0)
-    fake = _FakeOpt(opt)
+    fake = FakeOpt(opt)
     fake.step = lambda: captured.setdefault("g", torch.cat([p.grad.flatten() for p in module.policy.parameters()]))
     module.update.step(batch, fake, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                        float(batch.loss_mask.sum()), {}, epoch=0)

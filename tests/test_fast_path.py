@@ -4,14 +4,14 @@ variant, per_rollout reuse, skipping A = 0 rows without changing the gradient or
 import pytest
 import torch
 
-from test_bf16 import _module
+from helpers.pinned_step import pinned_module
 
 
 def _shared_vs_separate(overrides):
     from grail_exp.advantages import build_scheme
     from grail_exp.forward import policy_forward
 
-    module, batch = _module(torch.float32, overrides)
+    module, batch = pinned_module(torch.float32, overrides)
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
     module.rollout.prepare(batch, {})
     gen_state = module.scheme_generator.get_state()
@@ -63,7 +63,7 @@ def test_oar_g_shared_teacher_equals_separate_teacher(variant):
 def test_probe_runs_only_on_rows_that_need_it():
     from grail_exp.advantages import build_scheme
 
-    module, batch = _module(torch.float32, ["advantage=grail"])  # symmetry wrong: only A <= 0 rows with a box
+    module, batch = pinned_module(torch.float32, ["advantage=grail"])  # symmetry wrong: only A <= 0 rows with a box
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
     module.rollout.prepare(batch, {})
     needs = module.scheme.rows_needing_model(batch.scheme_view(module.scheme_ctx))
@@ -76,7 +76,7 @@ def test_skip_zero_advantage_changes_neither_gradient_nor_diagnostics():
 
     results = {}
     for skip in (True, False):
-        module, batch = _module(torch.float32, ["advantage=grail", f"advantage.skip_zero_advantage={skip}"])
+        module, batch = pinned_module(torch.float32, ["advantage=grail", f"advantage.skip_zero_advantage={skip}"])
         module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
         batch.advantages[:4] = 0.0  # a zero-variance group
         module.rollout.prepare(batch, {})
@@ -111,8 +111,8 @@ def test_per_rollout_reuses_the_first_iteration_weights():
 
     seen = {}
     for mode in ("per_rollout", "per_update"):
-        module, batch = _module(torch.float32, ["advantage=grail", "advantage.symmetry=both",
-                                                f"advantage.recompute={mode}", "loss.num_iterations=2"])
+        module, batch = pinned_module(torch.float32, ["advantage=grail", "advantage.symmetry=both",
+                                                       f"advantage.recompute={mode}", "loss.num_iterations=2"])
         module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
         module.rollout.prepare(batch, {})
         batch.old_logp = module.rollout.logps(module.policy, batch)
@@ -149,7 +149,7 @@ def _weights_seen(overrides, lr=1e-2):
     from grail_exp.advantages import build_scheme
     from grail_exp.optim import build_optimizer
 
-    module, batch = _module(torch.float32, overrides)
+    module, batch = pinned_module(torch.float32, overrides)
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
     module.rollout.prepare(batch, {})
     frozen, reference = copy.deepcopy(module.policy), build_scheme(module.cfg.advantage, module.tokenizer)

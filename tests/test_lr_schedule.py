@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from test_module import _FakeOpt, _build_module, _small
+from helpers.module import FakeOpt, build_module, small_config
 
 
 def verl_factors(rollout_batches: int, steps_per_batch: int, warmup: int) -> list[float]:
@@ -25,7 +25,7 @@ def trl_factors(steps: int, warmup: int) -> list[float]:
     return [g / max(1, warmup) if g < warmup else 1.0 for g in range(steps)]
 
 
-class _RecordingOpt(_FakeOpt):
+class _RecordingOpt(FakeOpt):
     """Records the rate each optimiser step runs at."""
 
     def __init__(self, opt):
@@ -48,10 +48,11 @@ def _schedule_of(cfg, policy, backend):
 @pytest.mark.parametrize("unit", ["rollout_batch", "optimizer_step"])
 def test_rates_of_every_step_follow_the_upstream_schedule(compose_cfg, tiny_model_dir, unit):
     """k = 4 mini-batches × μ = 2 epochs = 8 optimiser steps per rollout batch, warmup 3, five rollout batches."""
-    cfg = _small(compose_cfg, tiny_model_dir, ["advantage=grpo", "trainer.micro_batch_size=4", "loss.num_iterations=2",
-                                               "trainer.mini_batches_per_rollout=4", "optim.warmup_steps=3",
-                                               f"optim.schedule_unit={unit}", "optim.lr=1e-3"])
-    module = _build_module(cfg, tiny_model_dir)
+    cfg = small_config(compose_cfg, tiny_model_dir, ["advantage=grpo", "trainer.micro_batch_size=4",
+                                                     "loss.num_iterations=2", "trainer.mini_batches_per_rollout=4",
+                                                     "optim.warmup_steps=3", f"optim.schedule_unit={unit}",
+                                                     "optim.lr=1e-3"])
+    module = build_module(cfg, tiny_model_dir)
     module.manual_backward = lambda loss: loss.backward()
     opt, sched = _schedule_of(cfg, module.policy, module.backend)
     fake = _RecordingOpt(opt)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers.tolerances import MODEL_REORDER
-from test_module import _FakeOpt, _build_module, _small
+from helpers.module import FakeOpt, build_module, small_config
 
 
 def _completion_logp(model, batch, rows: slice, temperature: float) -> torch.Tensor:
@@ -54,10 +54,10 @@ def test_four_mini_batches_use_rollout_time_old_logprobs(compose_cfg, tiny_model
     generation batch feeds several optimiser steps). The reference is the brute-force loop above, not the code's path."""
     import copy
 
-    cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=1", "advantage=grpo", f"loss.loss_type={loss_type}",
-                                               "trainer.micro_batch_size=2", "trainer.mini_batches_per_rollout=4",
-                                               "optim.max_grad_norm=null"])
-    module = _build_module(cfg, tiny_model_dir)
+    cfg = small_config(compose_cfg, tiny_model_dir, ["loss.num_iterations=1", "advantage=grpo",
+                                                     f"loss.loss_type={loss_type}", "trainer.micro_batch_size=2",
+                                                     "trainer.mini_batches_per_rollout=4", "optim.max_grad_norm=null"])
+    module = build_module(cfg, tiny_model_dir)
     module.manual_backward = lambda loss: loss.backward()
     torch.manual_seed(0)
     batch, _ = module.rollout.collect(0, {})  # 4 prompts x 4 rollouts, with whatever old log-probs the rule asks for
@@ -67,7 +67,7 @@ def test_four_mini_batches_use_rollout_time_old_logprobs(compose_cfg, tiny_model
     lr = 1.0  # SGD: a step that moves the later quarters' ratios by a few per cent (5-23 % of their tokens clipped)
     opt = torch.optim.SGD(module.policy.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    steps = [m for _, m in module.update.optimizer_steps(batch, _FakeOpt(opt), sched, 0, {})]
+    steps = [m for _, m in module.update.optimizer_steps(batch, FakeOpt(opt), sched, 0, {})]
     expected, ratios = _brute_force_quarters(reference, batch, cfg, lr, loss_type)
 
     assert ratios[0] == pytest.approx(1.0, abs=1e-6) and max(abs(r - 1) for r in ratios[1:]) > 0.01, ratios
@@ -86,9 +86,9 @@ def test_mini_batches_validate_whole_groups(compose_cfg, tiny_model_dir):
     from grail_exp.config import ConfigError
 
     with pytest.raises(ConfigError, match="trainer.mini_batches_per_rollout = 3"):
-        _small(compose_cfg, tiny_model_dir, ["trainer.mini_batches_per_rollout=3"])  # 4 prompts
+        small_config(compose_cfg, tiny_model_dir, ["trainer.mini_batches_per_rollout=3"])  # 4 prompts
     with pytest.raises(ConfigError, match="trainer.micro_batch_size = 3"):
-        _small(compose_cfg, tiny_model_dir, ["trainer.mini_batches_per_rollout=2", "trainer.micro_batch_size=3"])
+        small_config(compose_cfg, tiny_model_dir, ["trainer.mini_batches_per_rollout=2", "trainer.micro_batch_size=3"])
 
 
 def test_counters_over_mini_batches_and_epochs(tmp_path, formatted_model_dir, monkeypatch):

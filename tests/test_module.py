@@ -5,93 +5,29 @@ import math
 import pytest
 import torch
 
-from grail_exp.config import validate
-
-
-class _AlternatingVerifier:
-    """A random model never solves anything; alternate rewards so advantages (and gradients) are non-zero."""
-
-    counters = {"timeout": 0}
-
-    def score(self, completions, golds):
-        from grail_exp.rewards import GradeResult
-
-        return [GradeResult(i % 3 == 0, "x", "ok") for i in range(len(completions))]
-
-
-def _build_module(cfg, model_dir):
-    """The run's building blocks, on a local tiny model, without the Lightning Trainer."""
-    from grail_exp.advantages import build_scheme
-    from grail_exp.data import build_source
-    from grail_exp.models import load_causal_lm, load_tokenizer
-    from grail_exp.training.module import GRPOModule
-    from grail_exp.rollout import build_engine
-    from grail_exp.tracking import NullTracker
-
-    tok = load_tokenizer(str(model_dir), cfg)
-    policy = load_causal_lm(str(model_dir), cfg, trainable=True)
-    ref = load_causal_lm(str(model_dir), cfg, trainable=False) if cfg.loss.beta > 0 else None
-    verifier = _AlternatingVerifier()
-    module = GRPOModule(cfg, policy, tok, build_scheme(cfg.advantage, tok), build_engine("hf", policy, tok),
-                        build_source(cfg.data), verifier, NullTracker(), ref)
-    return module
-
-
-class _FakeOpt:
-    """Stands in for Lightning's optimizer wrapper: counts steps like trainer.global_step does."""
-
-    def __init__(self, opt):
-        self.opt, self.steps = opt, 0
-
-    def step(self):
-        self.opt.step()
-        self.steps += 1
-
-    def zero_grad(self, set_to_none=True):
-        self.opt.zero_grad(set_to_none=set_to_none)
-
-
-def _small(compose_cfg, model_dir, extra=()):
-    cfg = compose_cfg([f"model.name_or_path={model_dir}", "logger=none", "trainer.prompts_per_step=4",
-                       "trainer.micro_batch_size=8", "rollout.num_generations=4", "rollout.max_completion_length=12",
-                       # a random model rarely stops within 12 tokens: keep truncated rows in the loss here
-                       "loss.mask_truncated_completions=false", *extra])
-    return validate(cfg)
-
-
-def _step(module, iteration=0, round_index=0):
-    torch.manual_seed(round_index)
-    batch, stats = module.rollout.make_batch(round_index, {})
-    module.manual_backward = lambda loss: loss.backward()
-    opt = torch.optim.AdamW(module.policy.parameters(), lr=1e-3)
-    fake = _FakeOpt(opt)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    if module.cfg.loss.num_iterations > 1:
-        batch.old_logp = module.rollout.logps(module.policy, batch)
-    if module.cfg.loss.beta > 0:
-        batch.ref_logp = module.rollout.logps(module.ref_model, batch)
-    return batch, module.update.step(batch, fake, sched, batch.loss_mask.sum().item(), {}, epoch=iteration)
+from helpers.module import FakeOpt, build_module, small_config, train_step
 
 
 def test_first_inner_iteration_has_ratio_one_and_no_clipping(compose_cfg, tiny_model_dir):
-    cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])
-    module = _build_module(cfg, tiny_model_dir)
-    _, metrics = _step(module)
+    cfg = small_config(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])
+    module = build_module(cfg, tiny_model_dir)
+    _, metrics = train_step(module)
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert metrics["clip_ratio/region_mean"] == 0.0
 
 
 def test_kl_is_zero_when_policy_equals_reference(compose_cfg, tiny_model_dir):
-    cfg = _small(compose_cfg, tiny_model_dir, ["loss.beta=0.04", "loss.num_iterations=2"])
-    module = _build_module(cfg, tiny_model_dir)
-    _, metrics = _step(module)
+    cfg = small_config(compose_cfg, tiny_model_dir, ["loss.beta=0.04", "loss.num_iterations=2"])
+    module = build_module(cfg, tiny_model_dir)
+    _, metrics = train_step(module)
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_truncated_completions_carry_no_loss(compose_cfg, tiny_model_dir):
     # 3 new tokens: the random model almost never stops, so (nearly) every completion is truncated.
-    cfg = _small(compose_cfg, tiny_model_dir, ["rollout.max_completion_length=3", "loss.mask_truncated_completions=true"])
-    module = _build_module(cfg, tiny_model_dir)
+    cfg = small_config(compose_cfg, tiny_model_dir, ["rollout.max_completion_length=3",
+                                                     "loss.mask_truncated_completions=true"])
+    module = build_module(cfg, tiny_model_dir)
     torch.manual_seed(0)
     batch, stats = module.rollout.make_batch(0, {})
     assert stats["completions/truncated_rate"] > 0
@@ -99,8 +35,9 @@ def test_truncated_completions_carry_no_loss(compose_cfg, tiny_model_dir):
     trunc_rows = batch.attention_mask[:, batch.prompt_length:].sum(1) == 3  # no stop token within budget
     assert torch.all(batch.loss_mask[trunc_rows] == 0) or not trunc_rows.any()
 
-    cfg2 = _small(compose_cfg, tiny_model_dir, ["rollout.max_completion_length=3", "loss.mask_truncated_completions=false"])
-    module2 = _build_module(cfg2, tiny_model_dir)
+    cfg2 = small_config(compose_cfg, tiny_model_dir, ["rollout.max_completion_length=3",
+                                                      "loss.mask_truncated_completions=false"])
+    module2 = build_module(cfg2, tiny_model_dir)
     torch.manual_seed(0)
     batch2, _ = module2.rollout.make_batch(0, {})
     assert batch2.loss_mask.sum() > batch.loss_mask.sum()
@@ -109,8 +46,8 @@ def test_truncated_completions_carry_no_loss(compose_cfg, tiny_model_dir):
 def test_nonfinite_loss_is_skipped_then_aborts(compose_cfg, tiny_model_dir):
     from grail_exp.training.module import NonFiniteLossError
 
-    cfg = _small(compose_cfg, tiny_model_dir, ["trainer.max_nonfinite_in_a_row=2"])
-    module = _build_module(cfg, tiny_model_dir)
+    cfg = small_config(compose_cfg, tiny_model_dir, ["trainer.max_nonfinite_in_a_row=2"])
+    module = build_module(cfg, tiny_model_dir)
     before = [p.detach().clone() for p in module.policy.parameters()]
     real_weights = module.scheme.weights
 
@@ -121,11 +58,11 @@ def test_nonfinite_loss_is_skipped_then_aborts(compose_cfg, tiny_model_dir):
 
     module.scheme.weights = nan_weights
     module.scheme.weights_from_forward = nan_weights
-    _, metrics = _step(module)
+    _, metrics = train_step(module)
     assert metrics["nonfinite_steps_total"] == 1 and math.isnan(metrics["loss"])
     assert all(torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))  # update skipped
     with pytest.raises(NonFiniteLossError, match="in a row"):
-        _step(module)
+        train_step(module)
 
 
 def test_gradient_accumulation_equals_one_big_batch(compose_cfg, tiny_model_dir):
@@ -133,14 +70,14 @@ def test_gradient_accumulation_equals_one_big_batch(compose_cfg, tiny_model_dir)
     for loss_type in ("dr_grpo", "bnpo", "dapo", "grpo"):
         grads = []
         for mb in (8, 16):
-            cfg = _small(compose_cfg, tiny_model_dir, [f"trainer.micro_batch_size={mb}", "optim.max_grad_norm=null",
-                                                       f"loss.loss_type={loss_type}"])
-            module = _build_module(cfg, tiny_model_dir)
+            cfg = small_config(compose_cfg, tiny_model_dir, [f"trainer.micro_batch_size={mb}",
+                                                             "optim.max_grad_norm=null", f"loss.loss_type={loss_type}"])
+            module = build_module(cfg, tiny_model_dir)
             torch.manual_seed(0)
             batch, _ = module.rollout.make_batch(0, {})
             module.manual_backward = lambda loss: loss.backward()
             opt = torch.optim.SGD(module.policy.parameters(), lr=0.0)
-            fake = _FakeOpt(opt)
+            fake = FakeOpt(opt)
             captured = {}
 
             def capture_then_step(fake=fake, module=module, captured=captured):

@@ -10,50 +10,6 @@ import torch
 from helpers.pinned_step import CASES, PINNED, build_model_and_tokenizer, pinned_config, rollout_batch, summarise
 
 
-def run_case_legacy(overrides):
-    """The pre-refactor trainer API (commit 2d87701): used once to write the pinned file."""
-    from grail_exp.advantages import build_scheme
-    from grail_exp.estimators.group import group_advantages
-    from grail_exp.forward import position_ids_from_mask
-    from grail_exp.training.module import GRPOModule, TrainingBatch
-
-    cfg = pinned_config(overrides)
-    torch.manual_seed(0)
-    model, tok = build_model_and_tokenizer()
-    rb, texts, rewards = rollout_batch(tok)
-    adv, _ = group_advantages(rewards, 4, cfg.loss.scale_rewards)
-    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, None,
-                        ref_model=build_model_and_tokenizer()[0].eval() if cfg.loss.beta > 0 else None)
-    attn = rb.attention_mask
-    batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
-                          rb.completion_mask.float(), adv, rewards, texts)
-    if cfg.loss.num_iterations > 1:
-        batch.old_logp = module.rollout.logps(model, batch) - 0.05 * torch.arange(batch.completion_ids.shape[1])
-    if cfg.loss.beta > 0:
-        batch.ref_logp = module.rollout.logps(module.ref_model, batch)
-    module.manual_backward = lambda loss: loss.backward()
-    captured = {}
-    real = module.scheme.weights
-
-    def spy(m, b):
-        out = real(m, b)
-        captured.setdefault("w", []).append(out.weights)
-        return out
-
-    module.scheme.weights = spy
-
-    class Opt:
-        def step(self):
-            captured["g"] = torch.cat([p.grad.flatten() for p in model.parameters()])
-
-        def zero_grad(self, set_to_none=True):
-            model.zero_grad(set_to_none=True)
-
-    sched = type("S", (), {"step": lambda self: None, "get_last_lr": lambda self: [0.0]})()
-    metrics = module.update.step(batch, Opt(), sched, batch.loss_mask.sum().item(), {}, epoch=0)
-    return summarise(metrics["loss"], captured["g"], torch.cat(captured["w"]))
-
-
 def run_case(overrides, extra=()):
     """Today's trainer on the pinned batch: prepare (spans, probe rows grouped first), then one optimiser step."""
     from grail_exp.advantages import build_scheme

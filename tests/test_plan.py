@@ -7,7 +7,6 @@ formulas (docs/memory-planner.md), never with the planner's helpers.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import subprocess
@@ -17,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers.architectures import architecture, parameter_count
 from helpers.compose import compose
 from grail_exp.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parent.parent
-ARCH = ROOT / "grail_exp" / "data" / "architectures"
 PAPER_MODELS = ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b")
 TRAINERS = {"cpu": 1, "gpu": 1, "ddp": 8, "fsdp": 8, "fsdp_zero2": 4, "deepspeed_zero2": 4}  # trainer -> devices
 GiB = 2**30
@@ -34,24 +33,10 @@ def _cfg(*overrides: str):
 
 
 # ---------------------------------------------------------------------------------------------- hand-computed plans
-def _arch(name: str) -> dict:
-    c = json.loads((ARCH / f"{name}.json").read_text())
-    assert not c.get("attention_bias") and not c.get("mlp_bias")  # the count below has no biases
-    return c
-
-
-def _params(c: dict) -> int:
-    h, i, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    nh, nkv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    attention = h * nh * d + 2 * h * nkv * d + nh * d * h  # q, k, v, o
-    layer = attention + 3 * h * i + 2 * h + (2 * d if c["model_type"] == "qwen3" else 0)  # SwiGLU, 2 norms, q/k norms
-    return c["num_hidden_layers"] * layer + V * h * (1 if c["tie_word_embeddings"] else 2) + h
-
-
 def _expected_phases(model: str, trainer: str) -> dict[str, float]:
     """Per-GPU GiB of `model=<model> advantage=grpo trainer=<trainer> rollout=hf` on a 139 GiB device, by hand."""
-    c = _arch(model)
-    N, L, h, i, V = _params(c), c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    c = architecture(model)
+    N, L, h, i, V = parameter_count(c), c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     nh, nkv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     qwen = c["model_type"] == "qwen3"
     W = TRAINERS[trainer]
@@ -125,8 +110,8 @@ def test_plan_matches_the_hand_computation(model, trainer):
 def test_vllm_reserve_and_the_engine_minimum():
     from grail_exp.memory import plan
 
-    c = _arch("qwen3_8b")
-    N, kv_token = _params(c), 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2
+    c = architecture("qwen3_8b")
+    N, kv_token = parameter_count(c), 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2
     p = plan(_cfg("model=qwen3_8b", "advantage=grpo", f"trainer.device_memory_gb={H200}"))  # the recipe: vLLM at 0.2
     # the weight sync gathers one chunk at a time: 256 MiB, or the largest tensor (the untied embedding, V x h bf16)
     assert p.phases["rollout"] - p.phases["state"] == pytest.approx(max(256 * 2**20, c["vocab_size"] * c["hidden_size"] * 2))
@@ -417,8 +402,8 @@ def test_full_shard_keeps_the_layers_gathered_when_the_scheme_probes():
     calls the model between forward and backward) keeps every layer gathered until the backward: bN."""
     from grail_exp.memory import plan
 
-    c = _arch("qwen3_8b")
-    N = _params(c)
+    c = architecture("qwen3_8b")
+    N = parameter_count(c)
     gathered = lambda p: [x.bytes for x in p.lines if (x.phase, x.what) == ("update", "gathered parameters")]  # noqa: E731
     base = ["model=qwen3_8b", "trainer=fsdp", "rollout=hf", f"trainer.device_memory_gb={H200}"]
     root = c["vocab_size"] * c["hidden_size"] * 2 + c["hidden_size"]  # untied: embedding + output layer + final norm

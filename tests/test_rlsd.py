@@ -11,9 +11,9 @@ from grail_exp.advantages import SchemeBatch, build_scheme
 from grail_exp.advantages.rlsd import RlsdConfig, RlsdScheme, rlsd_lambda, rlsd_weights
 from grail_exp.teacher import TEMPLATES, build_teacher_batch, teacher_logprobs, teacher_prompt_texts
 
-MODEL_CFG = OmegaConf.create({"prompt_style": "chat", "system_prompt": None, "chat_template": None,
-                              "chat_template_kwargs": {"enable_thinking": False}, "name_or_path": "tiny"})
-
+from helpers.batches import CHAT_MODEL_CFG, PROBLEM_ROWS, problem_batch
+from helpers.fakes import AlternatingVerifier
+from helpers.module import small_config, train_step
 
 def _cfg(**kw):
     return OmegaConf.merge(OmegaConf.structured(RlsdConfig), kw)
@@ -56,7 +56,7 @@ def test_lambda_counts_rollout_batches_from_one():
     """The issue's measurement: at rollout batches 1 / 59 / 60 the official λ is 0.4917 / 0.0083 / 0 (ours used to be
     0.5 / 0.0167 / 0.0083: optimiser steps, counted from 0). With μ = 4 optimiser steps per rollout batch, λ stays
     constant within a rollout batch and reaches 0 at the 60th, not after 15."""
-    scheme = RlsdScheme(_cfg(), None, {"model": MODEL_CFG})
+    scheme = RlsdScheme(_cfg(), None, {"model": CHAT_MODEL_CFG})
     for g in (1, 59, 60):
         for j in range(4):  # μ = 4: optimiser steps 4(g−1) … 4(g−1)+3
             assert _lambda_seen(scheme, 4 * (g - 1) + j, g) == pytest.approx(_official_lambda(g), abs=1e-12)
@@ -80,31 +80,6 @@ def test_weights_formula_by_hand():
     assert torch.equal(w0, torch.ones_like(w0))
 
 
-def _batch(tok, rows, step=0):
-    """A SchemeBatch like the trainer's from (problem, answer, completion text, advantage) rows."""
-    from grail_exp.data.prompting import encode_prompts
-    from grail_exp.forward import position_ids_from_mask
-    from grail_exp.rollout import Completion, pad_completions
-
-    prompts = encode_prompts([r[0] for r in rows], tok, MODEL_CFG)
-    comps = [tok(r[2], add_special_tokens=False)["input_ids"] for r in rows]
-    rb = pad_completions([Completion(p, c, None, False) for p, c in zip(prompts, comps)], tok.pad_token_id)
-    attn = torch.cat([rb.prompt_mask, rb.completion_mask], 1)
-    return SchemeBatch(
-        input_ids=torch.cat([rb.prompt_ids, rb.completion_ids], 1), attention_mask=attn,
-        position_ids=position_ids_from_mask(attn), prompt_length=rb.prompt_ids.shape[1],
-        completion_ids=rb.completion_ids, completion_mask=rb.completion_mask.float(),
-        advantages=torch.tensor([r[3] for r in rows]), rewards=torch.tensor([float(r[3] > 0) for r in rows]),
-        problems=[r[0] for r in rows], gold_answers=[r[1] for r in rows], step=step,
-        row_index=torch.arange(len(rows)))
-
-
-ROWS = [("Compute 7+5-3.", "9", "7+5=12. 12-3=9. \\boxed{9}<|im_end|>", -0.5),
-        ("Compute 2+2.", "4", "2+2=4. \\boxed{4}<|im_end|>", 0.5),
-        ("Compute 13+8.", "21", "13+8=21. \\boxed{21}", 1.0),
-        ("Compute 3+3.", "6", "3+3=7.", 0.0)]
-
-
 def _brute_logp(model, tok, prompt_text, completion_ids):
     """log softmax of the full logits of one unpadded sequence, at the completion tokens."""
     p = tok(prompt_text, add_special_tokens=False)["input_ids"]
@@ -116,8 +91,8 @@ def _brute_logp(model, tok, prompt_text, completion_ids):
 
 
 def test_teacher_prompt_goes_through_the_chat_template(tiny_tokenizer):
-    b = _batch(tiny_tokenizer, ROWS[:2])
-    tb = build_teacher_batch(b, tiny_tokenizer, MODEL_CFG, "rlsd", " Box it.")
+    b = problem_batch(tiny_tokenizer, PROBLEM_ROWS[:2])
+    tb = build_teacher_batch(b, tiny_tokenizer, CHAT_MODEL_CFG, "rlsd", " Box it.")
     text = tiny_tokenizer.decode(tb.input_ids[0, :tb.prompt_length][tb.attention_mask[0, :tb.prompt_length].bool()])
     assert text.startswith("<|im_start|>user\nCompute 7+5-3.\n\nHere is a reference solution:\n9\n\nAfter understanding")
     assert "own approach below. Box it.<|im_end|>\n<|im_start|>assistant\n" in text  # then the think block
@@ -125,7 +100,7 @@ def test_teacher_prompt_goes_through_the_chat_template(tiny_tokenizer):
     # positions continue from the teacher's own prompt length
     n0 = int(tb.attention_mask[0, :tb.prompt_length].sum())
     assert tb.position_ids[0, tb.prompt_length].item() == n0
-    sdpg = teacher_prompt_texts(["Compute 2+2."], ["4"], tiny_tokenizer, MODEL_CFG, "sdpg", " Box it.")[0]
+    sdpg = teacher_prompt_texts(["Compute 2+2."], ["4"], tiny_tokenizer, CHAT_MODEL_CFG, "sdpg", " Box it.")[0]
     # SDPG: the README's two lines, after the student's question and instruction in the same user message
     assert ("<|im_start|>user\nCompute 2+2. Box it.\n\nThe correct answer to this problem is: 4\nUse this to verify "
             "your reasoning, but show your full solution process.<|im_end|>") in sdpg
@@ -135,21 +110,21 @@ def test_teacher_prompt_goes_through_the_chat_template(tiny_tokenizer):
 @pytest.mark.parametrize("teacher", ["live", "frozen"])
 def test_weights_match_a_brute_force_teacher(tiny_model, tiny_tokenizer, teacher):
     tok = tiny_tokenizer
-    scheme = RlsdScheme(_cfg(teacher=teacher, lambda_decay_steps=0, clip=0.5), tok, {"model": MODEL_CFG})
-    b = _batch(tok, ROWS, step=0)
+    scheme = RlsdScheme(_cfg(teacher=teacher, lambda_decay_steps=0, clip=0.5), tok, {"model": CHAT_MODEL_CFG})
+    b = problem_batch(tok, PROBLEM_ROWS, step=0)
     b.prepared = scheme.prepare(tiny_model, b)
     w = scheme.weights(tiny_model, b).weights
     from grail_exp.data.prompting import render_prompt
 
-    for i, (q, a, comp, A) in enumerate(ROWS):
+    for i, (q, a, comp, A) in enumerate(PROBLEM_ROWS):
         c = tok(comp, add_special_tokens=False)["input_ids"]
         n = len(c)
         if A == 0:  # no teacher: w = 1 on valid tokens
             assert torch.equal(w[i, :n], torch.ones(n))
             continue
-        t_text = render_prompt(TEMPLATES["rlsd"].format(problem=q, answer=a, instruction=""), tok, MODEL_CFG)
+        t_text = render_prompt(TEMPLATES["rlsd"].format(problem=q, answer=a, instruction=""), tok, CHAT_MODEL_CFG)
         lt = _brute_logp(tiny_model, tok, t_text, c)
-        ls = _brute_logp(tiny_model, tok, render_prompt(q, tok, MODEL_CFG), c)
+        ls = _brute_logp(tiny_model, tok, render_prompt(q, tok, CHAT_MODEL_CFG), c)
         e = torch.exp(math.copysign(1.0, A) * (lt - ls)).clamp(0.5, 1.5)
         assert torch.allclose(w[i, :n], 0.5 + 0.5 * e, atol=1e-5), i
         assert (w[i, n:] == 0).all()  # padding
@@ -160,15 +135,15 @@ def test_shared_forward_batching_and_negative_only(tiny_model, tiny_tokenizer):
     from grail_exp.forward import policy_forward
 
     tok = tiny_tokenizer
-    scheme = RlsdScheme(_cfg(teacher="live"), tok, {"model": MODEL_CFG})
-    b = _batch(tok, ROWS, step=10)
+    scheme = RlsdScheme(_cfg(teacher="live"), tok, {"model": CHAT_MODEL_CFG})
+    b = problem_batch(tok, PROBLEM_ROWS, step=10)
     w = scheme.weights(tiny_model, b).weights
     _, _, fwd = policy_forward(tiny_model, b.input_ids, b.attention_mask, b.position_ids, b.completion_ids, 1.0)
     assert torch.allclose(scheme.weights_from_forward(tiny_model, b, fwd).weights, w, atol=1e-6)
-    for i in range(len(ROWS)):  # one row per micro-batch: different teacher padding, same weights
+    for i in range(len(PROBLEM_ROWS)):  # one row per micro-batch: different teacher padding, same weights
         sub = b.rows(torch.tensor([i]))
         assert torch.allclose(scheme.weights(tiny_model, sub).weights[0], w[i], atol=1e-5)
-    neg = RlsdScheme(_cfg(teacher="live", negative_only=True), tok, {"model": MODEL_CFG}).weights(tiny_model, b)
+    neg = RlsdScheme(_cfg(teacher="live", negative_only=True), tok, {"model": CHAT_MODEL_CFG}).weights(tiny_model, b)
     m = b.completion_mask
     assert torch.equal(neg.weights[1:], m[1:])  # A >= 0 rows: w = 1
     assert torch.allclose(neg.weights[0], w[0])
@@ -176,14 +151,14 @@ def test_shared_forward_batching_and_negative_only(tiny_model, tiny_tokenizer):
 
 def test_student_logp_rollout_is_computed_once_with_the_rollout_parameters(tiny_model, tiny_tokenizer):
     tok = tiny_tokenizer
-    b = _batch(tok, ROWS[:2])
-    live = RlsdScheme(_cfg(teacher="live"), tok, {"model": MODEL_CFG})
-    roll = RlsdScheme(_cfg(teacher="live", student_logp="rollout"), tok, {"model": MODEL_CFG})
+    b = problem_batch(tok, PROBLEM_ROWS[:2])
+    live = RlsdScheme(_cfg(teacher="live"), tok, {"model": CHAT_MODEL_CFG})
+    roll = RlsdScheme(_cfg(teacher="live", student_logp="rollout"), tok, {"model": CHAT_MODEL_CFG})
     b.prepared = roll.prepare(tiny_model, b)
     assert torch.allclose(roll.weights(tiny_model, b).weights, live.weights(tiny_model, b).weights, atol=1e-6)
     with torch.no_grad():  # the parameters move: live P_S and live teacher follow, the rollout P_S does not
         tiny_model.lm_head.weight.mul_(1.5)
-    t = teacher_logprobs(tiny_model, build_teacher_batch(b, tok, MODEL_CFG, "rlsd"))
+    t = teacher_logprobs(tiny_model, build_teacher_batch(b, tok, CHAT_MODEL_CFG, "rlsd"))
     expected, _ = rlsd_weights(t, b.prepared["student_logp"], b.advantages, _official_lambda(1), 0.2)
     assert torch.allclose(roll.weights(tiny_model, b).weights, expected * b.completion_mask, atol=1e-6)
     assert not torch.allclose(roll.weights(tiny_model, b).weights, live.weights(tiny_model, b).weights, atol=1e-4)
@@ -193,8 +168,8 @@ def test_frozen_teacher_syncs_every_n_rollout_batches(tiny_model, tiny_tokenizer
     """Official dp_opsd_actor: after the update of rollout batch g, sync when g % 20 == 0; so batches 1-20 see the
     initial actor and batch 21 the actor after batch 20, whatever the number of optimiser steps per batch."""
     tok = tiny_tokenizer
-    scheme = RlsdScheme(_cfg(teacher="frozen", teacher_sync_every=20), tok, {"model": MODEL_CFG})
-    b = _batch(tok, ROWS[:2], step=0)
+    scheme = RlsdScheme(_cfg(teacher="frozen", teacher_sync_every=20), tok, {"model": CHAT_MODEL_CFG})
+    b = problem_batch(tok, PROBLEM_ROWS[:2], step=0)
     b.rollout_step = 1
     scheme.prepare(tiny_model, b)
     initial = scheme.frozen.lm_head.weight.clone()
@@ -225,45 +200,42 @@ def test_config_checks():
 
 
 def _module(cfg, model_dir):
-    """test_module._build_module with the scheme context the run passes (model config, data)."""
+    """helpers.module.build_module with the scheme context the run passes (model config, data)."""
     from grail_exp.data import build_source
     from grail_exp.models import load_causal_lm, load_tokenizer
     from grail_exp.training.module import GRPOModule
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker
-    from test_module import _AlternatingVerifier
 
     tok = load_tokenizer(str(model_dir), cfg)
     policy = load_causal_lm(str(model_dir), cfg, trainable=True)
     scheme = build_scheme(cfg.advantage, tok, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
     return GRPOModule(cfg, policy, tok, scheme, build_engine("hf", policy, tok), build_source(cfg.data),
-                      _AlternatingVerifier(), NullTracker(), None)
+                      AlternatingVerifier(), NullTracker(), None)
 
 
 def test_lambda_zero_is_grpo_exactly(compose_cfg, tiny_model_dir):
     """advantage=rlsd with lam = 0 takes the same optimiser step as advantage=grpo (parameters equal)."""
-    from test_module import _small, _step
-
     params = []
     for extra in (["advantage=grpo"], ["advantage=rlsd", "advantage.lam=0.0", "advantage.teacher=live"]):
-        module = _module(_small(compose_cfg, tiny_model_dir, extra), tiny_model_dir)
-        _step(module)
+        module = _module(small_config(compose_cfg, tiny_model_dir, extra), tiny_model_dir)
+        train_step(module)
         params.append([p.detach().clone() for p in module.policy.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*params))
     # and lam > 0 does change the step (the test can fail)
-    module = _module(_small(compose_cfg, tiny_model_dir, ["advantage=rlsd", "advantage.clip=0.9"]), tiny_model_dir)
-    _step(module)
+    module = _module(small_config(compose_cfg, tiny_model_dir, ["advantage=rlsd", "advantage.clip=0.9"]),
+                     tiny_model_dir)
+    train_step(module)
     assert not all(torch.equal(a, p) for a, p in zip(params[0], module.policy.parameters()))
 
 
 def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path):
     """The weights of the trainer's first micro-batch == ``grail_exp.weights`` on rows with problem / answer fields."""
     from helpers.compose import compose_weights
-    from test_module import _small
     from grail_exp.weights import compute
 
     extra = ["advantage=rlsd", "advantage.clip=0.9"]
-    module = _module(_small(compose_cfg, tiny_model_dir, extra), tiny_model_dir)
+    module = _module(small_config(compose_cfg, tiny_model_dir, extra), tiny_model_dir)
     torch.manual_seed(0)
     batch, _ = module.rollout.make_batch(0, {})
     module.rollout.prepare(batch, {})

@@ -140,10 +140,10 @@ def test_engine_sleeps_after_the_rounds_generation_and_wakes_in_the_sync(compose
     VLLMRolloutEngine's own sleep / wake calls.)"""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from helpers.fakes import SleepRecordingEngine
-    from test_module import _build_module, _FakeOpt, _small
+    from helpers.module import FakeOpt, build_module, small_config
 
-    cfg = _small(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])  # μ = 2: an old-log-prob forward
-    module = _build_module(cfg, tiny_model_dir)
+    cfg = small_config(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])  # μ = 2: an old-log-prob forward
+    module = build_module(cfg, tiny_model_dir)
     engine = SleepRecordingEngine(module.policy, module.tokenizer)
     module.rollout.engine = engine
     forward = module.backend.forward
@@ -159,7 +159,7 @@ def test_engine_sleeps_after_the_rounds_generation_and_wakes_in_the_sync(compose
     for r in range(2):
         torch.manual_seed(r)
         batch, _ = module.rollout.collect(r, {})
-        module.update.step(batch, _FakeOpt(opt), sched, batch.loss_mask.sum().item(), {}, epoch=0)
+        module.update.step(batch, FakeOpt(opt), sched, batch.loss_mask.sum().item(), {}, epoch=0)
     rounds = "|".join(engine.events).split("|sync|")
     assert engine.events[0] == "sync" and len(rounds) == 2
     for r in rounds:

@@ -1,4 +1,5 @@
-"""GRAIL, OAR-G and OAR-P token weights on a tiny model built in the test (method spec §4, §5, §11)."""
+"""The scheme registry, and GRAIL, OAR-G and OAR-P token weights on a tiny model built in the test (method spec §4, §5,
+§11)."""
 
 import pytest
 import torch
@@ -8,8 +9,8 @@ from grail_exp.advantages import SCHEMES, build_scheme, scheme_config_class
 from grail_exp.config import LossConfig
 from grail_exp.loss import AggregationContext, compose_objective, selective_log_softmax
 from grail_exp.forward import completion_logits
-from grail_exp.weights import scheme_batch
 
+from helpers.batches import batch_of, rows_of
 from helpers.tolerances import MODEL_REORDER
 
 EOS = "<|im_end|>"
@@ -17,24 +18,6 @@ EOS = "<|im_end|>"
 
 def cfg_of(name, **kw):
     return OmegaConf.merge(OmegaConf.structured(scheme_config_class(name)), kw)
-
-
-def rows_of(tok, items):
-    """items: (question, completion text, advantage) -> rows as the weights CLI reads them."""
-    rows = []
-    for q, completion, adv in items:
-        prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                         tokenize=False, enable_thinking=False)
-        rows.append({"prompt_ids": tok(prompt, add_special_tokens=False)["input_ids"],
-                     "completion_ids": tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
-                     "advantage": adv})
-    return rows
-
-
-def batch_of(tok, rows, seed=0):
-    b = scheme_batch(rows, tok.pad_token_id, "cpu", 1.0, torch.Generator().manual_seed(seed))
-    b.completion_texts = tok.batch_decode([r["completion_ids"] for r in rows], skip_special_tokens=True)
-    return b
 
 
 ITEMS = [
@@ -53,6 +36,22 @@ def setup(tiny_model, tiny_tokenizer):
 
 def test_registry_lists_all_schemes():
     assert {"grpo", "grail", "oar_g", "oar_p"} <= set(SCHEMES)
+
+
+def test_registry_has_grpo_and_grpo_weights_are_ones():
+    from grail_exp.advantages import SchemeBatch
+
+    assert "grpo" in SCHEMES
+    scheme = build_scheme(OmegaConf.create({"name": "grpo"}))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    out = scheme.weights(None, SchemeBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5), torch.zeros(2, 5),
+                                           2, torch.zeros(2, 3, dtype=torch.long), mask, torch.zeros(2), torch.zeros(2)))
+    assert out.weights.shape == (2, 3) and torch.all(out.weights == 1)
+
+
+def test_unknown_scheme():
+    with pytest.raises(KeyError, match="grpo"):
+        build_scheme(OmegaConf.create({"name": "nope"}))
 
 
 def test_grail_std0_without_overrides_is_exactly_grpo(setup):

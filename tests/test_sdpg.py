@@ -10,6 +10,8 @@ from omegaconf import OmegaConf
 from grail_exp.loss import LOSS_TERMS, TermContext, build_terms
 from grail_exp.loss.sdpg import SdpgOpdConfig, SdpgOpdTerm, SdpgRefKlConfig, SdpgRefKlTerm, opd_kl, ref_kl_surrogate, sdpg_beta
 
+from helpers.batches import CHAT_MODEL_CFG, PROBLEM_ROWS, problem_batch
+
 
 def test_ref_kl_modes_by_hand():
     logp = torch.tensor([math.log(0.5), math.log(0.2)])
@@ -49,10 +51,8 @@ def test_beta_schedule_by_hand():
 
 def test_beta_counts_rollout_batches_from_one(tiny_tokenizer):
     """The term's β uses the 1-based rollout-batch index, constant over the optimiser steps of a rollout batch."""
-    from test_rlsd import MODEL_CFG, ROWS, _batch
-
-    term = SdpgOpdTerm(OmegaConf.structured(SdpgOpdConfig(beta=1.0, warmup_steps=10)), tiny_tokenizer, MODEL_CFG)
-    b = _batch(tiny_tokenizer, ROWS)
+    term = SdpgOpdTerm(OmegaConf.structured(SdpgOpdConfig(beta=1.0, warmup_steps=10)), tiny_tokenizer, CHAT_MODEL_CFG)
+    b = problem_batch(tiny_tokenizer, PROBLEM_ROWS)
     none = torch.zeros_like(b.completion_mask)  # no position to distil: the term returns its β without a forward
     for step, rollout_step in ((0, 1), (3, 1), (4, 2), (36, 10)):  # μ = 4
         ctx = _ctx(None, tiny_tokenizer, b, mask=none, step=step)
@@ -135,14 +135,13 @@ def _forward(model, batch):
 
 def _unpadded_logits(model, tok, problem, answer, completion):
     """Brute force: full logits of the unpadded student and teacher sequences at the completion's positions."""
-    from test_rlsd import MODEL_CFG
     from grail_exp.data.prompting import render_prompt
     from grail_exp.teacher import TEMPLATES
 
     c = tok(completion, add_special_tokens=False)["input_ids"]
-    s_ids = tok(render_prompt(problem, tok, MODEL_CFG), add_special_tokens=False)["input_ids"]
+    s_ids = tok(render_prompt(problem, tok, CHAT_MODEL_CFG), add_special_tokens=False)["input_ids"]
     t_ids = tok(render_prompt(TEMPLATES["sdpg"].format(problem=problem, answer=answer, instruction=""), tok,
-                              MODEL_CFG), add_special_tokens=False)["input_ids"]
+                              CHAT_MODEL_CFG), add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         zs = model(input_ids=torch.tensor([s_ids + c])).logits[0, len(s_ids) - 1:-1].float()
         zt = model(input_ids=torch.tensor([t_ids + c])).logits[0, len(t_ids) - 1:-1].float()
@@ -150,18 +149,16 @@ def _unpadded_logits(model, tok, problem, answer, completion):
 
 
 def test_opd_term_matches_brute_force_teacher_and_gate(tiny_model, tiny_tokenizer):
-    from test_rlsd import MODEL_CFG, ROWS, _batch
-
     tok, model = tiny_tokenizer, tiny_model
-    b = _batch(tok, ROWS)
+    b = problem_batch(tok, PROBLEM_ROWS)
     for positive_only in (False, True):
         term = SdpgOpdTerm(OmegaConf.structured(SdpgOpdConfig(beta=0.5, positive_only=positive_only,
-                                                              chunk_tokens=5)), tok, MODEL_CFG)
+                                                              chunk_tokens=5)), tok, CHAT_MODEL_CFG)
         logp, hidden, W = _forward(model, b)
         value, metrics = term(_ctx(model, tok, b, hidden=hidden, W=W, logp=logp))
         # brute force: full logits of unpadded student and teacher sequences, one row at a time
         total, n_tok = 0.0, b.completion_mask.sum()
-        for i, (q, a, comp, A) in enumerate(ROWS):
+        for i, (q, a, comp, A) in enumerate(PROBLEM_ROWS):
             if positive_only and A <= 0:
                 continue
             zs, zt = _unpadded_logits(model, tok, q, a, comp)
@@ -178,15 +175,13 @@ def test_opd_term_matches_brute_force_teacher_and_gate(tiny_model, tiny_tokenize
 def test_opd_teacher_temperature(tiny_model, tiny_tokenizer, mode):
     """At T = 0.7 the official SDPG divides only the student's logits by T (teacher_temperature: raw); the brute
     force below builds both distributions from full logits with its own choice of divisor."""
-    from test_rlsd import MODEL_CFG, ROWS, _batch
-
     tok, model, T = tiny_tokenizer, tiny_model, 0.7
-    b = _batch(tok, ROWS)
-    term = SdpgOpdTerm(OmegaConf.structured(SdpgOpdConfig(beta=1.0, teacher_temperature=mode)), tok, MODEL_CFG)
+    b = problem_batch(tok, PROBLEM_ROWS)
+    term = SdpgOpdTerm(OmegaConf.structured(SdpgOpdConfig(beta=1.0, teacher_temperature=mode)), tok, CHAT_MODEL_CFG)
     logp, hidden, W = _forward(model, b)
     value, _ = term(_ctx(model, tok, b, hidden=hidden, W=W, logp=logp, temperature=T))
     total = {"raw": 0.0, "sampling": 0.0}
-    for q, a, comp, _A in ROWS:
+    for q, a, comp, _A in PROBLEM_ROWS:
         zs, zt = _unpadded_logits(model, tok, q, a, comp)
         ls = torch.log_softmax(zs / T, -1)
         for how, lt in (("raw", torch.log_softmax(zt, -1)), ("sampling", torch.log_softmax(zt / T, -1))):
@@ -199,12 +194,10 @@ def test_opd_teacher_temperature(tiny_model, tiny_tokenizer, mode):
 
 
 def test_beta_alpha_zero_give_the_plain_loss_gradient_exactly(tiny_model, tiny_tokenizer):
-    from test_rlsd import MODEL_CFG, ROWS, _batch
-
     tok, model = tiny_tokenizer, tiny_model
-    b = _batch(tok, ROWS)
-    terms = [SdpgOpdTerm(OmegaConf.structured(SdpgOpdConfig(beta=0.0)), tok, MODEL_CFG),
-             SdpgRefKlTerm(OmegaConf.structured(SdpgRefKlConfig(alpha=0.0)), tok, MODEL_CFG)]
+    b = problem_batch(tok, PROBLEM_ROWS)
+    terms = [SdpgOpdTerm(OmegaConf.structured(SdpgOpdConfig(beta=0.0)), tok, CHAT_MODEL_CFG),
+             SdpgRefKlTerm(OmegaConf.structured(SdpgRefKlConfig(alpha=0.0)), tok, CHAT_MODEL_CFG)]
     grads = []
     for with_terms in (False, True):
         model.zero_grad()
@@ -221,7 +214,7 @@ def test_beta_alpha_zero_give_the_plain_loss_gradient_exactly(tiny_model, tiny_t
     model.zero_grad()
     logp, hidden, W = _forward(model, b)
     ctx = _ctx(model, tok, b, hidden=hidden, W=W, logp=logp, ref_logp=logp.detach() - 0.3)
-    SdpgRefKlTerm(OmegaConf.structured(SdpgRefKlConfig(alpha=1.0)), tok, MODEL_CFG)(ctx)[0].backward()
+    SdpgRefKlTerm(OmegaConf.structured(SdpgRefKlConfig(alpha=1.0)), tok, CHAT_MODEL_CFG)(ctx)[0].backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 

@@ -7,15 +7,15 @@ import sys
 import pytest
 import torch
 
-from test_module import _build_module, _small
+from helpers.module import build_module, small_config
 
 from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def _training_rows(compose_cfg, model_dir, scheme_overrides):
     """Weights the training step computes for one micro-batch, plus the rows that reproduce it."""
-    cfg = _small(compose_cfg, model_dir, scheme_overrides)
-    module = _build_module(cfg, model_dir)
+    cfg = small_config(compose_cfg, model_dir, scheme_overrides)
+    module = build_module(cfg, model_dir)
     torch.manual_seed(0)
     batch, _ = module.rollout.make_batch(0, {})
     module.rollout.prepare(batch, {})

@@ -90,10 +90,74 @@ def summarise(loss: float, grad: torch.Tensor, weights: torch.Tensor) -> dict:
             "weights": weights.double().tolist()}
 
 
+def pinned_module(dtype, overrides=()):
+    """The training module around the pinned step's model in ``dtype`` (no rollout engine, data or verifier) and
+    the pinned batch with its group advantages, for ``advantage=grpo`` plus ``overrides``."""
+    from grail_exp.advantages import build_scheme
+    from grail_exp.estimators.group import group_advantages
+    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.training.module import GRPOModule, TrainingBatch
+
+    cfg = pinned_config(["advantage=grpo", *overrides])
+    torch.manual_seed(0)
+    model, tok = build_model_and_tokenizer()
+    model = model.to(dtype)
+    rb, texts, rewards = rollout_batch(tok)
+    adv, _ = group_advantages(rewards, 4, "none")
+    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, None)
+    attn = rb.attention_mask
+    batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
+                          rb.completion_mask.float(), adv, rewards, texts, order=torch.arange(len(texts)))
+    module.manual_backward = lambda loss: loss.backward()
+    return module, batch
+
+
+def run_case_legacy(overrides):
+    """The pre-refactor trainer API (commit 2d87701): used once to write the pinned file."""
+    from grail_exp.advantages import build_scheme
+    from grail_exp.estimators.group import group_advantages
+    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.training.module import GRPOModule, TrainingBatch
+
+    cfg = pinned_config(overrides)
+    torch.manual_seed(0)
+    model, tok = build_model_and_tokenizer()
+    rb, texts, rewards = rollout_batch(tok)
+    adv, _ = group_advantages(rewards, 4, cfg.loss.scale_rewards)
+    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, None,
+                        ref_model=build_model_and_tokenizer()[0].eval() if cfg.loss.beta > 0 else None)
+    attn = rb.attention_mask
+    batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
+                          rb.completion_mask.float(), adv, rewards, texts)
+    if cfg.loss.num_iterations > 1:
+        batch.old_logp = module.rollout.logps(model, batch) - 0.05 * torch.arange(batch.completion_ids.shape[1])
+    if cfg.loss.beta > 0:
+        batch.ref_logp = module.rollout.logps(module.ref_model, batch)
+    module.manual_backward = lambda loss: loss.backward()
+    captured = {}
+    real = module.scheme.weights
+
+    def spy(m, b):
+        out = real(m, b)
+        captured.setdefault("w", []).append(out.weights)
+        return out
+
+    module.scheme.weights = spy
+
+    class Opt:
+        def step(self):
+            captured["g"] = torch.cat([p.grad.flatten() for p in model.parameters()])
+
+        def zero_grad(self, set_to_none=True):
+            model.zero_grad(set_to_none=True)
+
+    sched = type("S", (), {"step": lambda self: None, "get_last_lr": lambda self: [0.0]})()
+    metrics = module.update.step(batch, Opt(), sched, batch.loss_mask.sum().item(), {}, epoch=0)
+    return summarise(metrics["loss"], captured["g"], torch.cat(captured["w"]))
+
+
 if __name__ == "__main__" and "--write" in sys.argv:
     sys.path.insert(0, str(TESTS))
-    from test_pinned_step import run_case_legacy
-
     out = {name: run_case_legacy(over) for name, over in CASES.items()}
     PINNED.write_text(json.dumps(out, indent=1))
     print("wrote", PINNED)

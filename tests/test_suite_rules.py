@@ -1,6 +1,6 @@
 """The test suite's own rules: what tests share comes from tests/helpers/ (conftest.py holds fixtures only, and is
-never imported), and every end-to-end test is marked ``e2e``, so that ``-m "not e2e"`` is the unit suite
-(``make test-unit``).
+never imported; a test file is never imported either: its helpers move to tests/helpers/ once a second file needs
+them), and every end-to-end test is marked ``e2e``, so that ``-m "not e2e"`` is the unit suite (``make test-unit``).
 
 An end-to-end test runs a child process through ``subprocess`` — an entry point (``python -m grail_exp.*``, torchrun),
 a script of sweeps/, a build tool, a measurement in a fresh interpreter — itself, through a function it calls (in its file, in another test file or in
@@ -132,3 +132,46 @@ def test_no_test_imports_conftest():
     offenders += [f"{p.relative_to(TESTS)}" for p in TESTS.rglob("*.py")
                   if re.search(r"^\s*import (tests\.)?conftest\b", p.read_text(), re.M)]
     assert not offenders, "import these from tests/helpers/ instead of conftest.py: " + "; ".join(offenders)
+
+
+def imports_of_test_files(root: Path = TESTS) -> list[str]:
+    """``file:line: module`` of every import (at any depth of a file) of a test file under ``root``: ``from test_x
+    import ...``, ``import test_x``, ``from tests.test_x import ...``, ``from e2e import test_x``."""
+
+    def is_test_file(dotted: str) -> bool:
+        parts = dotted.split(".")
+        parts = parts[1:] if parts[0] == root.name else parts  # ``tests.test_x`` from the repository root
+        return parts[-1].startswith("test_") and root.joinpath(*parts).with_suffix(".py").is_file()
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in sorted(ast.walk(ast.parse(path.read_text())), key=lambda n: getattr(n, "lineno", 0)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(root)}:{node.lineno}: {t}" for t in targets if is_test_file(t)]
+    return found
+
+
+def test_the_test_file_import_scanner_catches_every_spelling(tmp_path):
+    files = {"test_a.py": "def shared():\n    return 1\n", "e2e/test_b.py": "", "helpers/util.py": "",
+             "test_uses.py": ("import pytest\nfrom helpers.util import x\nfrom grail_exp.data import test_split\n"
+                              "def test_one():\n    from test_a import shared\n"
+                              "import test_a\nimport tests.test_a as t\nfrom e2e import test_b\n"
+                              "from e2e.test_b import y\n")}
+    root = tmp_path / "tests"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    found = imports_of_test_files(root)
+    assert [f.split(": ", 1)[1] for f in found] == ["test_a", "test_a", "tests.test_a", "e2e.test_b", "e2e.test_b"], found
+
+
+def test_no_test_imports_another_test_file():
+    offenders = imports_of_test_files()
+    assert not offenders, ("imports of a test file (tests share code through tests/helpers/, never a test file): "
+                           + "; ".join(offenders))
+

@@ -92,12 +92,13 @@ class ModelConfig:
 
 @dataclass
 class RecipeConfig:
-    """Which recipe composed the run, recorded with it (conf/recipe*, docs/recipes-card.md). A model config declares
-    its family (`- override /recipe: paper` in its defaults list); ``recipe=<family>`` on the command line wins."""
+    """Which recipe composed the run, recorded with it (conf/recipe/<family>/, docs/recipes-card.md). A model config
+    declares its family (`- override /recipe@_global_.recipe: paper` in its defaults list); ``recipe=<family>`` on the
+    command line wins. The family's base file sets these keys."""
 
-    name: str = "demo"  # the family: demo (embedded models: conf/config.yaml's keys) | paper (the GRAIL paper's, its five models) | none
-    base: Optional[str] = None  # the family's file: its groups (data, benchmark, rollout, eval, trainer) and shared keys
-    scheme: Optional[str] = None  # the scheme's part layered on it (conf/recipe_scheme/<family>_<advantage>.yaml); null = none
+    name: str = "demo"  # the family: demo (embedded models) | paper (the GRAIL paper's, its five models) | smollm2 | baselines | none
+    base: Optional[str] = None  # the family's file, conf/recipe/<family>/base.yaml: its groups (data, benchmark, rollout, eval, trainer) and keys
+    scheme: Optional[str] = None  # the scheme's part composed after it (conf/recipe/<family>/<advantage>.yaml); null = none
     batch_sizes: dict = field(default_factory=dict)  # paper: per-engine per-rank generate()/eval rows {hf: {rollout, eval}, vllm: ...}
 
 
@@ -248,7 +249,8 @@ class KLInRewardConfig:
 
 @dataclass
 class LossConfig:
-    """The GRPO objective (method spec §2). Defaults = the GRAIL paper's GRPO (spec §2.2)."""
+    """The GRPO objective (method spec §2). Defaults = the GRAIL paper's GRPO baseline (spec §2.2) but for
+    num_iterations (paper: 4, recipe=paper), which the CPU demo keeps at 1 for speed."""
 
     # Advantage normalisation. group: (r - mean_g)/std_g (DeepSeekMath); batch: std over the whole batch;
     # none: r - mean_g (Dr. GRPO, arXiv 2503.20783; the paper's `scale_rewards: false`).
@@ -294,9 +296,9 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with a constant-with-warmup schedule (the paper: lr 1e-6, 20 warmup steps, clip 1.0)."""
+    """AdamW (transformers' TrainingArguments defaults, as the paper) with a constant-with-warmup schedule."""
 
-    lr: float = 1e-4
+    lr: float = 1e-4  # the embedded 0.4 M-parameter model's (3e-4 collapsed it); the paper: 1e-6 on 4-8B models (recipe=paper)
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
@@ -417,18 +419,20 @@ class LoggerConfig:
 
 @dataclass
 class PathsConfig:
-    root_dir: str = "."
-    results_dir: str = MISSING
-    cache_dir: str = MISSING
-    log_dir: str = MISSING
-    output_dir: str = MISSING
+    """Where everything goes, the same for every entry point; GRAIL_EXP_ROOT / GRAIL_EXP_CACHE move the tree."""
+
+    root_dir: str = "${oc.env:GRAIL_EXP_ROOT,.}"
+    results_dir: str = "${paths.root_dir}/results"  # mlflow.db, mlartifacts/, tables worth keeping
+    cache_dir: str = "${oc.env:GRAIL_EXP_CACHE,${oc.env:HOME,.}/.cache/grail_exp}"  # warm-started embedded models, evals/ (evaluate's resume cache)
+    log_dir: str = "${paths.root_dir}/outputs"  # Hydra run directories
+    output_dir: str = "${hydra:runtime.output_dir}"  # this run's directory
 
 
 @dataclass
 class RunConfig:
     """Root schema: the config groups plus run-level keys."""
 
-    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # which recipe composed the run (conf/recipe*)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # which recipe composed the run (conf/recipe/)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     rollout: RolloutConfig = MISSING
@@ -442,9 +446,11 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    task_name: str = "train"
-    resume: Optional[str] = None  # null | auto (latest complete checkpoint of this run dir) | <checkpoint dir>
-    seed: int = 42
+    task_name: str = "train"  # names the run directory and the MLflow run (experiment files set their own)
+    # null = a fresh start | auto: continue the latest complete checkpoint of this run directory (pass the same
+    # hydra.run.dir) | a checkpoints/step-N directory
+    resume: Optional[str] = None
+    seed: int = 42  # the run seed: sampling, data order, OAR-G's noise (the paper's 42)
     optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
     experiment: Any = None  # free-form notes set by experiment files
     tune: Any = None  # Optuna study settings of `python -m grail_exp.tune` (conf/tune.yaml; typed in grail_exp/tune.py)
@@ -455,26 +461,24 @@ class RunConfig:
 class WeightsConfig:
     """Schema of ``python -m grail_exp.weights`` (conf/weights.yaml)."""
 
-    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     advantage: Any = MISSING
     paths: PathsConfig = field(default_factory=PathsConfig)
-    input: str = MISSING  # JSONL rollouts
-    output: str = MISSING  # JSON weights
-    html: Optional[str] = None  # optional heatmap
+    input: str = MISSING  # JSONL file of rollouts (required)
+    output: str = MISSING  # JSON file to write: one object per input row, in order (required)
+    html: Optional[str] = None  # optional heatmap of the weights
     device: str = "cpu"
-    dtype: str = "float32"
-    sampling_temperature: float = 1.0
-    seed: int = 0
-    batch_size: int = 64
+    dtype: str = "float32"  # computation dtype (overrides model.dtype)
+    sampling_temperature: float = 1.0  # what GRAIL's probe divides by when advantage.saliency_temperature is null
+    seed: int = 0  # seeds OAR-G's noise
+    batch_size: int = 64  # rows per scheme call (weights do not depend on the batching)
 
 
 @dataclass
 class EvaluateConfig:
     """Schema of ``python -m grail_exp.evaluate`` (conf/evaluate.yaml)."""
 
-    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING  # builds the embedded model; the arithmetic benchmark uses its knobs
     benchmark: BenchmarkConfig = MISSING
@@ -486,7 +490,7 @@ class EvaluateConfig:
     task_name: str = "evaluate"
     seed: int = 0
     device: Optional[str] = None  # e.g. cuda; null = where the model loads (CPU)
-    optimized_metric: Optional[str] = "eval/avg/acc"
+    optimized_metric: Optional[str] = "eval/avg/acc"  # with one benchmark: eval/<benchmark>/acc
 
 
 @dataclass
@@ -622,17 +626,40 @@ def optimizer_steps(rollout_batches, num_iterations, mini_batches) -> int:
     return int(rollout_batches) * int(num_iterations) * int(mini_batches)
 
 
+def floordiv(a, b) -> int:
+    """``${floordiv:a,b}``: a // b, for a value that follows another (DAPO's overlong buffer: a quarter of
+    rollout.max_completion_length, conf/algo/dapo.yaml)."""
+    return int(a) // int(b)
+
+
 def register_configs() -> None:
-    if not OmegaConf.has_resolver("rollout_batches"):
-        OmegaConf.register_new_resolver("rollout_batches", rollout_batches)
-    if not OmegaConf.has_resolver("optimizer_steps"):
-        OmegaConf.register_new_resolver("optimizer_steps", optimizer_steps)
+    for name, fn in (("rollout_batches", rollout_batches), ("optimizer_steps", optimizer_steps),
+                     ("floordiv", floordiv)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="weights_schema", node=WeightsConfig)
     cs.store(name="evaluate_schema", node=EvaluateConfig)
     cs.store(name="extrapolate_schema", node=ExtrapolateConfig)
     cs.store(name="report_schema", node=ReportConfig)
+    store_method_schemas(cs)
+
+
+def store_method_schemas(cs: ConfigStore) -> None:
+    """Each registered method's dataclass defaults as ``schema/<group>/<name>``: the first layer of its group file
+    (conf/advantage/grail.yaml: ``- /schema/advantage@_here_: grail``), so a method's values are stated once, in the
+    dataclass beside its code, and still composed (``--cfg job``). Untyped: validate() types the node, as before."""
+    from grail_exp.advantages import SCHEMES
+    from grail_exp.estimators import ESTIMATORS
+    from grail_exp.loss import LOSS_TERMS
+
+    for group, registry in (("advantage", SCHEMES), ("estimator", ESTIMATORS), ("loss_term", LOSS_TERMS)):
+        for name, method in registry.items():
+            node = OmegaConf.to_container(OmegaConf.structured(method.config_class))
+            if group != "loss_term":  # an estimator without its own dataclass shares EstimatorConfig's name
+                node["name"] = name
+            cs.store(group=f"schema/{group}", name=name, node=node)
 
 
 # ---------------------------------------------------------------------------------------------- validation

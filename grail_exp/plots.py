@@ -26,7 +26,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-# What the training module logs per step (grail_exp/module.py, loss.py), in panel order.
+# What the training module logs per step (grail_exp/module.py, grail_exp/loss/), in panel order.
 TRAINING_CURVES = ("reward/mean", "accuracy", "completions/mean_length", "entropy", "kl",
                    "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "weights/mean")
 WEIGHT_COLUMNS = ("step", "row", "correct", "advantage", "position", "length", "region", "weight", "entropy")

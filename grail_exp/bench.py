@@ -211,13 +211,15 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
                  device) -> list[dict]:
     """Per-step phase times of one scheme for each of ``bench.repeats`` timed rollout batches (after the warm-up)."""
     from grail_exp.advantages import build_scheme
+    from grail_exp.forward import share_prompts_of
     from grail_exp.module import GRPOModule
     from grail_exp.tracking import NullTracker
 
     with torch.no_grad():
         for k, v in policy.state_dict().items():
             v.copy_(initial_state[k])
-    scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
+    scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data,
+                                                     "share_prompts": share_prompts_of(cfg)})
     module = GRPOModule(cfg, policy, tokenizer, scheme, None, None, None, NullTracker())
     module.manual_backward = lambda loss: loss.backward()  # no Lightning trainer here
     (opt,), (sched,) = module.configure_optimizers()
@@ -305,6 +307,10 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     bench, overrides = parse_args(argv)
+    if bench.mode == "real":  # real training steps of an experiment (grail_exp/bench_real.py)
+        from grail_exp.bench_real import main as real_main
+
+        return real_main(bench, overrides, argv)
     device = torch.device("cuda" if bench.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if bench.device == "auto" else bench.device))
     torch.manual_seed(int(bench.seed))

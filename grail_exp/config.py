@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 from grail_exp.errors import ConfigError  # noqa: F401  (re-exported: `from grail_exp.config import ConfigError`)
@@ -60,6 +60,19 @@ class WarmStartConfig:
 
 
 @dataclass
+class ColdStartConfig:
+    """A supervised cold start on the arithmetic task's own chain solutions, built once and cached
+    (grail_exp/cold_start.py); the real-model study's starting weights (conf/recipe/smollm2_chain/base.yaml)."""
+
+    enabled: bool = False
+    steps: int = 40  # AdamW steps
+    batch_size: int = 8  # problems per step
+    lr: float = 1.0e-4
+    seed: int = 0  # of the update (the problems are fixed by data.seed and first_index)
+    first_index: int = 20_000_000  # where in the task's training stream its problems start (RL reads it from 0)
+
+
+@dataclass
 class ModelConfig:
     """Policy model: a hub id / local directory, or (name_or_path: null) the embedded model."""
 
@@ -88,6 +101,8 @@ class ModelConfig:
     shipped_weights: bool = True  # load the packaged warm-started model when model.build/warm_start/data match its build exactly (docs/embedded-model.md); false = always build locally
     build: Optional[BuildConfig] = None
     warm_start: Optional[WarmStartConfig] = None
+    # Any model: a supervised cold start on the task's solutions before RL (cached; grail_exp/cold_start.py)
+    cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
 
 
 @dataclass
@@ -118,6 +133,8 @@ class DataConfig:
     seed: int = 1234  # data seed: fixed validation/test splits, independent of the run seed
     num_validation: int = 256
     num_test: int = 256
+    train_seed: Optional[int] = None  # the training stream's order alone (e.g. ${seed}); null = data.seed
+    solution_style: str = "compact"  # compact | steps | words: how reference solutions write the chain
     # hub datasets
     path: Optional[str] = None  # hub id or local dir/file for `datasets.load_dataset`
     revision: Optional[str] = None
@@ -182,6 +199,10 @@ class VLLMConfig:
     # sampling/{seq,token}_log_kept_mass and added back in the sampler check).
     logprobs_mode: str = "raw_logprobs"
     seed: Optional[int] = None  # engine construction seed; null = the run's seed. Per-request seeds come from torch's RNG
+    # MiB of weights per chunk of a weight sync: the full parameters are gathered (when sharded), cast to the engine's
+    # dtype and pushed one chunk at a time, so the sync holds at most this much beyond the model (a larger tensor,
+    # e.g. the embedding, travels alone). verl and TRL stream layer by layer / bucket by bucket the same way.
+    sync_chunk_mb: int = 256
     kwargs: dict = field(default_factory=dict)  # any further vllm.LLM(...) keyword arguments, passed as is
 
 
@@ -374,8 +395,18 @@ class TrainerConfig:
     # model = logits / T and log_softmax in the model's dtype, as the GRAIL reference (TRL) rounds them (bf16: most
     # ratios are exactly 1 after a small update). The ratio arithmetic, entropies and the backward stay float32.
     logprob_dtype: str = "float32"
+    # Each distinct prompt of a micro-batch computed once in every forward of the update (policy, old / reference
+    # log-probs, probes, teachers): the G completions of a prompt reuse its keys and values, and its gradient is
+    # accumulated once (grail_exp/forward.py). Same numbers up to floating-point reduction order. auto = on unless
+    # model.gradient_checkpointing (a replayed layer has no cache); true | false. docs/performance.md
+    share_prompts: Any = "auto"
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
+    # Evaluations through the completion cache (grail_exp/evaluate.py): the one before training is keyed by the
+    # starting weights' sha256, so every run that starts from the same weights with the same evaluation settings
+    # samples it once (a study's arms: one "before" for all); later ones are keyed by this run and step, so an
+    # evaluation cut off by a kill continues where it stopped after resume=auto.
+    eval_cache: bool = False
 
 
 @dataclass
@@ -429,6 +460,15 @@ class PathsConfig:
 
 
 @dataclass
+class StudyConfig:
+    """A study on disk (grail_exp/study.py): each finished arm's evaluation summary goes to ``<dir>/<arm>/``, and a
+    job whose arm is already there (same configuration) is skipped, so a restarted study continues."""
+
+    dir: Optional[str] = None  # null = not part of a study; e.g. results/real_model_study/<study>
+    arm: Optional[str] = None  # the arm's folder; null = <model>-<scheme>-s<seed>
+
+
+@dataclass
 class RunConfig:
     """Root schema: the config groups plus run-level keys."""
 
@@ -454,6 +494,7 @@ class RunConfig:
     optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
     experiment: Any = None  # free-form notes set by experiment files
     tune: Any = None  # Optuna study settings of `python -m grail_exp.tune` (conf/tune.yaml; typed in grail_exp/tune.py)
+    study: StudyConfig = field(default_factory=StudyConfig)
     extras: dict = field(default_factory=dict)
 
 
@@ -539,6 +580,9 @@ class RunSelection:
     parent_run_id: Optional[str] = None  # children of this run (tag mlflow.parentRunId): one sweep or study
     tags: dict = field(default_factory=dict)  # tag filters, e.g. {task_name: paper_table}
     filter: Optional[str] = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
+    # A study folder instead of MLflow (grail_exp/study.py: one <arm>/arm.json + samples per finished arm); when
+    # set, the filters above are not used
+    dir: Optional[str] = None
 
 
 @dataclass
@@ -579,6 +623,22 @@ class PlotsConfig:
 
 
 @dataclass
+class DesignCheck:
+    """What makes a set of runs one study (grail_exp/report.py ``check_design``); flat config keys, fnmatch patterns."""
+
+    strict: bool = False  # true: refuse a report whose arms differ where they must agree (else footnotes only)
+    # must agree between every run of a model (a key matching same_within_seed is exempt)
+    same_everywhere: list[str] = field(default_factory=lambda: [
+        "model.*", "data.*", "benchmark.*", "eval.*", "rollout.*", "loss.*", "optim.*", "estimator.*",
+        "reward.extraction", "reward.overlong_buffer.*",
+        "trainer.max_steps", "trainer.prompts_per_step", "trainer.mini_batches_per_rollout", "trainer.precision",
+        "trainer.logprob_dtype", "trainer.eval_before_training", "task_name"])
+    # must agree between the arms of a seed: the starting weights and what the run seed sets per seed
+    same_within_seed: list[str] = field(default_factory=lambda: [
+        "start_weights.sha256", "data.train_seed", "model.build.seed", "seed"])
+
+
+@dataclass
 class ReportConfig:
     """Schema of ``python -m grail_exp.report`` (conf/report.yaml)."""
 
@@ -605,6 +665,7 @@ class ReportConfig:
     pairing_params: list[str] = field(default_factory=lambda: [
         "eval.seed", "eval.n", "eval.temperature", "eval.top_p", "eval.top_k", "eval.max_tokens", "eval.sampling",
         "benchmark.limit", "benchmark.olympiad_gold"])
+    design_check: DesignCheck = field(default_factory=DesignCheck)
     stats: StatsConfig = field(default_factory=StatsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     log_to: str = "auto"  # auto (the parent run if runs.parent_run_id, else a new report run) | report | parent | none
@@ -632,9 +693,22 @@ def floordiv(a, b) -> int:
     return int(a) // int(b)
 
 
+def slurm_tasks(devices) -> int:
+    """``${slurm_tasks:${trainer.devices}}``: SLURM tasks per node = ranks per node (Lightning under SLURM runs one
+    task per device and refuses any other count when the job starts)."""
+    from grail_exp.training.world import devices_per_node
+
+    return devices_per_node(devices)
+
+
+def slurm_gpus(accelerator, devices) -> Optional[int]:
+    """``${slurm_gpus:${trainer.accelerator},${trainer.devices}}``: GPUs per node = ranks per node; none for CPU runs."""
+    return None if str(accelerator) == "cpu" else slurm_tasks(devices)
+
+
 def register_configs() -> None:
     for name, fn in (("rollout_batches", rollout_batches), ("optimizer_steps", optimizer_steps),
-                     ("floordiv", floordiv)):
+                     ("floordiv", floordiv), ("slurm_tasks", slurm_tasks), ("slurm_gpus", slurm_gpus)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
     cs = ConfigStore.instance()
@@ -757,7 +831,14 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, t.logprob_dtype in LOGPROB_DTYPES, "trainer.logprob_dtype", t.logprob_dtype,
            f"must be one of: {', '.join(LOGPROB_DTYPES)}")
     _check(e, t.weights_table_every >= 0, "trainer.weights_table_every", t.weights_table_every, "must be >= 0")
-    world = (t.devices if isinstance(t.devices, int) else len(t.devices) if isinstance(t.devices, (list, ListConfig)) else 1) * t.num_nodes
+    from grail_exp.training.world import configured_world_size
+
+    world = configured_world_size(t)
+    share = t.get("share_prompts", "auto")
+    _check(e, share in ("auto", True, False), "trainer.share_prompts", share, "must be auto, true or false")
+    _check(e, not (share is True and cfg.model.gradient_checkpointing), "trainer.share_prompts", share,
+           "cannot be true with model.gradient_checkpointing=true (a layer replayed in the backward has no cache of "
+           "the shared prompt); set it to auto or false")
     _check(e, t.prompts_per_step % max(1, world) == 0, "trainer.prompts_per_step", t.prompts_per_step,
            f"must be divisible by the data-parallel world size trainer.devices x trainer.num_nodes = {world} "
            "(every rank samples whole groups)")
@@ -795,6 +876,15 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
     _check_extraction(e, cfg.reward, "reward.extraction")
     _check(e, t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0")
+    cs = cfg.model.get("cold_start")
+    if cs is not None and cs.enabled:
+        _check(e, cfg.data.name == "arithmetic", "model.cold_start.enabled", True,
+               f"the cold start learns the arithmetic task's own solutions; data.name is {cfg.data.name!r}")
+        for key in ("steps", "batch_size"):
+            _check(e, cs[key] >= 1, f"model.cold_start.{key}", cs[key], "must be >= 1")
+        _check(e, cs.lr > 0, "model.cold_start.lr", cs.lr, "must be > 0")
+    _check(e, not cfg.study.dir or t.eval_at_end, "trainer.eval_at_end", t.eval_at_end,
+           f"must be true in a study (study.dir={cfg.study.dir}): each arm is recorded with its final evaluation")
     order = cfg.data.get("order", "shuffled")
     _check(e, order in ("shuffled", "reference"), "data.order", order, "must be one of: shuffled, reference")
     _check(e, order == "shuffled" or cfg.data.name != "arithmetic", "data.order", order,
@@ -917,6 +1007,9 @@ def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
     _check(e, ev.temperature > 0 or ev.n == 1, "eval.n", ev.n, "greedy evaluation (eval.temperature=0) needs n=1")
     _check(e, 0 < ev.top_p <= 1, "eval.top_p", ev.top_p, "must be in (0, 1]")
     _check(e, ev.max_tokens > 0, "eval.max_tokens", ev.max_tokens, "must be > 0")
+    _check(e, ev.n < 1 or (ev.batch_size >= ev.n and ev.batch_size % ev.n == 0), "eval.batch_size", ev.batch_size,
+           f"must be a positive multiple of eval.n = {ev.n}: one generate() call (a chunk, the unit the ranks share "
+           "and the cache keeps) holds whole problems, eval.batch_size / eval.n of them")
     _check(e, cfg.benchmark.limit is None or cfg.benchmark.limit >= 1, "benchmark.limit", cfg.benchmark.limit,
            "must be >= 1 or null")
     _check(e, cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
@@ -967,6 +1060,15 @@ def _check_vllm(cfg: DictConfig, e: list[str]) -> None:
            "must be null (= model.dtype), float32, bfloat16 or float16")
     _check(e, v.logprobs_mode in VLLM_LOGPROBS_MODES, "rollout.vllm.logprobs_mode", v.logprobs_mode,
            f"must be one of: {', '.join(VLLM_LOGPROBS_MODES)}")
+    _check(e, v.get("sync_chunk_mb", 256) >= 1, "rollout.vllm.sync_chunk_mb", v.get("sync_chunk_mb"), "must be >= 1")
+    kw = v.get("kwargs") or {}
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        _check(e, int(kw.get(key, 1) or 1) == 1, f"rollout.vllm.kwargs.{key}", kw.get(key),
+               "must be 1: the trainer runs one engine per rank, each on its rank's device, inside the job's process "
+               "group (vLLM's external launcher); an engine spread over several ranks' devices is not supported")
+    _check(e, "distributed_executor_backend" not in kw, "rollout.vllm.kwargs.distributed_executor_backend",
+           kw.get("distributed_executor_backend"), "is set by the engine (external_launcher inside a process group, "
+           "uniprocess without one): remove it")
     r = cfg.rollout
     if v.max_model_len is not None and "max_completion_length" in r:
         _check(e, v.max_model_len > r.max_completion_length, "rollout.vllm.max_model_len", v.max_model_len,

@@ -306,8 +306,17 @@ def embedded_spec(build: dict, warm: dict, task: ArithmeticTask, chat_template_k
     """Everything that determines the built model (``cache_key`` hashes it together with ``BUILD_VERSION``)."""
     if not warm.get("curriculum_fraction"):  # SCRL keys off: the key (and the cached model) of a plain build
         warm = {k: v for k, v in warm.items() if not k.startswith("curriculum_")}
-    return {"build": build, "warm_start": warm, "task": asdict(task), "chat": chat_template_kwargs,
+    return {"build": build, "warm_start": warm, "task": _task_spec(task), "chat": chat_template_kwargs,
             "instruction": instruction}
+
+
+# Task knobs added after models were built and shipped: at their defaults they stay out of the key, so those
+# models (and every cache) keep their keys; set, they change the SFT data and therefore the key.
+_LATER_TASK_KNOBS = {"train_seed": None, "solution_style": "compact"}
+
+
+def _task_spec(task: ArithmeticTask) -> dict:
+    return {k: v for k, v in asdict(task).items() if k not in _LATER_TASK_KNOBS or v != _LATER_TASK_KNOBS[k]}
 
 
 # ---------------------------------------------------------------------------------------------- shipped artifact

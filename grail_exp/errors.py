@@ -39,6 +39,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     return (UserError, FileNotFoundError)
 
 
+class LayoutError(UserError, RuntimeError):
+    """The processes a run actually got are not the layout its config asks for (a world size other than
+    trainer.devices x trainer.num_nodes, ranks sampling the same prompts): stopping beats N silent one-rank runs."""
+
+
 class RunStopped(Exception):
     """Raised by a caller's hook to end a run early on purpose (e.g. ``grail_exp.tune`` pruning a trial): the
     MLflow run is KILLED, not FAILED, and keeps no traceback."""

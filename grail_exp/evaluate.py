@@ -4,7 +4,7 @@
     python -m grail_exp.evaluate model.name_or_path=outputs/train/runs/<run>/checkpoints/step-200 benchmark=paper
 
 The same ``evaluate_benchmarks`` runs at the end of every ``python -m grail_exp.run`` (and every
-``trainer.eval_every`` steps).
+``trainer.eval_every`` steps), there on every rank: each generates and grades its share of the chunks.
 
 Protocol (GRAIL paper, method spec §7.1): one user turn ``problem + instruction`` with the model's chat
 template (``enable_thinking: false`` for Qwen3); ``eval.n`` samples at ``eval.temperature`` / ``top_p`` /
@@ -53,6 +53,7 @@ class EvalResult:
     samples: list[dict] = field(default_factory=list)  # one row per sample
     generated: int = 0  # completions generated in this call (0 when everything came from the cache)
     protocol: dict = field(default_factory=dict)  # evaluation_params(): how the table was made, shown with it
+    generated_by: dict = field(default_factory=dict)  # "<benchmark>/<chunk>" -> the rank that generated it
 
     def flat_metrics(self, prefix: str = "eval") -> dict[str, float]:
         """``eval/<benchmark>/acc``, ``eval/<benchmark>/pass_at_k``, ... (and ``eval/avg/...``) as floats."""
@@ -84,13 +85,19 @@ class EvalResult:
 
 # ----------------------------------------------------------------------------------------------- cache
 class CompletionCache:
-    """Append-only JSONL of finished generation chunks: ``{"chunk": i, "prompt_sha": [...], "completions": [...]}``."""
+    """Append-only JSONL of finished generation chunks: ``{"chunk": i, "prompt_sha": [...], "completions": [...]}``.
 
-    def __init__(self, path: Path | None):
-        self.path = path
+    ``writer``: where this process appends (a data-parallel evaluation: one file per rank, ``<path stem>.rank<r>.jsonl``,
+    so ranks never write into one file); reading takes ``path`` and every rank's file beside it."""
+
+    def __init__(self, path: Path | None, writer: Path | None = None):
+        self.path = writer or path
         self.chunks: dict[int, dict] = {}
-        if path is not None and path.exists():
-            for line in path.read_text().splitlines():
+        files = [path, *sorted(path.parent.glob(path.stem + ".rank*.jsonl"))] if path is not None else []
+        for f in files:
+            if not f.exists():
+                continue
+            for line in f.read_text().splitlines():
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by a kill mid-write: that chunk is redone
@@ -149,80 +156,149 @@ def _sha(obj) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
+@dataclass
+class _Benchmark:
+    """One benchmark's prompts, cut into chunks of ``per_call`` prompts (one ``generate`` call and cache line each)."""
+
+    name: str
+    problems: list
+    prompts: list  # token ids per problem
+    shas: list  # sha of each rendered prompt (the cache checks them)
+    cache: "CompletionCache"
+    per_call: int
+
+    @property
+    def chunks(self) -> range:
+        return range(-(-len(self.prompts) // self.per_call))
+
+    def span(self, chunk: int) -> slice:
+        return slice(chunk * self.per_call, (chunk + 1) * self.per_call)
+
+
+def _benchmark(name: str, tokenizer, cfg, per_call: int, cache_dir, model_key, rank: int, world: int) -> _Benchmark:
+    problems = load_benchmark(name, cfg)
+    instruction = cfg.data.instruction if name in ("arithmetic", "arithmetic_val") else cfg.benchmark.get("instruction", "")
+    texts = [render_prompt(p.question, tokenizer, cfg.model, instruction) for p in problems]
+    prompts = encode_prompt_texts(texts, tokenizer)  # + BOS where the tokenizer adds one (Llama 3 plain)
+    shas = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
+    cache = CompletionCache(None)
+    if cache_dir is not None:
+        what = {"model": model_key, "benchmark": name, "sampling": OmegaConf.to_container(cfg.eval, resolve=True),
+                "per_call": per_call}
+        if bos_prefix(tokenizer):  # prompts gained BOS (issue 22): not the completions cached without it
+            what["bos"] = bos_prefix(tokenizer)
+        if cfg.rollout.engine != "hf":  # another engine samples other completions (hf keys stay as they were)
+            what["engine"] = str(cfg.rollout.engine)
+        path = Path(cache_dir) / f"{name}-{_sha(what)}.jsonl"
+        cache = CompletionCache(path, writer=path.with_suffix(f".rank{rank}.jsonl") if world > 1 else None)
+    return _Benchmark(name, problems, prompts, shas, cache, per_call)
+
+
+def chunk_seed(seed: int, benchmark: str, chunk: int) -> int:
+    """The sampling seed of one chunk: a function of (eval.seed, benchmark, chunk index) alone, so a resumed, a
+    one-process and a data-parallel evaluation sample exactly the same completions."""
+    return int(_sha([seed, benchmark, chunk]), 16) % (2**31)
+
+
+def _my_share(benchmarks: list[_Benchmark], engine, params, tokenizer, verifier, cfg, rule, rank: int, world: int,
+              desc: str) -> dict:
+    """This rank's chunks (the g-th chunk over all benchmarks, g % world == rank): generated (or read from the
+    cache), decoded and graded here. {(benchmark, chunk): (completions, decoded, graded, newly generated)}."""
+    from tqdm.auto import tqdm
+
+    ev, out = cfg.eval, {}
+    mine = [(b, c) for g, (b, c) in enumerate((b, c) for b in benchmarks for c in b.chunks) if g % world == rank]
+    with tqdm(total=sum(len(b.prompts[b.span(c)]) for b, c in mine), desc=desc, unit="problem", dynamic_ncols=True,
+              leave=False, disable=rank != 0) as bar:
+        for b, c in mine:
+            shas = b.shas[b.span(c)]
+            got = b.cache.get(c, shas)
+            fresh = got is None
+            if fresh:
+                # Each chunk has its own seed: the training RNG stream is left untouched.
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(chunk_seed(ev.seed, b.name, c))
+                    got = engine.generate(b.prompts[b.span(c)], params)
+                b.cache.put(c, shas, got)
+            out[(b.name, c)] = [got, fresh]
+            bar.update(len(shas))
+    for b in benchmarks:  # one grading call per benchmark over this rank's chunks
+        keys = [k for k in out if k[0] == b.name]
+        comps = [x for k in keys for x in out[k][0]]
+        if not comps:
+            continue
+        decoded = tokenizer.batch_decode([x.token_ids for x in comps], skip_special_tokens=True)
+        golds = [b.problems[b.span(k[1])][i // ev.n].answer for k in keys for i in range(len(out[k][0]))]
+        graded = verifier.score([strip_think(t) if cfg.model.strip_think else t for t in decoded], golds,
+                                extraction=rule)
+        at = 0
+        for k in keys:
+            n = len(out[k][0])
+            out[k] = (out[k][0], decoded[at:at + n], graded[at:at + n], out[k][1])
+            at += n
+    return out
+
+
 def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: list[str] | None = None,
                         desc: str = "eval", cache_dir: str | Path | None = None,
                         model_key: str | None = None) -> EvalResult:
     """Evaluate ``model`` on ``cfg.benchmark.names`` with ``cfg.eval`` sampling (optionally resumable).
 
+    Data parallel when a process group exists (a collective: every rank calls it): each rank generates and grades
+    its share of the chunks, every rank receives them all and returns the same result, which equals a one-process
+    evaluation with the same seeds (each chunk is seeded on its own: ``chunk_seed``).
+
     ``benchmark.extraction`` picks the graded answer (``grail_exp.extraction``); with ``paper`` the samples
     whose text is empty leave their problem's denominator and tokens are averaged over the samples with an
     extracted answer, as the reference evaluation does (``metrics.summarize_benchmark(protocol="paper")``).
     """
-    from tqdm.auto import tqdm
-
     from grail_exp.extraction import benchmark_rule
+    from grail_exp.training import world
 
     ev = cfg.eval
     extraction = cfg.benchmark.get("extraction", "last_balanced")
-    rule, paper = benchmark_rule(extraction), extraction == "paper"
-    names = list(benchmarks or cfg.benchmark.names)
+    rule = benchmark_rule(extraction)
     params = SamplingParams(n=ev.n, temperature=ev.temperature, top_p=ev.top_p, top_k=ev.top_k,
                             max_new_tokens=ev.max_tokens)
-    summaries, samples, generated = {}, [], 0
     per_call = max(1, ev.batch_size // ev.n)  # prompts per generate() call = one cached chunk
-    for name in names:
-        problems = load_benchmark(name, cfg)
-        instruction = cfg.data.instruction if name in ("arithmetic", "arithmetic_val") else cfg.benchmark.get("instruction", "")
-        texts = [render_prompt(p.question, tokenizer, cfg.model, instruction) for p in problems]
-        prompts = encode_prompt_texts(texts, tokenizer)  # + BOS where the tokenizer adds one (Llama 3 plain)
-        shas = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
-        cache = CompletionCache(None)
-        if cache_dir is not None:
-            what = {"model": model_key, "benchmark": name, "sampling": OmegaConf.to_container(ev, resolve=True),
-                    "per_call": per_call}
-            if bos_prefix(tokenizer):  # prompts gained BOS (issue 22): not the completions cached without it
-                what["bos"] = bos_prefix(tokenizer)
-            if cfg.rollout.engine != "hf":  # another engine samples other completions (hf keys stay as they were)
-                what["engine"] = str(cfg.rollout.engine)
-            key = _sha(what)
-            cache = CompletionCache(Path(cache_dir) / f"{name}-{key}.jsonl")
-        completions: list[Completion] = []
-        with tqdm(total=len(prompts), desc=f"{desc} {name}", unit="problem", dynamic_ncols=True, leave=False) as bar:
-            for chunk, s in enumerate(range(0, len(prompts), per_call)):
-                chunk_shas = shas[s:s + per_call]
-                got = cache.get(chunk, chunk_shas)
-                if got is None:
-                    # Each chunk has its own seed: a resumed evaluation samples exactly what an uninterrupted
-                    # one would, and the training RNG stream is left untouched.
-                    with torch.random.fork_rng(devices=[]):
-                        torch.manual_seed(int(_sha([ev.seed, name, chunk]), 16) % (2**31))
-                        got = engine.generate(prompts[s:s + per_call], params)
-                    cache.put(chunk, chunk_shas, got)
-                    generated += len(got)
-                completions.extend(got)
-                bar.update(len(chunk_shas))
-        decoded = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        graded = verifier.score([strip_think(t) if cfg.model.strip_think else t for t in decoded],
-                                [p.answer for p in problems for _ in range(ev.n)], extraction=rule)
-        # paper: the reference keeps a sample only if its text is non-empty (run_eval.py: `if content:`)
-        counted = [not paper or text != "" for text in decoded]
-        n = ev.n
-        grid = lambda f: [[f(i * n + j) for j in range(n) if counted[i * n + j]]  # noqa: E731
-                          for i in range(len(problems))]
-        summaries[name] = M.summarize_benchmark(
-            grid(lambda k: graded[k].correct), answers=grid(lambda k: graded[k].extracted),
-            truncated=grid(lambda k: completions[k].truncated), n_tokens=grid(lambda k: len(completions[k].token_ids)),
-            n_boot=ev.n_boot, seed=ev.seed, protocol="paper" if paper else "standard",
-            ks=range(1, n + 1) if paper else None)
-        for i, p in enumerate(problems):
-            for j in range(n):
-                k, g = i * n + j, graded[i * n + j]
-                samples.append({"benchmark": name, "problem_index": i, "sample_index": j, "completion": decoded[k],
-                                "extracted": g.extracted, "gold": p.answer, "correct": bool(g.correct),
-                                "status": g.status, "truncated": bool(completions[k].truncated),
-                                "n_tokens": len(completions[k].token_ids), "counted": counted[k]})
+    rank, size = world.rank(), world.world_size()
+    jobs = [_benchmark(name, tokenizer, cfg, per_call, cache_dir, model_key, rank, size)
+            for name in (benchmarks or cfg.benchmark.names)]
+    done, by = {}, {}
+    shares = world.gather_to_all(_my_share(jobs, engine, params, tokenizer, verifier, cfg, rule, rank, size, desc))
+    for r, share in enumerate(shares):
+        done.update(share)
+        by.update({f"{name}/{chunk}": r for name, chunk in share})
+    summaries, samples = {}, []
+    for b in jobs:
+        parts = [done[(b.name, c)] for c in b.chunks]
+        summaries[b.name] = _summarize(b, [x for p in parts for x in p[0]], [x for p in parts for x in p[1]],
+                                       [x for p in parts for x in p[2]], ev, extraction == "paper", samples)
     average = M.average_over_benchmarks(summaries, n_boot=ev.n_boot, seed=ev.seed) if len(summaries) > 1 else None
-    return EvalResult(summaries, average, samples, generated, evaluation_params(cfg, tokenizer))
+    generated = sum(len(v[0]) for v in done.values() if v[3])
+    return EvalResult(summaries, average, samples, generated, evaluation_params(cfg, tokenizer), by)
+
+
+def _summarize(b: _Benchmark, completions: list, decoded: list, graded: list, ev, paper: bool, samples: list) -> dict:
+    """One benchmark's metrics (``metrics.summarize_benchmark``); its per-sample rows are appended to ``samples``."""
+    # paper: the reference keeps a sample only if its text is non-empty (run_eval.py: `if content:`)
+    counted = [not paper or text != "" for text in decoded]
+    n = ev.n
+    grid = lambda f: [[f(i * n + j) for j in range(n) if counted[i * n + j]]  # noqa: E731
+                      for i in range(len(b.problems))]
+    summary = M.summarize_benchmark(
+        grid(lambda k: graded[k].correct), answers=grid(lambda k: graded[k].extracted),
+        truncated=grid(lambda k: completions[k].truncated), n_tokens=grid(lambda k: len(completions[k].token_ids)),
+        n_boot=ev.n_boot, seed=ev.seed, protocol="paper" if paper else "standard",
+        ks=range(1, n + 1) if paper else None)
+    for i, p in enumerate(b.problems):
+        for j in range(n):
+            k, g = i * n + j, graded[i * n + j]
+            samples.append({"benchmark": b.name, "problem_index": i, "sample_index": j, "completion": decoded[k],
+                            "extracted": g.extracted, "gold": p.answer, "correct": bool(g.correct),
+                            "status": g.status, "truncated": bool(completions[k].truncated),
+                            "n_tokens": len(completions[k].token_ids), "counted": counted[k]})
+    return summary
 
 
 def evaluation_params(cfg, tokenizer) -> dict:

@@ -1,11 +1,30 @@
 """The policy's forward pass as the trainer, the schemes and the loss terms all see it.
 
-    input_ids (B, P+C), attention_mask, position_ids  ──embeddings──▶ decoder body ──▶ h (B, P+C, d)
+    input_ids (B, P+C), attention_mask, position_ids  ──embeddings──▶ decoder body ──▶ h (B, S, d)
     h at the C positions that predict the completion ──output layer, chunked──▶ logp, entropy (B, C) float32
 
 Prompts are left-padded to P and completions right-padded to C, so input positions ``P-1 … P+C-2`` predict
 completion tokens ``0 … C-1`` (``predicting_window``). Positions are those ``generate`` used for a left-padded batch
 (``position_ids_from_mask``), so sampler and trainer log-probs agree exactly.
+
+**Each distinct prompt once** (``trainer.share_prompts``). The G completions of a prompt share it, so a micro-batch
+of B rows usually holds only U << B distinct prompts. ``body_forward`` then runs the decoder twice:
+
+    prefix pass  the U distinct prompts without their last token, positions 0 … P-2   ──▶ keys / values per layer
+    suffix pass  every row's last prompt token ⊕ its completion, positions P-1 … P+C-1, attending to its prompt's
+                 keys / values (copied to the row's slot of the cache: the attention kernel wants one (K, V) per row)
+
+Causal attention makes this the same function of the same inputs: the suffix tokens see exactly the keys and values
+the unshared forward gives them, and the prompt positions never see the completion. The gradient of the prompt's
+keys and values is summed over its G rows by the cache's row index (autograd's ``index_select`` backward) and flows
+through the prefix pass once. Only floating-point reduction order differs (smaller matrix products, one summed
+gradient instead of G). The last prompt token is computed per row, in the suffix: every position a scheme reads
+(the predicting window starts at P-1) is then its row's own, so GRAIL's saliency (∂J/∂e at P-1 …) keeps its meaning —
+a shared embedding would sum the G rows' gradients there.
+
+**No padding columns.** Each micro-batch is cut to the columns it uses: left-padding columns that every row pads, and
+completion columns past its longest completion. ``PolicyForward.predicting`` / ``own`` give (B, C, …) windows back,
+zero past the computed columns (positions that only ever meet a zero loss mask).
 
 This file sits below everything that runs a policy forward (the training phases, the update backends, the advantage
 schemes, the teacher of RLSD / SDPG, the weights and bench tools) and imports nothing of the project but
@@ -20,17 +39,70 @@ import torch
 
 from grail_exp.logprobs import linear_logprob
 
+SHARE_PROMPTS = ("auto", True, False)  # trainer.share_prompts
+
 
 @dataclass
-class PolicyForward:
-    """What the trainer's policy forward of a micro-batch exposes to a scheme's ``weights_from_forward`` and to loss
-    terms (all still in the autograd graph)."""
+class SharedPrefix:
+    """The keys and values of a micro-batch's distinct prompts (all but their last token), computed once."""
 
-    embeds: torch.Tensor  # (B, P+C, d) input embeddings (a node of the graph, not a leaf)
-    hidden: torch.Tensor  # (B, P+C, d) last hidden state (after the final norm)
-    hidden_states: tuple | None  # all layers' outputs when the scheme asked for them (``forward_outputs``)
-    head_weight: torch.Tensor  # (V, d) output layer weight (live: detach it for probes)
-    head_bias: torch.Tensor | None
+    keys_values: list  # per layer (K, V), each (U, kv_heads, L, head_dim), in the autograd graph of the prefix pass
+    inverse: torch.Tensor  # (B,) which distinct prompt each row has
+
+    def cache(self, rows: torch.Tensor | None = None, detach: bool = False):
+        """A transformers ``DynamicCache`` holding each row's prompt (rows of the micro-batch; default all)."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        inv = self.inverse if rows is None else self.inverse[rows]
+        cache = DynamicCache()
+        cache.layers = []
+        for k, v in self.keys_values:
+            layer = DynamicLayer()
+            k, v = (k.detach(), v.detach()) if detach else (k, v)
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k.index_select(0, inv), v.index_select(0, inv)
+            cache.layers.append(layer)
+        return cache
+
+
+@dataclass
+class BodyOutput:
+    """The decoder body's output on the columns it computed: ``embeds`` / ``hidden`` / ``hidden_states`` are
+    (B, S, d), column j holding absolute position ``start + j``; ``width`` = S."""
+
+    embeds: torch.Tensor  # (B, S, d) input embeddings of the computed columns (a node of the graph, not a leaf)
+    hidden: torch.Tensor  # (B, S, d) last hidden state (after the final norm)
+    hidden_states: tuple | None  # every layer's output on those columns, when asked for
+    prompt_length: int  # P of the batch
+    completion_length: int  # C of the batch
+    start: int = 0  # absolute position of column 0 (P-1 when the prompts were shared; > 0 after trimming padding)
+    prefix: SharedPrefix | None = None  # the shared prompts' keys and values (None: every row computed its own)
+    positions: int = 0  # positions the decoder computed (rows × columns, over both passes): token efficiency
+
+    def predicting(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (B, C, ...): the columns that predict completion tokens 0 … C-1 (zero past the computed)."""
+        return self._window(x, self.prompt_length - 1)
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (B, C, ...): the completion tokens' own positions P … P+C-1 (zero past the computed)."""
+        return self._window(x, self.prompt_length)
+
+    def _window(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        lo = first - self.start
+        w = x[:, lo:lo + self.completion_length]
+        missing = self.completion_length - w.shape[1]
+        if missing <= 0:
+            return w
+        return torch.cat([w, w.new_zeros(w.shape[0], missing, *w.shape[2:])], 1)
+
+
+@dataclass
+class PolicyForward(BodyOutput):
+    """What the trainer's policy forward of a micro-batch exposes to a scheme's ``weights_from_forward`` and to loss
+    terms (all still in the autograd graph): the body's output and the output layer."""
+
+    head_weight: torch.Tensor | None = None  # (V, d) output layer weight (live: detach it for probes)
+    head_bias: torch.Tensor | None = None
 
 
 def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
@@ -49,6 +121,124 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def resolve_share_prompts(value, gradient_checkpointing: bool) -> bool:
+    """``trainer.share_prompts`` → on / off: ``auto`` is on unless layers are recomputed in the backward
+    (gradient checkpointing replays a layer without its cache: the suffix pass would lose its prompt)."""
+    if value == "auto":
+        return not gradient_checkpointing
+    return bool(value)
+
+
+def share_prompts_of(cfg) -> bool:
+    """A run config's ``trainer.share_prompts``, resolved against its ``model.gradient_checkpointing``."""
+    trainer, model = cfg.get("trainer") or {}, cfg.get("model") or {}
+    return resolve_share_prompts(trainer.get("share_prompts", "auto"), bool(model.get("gradient_checkpointing", False)))
+
+
+def can_share_prompts(model) -> bool:
+    """Whether the prompt/suffix split is exact for this model: every layer attends to all earlier positions (no
+    sliding window), and no layer is replayed without its cache (gradient checkpointing while training)."""
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config(decoder=True) if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    types = getattr(text, "layer_types", None) or []
+    if any(t != "full_attention" for t in types):
+        return False
+    if getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None):
+        return False
+    return not (getattr(model, "is_gradient_checkpointing", False) and model.training)
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int):
+    """(first, inverse): a row of each distinct prompt (U,) and each row's distinct prompt (B,); None when no two rows
+    share one (or the prompts are one token long: nothing to share)."""
+    B, P = input_ids.shape[0], prompt_length
+    if B < 2 or P < 2:
+        return None
+    key = torch.where(attention_mask[:, :P].bool(), input_ids[:, :P], -1)
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
+    U = uniq.shape[0]
+    if U == B:
+        return None
+    rows = torch.arange(B, device=input_ids.device)
+    first = torch.full((U,), B, dtype=torch.long, device=input_ids.device).scatter_reduce(0, inverse, rows, "amin")
+    return first, inverse
+
+
+def used_columns(attention_mask: torch.Tensor, prompt_length: int) -> tuple[int, int]:
+    """(first, end): the columns some row uses — left-padding columns every row pads and completion columns past the
+    longest completion are outside. The completion mask is a prefix of each row's completion columns."""
+    m = attention_mask.bool()
+    first = int(m[:, :prompt_length].any(0).long().argmax()) if prompt_length else 0
+    used_c = int(m[:, prompt_length:].sum(1).max()) if m.shape[1] > prompt_length else 0
+    return first, prompt_length + used_c
+
+
+class _Anchor(torch.autograd.Function):
+    """y = x in the forward; ``anchor`` gets a zero gradient in the backward (it joins the graph, nothing else)."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        ctx.anchor_shape, ctx.anchor_dtype = anchor.shape, anchor.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g.new_zeros(ctx.anchor_shape, dtype=ctx.anchor_dtype)
+
+
+def body_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 prompt_length: int, *, share_prompts: bool = False, hidden_states: bool = False,
+                 trim: bool = True, anchor_prefix: bool = False) -> BodyOutput:
+    """The decoder body on a left-padded batch (B, P+C): each distinct prompt once when ``share_prompts`` (and the
+    model allows it, ``can_share_prompts``), unused padding columns skipped when ``trim``.
+
+    ``anchor_prefix``: the prefix pass's output joins the graph of the returned hidden state with a zero gradient.
+    FSDP2 gathers a layer's parameters for its backward from a hook on that layer's outputs; without the anchor the
+    last layer's prefix call would get its gradient only through its keys and values, which are not outputs."""
+    P, C = prompt_length, input_ids.shape[1] - prompt_length
+    lo, hi = used_columns(attention_mask, P) if trim else (0, P + C)
+    hi = max(hi, min(P + 1, P + C))  # the last prompt token and (when C > 0) one completion column at least
+    ids, attn, pos = input_ids[:, lo:hi], attention_mask[:, lo:hi], position_ids[:, lo:hi]
+    Pt = P - lo
+    groups = prompt_groups(ids, attn, Pt) if share_prompts and can_share_prompts(model) else None
+    embed = model.get_input_embeddings()
+    body = decoder_body(model)
+    if groups is None:
+        embeds = embed(ids)
+        out = body(inputs_embeds=embeds, attention_mask=attn, position_ids=pos, use_cache=False,
+                   output_hidden_states=hidden_states)
+        return BodyOutput(embeds, out.last_hidden_state, out.hidden_states if hidden_states else None, P, C,
+                          start=lo, positions=ids.numel())
+    first, inverse = groups
+    L = Pt - 1  # prefix columns: the prompt without its last token
+    pre = body(inputs_embeds=embed(ids[first, :L]), attention_mask=attn[first, :L], position_ids=pos[first, :L],
+               use_cache=True)
+    prefix = SharedPrefix([(layer.keys, layer.values) for layer in pre.past_key_values.layers], inverse)
+    embeds = embed(ids[:, L:])
+    out = body(inputs_embeds=embeds, attention_mask=attn, position_ids=pos[:, L:], past_key_values=prefix.cache(),
+               use_cache=True, output_hidden_states=hidden_states)
+    hidden = _Anchor.apply(out.last_hidden_state, pre.last_hidden_state) if anchor_prefix else out.last_hidden_state
+    return BodyOutput(embeds, hidden, out.hidden_states if hidden_states else None, P, C,
+                      start=lo + L, prefix=prefix, positions=first.numel() * L + embeds.shape[0] * embeds.shape[1])
+
+
+def continue_forward(model, fwd: BodyOutput, inputs_embeds: torch.Tensor, rows: torch.Tensor,
+                     attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The decoder body again on other embeddings of the same computed columns (``fwd.embeds``' shape, rows ``rows``
+    of the micro-batch), with the same prompts: when ``fwd`` shared them, their (detached) keys and values are reused,
+    so only the suffix is recomputed. ``attention_mask`` / ``position_ids``: those rows' full (B, P+C) tensors.
+    Returns the last hidden state (b, S, d)."""
+    hi = fwd.start + inputs_embeds.shape[1]
+    body = decoder_body(model)
+    if fwd.prefix is None:
+        return body(inputs_embeds=inputs_embeds, attention_mask=attention_mask[:, fwd.start:hi],
+                    position_ids=position_ids[:, fwd.start:hi], use_cache=False).last_hidden_state
+    lo = fwd.start - fwd.prefix.keys_values[0][0].shape[2]  # the prefix pass's first column
+    return body(inputs_embeds=inputs_embeds, attention_mask=attention_mask[:, lo:hi],
+                position_ids=position_ids[:, fwd.start:hi], past_key_values=fwd.prefix.cache(rows, detach=True),
+                use_cache=True).last_hidden_state
+
+
 def completion_logits(model, input_ids, attention_mask, position_ids, completion_len: int, temperature: float):
     """Logits at the C positions that predict the completion tokens: (B, C, V), divided by the temperature.
 
@@ -61,26 +251,39 @@ def completion_logits(model, input_ids, attention_mask, position_ids, completion
     return logits / temperature if temperature != 1.0 else logits
 
 
+def output_layer(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (V, d), bias or None) of the model's output layer."""
+    head = model.get_output_embeddings()
+    bias = getattr(head, "bias", None)
+    return head.weight, (bias if bias is not None and bias.numel() else None)
+
+
 def policy_forward(model, input_ids, attention_mask, position_ids, completion_ids, temperature: float, *,
-                   chunk_tokens: int = 4096, hidden_states: bool = False, logprob_dtype: str = "float32"):
+                   chunk_tokens: int = 4096, hidden_states: bool = False, logprob_dtype: str = "float32",
+                   share_prompts: bool = False, anchor_prefix: bool = False):
     """The trainer's policy forward of a micro-batch: token log-probs and entropies (B, C) in float32, and the
     forward's embeddings / hidden states for schemes that reuse it (``PolicyForward``).
 
-    Runs the decoder body on the embeddings (so GRAIL can take gradients w.r.t. them) and the output layer through
-    ``linear_logprob`` (chunks of ``chunk_tokens`` rows; no (B, C, V) float32 logits). For causal LMs whose head
-    is a plain linear layer (Qwen3, Llama, Mistral, ...) this is the model's own forward, computed differently.
-    ``logprob_dtype`` (``trainer.logprob_dtype``): ``float32`` or ``model`` (rounded as the reference's bf16 log-probs;
-    ``grail_exp.logprobs``).
+    Runs the decoder body on the embeddings (so GRAIL can take gradients w.r.t. them; ``body_forward``: each distinct
+    prompt once with ``share_prompts``) and the output layer through ``linear_logprob`` (chunks of ``chunk_tokens``
+    rows; no (B, C, V) float32 logits). For causal LMs whose head is a plain linear layer (Qwen3, Llama, Mistral, ...)
+    this is the model's own forward, computed differently. ``logprob_dtype`` (``trainer.logprob_dtype``): ``float32``
+    or ``model`` (rounded as the reference's bf16 log-probs; ``grail_exp.logprobs``).
     """
-    P, C = input_ids.shape[1] - completion_ids.shape[1], completion_ids.shape[1]
-    embeds = model.get_input_embeddings()(input_ids)
-    out = decoder_body(model)(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False, output_hidden_states=hidden_states)
-    h = out.last_hidden_state
-    head = model.get_output_embeddings()
-    bias = getattr(head, "bias", None)
-    bias = bias if bias is not None and bias.numel() else None
-    logp, entropy = linear_logprob(predicting_window(h, P, C), head.weight, bias, completion_ids, temperature,
-                                   chunk_tokens, logprob_dtype)
-    fwd = PolicyForward(embeds, h, out.hidden_states if hidden_states else None, head.weight, bias)
+    P = input_ids.shape[1] - completion_ids.shape[1]
+    body = body_forward(model, input_ids, attention_mask, position_ids, P, share_prompts=share_prompts,
+                        hidden_states=hidden_states, anchor_prefix=anchor_prefix)
+    weight, bias = output_layer(model)
+    C_used = min(completion_ids.shape[1], body.start + body.hidden.shape[1] - (P - 1))  # computed predicting columns
+    h = predicting_window(body.hidden, P - body.start, C_used)
+    logp_u, ent_u = linear_logprob(h, weight, bias, completion_ids[:, :C_used], temperature, chunk_tokens,
+                                   logprob_dtype)
+    logp, entropy = _pad_columns(logp_u, completion_ids.shape[1]), _pad_columns(ent_u, completion_ids.shape[1])
+    fwd = PolicyForward(body.embeds, body.hidden, body.hidden_states, body.prompt_length, body.completion_length,
+                        body.start, body.prefix, body.positions, weight, bias)
     return logp, entropy, fwd
+
+
+def _pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, c) -> (B, width), zeros on the right (columns past every row's completion)."""
+    return x if x.shape[1] == width else torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1])], 1)

@@ -47,7 +47,8 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     z = h @ weight.T
     if bias is not None:
         z = z + bias
-    return z.float() * inv_t  # (n, V) float32
+    z = z.float() if z.dtype != torch.float32 else z  # a fresh (n, V) float32 tensor either way: scaled in place
+    return z.mul_(inv_t) if inv_t != 1.0 else z
 
 
 class _LinearLogprob(torch.autograd.Function):
@@ -63,7 +64,7 @@ class _LinearLogprob(torch.autograd.Function):
             e = min(s + chunk, N)
             z = _chunk_logits(hidden[s:e], weight, bias, inv_t)
             lse[s:e] = torch.logsumexp(z, -1)
-            logz = z - lse[s:e, None]
+            logz = z.sub_(lse[s:e, None])  # in place: one (n, V) float32 tensor for z and log p
             if model_dtype:  # the reference's rounding: logits / T and log_softmax in the model's dtype
                 zm = hidden[s:e] @ weight.T
                 if bias is not None:
@@ -74,13 +75,16 @@ class _LinearLogprob(torch.autograd.Function):
             else:
                 logp[s:e] = logz.gather(1, ids[s:e, None]).squeeze(1)
             p = logz.exp()
-            entropy[s:e] = -(p * logz).sum(-1)
+            entropy[s:e] = -torch.bmm(p.unsqueeze(1), logz.unsqueeze(2)).view(-1)  # Σ_v p log p, no (n, V) product
             if N <= chunk:
                 probs = p  # one chunk: keep the softmax for the backward instead of recomputing it
         ctx.save_for_backward(hidden, weight, bias if bias is not None else hidden.new_empty(0), ids, lse, entropy,
                               probs if probs is not None else hidden.new_empty(0))
         ctx.has_bias, ctx.inv_t, ctx.chunk, ctx.kept = bias is not None, inv_t, chunk, probs is not None
         ctx.mark_non_differentiable(ids)
+        # An output no loss reads (the entropy, usually) gets None in the backward, not zeros: its (n, V) gradient
+        # term is then skipped instead of computed as zero.
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
@@ -90,30 +94,40 @@ class _LinearLogprob(torch.autograd.Function):
         N = hidden.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         g_h = torch.zeros_like(hidden) if need_h else None
-        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # One chunk: its weight gradient straight from the product (accumulated in fp32 inside it, rounded once, as the
+        # fp32 buffer below would give), without a (V, d) fp32 buffer and its copy. Several: fp32 across chunks.
+        single = N <= ctx.chunk
+        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w and not single else None
         g_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if (need_b and ctx.has_bias) else None
         for s in range(0, N, ctx.chunk):
             e = min(s + ctx.chunk, N)
             if ctx.kept:
                 p = kept
             else:
-                p = (_chunk_logits(hidden[s:e], weight, bias, ctx.inv_t) - lse[s:e, None]).exp()
-            # ∂logp/∂z = onehot − p;   ∂H/∂z = −p (log p + H)   (z = (h·Wᵀ + b)/T, so × 1/T below)
-            gz = torch.zeros_like(p)
-            if g_logp is not None:
-                gz = -p * g_logp[s:e, None]
-                gz.scatter_add_(1, ids[s:e, None], g_logp[s:e, None])
+                p = _chunk_logits(hidden[s:e], weight, bias, ctx.inv_t).sub_(lse[s:e, None]).exp_()
+            # ∂logp/∂z = onehot − p;   ∂H/∂z = −p (log p + H);   z = (h·Wᵀ + b)/T: the 1/T rides on the (n,) factors
+            g = g_logp[s:e, None] * ctx.inv_t if g_logp is not None else None
+            if g is None:
+                gz = torch.zeros_like(p)
+            elif ctx.kept or g_entropy is not None:
+                gz = -p * g
+            else:
+                gz = p.mul_(-g)  # this chunk's recomputed p is not needed again: in place
+            if g is not None:
+                gz.scatter_add_(1, ids[s:e, None], g)
             if g_entropy is not None:
                 logp_all = torch.log(p.clamp_min(1e-30))
-                gz = gz - p * (logp_all + entropy[s:e, None]) * g_entropy[s:e, None]
-            gz = gz * ctx.inv_t
+                gz = gz - p * (logp_all + entropy[s:e, None]) * (g_entropy[s:e, None] * ctx.inv_t)
             if g_b is not None:
                 g_b += gz.sum(0)
             gz = gz.to(weight.dtype)
             if need_h:
                 g_h[s:e] = gz @ weight
             if need_w:
-                g_w += (gz.T @ hidden[s:e]).float()
+                if single:
+                    g_w = gz.T @ hidden[s:e]
+                else:
+                    g_w += (gz.T @ hidden[s:e]).float()
         return (g_h, g_w.to(weight.dtype) if g_w is not None else None,
                 g_b.to(bias.dtype) if g_b is not None else None, None, None, None, None, None)
 

@@ -40,6 +40,9 @@ GiB = 2**30
 HEADROOM_FIXED = 2 * GiB  # allocator fragmentation, NCCL buffers, cuBLAS workspace, CUDA graphs
 HEADROOM_FRACTION = 0.05
 VLLM_PROFILE_BYTES = 1.5 * GiB  # vLLM's own activation / sampler profile inside its reserved fraction (approximate)
+# The planner's own error: against every CUDA peak recorded so far the plan was 0.91-1.05 of the measurement
+# (results/memory_plan.md), i.e. up to 9 % under it. A plan that fits by less than 10 % of its peak is reported as tight.
+PLAN_ERROR = 0.10
 # Padded prompt length per rollout / evaluation call (HF pads a call to its longest prompt). Benchmarks: the longest
 # prompt of each shipped benchmark with the paper's instruction and chat template (Qwen3 / Llama-3 tokenizers measure
 # within 2 tokens of each other), rounded up; training sets: DeepMath-103K is not available offline, its prompts are
@@ -48,17 +51,18 @@ PROMPT_TOKENS = {"arithmetic": 64, "arithmetic_val": 64, "deepmath": 512, "scrl_
                  "aime24": 400, "amc23": 256, "minerva_math": 416, "college_math_200": 384, "olympiadbench_200": 1280}
 DEFAULT_PROMPT_TOKENS = 512
 # Output layer (grail_exp/logprobs.py), in fp32 (chunk, V) tensors alive at once, measured on CPU with the real
-# function (tests/test_plan.py::test_logprob_peak_matches_the_function): several chunks, bf16 weights: forward 5.5
-# (the previous chunk's logits, log-probs and probabilities while the next chunk's bf16 + fp32 logits are built),
-# fp32 weights 5.0; one chunk: 4.0 (its probabilities kept for the backward). Backward: 5.4 (several chunks) / 5.1
-# (one chunk, its kept probabilities included), plus the fp32 output-layer gradient (4·V·h) and, per chunk, its bf16 +
-# fp32 contribution (6·V·h) when that outweighs 2.4 units of the chunk's tensors (measured with h = 64 ... 2,048).
-LOGITS_FWD_UNITS = {"multi_half": 5.5, "multi_fp32": 5.0, "single": 4.0}
+# function (tests/test_plan.py::test_logprob_peak_matches_the_function; z and log p share one buffer): several chunks:
+# forward 4.1 (bf16 and fp32 weights alike); one chunk: 2.2 (its probabilities kept for the backward). Backward with
+# bf16 weights: 3.3 (several chunks) / 3.1 (one chunk, its kept probabilities included), plus the fp32 output-layer
+# gradient (4·V·h) and, per chunk, its bf16 + fp32 contribution (6·V·h) when that outweighs 1.65 units of the chunk's
+# tensors (measured with h = 64 ... 2,048); fp32 weights need less (2.2 / 3.1): the bf16 figures bound them.
+LOGITS_FWD_UNITS = {"multi_half": 4.1, "multi_fp32": 4.1, "single": 2.2}
+LOGITS_GRAD_OVERLAP = 1.65  # units of the chunk's tensors the output-layer gradient's per-chunk copy reuses
 # One generation step of HF generate, bytes per row and vocabulary entry: the model's bf16 logits (2), their fp32 copy
 # (4), the log-prob recorder's scaled copy and log-softmax (8) with the previous step's still pending (4), the
 # sampling probabilities (4). Against the H100 generation peaks of results/gpu.md: results/memory_plan.md.
 SCORE_BYTES = 22
-LOGITS_BWD_UNITS = {"multi": 5.4, "single": 5.1}  # single: 4.1 above the forward's kept probabilities (1.0)
+LOGITS_BWD_UNITS = {"multi": 3.3, "single": 3.1}  # single: 2.1 above the forward's kept probabilities (1.0)
 
 
 class PlanError(ValueError):
@@ -144,6 +148,7 @@ class MemoryPlan:
     headroom: float
     problems: list[str] = field(default_factory=list)  # impossible independently of the sum (vLLM too small, ...)
     facts: dict = field(default_factory=dict)  # the inputs, for the table's header
+    notes: list[str] = field(default_factory=list)  # what the totals leave out, said under the table
 
     @property
     def peak(self) -> float:
@@ -154,6 +159,11 @@ class MemoryPlan:
         if self.capacity is None:
             return None
         return not self.problems and self.peak <= self.capacity - self.headroom
+
+    @property
+    def tight(self) -> bool:
+        """Fits, but by less than the planner's own error (``PLAN_ERROR`` of the peak): it may not on the GPU."""
+        return bool(self.fits) and self.peak * (1 + PLAN_ERROR) > self.capacity - self.headroom
 
 
 def _world(t) -> int:
@@ -185,7 +195,7 @@ def device_capacity(cfg) -> tuple[Optional[float], Optional[float], str]:
     if gb:
         return float(gb) * GiB, float(gb) * GiB, f"trainer.device_memory_gb={gb}"
     if str(t.accelerator) == "cpu":
-        return None, None, "CPU run: host memory is not planned (never refused)"
+        return host_capacity()
     try:
         import torch
 
@@ -208,6 +218,25 @@ def uses_reference(cfg) -> bool:
         return any(getattr(LOSS_TERMS.get(n), "needs_reference", False) for n in (L.get("terms") or {}))
     except Exception:  # noqa: BLE001
         return False
+
+
+def _probes_between_forward_and_backward(cfg) -> bool:
+    """The scheme needs the model (a probe gradient, extra forwards) or loss terms are on: the update backend then keeps
+    a sharded policy gathered from a micro-batch's forward to its backward (training/backends/fsdp.py ``hold``)."""
+    if cfg.loss.get("terms"):
+        return True
+    try:
+        from grail_exp.advantages import SCHEMES
+
+        return bool(SCHEMES[str(cfg.advantage.get("name"))].needs_model)
+    except Exception:  # noqa: BLE001 - an unknown scheme: validate() reports it; plan the larger case
+        return True
+def few_shot_tokens(model_cfg) -> int:
+    """Tokens the worked examples of ``model.few_shot`` add to every prompt: ~3 characters per token and 10 tokens of
+    chat-turn markup per example (SmolLM2's three arithmetic examples: 63 tokens; measured: 131-133-token prompts
+    against the table's 64 for arithmetic)."""
+    return sum(len(str(ex.get("question", ""))) // 3 + len(str(ex.get("answer", ""))) // 3 + 10
+               for ex in (model_cfg.get("few_shot") or []))
 
 
 def _prompt_tokens(names) -> int:
@@ -234,7 +263,7 @@ def logits_bytes(rows: int, chunk: int, s: Shape, b: int) -> tuple[float, float,
     bwd_u = LOGITS_BWD_UNITS["multi" if multi else "single"]
     vh = s.vocab * s.hidden
     fwd = fwd_u * unit
-    bwd = max(bwd_u * unit, (bwd_u - 2.4) * unit + 6 * vh) + 4 * vh
+    bwd = max(bwd_u * unit, (bwd_u - LOGITS_GRAD_OVERLAP) * unit + 6 * vh) + 4 * vh
     how = (f"{fwd_u:g} / {bwd_u:g} x ({n:,} rows x V {s.vocab:,} x 4 B), + 4·V·h fp32 output-layer gradient"
            + (" (several chunks)" if multi else " (one chunk)"))
     return fwd, bwd, how
@@ -278,6 +307,10 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
         if strat == "fsdp_grad_op":
             gathered_train = N * b
             add("update", "gathered parameters", N * b, "every layer's b-byte copy, kept from forward to backward (SHARD_GRAD_OP)")
+        elif _probes_between_forward_and_backward(cfg):
+            gathered_train = N * b
+            add("update", "gathered parameters", N * b, "every layer's b-byte copy: the scheme or a loss term calls the "
+                "model between forward and backward, so FULL_SHARD keeps the layers gathered until the backward")
         else:
             root = s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
             per_layer = (N - root) / s.layers
@@ -301,9 +334,9 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
     local_rows = max(1, t.prompts_per_step * G // W)
     mb = min(int(t.micro_batch_size), local_rows)
     C = int(r.max_completion_length)
-    P = int(prompt_tokens) if prompt_tokens else _prompt_tokens([cfg.data.name])
+    P = int(prompt_tokens) if prompt_tokens else _prompt_tokens([cfg.data.name]) + few_shot_tokens(m)
     T = P + C
-    tok = mb * T
+    tok = computed_positions(cfg, mb, P, C)
     chunk = int(t.logprob_chunk_tokens)
     layer = layer_activation_bytes(s, b)
     final = tok * s.hidden * (4 + b) + mb * C * s.hidden * b  # final RMSNorm + the completion window's hidden copy
@@ -316,7 +349,8 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
     else:
         saved = s.layers * tok * layer + final + mask
         recompute = 0.0
-        add("update", "activations", saved, f"{s.layers} layers x {mb} x {T} tokens x {layer:,.0f} B + final norm, mask")
+        add("update", "activations", saved, f"{s.layers} layers x {tok:,} positions ({_positions_how(cfg, mb, P, C)}) x "
+            f"{layer:,.0f} B + final norm, mask")
     lf, lb, lhow = logits_bytes(mb * C, chunk, s, b)
     scheme = str(cfg.advantage.get("name", ""))
     teacher = saved + recompute if scheme == "oar_g" else 0.0  # OAR-G: the noisy pass's own graph (with input grads)
@@ -341,9 +375,17 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
     vllm_reserve = 0.0
     _, total, _src = device_capacity(cfg)
     problems: list[str] = []
+    notes: list[str] = []
     if engine == "vllm":
         util = float(r.vllm.gpu_memory_utilization)
-        if total is not None:
+        if str(t.accelerator) == "cpu":
+            pass  # vLLM's CPU build: its weights and KV cache are host lines (host_lines), not a device fraction
+        elif total is None:
+            add("state", "vLLM reserve (not counted)", 0.0, f"rollout.vllm.gpu_memory_utilization {util:g} x the device: "
+                "no device named, so not in the totals (trainer.device_memory_gb=<GiB> counts it)")
+            notes.append(f"vLLM's share (rollout.vllm.gpu_memory_utilization {util:g} of each device) is not in the "
+                         "totals: no device is named; set trainer.device_memory_gb to count it")
+        else:
             vllm_reserve = util * total
             vb = _dtype_bytes(r.vllm.get("dtype") or m.dtype)
             need = N * vb + VLLM_PROFILE_BYTES + s.kv_bytes_per_token * vb * T
@@ -353,34 +395,37 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
                     f"{total / GiB:.1f} GiB device cannot hold the engine's weights ({N * vb / GiB:.1f} GiB), its "
                     f"profile (~{VLLM_PROFILE_BYTES / GiB:.1f} GiB) and the KV cache of one {T:,}-token sequence "
                     f"({s.kv_bytes_per_token * vb * T / GiB:.2f} GiB); needs >= {math.ceil(need / total * 100) / 100:.2f}")
-        if strat.startswith("fsdp"):
-            add("rollout", "gathered parameters (weight sync)", N * b, "the full b-byte state pushed to vLLM")
+        sync = _sync_chunk_bytes(cfg, s, strat)
+        if sync:
+            add("rollout", "weight sync: one chunk in flight", sync, _SYNC_HOW)
     else:
         per_call = max(1, int(r.generation_batch_size) // G)
         rows = min(per_call, max(1, t.prompts_per_step // W)) * G
-        kv = rows * T * s.kv_bytes_per_token * b
-        add("rollout", "KV cache (HF generate)", kv,
-            f"{rows} rows x {T} tokens x {s.layers} layers x {s.kv_heads} KV heads x {s.head_dim} x 2 (K, V) x {b} B")
+        kv, how = hf_engine_kv_bytes(s, b, rows // G, G, P, C, str(t.accelerator) == "cpu")
+        add("rollout", "KV cache (HF engine)", kv, how)
         add("rollout", "scores and prefill", rows * s.vocab * SCORE_BYTES + rows * P * b * (2 * s.hidden + 3 * s.intermediate)
             + s.kv_bytes_per_token * b * rows * T / s.layers,
             f"{SCORE_BYTES} B x rows x V of one step's scores + one prefill layer's transients + one layer's KV being grown")
         if strat.startswith("fsdp"):
             add("rollout", "gathered parameters", N * b, "full_parameters(): every layer's b-byte copy")
     evaluates = bool(t.get("eval_at_end") or t.get("eval_before_training") or t.get("eval_every"))
-    if evaluates and engine == "vllm" and strat.startswith("fsdp"):
-        add("eval", "gathered parameters (weight sync)", N * b, "the full b-byte state pushed to vLLM")
+    if evaluates and engine == "vllm" and _sync_chunk_bytes(cfg, s, strat):
+        add("eval", "weight sync: one chunk in flight", _sync_chunk_bytes(cfg, s, strat), _SYNC_HOW)
     if evaluates and engine != "vllm":
         ev = cfg.eval
         per_call = max(1, int(ev.batch_size) // int(ev.n))
         rows = per_call * int(ev.n)
-        Te = _prompt_tokens(cfg.benchmark.names) + int(ev.max_tokens)
-        add("eval", "KV cache (HF generate)", rows * Te * s.kv_bytes_per_token * b,
-            f"{rows} rows x {Te} tokens (prompt + eval.max_tokens) x {s.kv_bytes_per_token * b:,} B per token; rank 0")
+        Pe = _prompt_tokens(cfg.benchmark.names)
+        Te = Pe + int(ev.max_tokens)
+        kv, how = hf_engine_kv_bytes(s, b, per_call, int(ev.n), Pe, int(ev.max_tokens), str(t.accelerator) == "cpu")
+        add("eval", "KV cache (HF engine)", kv, how + "; every rank (its share of the chunks)")
         add("eval", "scores and prefill", rows * s.vocab * SCORE_BYTES + s.kv_bytes_per_token * b * rows * Te / s.layers,
             f"{SCORE_BYTES} B x rows x V of one step's scores + one layer's KV being grown")
         if strat.startswith("fsdp"):
             add("eval", "gathered parameters", N * b, "full_parameters()")
 
+    if str(t.accelerator) == "cpu":
+        lines.extend(host_lines(cfg))
     state = sum(x.bytes for x in lines if x.phase == "state")
     phases = {"state": state}
     for ph in ("update", "logp", "step", "rollout", "eval"):
@@ -396,13 +441,118 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
             " x the device, held through every phase")
     peak_phase = max(phases, key=phases.get)
     cap, _, src = device_capacity(cfg)
-    headroom = HEADROOM_FIXED + HEADROOM_FRACTION * cap if cap is not None else 0.0
+    cpu = str(t.accelerator) == "cpu"
+    total_cap = device_capacity(cfg)[1] if cap is not None else None
+    headroom = ((HOST_HEADROOM_FIXED if cpu else HEADROOM_FIXED) + HEADROOM_FRACTION * (total_cap if cpu else cap)
+                if cap is not None else 0.0)
     facts = {"model": f"{s.name} ({N / 1e9:.2f} B parameters, {m.dtype})", "strategy": f"{strat}, {W} device(s)",
              "micro-batch": f"{mb} rows x ({P} prompt + {C} completion) tokens",
              "engine": engine + (f" (gpu_memory_utilization {r.vllm.gpu_memory_utilization:g})" if engine == "vllm" else
                                  f" (generation_batch_size {r.generation_batch_size}, eval.batch_size {cfg.eval.batch_size})"),
              "checkpointing": bool(m.get("gradient_checkpointing")), "logprob_chunk_tokens": chunk}
-    return MemoryPlan(lines, phases, peak_phase, cap, src, headroom, problems, facts)
+    return MemoryPlan(lines, phases, peak_phase, cap, src, headroom, problems, facts, notes)
+
+
+_SYNC_HOW = ("rollout.vllm.sync_chunk_mb of full parameters gathered and cast to the engine's dtype (a larger tensor, "
+             "the embedding, alone)")
+
+
+def _sync_chunk_bytes(cfg, s: Shape, strat: str) -> float:
+    """Bytes a weight sync to vLLM holds beyond the model: one chunk (or the largest tensor, V x h) in the engine's
+    dtype — when sharded parameters are gathered or the engine's dtype differs from the model's (else the live
+    tensors are pushed as they are: 0)."""
+    r, m = cfg.rollout, cfg.model
+    vdtype = r.vllm.get("dtype") or m.dtype
+    if not strat.startswith("fsdp") and str(vdtype) == str(m.dtype):
+        return 0.0
+    chunk = float(r.vllm.get("sync_chunk_mb", 256) or 256) * 2**20
+    return max(chunk, s.vocab * s.hidden * _dtype_bytes(vdtype))
+
+
+def vllm_kv_cache_bytes(cfg, max_model_len: int, block: int = 16) -> int:
+    """The KV cache a vLLM engine on CPU is given (``kv_cache_memory_bytes``; on GPU ``gpu_memory_utilization`` sizes
+    it): every row of one rollout batch at ``max_model_len`` tokens, in ``block``-token pages, in the engine's dtype,
+    x ``VLLM_CPU_PAGE_FACTOR`` (vLLM's CPU pages hold fewer tokens than the bare keys and values: SmolLM2 at 118 MB,
+    3,200 tokens instead of 5,120). With prefix caching the G rows of a prompt share its pages: room to spare."""
+    s, r, t = model_shape(cfg.model), cfg.rollout, cfg.trainer
+    rows = max(1, min(int(r.generation_batch_size), t.prompts_per_step // _world(t) * int(r.num_generations)))
+    pages = -(-int(max_model_len) // block)
+    dtype = _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
+    return int(VLLM_CPU_PAGE_FACTOR * rows * pages * block * s.kv_bytes_per_token * dtype)
+
+
+VLLM_CPU_PAGE_FACTOR = 1.6
+
+
+def computed_positions(cfg, rows: int, P: int, C: int) -> int:
+    """Positions one micro-batch of ``rows`` computes: with ``trainer.share_prompts`` each of its prompts once (rows
+    come grouped: ceil(rows / G) prompts of P − 1 positions, every row's last prompt token and completion), else every
+    row's whole sequence (grail_exp/forward.py)."""
+    from grail_exp.forward import share_prompts_of
+
+    if not share_prompts_of(cfg) or P < 2:
+        return rows * (P + C)
+    groups = -(-rows // int(cfg.rollout.num_generations))
+    return groups * (P - 1) + rows * (C + 1)
+
+
+def _positions_how(cfg, rows: int, P: int, C: int) -> str:
+    from grail_exp.forward import share_prompts_of
+
+    if not share_prompts_of(cfg) or P < 2:
+        return f"{rows} rows x {P + C} tokens"
+    groups = -(-rows // int(cfg.rollout.num_generations))
+    return f"{groups} prompts x {P - 1} + {rows} rows x {C + 1}: each prompt once"
+
+
+def hf_engine_kv_bytes(s: Shape, b: int, prompts: int, n: int, P: int, C: int, cpu: bool) -> tuple[float, str]:
+    """The HF engine's cache for ``prompts`` prompts x ``n`` completions (grail_exp/rollout/hf.py). On CPU (its own
+    decode loop): each prompt's keys and values once, in float32 for the decode attention, and every row's generated
+    ones in b bytes. On GPU (transformers ``generate``): every row's whole sequence in b bytes."""
+    per_token = s.kv_bytes_per_token
+    if not cpu:
+        rows = prompts * n
+        return rows * (P + C) * per_token * b, (f"{rows} rows x {P + C} tokens x {s.layers} layers x {s.kv_heads} KV "
+                                                f"heads x {s.head_dim} x 2 (K, V) x {b} B")
+    kv = prompts * P * per_token * 4 + prompts * n * C * per_token * b
+    return kv, (f"{prompts} prompts x {P} tokens x {per_token:,} (K, V) x 4 B + {prompts * n} rows x {C} generated x "
+                f"{per_token:,} x {b} B")
+
+
+# Host memory of a CPU run beyond its tensors, measured on this project's machines (docs/memory-planner.md): the
+# imported libraries (torch, transformers, Lightning, Hydra, MLflow: ~0.6 GiB of resident pages) and each grading
+# worker process (math-verify and sympy, ~0.15 GiB).
+HOST_BASELINE = 0.6 * GiB
+GRADER_WORKER = 0.15 * GiB
+HOST_HEADROOM_FIXED = 0.5 * GiB  # heap fragmentation between phases (grail_exp/host.py returns what it can)
+
+
+def host_capacity() -> tuple[Optional[float], Optional[float], str]:
+    """(available, total, where from) of this machine's memory for a CPU run (``host.memory_bytes``)."""
+    from grail_exp.host import memory_bytes
+
+    available, total = memory_bytes()
+    if available is None:
+        return None, None, "CPU run: the host's memory is unknown here (no /proc/meminfo): no verdict"
+    # The verdict is against the machine's memory, not what other processes leave free at this instant (a busy
+    # machine would refuse a run one minute and accept it the next); the table prints both.
+    return float(total), float(total), f"host memory: {total / GiB:.1f} GiB ({available / GiB:.1f} GiB available now)"
+
+
+def host_lines(cfg) -> list[Line]:
+    """The lines a CPU run adds to its plan: the process's libraries, the grading workers (processes of their own, on
+    the same machine) and, with vLLM's CPU build, the engine's copy of the weights and its KV cache."""
+    lines = [Line("state", "libraries (host)", HOST_BASELINE, "torch, transformers, Lightning, Hydra, MLflow: measured"),
+             Line("state", "grading workers (host)", GRADER_WORKER * int(cfg.reward.num_workers),
+                  f"reward.num_workers {cfg.reward.num_workers} x {GRADER_WORKER / GiB:.2f} GiB (processes of their own)")]
+    if str(cfg.rollout.engine) == "vllm":
+        s = model_shape(cfg.model)
+        vb = _dtype_bytes(cfg.rollout.vllm.get("dtype") or cfg.model.dtype)
+        T = _prompt_tokens([cfg.data.name]) + few_shot_tokens(cfg.model) + int(cfg.rollout.max_completion_length)
+        length = int(cfg.rollout.vllm.max_model_len or T)
+        lines.append(Line("state", "vLLM engine (host)", s.params * vb + vllm_kv_cache_bytes(cfg, length),
+                          f"its weights N x {vb} B + the KV cache of one rollout batch at {length} tokens"))
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------- what would fit
@@ -435,7 +585,7 @@ def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
         fam.append([[f"rollout.generation_batch_size={v * G}"] for v in (16, 8, 4, 2, 1)
                     if v * G < int(r.generation_batch_size)])
         fam.append([[f"eval.batch_size={v * n}"] for v in (32, 16, 8, 4, 2, 1) if v * n < int(cfg.eval.batch_size)])
-        if device_capacity(cfg)[1]:
+        if device_capacity(cfg)[1] and str(t.accelerator) != "cpu":
             engines.append(["rollout=vllm", f"rollout.vllm.gpu_memory_utilization="
                                             f"{_vllm_need(cfg, VLLM_SUGGESTED_SEQUENCES)}"])
     else:
@@ -474,47 +624,60 @@ def replan(cfg, overrides: list[str]):
     return new
 
 
-def _fits(cfg, overrides: list[str]) -> bool:
+def _fits(cfg, overrides: list[str], margin: bool = False) -> bool:
+    """The plan with ``overrides`` fits (``margin``: and is not tight)."""
     try:
-        return bool(plan(replan(cfg, overrides)).fits)
+        q = plan(replan(cfg, overrides))
+        return bool(q.fits) and not (margin and q.tight)
     except Exception:  # noqa: BLE001 - a candidate the planner cannot evaluate does not fit
         return False
 
 
-def suggest(cfg, p: MemoryPlan, max_options: int = 3) -> list[list[str]]:
+def suggest(cfg, p: MemoryPlan, max_options: int = 3, margin: bool = False) -> list[list[str]]:
     """Override sets that make the plan fit, mildest first. On the same engine: the vLLM fraction it needs (when the
     engine cannot hold its weights: room for 16 sequences), then each single change that fits alone, else the
     changes of every family combined, each at its mildest strength that fits (cheapest families first); then a
-    switch of the engine, if that alone fits. [] when nothing found fits."""
+    switch of the engine, if that alone fits. [] when nothing found fits. ``margin``: options whose plan is not
+    tight either (fits by at least the planner's error)."""
     base: list[str] = []
     if p.problems and str(cfg.rollout.engine) == "vllm":
         base = [f"rollout.vllm.gpu_memory_utilization={_vllm_need(cfg, VLLM_SUGGESTED_SEQUENCES)}"]
-        if _fits(cfg, base):
+        if _fits(cfg, base, margin):
             return [base]
     fams, engines = _families(cfg)
     options: list[list[str]] = []
     for fam in fams:
         for o in fam:
-            if _fits(cfg, base + o):
+            if _fits(cfg, base + o, margin):
                 options.append(base + o)
                 break
-    if not options:  # combine: each family at its strongest until the plan fits, then relax each back
-        chosen: list[Optional[list[str]]] = []
-        flat = lambda picks: base + [o for pick in picks if pick for o in pick]  # noqa: E731
-        for fam in fams:
-            chosen.append(fam[-1])
-            if _fits(cfg, flat(chosen)):
-                for i in reversed(range(len(chosen))):  # the mildest strength (or none) that still fits, the
-                    fam_i = fams[i]                        # costlier families (micro-batch) before the chunk size
-                    chosen[i] = next((o for o in [None, *fam_i] if _fits(cfg, flat(chosen[:i] + [o] + chosen[i + 1:]))),
-                                     chosen[i])
-                options.append(flat(chosen))
-                break
+    if not options:
+        combined = _combined(cfg, base, fams, margin)
+        options += [combined] if combined else []
     options = options[: max_options - 1] if engines else options[:max_options]
     for e in engines:  # the engine switch replaces the vLLM fraction fix
-        if _fits(cfg, e):
+        if _fits(cfg, e, margin):
             options.append(e)
     return options
+
+
+def _combined(cfg, base: list[str], fams: list, margin: bool) -> Optional[list[str]]:
+    """Each family at its strongest until the plan fits, then each relaxed back to its mildest strength (or none)
+    that still fits, the costlier families (micro-batch) before the chunk size; None when even all together do not."""
+    chosen: list[Optional[list[str]]] = []
+    flat = lambda picks: base + [o for pick in picks if pick for o in pick]  # noqa: E731
+    for fam in fams:
+        chosen.append(fam[-1])
+        if _fits(cfg, flat(chosen), margin):
+            for i in reversed(range(len(chosen))):
+                chosen[i] = next((o for o in [None, *fams[i]] if _fits(cfg, flat(chosen[:i] + [o] + chosen[i + 1:]), margin)),
+                                 chosen[i])
+            return flat(chosen)
+    return None
+
+
+def _same_hardware(option: list[str]) -> bool:
+    return not any(o.startswith("trainer.devices=") for o in option)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -538,7 +701,24 @@ def render(p: MemoryPlan) -> str:
         out.append(f"device: {p.capacity / GiB:.1f} GiB usable ({p.capacity_source}), headroom {p.headroom / GiB:.1f} GiB: "
                    f"peak {p.peak / GiB:.1f} GiB ({p.peak_phase}) {'fits' if p.fits else 'DOES NOT FIT'}")
     out += [f"problem: {x}" for x in p.problems]
+    out += [f"note: {x}" for x in p.notes]
     return "\n".join(out)
+
+
+def tight_warning(cfg, p: MemoryPlan) -> Optional[str]:
+    """For a plan that fits by less than the planner's own error: one line saying so, with the mildest changes that
+    leave that margin (None for other plans)."""
+    if not p.tight:
+        return None
+    usable = p.capacity - p.headroom
+    options = suggest(cfg, p, max_options=2, margin=True)
+    if not any(_same_hardware(o) for o in options):  # also what buys the margin on the GPUs the run has
+        combined = _combined(cfg, [], [f for f in _families(cfg)[0] if all(_same_hardware(o) for o in f)], True)
+        options = ([combined] if combined else []) + options
+    fix = (f"; a margin of {PLAN_ERROR:.0%} with: " + " | ".join(" ".join(o) for o in options)) if options else ""
+    return (f"memory plan is tight: the peak {p.peak / GiB:.1f} GiB ({p.peak_phase}) fits the {usable / GiB:.1f} GiB "
+            f"usable by {(usable - p.peak) / GiB:.1f} GiB, less than the planner's own error ({PLAN_ERROR:.0%} of the "
+            f"peak, {PLAN_ERROR * p.peak / GiB:.1f} GiB; planned peaks were 0.91-1.05 of measured ones){fix}")
 
 
 def refusal(cfg, p: MemoryPlan) -> str:
@@ -568,4 +748,9 @@ def check(cfg) -> Optional[str]:
         return None
     if p.fits is False:
         return refusal(cfg, p)
+    warning = tight_warning(cfg, p)
+    if warning:
+        import logging
+
+        logging.getLogger("grail_exp").warning(warning)
     return None

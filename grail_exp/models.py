@@ -35,7 +35,18 @@ def _looks_local(name: str) -> bool:
 
 
 def resolve_model_path(cfg) -> str:
-    """The directory or hub id to load; builds the embedded model when ``model.name_or_path`` is null."""
+    """The directory or hub id to load; builds the embedded model when ``model.name_or_path`` is null, and the
+    cached supervised cold start on top when ``model.cold_start.enabled`` (grail_exp/cold_start.py)."""
+    path = _resolve_base(cfg)
+    cs = cfg.model.get("cold_start")
+    if cs is not None and cs.enabled:
+        from grail_exp.cold_start import ensure_cold_start
+
+        return ensure_cold_start(path, cfg)
+    return path
+
+
+def _resolve_base(cfg) -> str:
     m = cfg.model
     if m.get("random_init"):
         from grail_exp.architectures import ArchitectureError, materialize_random_init
@@ -211,6 +222,7 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as exc:
             raise _hub_error(path, exc) from exc
+    use_kernel_gqa(model)
     # Dropout makes log-prob ratios noisy and is off in the paper's recipe.
     for mod in model.modules():
         if isinstance(mod, torch.nn.Dropout):
@@ -222,6 +234,39 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
     else:
         model.eval().requires_grad_(False)
     return model
+
+
+SDPA_GQA = "sdpa_gqa"  # transformers' SDPA attention, grouped-query heads left to the kernel on CPU (use_kernel_gqa)
+
+
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                       **kwargs):
+    """transformers' SDPA attention, except on CPU with a mask and grouped-query heads: there transformers repeats each
+    key/value head for its query heads (``repeat_kv``; it lets the kernel group them only without a mask, for CUDA
+    kernels' sake), and autograd keeps the repeated copies — for SmolLM2 (9 query heads, 3 key/value heads) 3x the
+    keys and values of every layer. The CPU kernel groups them itself (``enable_gqa``), with the same numbers
+    (tests/test_share_prompts.py compares)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.device.type != "cpu" or attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_kernel_gqa(model) -> None:
+    """A model loaded with ``attn_implementation=sdpa`` runs ``sdpa_gqa_attention`` (registered with transformers under
+    ``SDPA_GQA``, with SDPA's own mask construction)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.config._attn_implementation = SDPA_GQA
 
 
 def count_parameters(model: torch.nn.Module) -> int:

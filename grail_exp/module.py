@@ -26,6 +26,8 @@ import torch
 
 from grail_exp.distributed import launch_rank
 from grail_exp.errors import Preempted
+from grail_exp.study import fault_at_step
+from grail_exp.training import probe
 from grail_exp.training import state as run_state
 from grail_exp.training import world
 from grail_exp.training.backends import build_backend
@@ -37,7 +39,7 @@ from grail_exp.training.update import NonFiniteLossError, UpdatePhase  # noqa: F
 
 class GRPOModule(L.LightningModule):
     def __init__(self, cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model=None,
-                 evaluate_fn=None, resume_state: dict | None = None, terms: list | None = None):
+                 evaluate_fn=None, resume_state: dict | None = None, terms: list | None = None, engine_factory=None):
         super().__init__()
         self.automatic_optimization = False
         self.cfg, self.policy, self.ref_model, self.tokenizer = cfg, policy, ref_model, tokenizer
@@ -45,6 +47,12 @@ class GRPOModule(L.LightningModule):
         self.evaluate_fn = evaluate_fn  # step -> None, every trainer.eval_every optimiser steps
         self.checkpoint_fn = None  # position -> None; set by the job
         self.weights_fn = None  # step -> None: weights-only trajectory save; set by the job
+        self.start_fn = None  # () -> None: at the start of training (the evaluation before it); set by the job
+        self.end_fn = None  # () -> None: at the end of training, before Lightning tears down; set by the job
+        # () -> engine, called in setup() when ``engine`` is None: an engine with its own process-group membership
+        # (vLLM) must be built once Lightning's process group exists, on every rank.
+        self.engine_factory = engine_factory
+        self._prompts_checked = False
         self.stop_requested = False  # set by the SIGTERM handler
         self.progress = Progress(step=int(resume_state["step"]) if resume_state else 0)
         # Stochastic schemes (OAR-G's noise) draw from their own seeded stream: reproducible, and independent of the
@@ -87,7 +95,19 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
+        # The process group exists now (Lightning created it): check it is the configured world, then build the
+        # engine inside it, then give each rank its own sampling streams.
+        world.check_world_size(self.cfg.trainer)
         self.records.rank = world.rank()
+        if self.rollout.engine is None and self.engine_factory is not None:
+            self.rollout.engine = self.engine_factory()
+        if world.rank() == 0 and self.tracker is not None:
+            where = {"world_size": world.world_size(), "dist_backend": world.backend_name()}
+            if self.resume_state is None:
+                self.tracker.log_params(where)
+            else:  # params are immutable in MLflow: a resumed run records its world as tags
+                self.tracker.set_tags({f"resumed_{k}": v for k, v in where.items()})
+        probe.emit("setup", module=self)
         if world.world_size() > 1:
             # Different sampling / noise streams per rank (rank 0 keeps the single-process streams).
             self.scheme_generator.manual_seed(int(self.cfg.seed) + 7919 + 1000 * world.rank())
@@ -113,12 +133,20 @@ class GRPOModule(L.LightningModule):
     def on_train_start(self) -> None:
         if self.resume_state is not None:
             run_state.restore(self, self.resume_state)
+        if self.start_fn is not None:
+            self.start_fn()
+
+    def on_train_end(self) -> None:
+        # Still inside fit: the policy is on its device and the process group exists (Lightning's teardown then moves
+        # the module to CPU), so the final checkpoint and evaluation run here, on every rank.
+        if self.end_fn is not None:
+            self.end_fn()
 
     # ------------------------------------------------------------------ the step
     def training_step(self, round_index, batch_idx):
         cfg = self.cfg
         timings: dict[str, float] = {}
-        t_step = time.perf_counter()
+        t_step, c_step = time.perf_counter(), time.process_time()
         round_index = int(round_index)
         self.progress.rollouts = round_index + 1
         start = 0
@@ -128,6 +156,10 @@ class GRPOModule(L.LightningModule):
             self.resume_buffer = None
         else:
             batch, stats = self.rollout.collect(round_index, timings)
+            if not self._prompts_checked:  # the first rollout of this process: ranks drew disjoint prompts
+                world.check_disjoint_prompts(self.rollout.last_prompt_indices)
+                self._prompts_checked = True
+            probe.emit("rollout", module=self, round_index=round_index)
 
         left = cfg.trainer.max_steps - self.progress.step
         steps = self.update.optimizer_steps(batch, self.optimizers(), self.lr_schedulers(), start, timings, limit=left)
@@ -137,9 +169,11 @@ class GRPOModule(L.LightningModule):
             metrics.update(stats)
             metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
             metrics["timing/step_s"] = time.perf_counter() - t_step
+            # CPU seconds of this process (all its threads): the step's cost when other jobs share the machine
+            metrics["timing/step_cpu_s"] = time.process_time() - c_step
             self._after_step(step, metrics, batch, stats, round_index, index)
             timings.clear()
-            t_step = time.perf_counter()
+            t_step, c_step = time.perf_counter(), time.process_time()
 
     def _after_step(self, step: int, metrics: dict, batch: TrainingBatch, stats: dict, round_index: int,
                     index: int) -> None:
@@ -151,6 +185,7 @@ class GRPOModule(L.LightningModule):
         metrics["grading/timeouts_total"] = float(self.rollout.verifier.counters.get("timeout", 0))
         metrics = world.average_metrics(metrics)
         self.last_metrics = metrics
+        probe.emit("step", module=self, step=step)
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
             self.tracker.log_metrics(metrics, step=step)
         self.records.progress_line(step, metrics)
@@ -165,9 +200,11 @@ class GRPOModule(L.LightningModule):
         done_round = index == self.update.steps_per_rollout - 1
         self.position = {"round": round_index + 1 if done_round else round_index,
                          "buffer": None if done_round else run_state.pack_buffer(batch, stats, round_index, index + 1)}
+        fault_at_step("term_at_step", step, cfg.advantage.name)  # test-only fault injection (GRAIL_EXP_FAULT)
         every = cfg.trainer.checkpoint_every
         if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
             self.checkpoint_fn(self.position)
+        fault_at_step("kill_after_step", step, cfg.advantage.name)
         every = cfg.trainer.save_weights_only_every
         if self.weights_fn and every and step % every == 0:
             self.weights_fn(step)

@@ -19,7 +19,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from grail_exp.conf_path import CONFIG_DIR
     from grail_exp.config import register_configs
-    from grail_exp.memory import plan, refusal, render
+    from grail_exp.memory import plan, refusal, render, tight_warning
 
     argv = list(sys.argv[1:] if argv is None else argv)
     register_configs()
@@ -30,6 +30,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if p.fits is False:
         print("\n" + refusal(cfg, p))
         return 1
+    warning = tight_warning(cfg, p)
+    if warning:
+        print("\nwarning: " + warning)
     return 0
 
 

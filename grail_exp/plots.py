@@ -3,7 +3,8 @@
 Training curves come from MLflow metric histories (one line per scheme: the mean over its seeds, a band of ± one
 standard deviation). The weight plots read the per-token tables the training module writes every
 ``trainer.weights_table_every`` steps as ``weights/step_<NNNNNN>.parquet`` with the columns of ``WEIGHT_COLUMNS``:
-one row per valid completion token with the scheme weight w it actually used in the loss (Â = sg(w)·A).
+one row per valid completion token with the scheme weight w it actually used in the loss (Â = sg(w)·A), and (tables
+written since the real-model study) the token's id, ``token_id``, for heatmaps with the tokens' text.
 
 - **Positional profile** (the GRAIL paper's U-shape analysis): mean w by relative position over the tokens before
   the first complete ``\\boxed{`` (``region == "pre"``), in 20 bins, correct and wrong rollouts apart. A token at

@@ -3,6 +3,7 @@
     python -m grail_exp.report runs.parent_run_id=<id of a sweep's parent run>
     python -m grail_exp.report +runs.tags.task_name=paper_table output.name=paper_table_cpu
     python -m grail_exp.report 'runs.run_ids=[<id>,<id>,...]' baseline=grpo 'metrics=[acc,pass@3]'
+    python -m grail_exp.report runs.dir=results/real_model_study/<study> design_check.strict=true   # a study folder
 
 Rows are model × scheme, columns the benchmarks and their average (unweighted over benchmarks, as the GRAIL paper
 reports), one table per metric (acc@n, pass@k, maj@n). Every non-baseline cell carries its Δ against the
@@ -15,6 +16,17 @@ them back, computes per-problem values (c/n for acc, the unbiased pass@k, majori
 baseline by (seed, benchmark, problem_index): both arms of a seed answered the same problems, sampled from the same
 per-chunk seeds (common random numbers, grail_exp/evaluate.py), so per-problem differences cancel most of the
 sampling noise.
+
+**A study folder** (``runs.dir``, written by training jobs with ``study.dir`` set, grail_exp/study.py) stands in for
+MLflow: each finished arm's ``arm.json`` (model, scheme, seed, flat configuration, starting weights' sha256),
+``samples_final.parquet``, ``history.csv`` and ``weights/`` give the same table and plots, from files that can be
+committed with the results.
+
+**A study that is not one is refused** with ``design_check.strict=true``: arms of a model must agree on every key
+of ``design_check.same_everywhere`` (evaluation, data, budget, optimiser, ...) and the arms of a seed on
+``design_check.same_within_seed`` (starting weights, training order); every non-baseline seed needs its baseline
+run; seeds outside ``seeds`` are not allowed. The error names each key, its values and the runs that differ.
+Without it, differing evaluation settings are footnoted (``pairing_params``).
 
 **Nothing is dropped silently.** A run that is not FINISHED, has no per-sample artifact, lacks a benchmark, or has
 no baseline partner for its seed is named in a lettered footnote, and the cells it would have filled read "—" or
@@ -113,6 +125,8 @@ class RunRecord:
     params: dict
     samples: Any = None  # pandas DataFrame of per-sample results once loaded
     artifact: Optional[str] = None
+    history: Any = None  # a study folder's training curves (DataFrame indexed by step); MLflow runs: fetched
+    weights_dir: Optional[Path] = None  # a study folder's weight tables; MLflow runs: downloaded
 
 
 def letter(i: int) -> str:
@@ -243,6 +257,73 @@ def _check_samples(rec: RunRecord) -> None:
     missing = need - set(rec.samples.columns)
     if missing:
         raise DataError(f"run {rec.run_id}: {rec.artifact} lacks columns {sorted(missing)}")
+
+
+def select_study_arms(cfg: DictConfig, notes: Notes):
+    """Like ``select_runs``, from a study folder (``runs.dir``): every arm recorded there is finished by
+    construction (grail_exp/study.py writes an arm only after its final evaluation)."""
+    import pandas as pd
+
+    from grail_exp.study import read_study
+
+    arms: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
+    for folder, arm in read_study(cfg.runs.dir):
+        params = {k: str(v) for k, v in arm["config"].items()}
+        if arm.get("start_weights_sha256"):
+            params["start_weights.sha256"] = arm["start_weights_sha256"]
+        scheme = arm_scheme(arm["scheme"], params)
+        rec = RunRecord(arm.get("run_id") or folder.name, arm["model"], scheme, str(arm["seed"]), arm["status"], 0,
+                        params, artifact=str(folder / "samples_final.parquet"))
+        rec.samples = pd.read_parquet(folder / "samples_final.parquet")
+        _check_samples(rec)
+        if (folder / "history.csv").is_file():
+            rec.history = pd.read_csv(folder / "history.csv", index_col="step")
+        rec.weights_dir = folder / "weights" if (folder / "weights").is_dir() else None
+        key = (rec.model, rec.scheme)
+        if rec.seed in arms[key]:
+            raise ConfigError(f"runs.dir={cfg.runs.dir}: two arms record {rec.model} × {rec.scheme}, seed {rec.seed} "
+                              f"({arms[key][rec.seed].artifact} and {rec.artifact}); keep one")
+        arms[key][rec.seed] = rec
+    return arms, defaultdict(list), []
+
+
+def check_design(arms: dict, cfg: DictConfig) -> None:
+    """``design_check.strict``: refuse (ConfigError) a study whose arms are not comparable, naming what differs."""
+    from fnmatch import fnmatch
+
+    dc = cfg.design_check
+    if not dc.strict:
+        return
+    within = lambda k: any(fnmatch(k, p) for p in dc.same_within_seed)  # noqa: E731
+    everywhere = lambda k: any(fnmatch(k, p) for p in dc.same_everywhere) and not within(k)  # noqa: E731
+    label = lambda r: f"{r.model} × {r.scheme}, seed {r.seed} ({r.run_id})"  # noqa: E731
+    problems = []
+    expected = {str(s) for s in cfg.seeds} if cfg.seeds else None
+    by_model: dict[str, list] = defaultdict(list)
+    by_seed: dict[tuple, list] = defaultdict(list)
+    for (model, scheme), seeds in arms.items():
+        base = arms.get((model, cfg.baseline), {})
+        for seed, rec in seeds.items():
+            by_model[model].append(rec)
+            by_seed[(model, seed)].append(rec)
+            if expected is not None and seed not in expected:
+                problems.append(f"{label(rec)}: seed {seed} is not one of seeds = {sorted(expected)}")
+            if scheme != cfg.baseline and seed not in base:
+                problems.append(f"{label(rec)}: no {cfg.baseline} run of seed {seed} to pair it with")
+    for groups, keep in ((by_model, everywhere), (by_seed, within)):
+        for recs in groups.values():
+            recs = sorted(recs, key=lambda r: (r.scheme != cfg.baseline, _seed_key(r.seed), r.scheme))
+            first = recs[0]
+            for rec in recs[1:]:
+                for k in sorted(k for k in set(first.params) | set(rec.params) if keep(k)):
+                    a, b = first.params.get(k, "<absent>"), rec.params.get(k, "<absent>")
+                    if a != b:
+                        problems.append(f"{k}: {a} in {label(first)} vs {b} in {label(rec)}")
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise ConfigError("the study's arms are not comparable (design_check.strict=true); they must share the "
+                          "starting weights and training order within a seed, and evaluation, data and budget "
+                          "everywhere:\n" + "\n".join(f"  - {p}" for p in shown))
 
 
 # ----------------------------------------------------------------------------------------------- per-problem values
@@ -713,8 +794,7 @@ def report_plots(client, arms: dict, tables: list[MetricTable], cfg: DictConfig,
         if not schemes:
             continue
         tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
-        groups = {s: list(P.fetch_histories(client, [r.run_id for r in seeds.values()], cfg.plots.curves).values())
-                  for s, seeds in schemes.items()}
+        groups = {s: _histories(client, list(seeds.values()), list(cfg.plots.curves)) for s, seeds in schemes.items()}
         made.append(P.plot_training_curves(groups, out_dir / f"{tag}_training_curves.png", list(cfg.plots.curves),
                                            title=f"{model}: mean over seeds ± sd"))
         curves = {}
@@ -731,9 +811,10 @@ def report_plots(client, arms: dict, tables: list[MetricTable], cfg: DictConfig,
                 for s, seeds in schemes.items():
                     parts = []
                     for rec in seeds.values():
-                        d = P.download_weight_tables(client, rec.run_id, Path(tmp) / rec.run_id,
-                                                     cfg.plots.weights_max_files)
-                        f = P.load_weight_frames(d) if d is not None else None
+                        d = rec.weights_dir or (P.download_weight_tables(client, rec.run_id, Path(tmp) / rec.run_id,
+                                                                         cfg.plots.weights_max_files)
+                                                if client is not None else None)
+                        f = P.load_weight_frames(d, cfg.plots.weights_max_files) if d is not None else None
                         if f is not None:  # offset rows so that (step, row) of different seeds stay apart
                             parts.append(f.assign(row=f["row"] + 1_000_000 * len(parts)))
                     if parts:
@@ -746,6 +827,20 @@ def report_plots(client, arms: dict, tables: list[MetricTable], cfg: DictConfig,
                 made.append(P.plot_weight_vs_entropy(frames, out_dir / f"{tag}_weights_vs_entropy.png",
                                                      title=f"{model}: token weight vs entropy"))
     return [p for p in made if p is not None]
+
+
+def _histories(client, recs: list, keys: list[str]) -> list[dict]:
+    """Per run ``{key: (steps, values)}``: a study folder's history.csv, else the MLflow metric histories."""
+    from grail_exp import plots as P
+
+    out = []
+    for rec in recs:
+        if rec.history is not None:
+            h = rec.history
+            out.append({k: (h.index.to_numpy(), h[k].to_numpy(dtype=float)) for k in keys if k in h})
+        elif client is not None:
+            out.extend(P.fetch_histories(client, [rec.run_id], keys).values())
+    return out
 
 
 def _pass_at_k_curve(seeds: dict, cfg: DictConfig):
@@ -781,19 +876,24 @@ def build_report(cfg: DictConfig) -> dict:
     client = MlflowClient(tracking_uri=uri)
     notes = Notes()
     with tempfile.TemporaryDirectory() as tmp:
-        raw = search_runs(client, cfg)
-        arms, row_notes, ignored = select_runs(client, raw, cfg, notes, Path(tmp))
+        if cfg.runs.dir:  # a study folder: the files stand in for MLflow
+            arms, row_notes, ignored = select_study_arms(cfg, notes)
+            raw, where = [r for seeds in arms.values() for r in seeds.values()], f"the study folder {cfg.runs.dir}"
+        else:
+            raw, where = search_runs(client, cfg), uri
+            arms, row_notes, ignored = select_runs(client, raw, cfg, notes, Path(tmp))
+        check_design(arms, cfg)
         for arm, letters in pairing_notes(arms, cfg, notes).items():
             row_notes[arm].extend(letters)
         if not any(arms.values()):
-            raise ConfigError(f"no usable run among the {len(raw)} selected at {uri} (filters: "
+            raise ConfigError(f"no usable run among the {len(raw)} selected at {where} (filters: "
                               f"{OmegaConf.to_container(cfg.runs, resolve=True)}); notes: {notes.texts}")
         tables = build_tables(arms, row_notes, cfg, notes)
 
         title = cfg.output.title or f"Paired comparison vs {cfg.baseline}"
         used = {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed, "artifact": rec.artifact}
                 for seeds in arms.values() for rec in seeds.values()}
-        header = (f"## {title}\n\n{len(used)} runs from {uri}"
+        header = (f"## {title}\n\n{len(used)} runs from {where}"
                   + (f", children of run {cfg.runs.parent_run_id}" if cfg.runs.parent_run_id else "")
                   + (f", tags {dict(cfg.runs.tags)}" if cfg.runs.tags else "")
                   + (f" ({len(ignored)} other runs ignored: no model/scheme)" if ignored else "") + ".")

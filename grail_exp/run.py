@@ -48,8 +48,11 @@ def main(cfg: DictConfig) -> float | None:
             from grail_exp.preemption import hand_back_to_submitit
 
             hand_back_to_submitit()  # in a submitit job: requeued with resume=auto; this process exits here
-            log.error("job preempted after its checkpoint; rerun it with resume=auto in %s", cfg.paths.output_dir)
-            return math.nan
+            # Outside submitit every job runs in this process: a stop signal stops the whole multirun (a stopped
+            # study), not just this job. The same command with resume=auto continues it from this checkpoint.
+            print(f"preempted: the multirun stops after this job's checkpoint ({cfg.paths.output_dir}); rerun the "
+                  "same command with resume=auto (same hydra.sweep.dir) to continue it", file=sys.stderr, flush=True)
+            sys.exit(143)
         except Exception as exc:
             log.error("job failed (the sweep continues): %s: %s", type(exc).__name__, exc)
             return math.nan

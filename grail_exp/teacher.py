@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from grail_exp.errors import ConfigError
-from grail_exp.forward import decoder_body, predicting_window
+from grail_exp.forward import body_forward, output_layer
 
 TEMPLATES = {
     "rlsd": ("{problem}\n\nHere is a reference solution:\n{answer}\n\nAfter understanding the reference solution, "
@@ -109,25 +109,22 @@ def build_teacher_batch(batch, tokenizer, model_cfg, template: str, instruction:
 
 
 @torch.no_grad()
-def teacher_hidden(model, tb: TeacherBatch) -> torch.Tensor:
-    """(B, C, d) the teacher's last hidden states at the positions predicting the completion tokens (no grad).
+def teacher_hidden(model, tb: TeacherBatch, share_prompts: bool = False) -> torch.Tensor:
+    """(B, C, d) the teacher's last hidden states at the positions predicting the completion tokens (no grad); the
+    rows of one problem share their teacher prompt, computed once with ``share_prompts``.
     Logits are never built here: RLSD picks the sampled tokens' log-probs, SDPG projects chunk by chunk."""
-    out = decoder_body(model)(input_ids=tb.input_ids, attention_mask=tb.attention_mask, position_ids=tb.position_ids,
-                              use_cache=False)
-    return predicting_window(out.last_hidden_state, tb.prompt_length, tb.completion_ids.shape[1])
-
-
-def output_layer(model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    head = model.get_output_embeddings()
-    bias = getattr(head, "bias", None)
-    return head.weight, (bias if bias is not None and bias.numel() else None)
+    fwd = body_forward(model, tb.input_ids, tb.attention_mask, tb.position_ids, tb.prompt_length,
+                       share_prompts=share_prompts)
+    return fwd.predicting(fwd.hidden)
 
 
 @torch.no_grad()
-def teacher_logprobs(model, tb: TeacherBatch, temperature: float = 1.0, chunk_tokens: int = 4096) -> torch.Tensor:
+def teacher_logprobs(model, tb: TeacherBatch, temperature: float = 1.0, chunk_tokens: int = 4096,
+                     share_prompts: bool = False) -> torch.Tensor:
     """(B, C) float32 log P_T(o_t) of the sampled tokens, with (chunk, V) logits alive at a time."""
     from grail_exp.logprobs import linear_logprob
 
     weight, bias = output_layer(model)
-    logp, _ = linear_logprob(teacher_hidden(model, tb), weight, bias, tb.completion_ids, temperature, chunk_tokens)
+    logp, _ = linear_logprob(teacher_hidden(model, tb, share_prompts), weight, bias, tb.completion_ids, temperature,
+                             chunk_tokens)
     return logp

@@ -106,6 +106,7 @@ def scheme_weights(scheme, model, batch, micro_batch_size: int) -> torch.Tensor:
 
 def compute(cfg: DictConfig) -> list[dict]:
     from grail_exp.advantages import build_scheme, scheme_config_class, SCHEMES
+    from grail_exp.forward import share_prompts_of
     from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
 
     if cfg.advantage.name not in SCHEMES:
@@ -119,7 +120,8 @@ def compute(cfg: DictConfig) -> list[dict]:
     tokenizer = load_tokenizer(path, with_dtype)
     model = load_causal_lm(path, with_dtype, trainable=True).to(cfg.device)
     rows = read_rows(cfg.input, tokenizer)
-    scheme = build_scheme(adv_cfg, tokenizer, {"model": with_dtype.model, "seed": cfg.seed, "data": cfg.data})
+    scheme = build_scheme(adv_cfg, tokenizer, {"model": with_dtype.model, "seed": cfg.seed, "data": cfg.data,
+                                                         "share_prompts": share_prompts_of(with_dtype)})
     generator = torch.Generator(device="cpu").manual_seed(int(cfg.seed))
     batch = scheme_batch(rows, tokenizer.pad_token_id, cfg.device, cfg.sampling_temperature, generator)
     batch.completion_texts = tokenizer.batch_decode([r["completion_ids"] for r in rows], skip_special_tokens=True)

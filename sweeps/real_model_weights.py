@@ -1,13 +1,22 @@
-"""GRAIL's token weights on SmolLM2's own completions, from a run's weight tables (<run dir>/weights/*.parquet):
-a heatmap (one line per rollout, token position across, colour = weight) and the positional profile of the tokens
-before the first box (the GRAIL paper's U-shape analysis), over every boxed rollout the probe ran on.
+"""GRAIL's token weights on SmolLM2's own completions, from weight tables (``weights/step_*.parquet`` of a run
+directory or of a study arm's folder): a heatmap (one line per rollout, token position across, colour = weight), the
+positional profile of the tokens before the first box (the GRAIL paper's U-shape analysis) and, where the tables
+carry the token ids, an HTML heatmap of a few completions with their text.
 
     python sweeps/real_model_weights.py outputs/real_model/run_grail_weights --out results/real_model
+    python sweeps/real_model_weights.py results/real_model_study/<study>/*-grail-s* --out <dir> \
+        --min-length 40 --max-length 150          # the study's GRAIL arms, rollouts of 40-150 tokens
+
+With several folders the rollouts of all of them are pooled. ``--min-length`` / ``--max-length`` keep the rollouts
+of that many completion tokens. The profile uses every boxed rollout the tables hold, A = 0 included; the study's
+arms (skip_zero_advantage: true, symmetry: wrong) leave correct and A = 0 rollouts at weight 1, so ``--wrong-only``
+(the default for study folders) profiles the rollouts GRAIL actually reweighted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +24,63 @@ import numpy as np
 from real_model_report import markdown  # sweeps/ is on sys.path when run as `python sweeps/...`
 
 
+def load(folders: list[Path], min_length: int, max_length: int):
+    import pandas as pd
+
+    from grail_exp.plots import load_weight_frames
+
+    frames = []
+    for i, folder in enumerate(folders):
+        df = load_weight_frames(folder)
+        if df is not None:  # rows of different folders stay apart
+            frames.append(df.assign(row=df["row"] + 1_000_000 * i, source=folder.name))
+    if not frames:
+        raise SystemExit(f"no weight tables (weights/step_*.parquet) under {', '.join(map(str, folders))}")
+    df = pd.concat(frames, ignore_index=True)
+    return df[(df["length"] >= min_length) & (df["length"] <= max_length)]
+
+
+def tokenizer_for(folder: Path):
+    """The tokenizer of a study arm (its arm.json's model.name_or_path) or None when the folder is not an arm."""
+    record = folder / "arm.json"
+    if not record.is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    from grail_exp.packaged_models import is_packaged_model, resolve
+
+    name = json.loads(record.read_text())["config"]["model.name_or_path"]
+    if is_packaged_model(name):
+        import os
+
+        name = resolve(name, os.environ.get("GRAIL_EXP_CACHE", str(Path.home() / ".cache/grail_exp")))
+    return AutoTokenizer.from_pretrained(name)
+
+
+def text_heatmap(df, tokenizer, path: Path, per_outcome: int = 3) -> None:
+    """``per_outcome`` wrong and correct rollouts of the last table, their tokens coloured by weight (HTML)."""
+    from grail_exp.viz import weights_html
+
+    last = df[df["step"] == df["step"].max()]
+    rows = []
+    for correct in (False, True):
+        keys = last.loc[last["correct"] == correct, "row"].drop_duplicates().head(per_outcome)
+        for r in keys:
+            g = last[last["row"] == r].sort_values("position")
+            rows.append({"tokens": [tokenizer.decode([int(t)]) for t in g["token_id"]],
+                         "weights": g["weight"].tolist(), "advantage": float(g["advantage"].iloc[0])})
+    path.write_text(weights_html(rows, title=f"GRAIL token weights, step {int(last['step'].iloc[0])}"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("folders", type=Path, nargs="+", help="run directories or study arm folders")
     ap.add_argument("--out", type=Path, default=Path("results/real_model"))
     ap.add_argument("--bins", type=int, default=10)
+    ap.add_argument("--min-length", type=int, default=0)
+    ap.add_argument("--max-length", type=int, default=10**9)
+    ap.add_argument("--wrong-only", action=argparse.BooleanOptionalAction, default=None,
+                    help="profile the wrong rollouts only (default: on for study arm folders)")
     args = ap.parse_args()
     import matplotlib
 
@@ -27,20 +88,28 @@ def main() -> None:
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
-    from grail_exp.plots import load_weight_frames, positional_profile
+    from grail_exp.plots import positional_profile
 
-    df = load_weight_frames(args.run_dir)
+    df = load(args.folders, args.min_length, args.max_length)
+    wrong_only = args.wrong_only if args.wrong_only is not None else (args.folders[0] / "arm.json").is_file()
     args.out.mkdir(parents=True, exist_ok=True)
     key = ["step", "row"]
     boxed = df.loc[df.region == "answer", key].drop_duplicates()
     probed = df.merge(boxed, on=key)
+    if wrong_only:
+        probed = probed[~probed["correct"]]
     lengths = df.groupby(key)["length"].first()
-    print(f"rollouts {len(lengths)}, boxed {len(boxed)}; completion length mean {lengths.mean():.0f}, "
-          f"median {lengths.median():.0f}, range {lengths.min()}-{lengths.max()} tokens")
+    summary = (f"rollouts {len(lengths)}, boxed {len(boxed)}, profiled {probed.groupby(key).ngroups}; completion "
+               f"length mean {lengths.mean():.0f}, median {lengths.median():.0f}, range {lengths.min()}-"
+               f"{lengths.max()} tokens")
+    print(summary)
+    if probed.empty:  # nothing to draw: say so in the table's place
+        (args.out / "grail_weights_profile.md").write_text(
+            f"No boxed rollout of {args.min_length}-{args.max_length} tokens to profile ({summary}).\n")
+        return
 
-    # heatmap: boxed rollouts, sorted by length
-    rows = [g for _, g in probed.groupby(key)]
-    rows.sort(key=lambda g: len(g))
+    # heatmap: the profiled rollouts, sorted by length
+    rows = sorted((g for _, g in probed.groupby(key)), key=len)[-60:]
     width = max(len(g) for g in rows)
     grid = np.full((len(rows), width), np.nan)
     for i, g in enumerate(rows):
@@ -57,8 +126,8 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(args.out / "grail_weights_heatmap.png", dpi=110)
 
-    # positional profile: every boxed rollout (the probe ran on all of them, A = 0 included)
-    prof = positional_profile(df, bins=args.bins, require_answer=True, skip_zero_advantage=False)
+    # positional profile over the profiled rollouts
+    prof = positional_profile(probed, bins=args.bins, require_answer=True, skip_zero_advantage=False)
     allrows = prof.groupby("bin").apply(lambda p: np.average(p.mean_weight, weights=p.n_tokens)).rename("mean_weight")
     counts = prof.groupby("bin")["n_tokens"].sum()
     table = allrows.to_frame().join(counts)
@@ -70,9 +139,15 @@ def main() -> None:
     ax.axhline(1.0, color="grey", ls=":")
     ax.set_xlabel("relative position before the first \\boxed{")
     ax.set_ylabel("mean GRAIL weight (pre-answer tokens)")
-    ax.set_title(f"SmolLM2-135M, {len(boxed)} boxed rollouts, median {lengths.median():.0f} tokens", fontsize=9)
+    ax.set_title(f"SmolLM2-135M, {probed.groupby(key).ngroups} {'wrong ' if wrong_only else ''}boxed rollouts, "
+                 f"median {lengths.median():.0f} tokens", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out / "grail_weights_profile.png", dpi=110)
+
+    tokenizer = tokenizer_for(args.folders[0])
+    if tokenizer is not None and "token_id" in df:
+        text_heatmap(df.merge(boxed, on=key), tokenizer, args.out / "grail_weights_text.html")
+        print(f"heatmap with the tokens' text: {args.out / 'grail_weights_text.html'}")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,70 @@ def test_bench_help_prints_the_phases_instead_of_composing(capsys):
     assert main(["--help"]) == {}
     out = capsys.readouterr().out
     assert "step_per_old_logp" in out and "conf/bench.yaml" in out
+
+
+def test_real_mode_runs_training_steps_per_scheme(tmp_path, tiny_model_dir):
+    """bench.mode=real: each scheme's own process runs the composed run's real steps (generation, grading, update) and
+    the table reports phase times, tokens, token efficiency, peak memory and the floor. Grading runs in its own worker
+    process, as in a real run (a daemonic pool worker could not start it)."""
+    from grail_exp.bench import main
+
+    out = tmp_path / "real.json"
+    payload = main(["bench.mode=real", "bench.steps=2", "bench.skip=1", "bench.schemes=[grpo,grail]", "bench.threads=1",
+                    f"model.name_or_path={tiny_model_dir}", "trainer.prompts_per_step=2", "rollout.num_generations=4",
+                    "rollout.max_completion_length=12", "trainer.micro_batch_size=8", "reward.num_workers=1",
+                    f"paths.cache_dir={tmp_path}", f"json={out}", f"markdown={tmp_path / 'real.md'}"])
+    written = json.loads(out.read_text())
+    assert list(written["schemes"]) == ["grpo", "grail"]
+    for name, s in written["schemes"].items():
+        steps = written["steps"][name]["records"]
+        assert len(steps) == 2 and len(s["rewards"]) == 2
+        last = steps[-1]
+        assert s["step_s"] == last["step_s"] > 0 and s["threads"] == 1  # skip=1: the median of the second step alone
+        assert last["prompts"] == 2 and last["completion_tokens"] >= 8  # 2 prompts x 4 completions of >= 1 token
+        assert last["token_efficiency"] == pytest.approx(last["update_tokens"] / last["computed_positions"])
+        assert last["floor_ratio"] == pytest.approx(last["step_s"] / last["floor_s"])
+        assert s["peak_memory_gb"] > 0 and s["matmul_gflops"] > 0
+    assert "| grail | hf |" in (tmp_path / "real.md").read_text()
+    assert payload["schemes"]["grpo"]["engine"] == "hf"
+
+
+def test_step_flops_counts_each_prompt_once():
+    """The floor's FLOPs by hand: 3 rows sharing one 3-token prompt (one row left-padded out of a 4-wide prompt
+    column), completions of 2, 1 and 2 tokens; a 1-layer model, h 4, i 6, 2 heads of 2, 1 KV head, V 10."""
+    import torch
+
+    from grail_exp.bench_real import step_flops
+    from grail_exp.training.batch import TrainingBatch
+
+    s = dict(layers=1, hidden=4, intermediate=6, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    ids = torch.tensor([[0, 5, 6, 7, 1, 2], [0, 5, 6, 7, 3, 0], [0, 5, 6, 7, 1, 1]])
+    attn = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]])
+    batch = TrainingBatch(ids, attn, attn.cumsum(1) - 1, 4, ids[:, 4:], attn[:, 4:].float(), torch.zeros(3),
+                          torch.zeros(3), ["", "", ""])
+    per_token = 2 * (4 * 4 + 2 * 4 * 2 + 4 * 4 + 3 * 4 * 6)  # q, k and v, o, gate / up / down: 2 x 120 = 240
+    attend = 4 * 2 * 2  # per (query, key) pair: 4 x heads x head_dim
+    prompt = 3 * per_token + 9 / 2 * attend  # the prompt once
+    comps = sum(c * per_token + (c * 3 + c * c / 2) * attend + 2 * c * 10 * 4 for c in (2, 1, 2))
+    generation = prompt + comps + 2 * 10 * 4  # + the first token's logits of the one prompt
+    assert step_flops(s, batch, "grpo", old_logp=False) == pytest.approx(generation + 3 * (prompt + comps))
+    assert step_flops(s, batch, "oar_g", old_logp=True) == pytest.approx(generation + 4 * (prompt + comps) + 2 * comps)
+
+
+def _start_a_grandchild() -> int:
+    """What a run does in the bench's per-scheme process: start a process of its own (the grading workers)."""
+    import multiprocessing
+
+    p = multiprocessing.get_context("spawn").Process(target=int)
+    p.start()
+    p.join()
+    return p.exitcode
+
+
+def test_real_mode_scheme_process_may_start_processes():
+    """Each scheme's process may start processes (the grading pool): a daemonic pool worker could not."""
+    from grail_exp.bench_real import in_own_process
+
+    assert in_own_process(_start_a_grandchild) == 0
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        in_own_process(divmod, 1, 0)

@@ -84,10 +84,33 @@ def test_smollm2_recipe_values():
                 "optim.warmup_steps": 0, "optim.max_grad_norm": 1.0, "rollout.num_generations": 8,
                 "rollout.max_completion_length": 24, "rollout.temperature": 1.0, "rollout.top_p": 1.0,
                 "rollout.top_k": 0, "data.name": "arithmetic", "trainer.name": "cpu", "trainer.max_steps": 20,
-                "trainer.prompts_per_step": 4, "trainer.micro_batch_size": 32, "eval.n": 2, "eval.max_tokens": 24,
+                "trainer.prompts_per_step": 4, "trainer.micro_batch_size": 16, "eval.n": 2, "eval.max_tokens": 24,
                 "loss.num_iterations": 1}
     assert not _wrong(flat, expected)
     assert len(flat["model.few_shot"]) == 3
+
+
+@pytest.mark.parametrize("scheme, values", [("grpo", {"advantage.name": "grpo"}), ("grail", PAPER_GRAIL),
+                                            ("oar_g", PAPER_OAR_G)])
+def test_the_real_model_study_values(scheme, values):
+    """The study's arms (experiment=real/chain_<scheme>, recipe=smollm2_chain) run the paper's scheme settings, which
+    are the defaults: a changed default fails here before it can change the study (docs/real-model-study.md)."""
+    flat = _flat(f"experiment=real/chain_{scheme}")
+    expected = {**PAPER_OBJECTIVE, **values, "recipe.name": "smollm2_chain",
+                "recipe.base": "conf/recipe/smollm2_chain/base.yaml", "recipe.scheme": None,
+                "model.name_or_path": "pkg:smollm2", "model.dtype": "bfloat16", "model.few_shot": [],
+                "model.cold_start.enabled": True, "model.cold_start.steps": 40, "model.cold_start.batch_size": 8,
+                "model.cold_start.lr": 1e-4, "data.min_steps": 2, "data.max_steps": 3, "data.max_operand": 10,
+                "data.solution_style": "words", "data.num_test": 200, "optim.lr": 3e-5, "optim.warmup_steps": 0,
+                "optim.max_grad_norm": 1.0, "rollout.num_generations": 8, "rollout.max_completion_length": 96,
+                "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": 0, "loss.num_iterations": 1,
+                "trainer.max_steps": 60, "trainer.prompts_per_step": 4, "trainer.micro_batch_size": 8,
+                "trainer.eval_before_training": True, "trainer.eval_at_end": True, "trainer.eval_cache": True,
+                "trainer.checkpoint_every": 10, "trainer.keep_last_checkpoints": 1,
+                "trainer.save_final_checkpoint": True, "trainer.weights_table_every": 5,
+                "trainer.weights_table_rows": 32, "eval.n": 4, "eval.max_tokens": 96, "eval.temperature": 0.6,
+                "eval.top_p": 0.95, "eval.top_k": 20, "task_name": "real_chain_study"}
+    assert not _wrong(flat, expected)
 
 
 # ---------------------------------------------------------------------------------------------- stated once
@@ -179,7 +202,7 @@ def test_the_recipe_is_one_group_with_one_rule():
     assert not (CONF / "recipe_base").exists() and not (CONF / "recipe_scheme").exists()
     schemes = {p.stem for p in (CONF / "advantage").glob("*.yaml")}
     families = sorted(p.name for p in (CONF / "recipe").iterdir() if p.is_dir())
-    assert families == ["baselines", "demo", "none", "paper", "smollm2"]
+    assert families == ["baselines", "demo", "none", "paper", "smollm2", "smollm2_chain"]
     assert not list((CONF / "recipe").glob("*.yaml"))  # the family is a choice only: no file holds just a name
     for family in families:
         flat = _flat(f"recipe={family}")

@@ -190,3 +190,85 @@ def test_a_run_sleeps_the_engine_between_rounds_and_evaluations(tmp_path, tiny_m
     for p in phases:
         calls = p.split()
         assert calls[-1] == "sleep" and set(calls[:-1]) == {"generate"}, ev
+
+
+# ---------------------------------------------------------------------------------------------- the lean decoder
+SAMPLINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=1.0, repetition_penalty=1.3),
+             dict(temperature=0.0)]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kw", SAMPLINGS, ids=["plain", "top_k_top_p", "repetition", "greedy"])
+def test_lean_decoder_samples_what_generate_samples(tiny_model, tiny_tokenizer, kw, attn):
+    """The engine's own loop against transformers ``generate`` (``decode="transformers"``) under one seed: the same
+    tokens, stop flags and log-probs, and the random stream left where ``generate`` leaves it. The loop computes the
+    same logits in another order (each prompt prefilled once, the decode attention grouped by prompt), so the
+    log-probs agree to a reordered reduction of the logits' scale; a token can differ only where a draw falls within
+    that rounding of a category boundary (none does for this seed)."""
+    from grail_exp.rollout.hf import HFRolloutEngine
+
+    tiny_model.config._attn_implementation = attn
+    n = 1 if kw["temperature"] == 0 else 4  # generate refuses n > 1 without sampling
+    params = SamplingParams(n=n, max_new_tokens=16, logprobs=True, **kw)
+    out, after = {}, {}
+    for decode in ("transformers", "lean"):
+        torch.manual_seed(3)
+        out[decode] = HFRolloutEngine(tiny_model, tiny_tokenizer, decode=decode).generate(_prompts(tiny_tokenizer), params)
+        after[decode] = torch.rand(4)
+    ref, lean = out["transformers"], out["lean"]
+    assert [c.token_ids for c in lean] == [c.token_ids for c in ref]
+    assert [c.truncated for c in lean] == [c.truncated for c in ref]
+    assert torch.equal(after["lean"], after["transformers"])
+    with torch.no_grad():
+        scale = tiny_model.get_output_embeddings().weight.abs().max().item() * 10  # |logit| bound: ‖h‖·max|W| ≲ 10 max|W|
+    diff = max(abs(a - b) for x, y in zip(lean, ref) for a, b in zip(x.logprobs, y.logprobs))
+    assert diff <= MODEL_REORDER * scale
+    if kw == SAMPLINGS[0]:
+        assert 1 <= sum(not c.truncated for c in lean) < len(lean)  # rows stopped early and rows ran to the budget
+
+
+def test_grouped_decode_attention_is_each_rows_softmax_attention():
+    """One decode step of the grouped attention against a brute-force loop: row r's query against the concatenation of
+    its prompt's keys (padding masked) and its own generated keys, softmax in float64. Rows of unequal groups (a
+    prompt with no row left, one with one), grouped-query heads (4 query heads per key head)."""
+    from grail_exp.rollout.decode import DecodeKV, RowGroups, grouped_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    U, Hkv, Hq, P, D, T = 3, 2, 8, 5, 4, 6
+    keys, values = torch.randn(U, Hkv, P, D, generator=g), torch.randn(U, Hkv, P, D, generator=g)
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    groups = RowGroups(torch.tensor([0, 0, 0, 2]), U)  # prompt 1 has no row left, prompt 2 one
+    kv = DecodeKV(keys, values, prompt_mask, T, groups)
+    for _ in range(3):  # three generated positions per row
+        kv.write(torch.randn(4, Hkv, 1, D, generator=g), torch.randn(4, Hkv, 1, D, generator=g))
+    q = torch.randn(4, Hq, 1, D, generator=g)
+    out, _ = grouped_decode_attention(None, q, kv, None, scaling=0.5)
+    for r, u in enumerate([0, 0, 0, 2]):
+        for h in range(Hq):
+            kh = h // (Hq // Hkv)
+            K = torch.cat([keys[u, kh][prompt_mask[u].bool()], kv.kg[r, kh, :3]]).double()
+            V = torch.cat([values[u, kh][prompt_mask[u].bool()], kv.vg[r, kh, :3]]).double()
+            a = torch.softmax(q[r, h, 0].double() @ K.T * 0.5, -1)
+            assert torch.allclose(out[r, 0, h].double(), a @ V, atol=1e-5)
+
+
+def test_dropping_finished_rows_changes_nothing(tiny_model, tiny_tokenizer):
+    """Finished rows leave the computed batch (compact_at): the tokens and log-probs are those of a loop that keeps
+    every row to the end (the rows are independent; only matrix-product batch sizes change)."""
+    from grail_exp.rollout.hf import left_pad, sample
+
+    tiny_model.config._attn_implementation = "sdpa"
+    ids, attn = left_pad(_prompts(tiny_tokenizer), tiny_tokenizer.pad_token_id, "cpu")
+    params = SamplingParams(n=4, max_new_tokens=16, logprobs=True, temperature=1.0)
+    stops = list(range(20, 120))  # a third of the vocabulary: rows stop at different steps
+    pad = tiny_tokenizer.pad_token_id
+    res = []
+    for compact_at in (0.01, 2.0):  # drop at the first finished row | never
+        torch.manual_seed(5)
+        res.append(sample(tiny_model.eval(), ids, attn, params, stops, pad, compact_at=compact_at))
+    (t1, l1), (t2, l2) = res
+    assert torch.equal(t1, t2)
+    lengths = (t1 != pad).sum(1)
+    assert lengths.min() < lengths.max() < 16  # early and late stops
+    live = torch.arange(16)[None, :] < lengths[:, None]  # up to and including each row's stop token
+    assert torch.allclose(l1[live], l2[live], rtol=0, atol=1e-5)

@@ -9,6 +9,8 @@ from grail_exp.loss import policy_loss, selective_log_softmax
 from grail_exp.forward import completion_logits
 from grail_exp.weights import scheme_batch
 
+from conftest import MODEL_REORDER
+
 EOS = "<|im_end|>"
 
 
@@ -115,8 +117,11 @@ def test_grail_symmetry_switch(setup):
     w_both = build_scheme(cfg_of("grail", symmetry="both"), tok).weights(model, batch).weights
     w_correct = build_scheme(cfg_of("grail", symmetry="correct"), tok).weights(model, batch).weights
     w_wrong = build_scheme(cfg_of("grail", symmetry="wrong"), tok).weights(model, batch).weights
-    assert torch.equal(w_both[0], w_wrong[0]) and torch.equal(w_both[1], w_correct[1])
-    assert not torch.equal(w_wrong[1], w_both[1]) and not torch.equal(w_correct[0], w_both[0])
+    # The probe runs on the rows each symmetry selects, and the forward keeps only the columns those rows use: the
+    # same weights up to float reduction order (the saliency's log and z-score are scale-free: relative error).
+    same = lambda a, b: torch.allclose(a, b, rtol=MODEL_REORDER, atol=0)  # noqa: E731
+    assert same(w_both[0], w_wrong[0]) and same(w_both[1], w_correct[1])
+    assert not same(w_wrong[1], w_both[1]) and not same(w_correct[0], w_both[0])
 
 
 def test_grail_prelip_zscores_have_mean_zero_over_valid_tokens(setup):

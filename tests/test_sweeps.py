@@ -55,8 +55,7 @@ def test_slurm_launcher_config_composes_into_a_valid_sbatch_script(tmp_path, mon
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
     from omegaconf import OmegaConf
 
-    cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu",
-                       "hydra.launcher.gpus_per_node=8", "hydra.launcher.tasks_per_node=8",
+    cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "trainer=ddp",  # 8 devices
                        "hydra.sweep.dir=/shared/sweep"], tmp_path)
     launcher = instantiate(cfg.hydra.launcher)
     assert type(launcher).__name__ == "ResumingSlurmLauncher"
@@ -76,6 +75,69 @@ def test_slurm_launcher_config_composes_into_a_valid_sbatch_script(tmp_path, mon
                  "--cpus-per-task=8", "--mem=64GB", "--time=1440", "--nodes=1"):
         assert f"#SBATCH {flag}\n" in script, flag
     assert executor._executor.max_num_timeout == 3
+
+
+PAPER_RUNS = [f"experiment=paper/{m}_{s}" for m in ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b",
+                                                      "octothinker_8b") for s in ("grpo", "grail", "oar_g")]
+
+
+@pytest.mark.parametrize("overrides, shape", [
+    *[([run], (1, 4, 4)) for run in PAPER_RUNS],  # the paper trained each run on 4 GPUs of one node
+    (["model=qwen3_8b", "advantage=grail"], (1, 4, 4)),  # the card's command
+    ([], (1, 1, None)),  # the demo: one CPU process, no GPU requested
+    (["trainer=ddp", "trainer.devices=2", "trainer.num_nodes=3"], (3, 2, 2)),
+    (["trainer=fsdp_zero2", "trainer.devices=[0,1]"], (1, 2, 2)),  # a list of device ids
+])
+def test_the_slurm_job_shape_follows_the_trainer(tmp_path, overrides, shape):
+    """hydra/launcher=submitit_slurm: --nodes = trainer.num_nodes, --ntasks-per-node and --gpus-per-node =
+    trainer.devices (none for a CPU trainer), unless set explicitly."""
+    from hydra.utils import instantiate
+
+    from hydra_plugins.grail_exp_launchers import check_slurm_layout
+
+    cfg = _with_hydra(["hydra/launcher=submitit_slurm", *overrides], tmp_path)
+    params = instantiate(cfg.hydra.launcher).params
+    assert (params["nodes"], params["tasks_per_node"], params["gpus_per_node"]) == shape
+    check_slurm_layout(params, cfg)  # what follows the trainer agrees with it
+
+
+@pytest.mark.parametrize("launcher, keys", [
+    (["hydra.launcher.gpus_per_node=1"], ["hydra.launcher.gpus_per_node = 1", "trainer.devices = 4"]),
+    (["hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=1"],
+     ["hydra.launcher.tasks_per_node = 1", "hydra.launcher.gpus_per_node = 1", "trainer.devices = 4"]),
+    (["hydra.launcher.nodes=2"], ["hydra.launcher.nodes = 2", "trainer.num_nodes = 1"]),
+])
+def test_a_slurm_shape_that_disagrees_with_the_trainer_names_both_keys(tmp_path, launcher, keys):
+    from hydra.utils import instantiate
+
+    from grail_exp.errors import ConfigError
+    from hydra_plugins.grail_exp_launchers import check_slurm_layout
+
+    cfg = _with_hydra(["hydra/launcher=submitit_slurm", "model=qwen3_8b", "advantage=grail", *launcher], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        check_slurm_layout(instantiate(cfg.hydra.launcher).params, cfg)
+    assert all(k in str(err.value) for k in keys), str(err.value)
+    # stated alike, or GPUs asked for through gres (gpus_per_node null), it passes
+    for same in (["hydra.launcher.gpus_per_node=4", "hydra.launcher.tasks_per_node=4"],
+                 ["hydra.launcher.gpus_per_node=null", "hydra.launcher.gres=gpu:4"]):
+        cfg = _with_hydra(["hydra/launcher=submitit_slurm", "model=qwen3_8b", "advantage=grail", *same], tmp_path)
+        check_slurm_layout(instantiate(cfg.hydra.launcher).params, cfg)
+
+
+def test_a_mismatched_slurm_sweep_is_refused_before_submission(tmp_path):
+    """The real launcher, end to end: `-m hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1` on the card's
+    command exits 2 with one line naming both keys, and nothing was submitted (no submitit folder, no sbatch)."""
+    sweep = tmp_path / "sweep"
+    out = subprocess.run([sys.executable, "-m", "grail_exp.run", "-m", "hydra/launcher=submitit_slurm",
+                          "hydra.launcher.gpus_per_node=1", "model=qwen3_8b", "advantage=grail",
+                          f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={sweep}"],
+                         env=dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db"),
+                         capture_output=True, text=True, timeout=HANG_TIMEOUT_S, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "hydra.launcher.gpus_per_node = 1" in line and "trainer.devices = 4" in line
+    assert "Traceback" not in out.stderr
+    assert not list(sweep.rglob(".submitit"))
 
 
 def test_local_launcher_config_composes(tmp_path):

@@ -202,9 +202,12 @@ class TestEngine:
         assert (rb.sampling_logprobs - want).abs()[m].mean().item() > 100 * TOL
 
     def test_push_through_a_safetensors_directory(self, engine, tokenizer, hf_model):
-        """The multiprocess fallback (weights written to disk, read by the worker) gives the same engine."""
+        """The multiprocess fallback (weights written to disk, one file per chunk, read by the worker) gives the same
+        engine."""
+        from grail_exp.rollout.base import chunked
+
         model = _perturb(hf_model, seed=5)
-        engine._push_via_path(model.state_dict())
+        engine._push_via_path(chunked(model.state_dict().items(), 200_000))  # several files: the tiny model is ~1.7 MB
         engine.llm.reset_prefix_cache()
         out = engine.generate(_prompts(tokenizer, 2), SamplingParams(n=1, temperature=0.0, max_new_tokens=16,
                                                                     logprobs=True))
@@ -261,9 +264,19 @@ class TestEngine:
     def test_build_engine_from_config_syncs_the_live_policy(self, engine, compose_cfg, model_dir, tokenizer, hf_model):
         """build_engine('vllm') starts from the directory, then pushes the (here: changed) policy."""
         engine.close()  # one CPU engine at a time keeps memory low; the fixture's engine is not used after this
+        import random
+
         model = _perturb(hf_model, seed=6)
         cfg = compose_cfg(["rollout=vllm", "rollout.vllm.max_model_len=256", f"model.name_or_path={model_dir}"])
+        torch.manual_seed(123)
+        random.seed(123)
+        want = (torch.rand(3), random.random())
+        torch.manual_seed(123)
+        random.seed(123)
         e = build_engine("vllm", model, tokenizer, 8, cfg=cfg, model_path=model_dir)
+        # vLLM seeds the global RNGs with its own seed while starting: the engine restores the run's streams
+        got = (torch.rand(3), random.random())
+        assert torch.equal(got[0], want[0]) and got[1] == want[1]
         try:
             prompts = _prompts(tokenizer, 2)
             params = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)
@@ -449,3 +462,40 @@ def test_two_training_steps_with_vllm_paper(tmp_path, model_dir):
     assert m["train/is/ratio_max"] <= 1 + 1e-3 and m["train/is/ratio_min"] < 0.99, m
     assert m["train/sampling/seq_log_kept_mass"] < -1e-2 and m["train/sampling/token_log_kept_mass"] < 0, m
     assert m["train/sampling/logp_abs_diff_mean"] < 1e-4, m
+
+
+# ---------------------------------------------------------------------------------------------- sizing (issue 29)
+def test_rotary_reload_notice_is_dropped_and_nothing_else():
+    """vLLM logs "<layer>: Failed to load weights" for a layer that received no tensor at a weight push. A rotary
+    embedding's cos/sin table is derived from the config, never pushed: its line is dropped; any other layer's stays."""
+    import logging
+
+    from grail_exp.rollout.vllm import _rotary_reload_notice
+
+    rec = lambda name: logging.LogRecord("vllm.x", logging.WARNING, "f", 1, "%s: Failed to load weights", (name,), None)  # noqa: E731
+    assert not _rotary_reload_notice(rec("RotaryEmbedding"))
+    assert not _rotary_reload_notice(rec("Llama3RotaryEmbedding"))
+    assert _rotary_reload_notice(rec("QKVParallelLinear"))
+    other = logging.LogRecord("vllm.x", logging.WARNING, "f", 1, "%s: Delayed processing", ("RotaryEmbedding",), None)
+    assert _rotary_reload_notice(other)
+
+
+def test_max_model_len_and_kv_cache_come_from_the_run(compose_cfg, tiny_tokenizer):
+    """rollout.vllm.max_model_len=null: the longest prompt the run renders (training sample and the benchmark) + the
+    longer of max_completion_length and eval.max_tokens, in 16-token pages — counted here from the prompts; the CPU
+    KV cache: every rollout row at that length x the planner's page factor, in the model's dtype."""
+    from grail_exp.data import build_source, load_benchmark
+    from grail_exp.data.prompting import encode_prompts
+    from grail_exp.memory import VLLM_CPU_PAGE_FACTOR, model_shape, vllm_kv_cache_bytes
+    from grail_exp.rollout.vllm import run_max_model_len
+
+    cfg = compose_cfg(["rollout=vllm", "rollout.max_completion_length=40", "eval.max_tokens=72"])
+    src = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
+    qs = [src[i].question for i in range(256)] + [p.question for b in cfg.benchmark.names for p in load_benchmark(b, cfg)]
+    longest = max(len(p) for p in encode_prompts(qs, tiny_tokenizer, cfg.model, cfg.data.instruction))
+    expected = (longest + 72 + 15) // 16 * 16
+    assert run_max_model_len(cfg, tiny_tokenizer) == expected
+    s = model_shape(cfg.model)
+    rows = min(cfg.rollout.generation_batch_size, cfg.trainer.prompts_per_step * cfg.rollout.num_generations)
+    per_token = 2 * s.layers * s.kv_heads * s.head_dim * (4 if cfg.model.dtype == "float32" else 2)
+    assert vllm_kv_cache_bytes(cfg, expected) == int(VLLM_CPU_PAGE_FACTOR * rows * expected * per_token)

@@ -120,11 +120,20 @@ class AdvantageScheme:
     # Run settings the scheme is defined with, {dotted key: value}; validate() refuses a run that changes one
     # (grail_exp/config.py check_required_settings). None of the shipped schemes has any.
     requires: ClassVar[dict[str, Any]] = {}
+    # False for schemes whose weights depend on the order of the rows in the micro-batches (OAR-G draws its noise row
+    # by row from a seeded stream): the trainer then never reorders rows for speed (``RolloutPhase.prepare``).
+    row_order_invariant: ClassVar[bool] = True
 
     def __init__(self, cfg, tokenizer=None, context: dict | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.context = context or {}  # model config (prompt building), seed, ...: what a scheme may need to build
+
+    @property
+    def share_prompts(self) -> bool:
+        """Whether this scheme's own forwards compute each distinct prompt once (``trainer.share_prompts``, given in
+        the context by the trainer; ``grail_exp.forward.body_forward``)."""
+        return bool(self.context.get("share_prompts", False))
 
     @staticmethod
     def check_config(cfg) -> list[str]:

@@ -42,7 +42,8 @@ from grail_exp.advantages.base import (
     check_common,
     register_scheme,
 )
-from grail_exp.advantages.probe import body_forward, detached_head_logits, own_window, predicting_window
+from grail_exp.forward import body_forward, output_layer
+from grail_exp.logprobs import linear_logprob
 from grail_exp.checkpoint import checkpointable
 
 GAMMA_VAR_FLOOR = 1e-8  # the code clamps the variance, so γ >= 1e-4
@@ -65,24 +66,24 @@ class DeltaConfig(SchemeConfig):
 
 
 def hidden_window(model, batch: SchemeBatch, window: str = "predicting", chunk_rows: int = 8,
-                  with_token_prob: float | None = None):
+                  with_token_prob: float | None = None, share_prompts: bool = False):
     """Last hidden states (after the final norm) of the completion window, (B, C, d), from no-grad forwards of at
-    most ``chunk_rows`` rows. ``window``: predicting (position P-1+t, the lm_head input that scores token t) | own
-    (position P+t). With ``with_token_prob = T`` also returns p = softmax(logits / T)[o_t], (B, C) float32."""
-    P, C = batch.prompt_length, batch.completion_ids.shape[1]
+    most ``chunk_rows`` rows (each distinct prompt of a chunk once with ``share_prompts``). ``window``: predicting
+    (position P-1+t, the lm_head input that scores token t) | own (position P+t). With ``with_token_prob = T`` also
+    returns p = softmax(logits / T)[o_t], (B, C) float32, with (chunk, V) logits alive at a time."""
+    P = batch.prompt_length
     hs, ps = [], []
+    weight, bias = output_layer(model)
     with torch.no_grad():
         for s in range(0, batch.input_ids.shape[0], chunk_rows):
             sl = slice(s, s + chunk_rows)
-            emb = model.get_input_embeddings()(batch.input_ids[sl])
-            out = body_forward(model, emb, batch.attention_mask[sl], batch.position_ids[sl])
-            last = out.last_hidden_state
-            h = predicting_window(last, P, C) if window == "predicting" else own_window(last, P)
-            hs.append(h)
+            fwd = body_forward(model, batch.input_ids[sl], batch.attention_mask[sl], batch.position_ids[sl], P,
+                               share_prompts=share_prompts)
+            hp = fwd.predicting(fwd.hidden)
+            hs.append(hp if window == "predicting" else fwd.own(fwd.hidden))
             if with_token_prob is not None:
-                hp = h if window == "predicting" else predicting_window(last, P, C)
-                logp = torch.log_softmax(detached_head_logits(model, hp).float() / with_token_prob, -1)
-                ps.append(logp.gather(-1, batch.completion_ids[sl].unsqueeze(-1)).squeeze(-1).exp())
+                logp, _ = linear_logprob(hp, weight.detach(), bias, batch.completion_ids[sl], with_token_prob, 1024)
+                ps.append(logp.exp())
     h = torch.cat(hs)
     return (h, torch.cat(ps)) if with_token_prob is not None else h
 
@@ -221,7 +222,8 @@ class DeltaScheme(AdvantageScheme):
     def features(self, model, batch: SchemeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """h (B, C, d) at the predicting positions and p (B, C) of the sampled tokens (tests replace this)."""
         T = self.cfg.probe_temperature or batch.sampling_temperature
-        return hidden_window(model, batch, "predicting", int(self.cfg.chunk_rows), with_token_prob=T)
+        return hidden_window(model, batch, "predicting", int(self.cfg.chunk_rows), with_token_prob=T,
+                             share_prompts=self.share_prompts)
 
     def prepare(self, model, batch: SchemeBatch) -> PreparedWeights:
         h, p = self.features(model, batch)

@@ -43,13 +43,8 @@ from grail_exp.advantages.base import (
     check_common,
     register_scheme,
 )
-from grail_exp.advantages.probe import (
-    body_forward,
-    detached_head_logits,
-    embed,
-    masked_mean_std,
-    predicting_window,
-)
+from grail_exp.advantages.probe import detached_head_logits, masked_mean_std
+from grail_exp.forward import body_forward
 from grail_exp.logprobs import selective_log_softmax
 
 
@@ -149,7 +144,6 @@ class GrailScheme(AdvantageScheme):
         sal = None
         if probe_rows.any():
             cfg = self.cfg
-            P, C = batch.prompt_length, batch.completion_ids.shape[1]
             idx = probe_rows.nonzero().squeeze(1)
             if cfg.leaf_source == "embeddings":
                 leaf = forward.embeds
@@ -159,14 +153,14 @@ class GrailScheme(AdvantageScheme):
                 leaf = hs[{"first": 1, "middle": L // 2, "last": L - 1}[cfg.leaf_source]]
             span = spans.span[idx]  # (b, C) answer slots of the probe rows
             rows, slots = span.nonzero(as_tuple=True)
-            h = predicting_window(forward.hidden, P, C)[idx][rows, slots]  # (n_answer, d)
+            h = forward.predicting(forward.hidden)[idx][rows, slots]  # (n_answer, d)
             temperature = cfg.saliency_temperature or batch.sampling_temperature
             logits = _head(forward, h) / temperature
             logp = selective_log_softmax(logits, batch.completion_ids[idx][rows, slots])  # logits' dtype, as the reference
             J = -logp.sum()
             (g,) = torch.autograd.grad(J, leaf, retain_graph=True)
-            g_w = predicting_window(g[idx], P, C).float()
-            a_w = predicting_window(leaf.detach()[idx], P, C).float()
+            g_w = forward.predicting(g[idx]).float()
+            a_w = forward.predicting(leaf.detach()[idx]).float()
             sal = torch.linalg.vector_norm(g_w * a_w, dim=-1)  # (b, C)
         return self._finish(batch, spans, A, fallback, probe_rows, sal)
 
@@ -201,24 +195,26 @@ class GrailScheme(AdvantageScheme):
 
     # -------------------------------------------------------------------------------------------
     def saliency(self, model, batch: SchemeBatch, span_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """s = ‖g ⊙ a‖₂ over the hidden dimension at the predicting positions, for the given rows: (b, C)."""
+        """s = ‖g ⊙ a‖₂ over the hidden dimension at the predicting positions, for the given rows: (b, C). The leaf
+        is the embeddings (or a hidden state) of the forward's computed columns (each distinct prompt once when the
+        trainer shares prompts: the predicting positions are every row's own either way, ``grail_exp.forward``)."""
         cfg = self.cfg
-        P, C = batch.prompt_length, batch.completion_ids.shape[1]
         ids, attn, pos = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows]
         temperature = cfg.saliency_temperature or batch.sampling_temperature
-        leaf = embed(model, ids)
         with torch.enable_grad():
-            out = body_forward(model, leaf, attn, pos, output_hidden_states=cfg.leaf_source != "embeddings")
+            fwd = body_forward(model, ids, attn, pos, batch.prompt_length, share_prompts=self.share_prompts,
+                               hidden_states=cfg.leaf_source != "embeddings")
+            leaf = fwd.embeds
             if cfg.leaf_source != "embeddings":
-                hs = out.hidden_states  # (L+1) tensors: embeddings, then each layer's output
+                hs = fwd.hidden_states  # (L+1) tensors: embeddings, then each layer's output
                 L = len(hs) - 1
                 leaf = hs[{"first": 1, "middle": L // 2, "last": L - 1}[cfg.leaf_source]]
-            logits = detached_head_logits(model, predicting_window(out.last_hidden_state, P, C)) / temperature
+            logits = detached_head_logits(model, fwd.predicting(fwd.hidden)) / temperature
             logp = selective_log_softmax(logits, batch.completion_ids[rows])  # in the logits' dtype, as the reference
             J = -(logp * span_mask[rows].float()).sum()  # answer NLL summed over the micro-batch
             (g,) = torch.autograd.grad(J, leaf)
-        g_w = predicting_window(g, P, C).float()
-        a_w = predicting_window(leaf.detach(), P, C).float()
+        g_w = fwd.predicting(g).float()
+        a_w = fwd.predicting(leaf.detach()).float()
         return torch.linalg.vector_norm(g_w * a_w, dim=-1)  # (b, C)
 
     def _diagnostics(self, w, raw, mask, spans, fallback, probe_rows, A) -> dict[str, float]:

@@ -45,13 +45,9 @@ from grail_exp.advantages.base import (
     check_common,
     register_scheme,
 )
-from grail_exp.advantages.probe import (
-    body_forward,
-    detached_head_logits,
-    masked_mean_std,
-    own_window,
-    predicting_window,
-)
+from grail_exp.advantages.probe import detached_head_logits, masked_mean_std
+from grail_exp.forward import body_forward, continue_forward, output_layer
+from grail_exp.logprobs import linear_logprob
 
 SUPPRESS_FLOOR = 0.1  # both codebases floor suppressed tokens at 0.1
 
@@ -186,6 +182,8 @@ def _reasoning_mask(spans, mask: torch.Tensor) -> torch.Tensor:
 
 @register_scheme("oar_g", OARGConfig)
 class OARGScheme(AdvantageScheme):
+    row_order_invariant = False  # the noise is drawn row by row, in micro-batch order
+
     @staticmethod
     def check_config(cfg) -> list[str]:
         e: list[str] = []
@@ -232,41 +230,61 @@ class OARGScheme(AdvantageScheme):
 
     def importance(self, model, batch: SchemeBatch, span: torch.Tensor, scored: torch.Tensor,
                    rows: torch.Tensor, forward: PolicyForward | None = None) -> torch.Tensor:
-        """|⟨∂KL(P0‖P_noisy)/∂e, e⟩| per completion token for the given rows: (b, C)."""
+        """|⟨∂KL(P0‖P_noisy)/∂e, e⟩| per completion token for the given rows: (b, C).
+
+        The noise touches completion-window positions only (P-1 … P+C-1), so the noisy forward shares the clean
+        forward's prompt: when that forward computed each distinct prompt once, its keys and values are reused and
+        only the rows' suffixes are recomputed (``grail_exp.forward.continue_forward``)."""
         cfg = self.cfg
         P, C = batch.prompt_length, batch.completion_ids.shape[1]
         ids, attn, pos = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows]
         span_r = span[rows]
         original = cfg.variant == "original"
-        window = own_window if original else (lambda x, P_: predicting_window(x, P_, C))
-        if forward is not None:
-            emb = forward.embeds.detach()[rows.to(forward.embeds.device)]
-        else:
-            emb = model.get_input_embeddings()(ids).detach()
+        if forward is None:  # the reference's separate clean forward of these rows
+            with torch.no_grad():
+                clean = body_forward(model, ids, attn, pos, P, share_prompts=self.share_prompts)
+            sel = torch.arange(rows.numel(), device=ids.device)
+        else:  # the trainer's policy forward is this clean forward
+            clean, sel = forward, rows.to(forward.embeds.device)
+        window = clean.own if original else clean.predicting
+        emb = clean.embeds.detach()[sel]  # (b, S, d): the computed columns, from absolute position clean.start
         with torch.no_grad():  # teacher: clean forward, detached head, no temperature
-            if forward is not None:  # the trainer's policy forward is this clean forward
-                h = forward.hidden.detach()[rows.to(forward.hidden.device)]
-                p0 = torch.softmax(span_mean_logits_gathered(model, predicting_window(h, P, C), span_r), -1)
-            else:
-                h = body_forward(model, emb, attn, pos).last_hidden_state
-                p0 = torch.softmax(span_mean_logits(detached_head_logits(model, predicting_window(h, P, C)), span_r), -1)
-        noise_where = torch.zeros_like(emb[..., :1])
-        if original:
-            own_window(noise_where, P)[:] = scored[rows].unsqueeze(-1).to(emb.dtype)
-        else:
-            predicting_window(noise_where, P, C)[:] = 1.0
-        noise = torch.randn(emb.shape, generator=batch.generator, dtype=torch.float32).to(emb) * cfg.noise_std
-        noisy = (emb + noise * noise_where).requires_grad_(True)
-        with torch.enable_grad():
-            h = body_forward(model, noisy, attn, pos).last_hidden_state
+            h = clean.hidden.detach()[sel]
             if forward is not None:
-                logq = torch.log_softmax(span_mean_logits_gathered(model, predicting_window(h, P, C), span_r), -1)
+                p0 = torch.softmax(span_mean_logits_gathered(model, clean.predicting(h), span_r), -1)
             else:
-                logq = torch.log_softmax(span_mean_logits(detached_head_logits(model, predicting_window(h, P, C)), span_r), -1)
-            J = (p0 * (torch.log(p0 + cfg.eps) - logq)).sum()  # KL(P0 ‖ P_noisy), summed over rows with a box
+                p0 = torch.softmax(span_mean_logits(detached_head_logits(model, clean.predicting(h)), span_r), -1)
+        # The noise is drawn for every position (P+C) as the reference does, so the stream does not depend on which
+        # columns were computed; positions outside the window get none.
+        full = (emb.shape[0], P + C, emb.shape[-1])
+        where = torch.zeros(full[:2], dtype=emb.dtype, device=emb.device)
+        if original:
+            where[:, P:] = scored[rows].to(emb.dtype)
+        else:
+            where[:, P - 1:P + C - 1] = 1.0
+        noise = torch.randn(full, generator=batch.generator, dtype=torch.float32).to(emb) * cfg.noise_std
+        cols = slice(clean.start, clean.start + emb.shape[1])
+        noisy = emb + noise[:, cols] * where[:, cols].unsqueeze(-1)
+        # J is a sum over rows and a row's gradient is its own: the noisy pass runs G rows at a time (the graph of one
+        # group alive at once, not the micro-batch's), the same numbers.
+        gathered = forward is not None
+        g = torch.cat([self._noisy_gradient(model, clean, noisy[c], sel[c], attn[c], pos[c], span_r[c], p0[c], gathered)
+                       for c in torch.arange(sel.numel(), device=sel.device).split(max(1, batch.num_generations or 8))])
+        act = emb if original else noisy
+        return (window(g).float() * window(act).float()).sum(-1).abs()
+
+    def _noisy_gradient(self, model, clean, noisy, sel, attn, pos, span, p0, gathered: bool) -> torch.Tensor:
+        """∂KL(P0 ‖ P_noisy)/∂e for some rows: the noisy forward (sharing the clean forward's prompts) and its input
+        gradient."""
+        noisy = noisy.detach().requires_grad_(True)
+        with torch.enable_grad():
+            h = clean.predicting(continue_forward(model, clean, noisy, sel, attn, pos))
+            logits = span_mean_logits_gathered(model, h, span) if gathered else \
+                span_mean_logits(detached_head_logits(model, h), span)
+            logq = torch.log_softmax(logits, -1)
+            J = (p0 * (torch.log(p0 + self.cfg.eps) - logq)).sum()  # KL(P0 ‖ P_noisy), summed over the rows
             (g,) = torch.autograd.grad(J, noisy)
-        act = emb if original else noisy.detach()
-        return (window(g, P).float() * window(act, P).float()).sum(-1).abs()
+        return g
 
 
 @register_scheme("oar_p", OARPConfig)
@@ -295,16 +313,22 @@ class OARPScheme(AdvantageScheme):
         return SchemeOutput(w.detach(), _diagnostics(w, mask, scored, spans, scores))
 
     def _outcome(self, model, ids, attn, pos, spans_row, P: int, C: int) -> torch.Tensor:
-        """P_final of each row of a batch of (masked) copies of one sequence: (n, V) log-probs, or (n,) for answer_joint."""
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=C + 1, use_cache=False).logits[:, :-1]
+        """P_final of each row of a batch of (masked) copies of one sequence: (n, V) log-probs, or (n,) for answer_joint.
+        The copies share their prompt (computed once with ``trainer.share_prompts``); logits are built only where
+        P_final reads them (the span, or one slot), never (n, C, V)."""
+        fwd = body_forward(model, ids, attn, pos, P, share_prompts=self.share_prompts)
+        h = fwd.predicting(fwd.hidden)  # (n, C, d)
         span, content = spans_row
         if self.cfg.p_final == "answer_joint":
-            lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1)
+            weight, bias = output_layer(model)
+            lp, _ = linear_logprob(h, weight, bias, ids[:, P:], 1.0, 1024)  # (1024, V) logits at a time
             return (lp * span).sum(1) / span.sum().clamp(min=1)
         if self.cfg.p_final == "last":
             t = int(content.float().argmax()) if content.any() else int(span.float().argmax())
-            return torch.log_softmax(logits[:, t].float(), -1)
-        return torch.log_softmax(span_mean_logits(logits.float(), span.expand(logits.shape[0], -1)), -1)
+            return torch.log_softmax(detached_head_logits(model, h[:, t]).float(), -1)
+        slots = span.nonzero().squeeze(1)
+        logits = detached_head_logits(model, h[:, slots]).float()  # (n, k, V) at the span's k slots
+        return torch.log_softmax(logits.sum(1) / span.long().sum().clamp(min=1), -1)
 
     @torch.no_grad()
     def importance(self, model, batch: SchemeBatch, spans, scored: torch.Tensor) -> torch.Tensor:

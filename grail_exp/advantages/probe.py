@@ -1,8 +1,10 @@
-"""Shared pieces of the gradient probes (GRAIL, OAR-G): a forward from a leaf, window logits, windows.
+"""Shared pieces of the gradient probes (GRAIL, OAR-G): window logits with a detached head, masked statistics.
 
 Both reference implementations run the decoder body on detached embeddings (a fresh autograd leaf, so
 no parameter ``.grad`` is touched), project only the completion window with **detached** lm_head weights,
-and take ``torch.autograd.grad`` of a scalar probe with respect to the leaf (method spec §4.1, §5.8).
+and take ``torch.autograd.grad`` of a scalar probe with respect to the leaf (method spec §4.1, §5.8). Here the
+forward is ``grail_exp.forward.body_forward`` (each distinct prompt once) and the gradient is taken with
+``torch.autograd.grad`` with respect to its embeddings, which touches no parameter ``.grad`` either.
 
 The window: prompts are left-padded to P, completions right-padded to C, so input positions
 ``P-1 … P+C-2`` are the ones that *predict* completion tokens ``0 … C-1`` (slot t reads the embedding of
@@ -13,17 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.forward import decoder_body, predicting_window  # noqa: F401  (the probes' names for them)
-
-
-def own_window(x: torch.Tensor, prompt_length: int) -> torch.Tensor:
-    """(B, P+C, ...) -> (B, C, ...): the completion tokens' own positions (original OAR alignment)."""
-    return x[:, prompt_length:]
-
-
-def body_forward(model, inputs_embeds, attention_mask, position_ids, output_hidden_states: bool = False):
-    return decoder_body(model)(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False, output_hidden_states=output_hidden_states)
+from grail_exp.forward import predicting_window  # noqa: F401  (the probes' name for it)
 
 
 def detached_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -34,11 +26,6 @@ def detached_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     if bias is not None and bias.numel():
         logits = logits + bias.detach()
     return logits
-
-
-def embed(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Input embeddings as a fresh leaf (detached, requires_grad)."""
-    return model.get_input_embeddings()(input_ids).detach().requires_grad_(True)
 
 
 def masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:

@@ -147,13 +147,14 @@ class RlsdScheme(AdvantageScheme):
         if teacher:
             tb = build_teacher_batch(sub, self.tokenizer, self.context.get("model"), self.cfg.template,
                                      self._instruction())
-            return teacher_logprobs(model, tb, sub.sampling_temperature, self.cfg.chunk_tokens)
+            return teacher_logprobs(model, tb, sub.sampling_temperature, self.cfg.chunk_tokens,
+                                    share_prompts=self.share_prompts)
         from grail_exp.forward import policy_forward
 
         with torch.no_grad():
             logp, _, _ = policy_forward(model, sub.input_ids, sub.attention_mask, sub.position_ids,
                                         sub.completion_ids, sub.sampling_temperature,
-                                        chunk_tokens=self.cfg.chunk_tokens)
+                                        chunk_tokens=self.cfg.chunk_tokens, share_prompts=self.share_prompts)
         return logp
 
     # ------------------------------------------------------------------ contract
@@ -213,12 +214,10 @@ class RlsdScheme(AdvantageScheme):
         return SchemeOutput(w.detach(), self._diagnostics(w, e, mask, rows, batch.advantages, lam))
 
     def _student_from_forward(self, batch: SchemeBatch, forward: PolicyForward, idx: torch.Tensor) -> torch.Tensor:
-        from grail_exp.forward import predicting_window
         from grail_exp.logprobs import linear_logprob
 
-        P, C = batch.prompt_length, batch.completion_ids.shape[1]
         with torch.no_grad():
-            h = predicting_window(forward.hidden.detach(), P, C)[idx]
+            h = forward.predicting(forward.hidden.detach())[idx]
             bias = forward.head_bias.detach() if forward.head_bias is not None else None
             logp, _ = linear_logprob(h, forward.head_weight.detach(), bias, batch.completion_ids[idx],
                                      batch.sampling_temperature, self.cfg.chunk_tokens)

@@ -241,7 +241,8 @@ class ShearScheme(AdvantageScheme):
 
     def hidden(self, model, batch: SchemeBatch) -> torch.Tensor:
         """(B, C, d) last hidden states of the completion tokens (tests replace this)."""
-        return hidden_window(model, batch, self.cfg.hidden_position, int(self.cfg.chunk_rows))
+        return hidden_window(model, batch, self.cfg.hidden_position, int(self.cfg.chunk_rows),
+                             share_prompts=self.share_prompts)
 
     def prepare(self, model, batch: SchemeBatch) -> PreparedWeights:
         if batch.group_ids is None:

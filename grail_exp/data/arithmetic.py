@@ -10,7 +10,16 @@ That is the property token-level credit assignment is about: the reward is one b
 sequence, but only a few tokens (the wrong digit of one intermediate result) caused it.
 
 Splits are deterministic functions of ``(seed, split, index)``. The validation and test sets are fixed
-lists; the training stream is infinite and skips any problem that occurs in validation or test.
+lists; the training stream is infinite and skips any problem that occurs in validation or test. ``train_seed``
+(default: ``seed``) reorders the training stream alone, so that runs can see different problem orders while
+being evaluated on the same held-out problems.
+
+``solution_style`` writes the same steps in other words, for models that learn from worked examples rather than
+from this generator's own supervised data (SmolLM2, ``experiment=real/chain_*``)::
+
+    compact  15+75=90. 90-48=42. \\boxed{42}
+    steps    Step 1: 15 + 75 = 90.  Step 2: 90 - 48 = 42.  The answer is \\boxed{42}.   (one line each)
+    words    We go from left to right. First, 15+75=90. Finally, 90-48=42. So the answer is \\boxed{42}.
 """
 
 from __future__ import annotations
@@ -26,6 +35,22 @@ __all__ = ["ArithmeticProblem", "ArithmeticTask"]
 
 # Stable per-split salts: adding a split must never change the problems of another one.
 _SPLIT_SALT = {"train": 0, "validation": 1, "test": 2}
+_WORDS = ("First", "Next", "Then")  # words style: the last step is always "Finally"
+
+
+def render_solution(steps: list[tuple[int, str, int, int]], style: str = "compact") -> str:
+    """A chain ``[(value, op, operand, result), ...]`` written out in ``style`` (compact | steps | words)."""
+    final = steps[-1][3]
+    if style == "compact":
+        return " ".join(f"{a}{op}{b}={c}." for a, op, b, c in steps) + f" \\boxed{{{final}}}"
+    if style == "steps":
+        lines = [f"Step {i}: {a} {op} {b} = {c}." for i, (a, op, b, c) in enumerate(steps, 1)]
+        return "\n".join(lines) + f"\nThe answer is \\boxed{{{final}}}."
+    if style == "words":
+        words = [_WORDS[min(i, 2)] for i in range(len(steps) - 1)] + ["Finally" if len(steps) > 1 else "First"]
+        body = " ".join(f"{w}, {a}{op}{b}={c}." for w, (a, op, b, c) in zip(words, steps))
+        return f"We go from left to right. {body} So the answer is \\boxed{{{final}}}."
+    raise ConfigError(f"data.solution_style must be compact, steps or words, got {style!r}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,8 @@ class ArithmeticTask:
     seed: int = 1234
     num_validation: int = 256
     num_test: int = 256
+    train_seed: int | None = None  # the training stream's order; None = seed
+    solution_style: str = "compact"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_steps <= self.max_steps:
@@ -58,11 +85,13 @@ class ArithmeticTask:
             raise ConfigError(f"data.max_operand must be >= 1, got {self.max_operand}")
         if not self.operators or set(self.operators) - set("+-*"):
             raise ConfigError(f"data.operators must be a non-empty subset of '+-*', got {self.operators!r}")
+        render_solution([(1, "+", 1, 2)], self.solution_style)  # an unknown style fails here, naming the key
 
     # ------------------------------------------------------------------ generation
     def _rng(self, split: str, index: int) -> random.Random:
         # A string seed hashes deterministically (unlike hash() of a tuple across processes).
-        key = f"{self.seed}:{_SPLIT_SALT[split]}:{index}".encode()
+        seed = self.train_seed if split == "train" and self.train_seed is not None else self.seed
+        key = f"{seed}:{_SPLIT_SALT[split]}:{index}".encode()
         return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
 
     def sample(self, rng: random.Random) -> ArithmeticProblem:
@@ -81,10 +110,10 @@ class ArithmeticTask:
             else:
                 operand = rng.randint(1, self.max_operand)
             new = {"+": value + operand, "-": value - operand, "*": value * operand}[op]
-            steps.append(f"{value}{op}{operand}={new}.")
+            steps.append((value, op, operand, new))
             expr += f"{op}{operand}"
             value = new
-        solution = " ".join(steps) + f" \\boxed{{{value}}}"
+        solution = render_solution(steps, self.solution_style)
         return ArithmeticProblem(self.question_template.format(expr=expr), solution, str(value))
 
     # ------------------------------------------------------------------ splits

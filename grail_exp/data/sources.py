@@ -38,6 +38,7 @@ def arithmetic_task(data_cfg) -> ArithmeticTask:
         min_steps=data_cfg.min_steps, max_steps=data_cfg.max_steps, max_operand=data_cfg.max_operand,
         operators=data_cfg.operators, allow_negative=data_cfg.allow_negative, seed=data_cfg.seed,
         num_validation=data_cfg.num_validation, num_test=data_cfg.num_test,
+        train_seed=data_cfg.get("train_seed"), solution_style=data_cfg.get("solution_style", "compact"),
     )
 
 
@@ -166,5 +167,5 @@ class DataConfigLike:
     def __init__(self):
         d = ArithmeticTask()
         for k in ("min_steps", "max_steps", "max_operand", "operators", "allow_negative", "seed",
-                  "num_validation", "num_test"):
+                  "num_validation", "num_test", "train_seed", "solution_style"):
             setattr(self, k, getattr(d, k))

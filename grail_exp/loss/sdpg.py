@@ -176,7 +176,7 @@ class SdpgOpdTerm(LossTerm):
         rows = mask.any(1).nonzero().squeeze(1)
         sub = ctx.batch.rows(rows)
         tb = build_teacher_batch(sub, self.tokenizer, self.model_cfg, cfg.template, cfg.instruction)
-        h_t = teacher_hidden(ctx.model, tb)  # (b, C, d) no grad
+        h_t = teacher_hidden(ctx.model, tb, share_prompts=ctx.share_prompts)  # (b, C, d) no grad
         sel = mask[rows]  # (b, C) the positions to distil
         kl = opd_kl(ctx.hidden[rows][sel], ctx.head_weight, ctx.head_bias, h_t[sel], ctx.temperature, cfg.clamp,
                     cfg.chunk_tokens, teacher_temperature=1.0 if cfg.teacher_temperature == "raw" else None)

@@ -45,6 +45,7 @@ class TermContext:
     # rollout batch gives one optimiser step). Read it through ``rollout_index()``.
     rollout_step: int | None = None
     top_entropy_mask: torch.Tensor | None = None  # (B, C) family.family_token_masks' top-entropy mask (None = off)
+    share_prompts: bool = False  # teacher-style forwards compute each distinct prompt once (trainer.share_prompts)
 
     def rollout_index(self) -> int:
         return self.rollout_step if self.rollout_step is not None else self.step + 1

@@ -9,12 +9,13 @@ ENGINES = ("hf", "vllm")
 
 
 def build_engine(name: str, model, tokenizer, batch_size: int = 256, *, cfg=None,
-                 model_path: str | None = None) -> RolloutEngine:
+                 model_path: str | None = None, push_policy: bool = True) -> RolloutEngine:
     """Instantiate the engine named by ``rollout.engine``.
 
     ``rollout=vllm`` keeps its own copy of the weights: it starts from ``model_path`` (the directory or hub id the
-    policy was loaded from; a checkpoint on resume) with the knobs of ``cfg.rollout.vllm``, and callers push the
-    policy with ``engine.sync_weights(policy)`` before generating.
+    policy was loaded from; a checkpoint on resume) with the knobs of ``cfg.rollout.vllm``, then gets ``model``'s
+    weights pushed (``push_policy``; the training job skips it: it syncs before every rollout and evaluation, from a
+    policy that may be sharded by then). Built inside a process group, it joins it (one engine per rank).
     """
     if name == "hf":
         from grail_exp.rollout.hf import HFRolloutEngine
@@ -26,7 +27,8 @@ def build_engine(name: str, model, tokenizer, batch_size: int = 256, *, cfg=None
         from grail_exp.rollout.vllm import build_vllm_engine  # imports vllm lazily: a clear error when missing
 
         engine = build_vllm_engine(model_path, tokenizer, cfg, batch_size=batch_size)
-        engine.sync_weights(model)  # the live policy, not the directory, is what samples
+        if push_policy:
+            engine.sync_weights(model)  # the live policy, not the directory, is what samples
         return engine
     if ":" in name:  # a plug-in engine: "package.module:ClassName" with the same constructor
         import importlib

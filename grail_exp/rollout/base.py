@@ -3,8 +3,14 @@
 An engine turns tokenised prompts into ``n`` sampled completions each and reports, per completion,
 the token ids, the log-probabilities under the *sampling* distribution and whether it was cut off at
 the token budget. ``rollout=hf`` (transformers ``generate``) implements it on any device;
-``rollout=vllm`` implements the same protocol later, unchanged for its callers. Engines that keep their
-own copy of the weights (vLLM) refresh it in ``sync_weights`` after each optimiser step.
+``rollout=vllm`` implements the same protocol, unchanged for its callers.
+
+Weights. An engine that samples from the policy object itself (HF) only needs ``sync_weights(model)``. An engine
+that keeps its own copy (vLLM) also offers ``load_weights(chunks)``: it consumes the policy's full parameters as
+an iterator of chunks, each a list of ``(name, tensor)`` pairs in the engine's dtype (``dtype``) of at most
+``sync_chunk_bytes`` bytes (one tensor larger than that travels alone). The update backend produces that
+iterator from any parallel layout, gathering sharded parameters one chunk at a time
+(``UpdateBackend.weight_chunks``), so the trainer never holds a second full copy of the model.
 """
 
 from __future__ import annotations
@@ -51,6 +57,24 @@ class RolloutEngine(Protocol):
 
     # Optional: ``sleep()`` — give the engine's memory back until the next ``sync_weights`` (vLLM's sleep mode). The
     # trainer calls it (``release``) after each round's generation and after each evaluation.
+    # Optional: ``load_weights(chunks)`` with ``dtype`` and ``sync_chunk_bytes`` attributes — the engine keeps its own
+    # copy of the weights and takes them as streamed chunks (module docstring).
+
+
+def chunked(pairs, max_bytes: int):
+    """Group ``(name, tensor)`` pairs into lists of at most ``max_bytes`` bytes (a larger tensor forms a list of its
+    own), lazily: a chunk's tensors are produced only when the chunk is asked for."""
+    chunk: list = []
+    size = 0
+    for name, t in pairs:
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, t))
+        size += nbytes
+    if chunk:
+        yield chunk
 
 
 def release(engine) -> None:

@@ -1,24 +1,47 @@
-"""``rollout=hf``: sampling with transformers ``generate`` (KV cache) on the policy itself.
+"""``rollout=hf``: sampling on the policy itself with a KV cache, on any device.
 
-Shares the policy's weights, so ``sync_weights`` has nothing to do. The model's own ``generation_config``
-is ignored on purpose: every sampling knob comes from our config, so a checkpoint's defaults (Qwen3 ships
-T=0.6, top_k=20) never leak in.
+Shares the policy's weights, so ``sync_weights`` has nothing to do. The model's own ``generation_config`` is ignored
+on purpose: every sampling knob comes from our config, so a checkpoint's defaults (Qwen3 ships T=0.6, top_k=20)
+never leak in.
 
-Memory: ``generate`` is never asked for ``output_scores`` (one float32 (N, V) tensor per generated token:
-~640 GB for 256 completions × 4,096 tokens at Qwen3's 151,936-token vocabulary). When log-probs are asked
-for (``SamplingParams.logprobs``), a logits processor keeps one step's (N, V) log-softmax alive, picks the
-sampled token's entry at the next step and drops the rest: O(N·V + N·C) memory instead of O(N·V·C).
+The decode loop (``sample``) is transformers ``generate``'s sampling, written for this workload:
+
+- **each distinct prompt is prefilled once**: the n completions of a prompt start from copies of its keys and values
+  (``generate`` with ``num_return_sequences`` prefills the n copies of each prompt; for 4 prompts x 8 completions of
+  ~130 tokens that was 8x the prefill work);
+- **the cache is preallocated** (prompt + the token budget) and written in place, instead of a concatenation of the
+  whole cache at every step;
+- **finished completions leave the batch**: rows that emitted a stop token are dropped from the forward (in steps,
+  so the cache is compacted a few times, not at every token);
+- the log-prob of each sampled token, log softmax(z / T) over the full vocabulary, is read from the step's own
+  scores; no logits processor object per call, no (N, V) tensor kept across steps.
+
+Same sampling distribution and the same random stream as ``generate``: the repetition penalty, temperature, top-k and
+top-p are transformers' own processors in ``generate``'s order, and the draw is ``torch.multinomial``'s
+(``argmax(p / q)`` with q ~ Exp(1) drawn for *every* row of the batch, finished ones included, as ``multinomial`` on
+the whole batch does). With bit-equal logits the tokens are those ``generate`` samples under the same seed
+(tests/test_rollout.py checks it); sharing the prefill changes the logits' last bits only (a smaller matrix product),
+so a draw that falls within rounding of a category boundary can differ — equally likely either way.
+``decode="transformers"`` keeps ``generate`` itself (models whose layers do not all attend to every earlier
+position, e.g. sliding windows, use it automatically).
 """
 
 from __future__ import annotations
 
 import torch
 
+from grail_exp.forward import can_share_prompts, decoder_body, output_layer, position_ids_from_mask
+from grail_exp.models import SDPA_GQA
 from grail_exp.rollout.base import Completion, SamplingParams
+from grail_exp.rollout.decode import RowGroups, decode_cache
+from grail_exp.rollout.decode import register as register_grouped_attention
+
+DECODERS = ("lean", "transformers")
 
 
 class SampledTokenLogprobs:
-    """A logits processor recording log softmax(z / T)[sampled token] per step, never more than one (N, V) step.
+    """A logits processor recording log softmax(z / T)[sampled token] per step, never more than one (N, V) step
+    (``decode="transformers"``).
 
     transformers runs custom processors after its own (repetition penalty, ...) and *before* the sampling
     warpers (temperature, top-k, top-p), so ``scores`` here are the untruncated logits. The token drawn from
@@ -46,10 +69,14 @@ class SampledTokenLogprobs:
 
 
 class HFRolloutEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256, stop_token_ids: list[int] | None = None):
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256, stop_token_ids: list[int] | None = None,
+                 decode: str = "lean"):
+        if decode not in DECODERS:
+            raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
         self.model = model
         self.tokenizer = tokenizer
-        self.batch_size = batch_size  # completions per generate() call (the memory knob)
+        self.batch_size = batch_size  # completions per call (the memory knob)
+        self.decode = decode
         stops = stop_token_ids or [tokenizer.eos_token_id]
         if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stops:
             stops = [*stops, tokenizer.pad_token_id]  # a completion that emits the pad token has ended too
@@ -60,50 +87,49 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        from transformers import GenerationConfig
-
-        greedy = params.temperature == 0
-        gen_cfg = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            top_p=None if greedy else params.top_p,
-            top_k=None if greedy else params.top_k,
-            repetition_penalty=params.repetition_penalty,
-            max_new_tokens=params.max_new_tokens,
-            num_return_sequences=params.n,
-            eos_token_id=self.stop_token_ids,
-            pad_token_id=self.tokenizer.pad_token_id,
-            return_dict_in_generate=True,
-        )
         was_training = self.model.training
         self.model.eval()
         device = next(self.model.parameters()).device
         per_call = max(1, self.batch_size // params.n)
+        lean = self.decode == "lean" and lean_decoding_applies(self.model)
         out: list[Completion] = []
         try:
             for start in range(0, len(prompts), per_call):
                 chunk = prompts[start:start + per_call]
-                out.extend(self._generate_chunk(chunk, params, gen_cfg, device))
+                ids, attn = left_pad(chunk, self.tokenizer.pad_token_id, device)
+                if lean:
+                    seqs, logprobs = sample(self.model, ids, attn, params, self.stop_token_ids,
+                                            self.tokenizer.pad_token_id)
+                else:
+                    seqs, logprobs = self._transformers_generate(ids, attn, params)
+                out.extend(self._completions(chunk, seqs.cpu(), logprobs, params))
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_chunk(self, chunk, params, gen_cfg, device) -> list[Completion]:
-        from transformers import LogitsProcessorList
+    def _transformers_generate(self, ids, attn, params: SamplingParams):
+        from transformers import GenerationConfig, LogitsProcessorList
 
-        pad = self.tokenizer.pad_token_id
-        P = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), P), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(chunk):
-            ids[i, P - len(p):] = torch.tensor(p)
-            attn[i, P - len(p):] = 1
+        greedy = params.temperature == 0
+        gen_cfg = GenerationConfig(
+            do_sample=not greedy, temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p, top_k=None if greedy else params.top_k,
+            repetition_penalty=params.repetition_penalty, max_new_tokens=params.max_new_tokens,
+            num_return_sequences=params.n, eos_token_id=self.stop_token_ids, pad_token_id=self.tokenizer.pad_token_id,
+            return_dict_in_generate=True)
         recorder = SampledTokenLogprobs(params.temperature) if params.logprobs else None
-        res = self.model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=gen_cfg,
-                                  logits_processor=LogitsProcessorList([recorder]) if recorder else None)
-        seqs = res.sequences[:, P:]  # (len(chunk)*n, C)
+        # synced_gpus=False: the trainer generates with every parameter present on this rank (the update backend's
+        # ``generation`` context), so no rank needs the others to keep stepping. transformers' default for an FSDP
+        # model all-reduces "finished?" at every token, which hangs when ranks make different numbers of calls
+        # (their shares of an evaluation).
+        res = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg,
+                                  logits_processor=LogitsProcessorList([recorder]) if recorder else None,
+                                  synced_gpus=False)
+        seqs = res.sequences[:, ids.shape[1]:]  # (len(chunk)*n, C)
         logprobs = recorder.finish(seqs[:, -1]).cpu() if recorder and seqs.shape[1] else None
-        seqs = seqs.cpu()
+        return seqs, logprobs
+
+    def _completions(self, chunk, seqs: torch.Tensor, logprobs, params: SamplingParams) -> list[Completion]:
         stops = torch.tensor(self.stop_token_ids)
         completions = []
         for r in range(seqs.shape[0]):
@@ -116,9 +142,120 @@ class HFRolloutEngine:
                 if length < params.max_new_tokens:  # cannot happen with generate; guard the invariant
                     truncated = False
             completions.append(Completion(
-                prompt_ids=chunk[r // params.n],
-                token_ids=row[:length].tolist(),
-                logprobs=logprobs[r, :length].tolist() if logprobs is not None else None,
-                truncated=truncated,
-            ))
+                prompt_ids=chunk[r // params.n], token_ids=row[:length].tolist(),
+                logprobs=logprobs[r, :length].tolist() if logprobs is not None else None, truncated=truncated))
         return completions
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of the prompts left-padded to the longest: (U, P) each."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[i, P - len(p):] = 1
+    return ids.to(device), attn.to(device)
+
+
+def _processors(params: SamplingParams):
+    """transformers' processors ``generate`` applies, in its order: (before the recorder, sampling warpers)."""
+    from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+
+    before = [RepetitionPenaltyLogitsProcessor(params.repetition_penalty)] if params.repetition_penalty != 1.0 else []
+    warpers = []
+    if params.temperature > 0:
+        if params.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k:
+            warpers.append(TopKLogitsWarper(top_k=params.top_k))
+        if params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=params.top_p))
+    return before, warpers
+
+
+def lean_decoding_applies(model) -> bool:
+    """Whether ``sample`` runs for this model: on CPU (where the per-token overhead of ``generate`` is the cost; on GPU
+    its kernels are what a long generation needs), every layer attending to all earlier positions
+    (``forward.can_share_prompts``), an attention that accumulates in float32 like the grouped decode attention (SDPA
+    kernels; eager attention in a float32 model)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    p = next(model.parameters())
+    return (p.device.type == "cpu" and can_share_prompts(model)
+            and (impl in ("sdpa", SDPA_GQA) or (impl == "eager" and p.dtype in (torch.float32, torch.float64))))
+
+
+@torch.no_grad()
+def sample(model, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams, stop_ids: list[int], pad_id: int,
+           compact_at: float = 0.25) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``params.n`` completions of each left-padded prompt (U, P): (U·n, T) token ids (``pad_id`` after a row's stop
+    token) and their log softmax(z / T) (U·n, T) float32 when ``params.logprobs``; prompt-major rows.
+
+    ``compact_at``: the finished share of the computed rows at which they are dropped from the batch."""
+    U, P = ids.shape
+    n, T = params.n, params.max_new_tokens
+    B, dev = U * n, ids.device
+    body, (weight, bias) = decoder_body(model), output_layer(model)
+    before, warpers = _processors(params)
+    pos = position_ids_from_mask(attn)
+    pre = body(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)  # each prompt once
+    expand = torch.arange(U, device=dev).repeat_interleave(n)  # prompt-major, as generate's num_return_sequences
+    groups = RowGroups(expand, U)
+    cache = decode_cache(pre.past_key_values, attn, T, groups)
+    logits = _head(pre.last_hidden_state[:, -1], weight, bias).index_select(0, expand)  # (B, V) float32
+    del pre  # the prefill's own cache: the decode cache holds the prompts' keys and values (in float32)
+    history = torch.cat([ids.index_select(0, expand), ids.new_full((B, T), pad_id)], 1)  # the repetition penalty's
+    next_pos = pos[:, -1].index_select(0, expand) + 1
+    tokens = ids.new_full((B, T), pad_id)
+    logps = torch.zeros(B, T, dtype=torch.float32, device=dev) if params.logprobs else None
+    stops = torch.tensor(stop_ids, device=dev)
+    rows = torch.arange(B, device=dev)  # the rows still computed (cache row i = completion rows[i])
+    live = torch.ones(B, dtype=torch.bool, device=dev)  # unfinished, per computed row
+    impl = model.config._attn_implementation
+    try:
+        model.config._attn_implementation = register_grouped_attention()
+        for t in range(T):
+            scores = logits
+            for proc in before:
+                scores = proc(history[rows, :P + t], scores)
+            nxt = _draw(scores, warpers, params, B, rows)
+            if logps is not None:
+                logps[rows, t] = torch.log_softmax(scores / (params.temperature or 1.0), -1).gather(
+                    1, nxt[:, None]).squeeze(1)
+            nxt = torch.where(live, nxt, pad_id)
+            tokens[rows, t], history[rows, P + t] = nxt, nxt
+            live &= ~torch.isin(nxt, stops)
+            if t == T - 1 or not live.any():
+                break
+            if (~live).float().mean() >= compact_at:  # drop finished rows from the batch and the cache
+                keep = live.nonzero().squeeze(1)
+                rows, live, next_pos, nxt = rows[keep], live[keep], next_pos[keep], nxt[keep]
+                groups = RowGroups(expand[rows], U)
+                for layer in cache.layers:
+                    layer.kv.keep(keep)
+                    layer.kv.groups = groups
+            out = body(input_ids=nxt[:, None], position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+            next_pos = next_pos + 1
+            logits = _head(out.last_hidden_state[:, -1], weight, bias)
+    finally:
+        model.config._attn_implementation = impl
+    return tokens, logps  # log-probs past a row's stop token are 0 or the pad token's: callers cut at the stop
+
+
+def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Logits of the last position in the model's dtype, then a float32 copy (as ``generate`` reads them)."""
+    z = torch.nn.functional.linear(h, weight, bias)
+    return z.float()
+
+
+def _draw(scores: torch.Tensor, warpers: list, params: SamplingParams, B: int, rows: torch.Tensor) -> torch.Tensor:
+    """The next token of each computed row: argmax when greedy; else ``torch.multinomial``'s draw, argmax(p / q) with
+    q ~ Exp(1) drawn for all B rows (the random stream ``multinomial`` on the whole batch consumes)."""
+    if params.temperature == 0:
+        return scores.argmax(-1)
+    for warp in warpers:
+        scores = warp(None, scores)
+    probs = torch.softmax(scores, -1)
+    q = torch.empty(B, probs.shape[-1], dtype=probs.dtype, device=probs.device).exponential_(1)
+    return (probs / q.index_select(0, rows)).argmax(-1)

@@ -1,9 +1,18 @@
 """``rollout=vllm``: a colocated, in-process vLLM engine with its own copy of the policy's weights.
 
 The engine starts from a model directory (the run's ``resolve_model_path`` or, on resume, the checkpoint) and is
-refreshed by ``sync_weights(policy)`` before each rollout: the policy's ``state_dict()`` is pushed in the engine's
-dtype (``state_dict`` and not ``named_parameters``: a tied ``lm_head.weight`` is missing from the latter and vLLM
-would keep a stale output layer), then the prefix cache is reset so no KV entry of the old weights is reused.
+refreshed before each rollout and evaluation by ``load_weights(chunks)``: the update backend streams the policy's full
+parameters (gathered from the ranks' shards under FSDP) in the engine's dtype, ``rollout.vllm.sync_chunk_mb`` at a
+time, and vLLM loads them as they come (one ``reload_weights`` call consuming a generator); then the prefix cache is
+reset so no KV entry of the old weights is reused. The names are the state dict's (``state_dict`` and not
+``named_parameters``: a tied ``lm_head.weight`` is missing from the latter and vLLM would keep a stale output layer).
+``sync_weights(model)`` does the same from an unsharded model (tests, ``grail_exp.evaluate``).
+
+One engine per rank. Built after the job's process group exists (the training job builds it in the module's
+``setup``), the engine joins that group through vLLM's ``external_launcher`` executor (as TRL's colocate mode does):
+vLLM reuses the existing world instead of creating a one-rank group of its own, which Lightning would then have taken
+for the job's (every rank silently training alone), and each engine sits on its rank's device (``LOCAL_RANK``). With
+no process group (one process: ``trainer=cpu|gpu``, ``grail_exp.evaluate``) vLLM's uniprocess executor is used.
 
 Semantics match ``rollout=hf`` (see rollout/hf.py): temperature 0 = greedy, top_k 0 = off, stop tokens = EOS and
 pad (the stop token is part of the completion), ``truncated`` = the budget ran out before a stop token, and the
@@ -27,8 +36,10 @@ Seeds: each call draws one base seed from torch's global RNG (as ``generate`` dr
 request i gets seed base + i; so a run seeded by ``seed_everything`` (and an evaluation chunk seeded with
 ``torch.manual_seed``) samples the same completions again.
 
-Untested on GPU (this project's CI has only vLLM's CPU build): sleep mode, CUDA graphs (``enforce_eager=false``),
-bf16 engines and ``gpu_memory_utilization`` are written from vLLM's documented API.
+Untested on GPU (this project's CI has only vLLM's CPU build, and CUDA vLLM cannot be installed on the GPU machines
+the project borrows): sleep mode, CUDA graphs (``enforce_eager=false``), bf16 engines, ``gpu_memory_utilization`` and
+the external launcher's device placement are written from vLLM's documented API and source. The external launcher
+itself, with several gloo ranks, is tested on CPU (tests/test_card_layout.py).
 """
 
 from __future__ import annotations
@@ -37,12 +48,13 @@ import logging
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from grail_exp.errors import ConfigError, MissingDependencyError
-from grail_exp.rollout.base import Completion, SamplingParams
+from grail_exp.rollout.base import Completion, SamplingParams, chunked
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +69,17 @@ def import_vllm():
         import vllm
     except ImportError as exc:
         raise MissingDependencyError(f"{INSTALL_HINT} ({exc})") from exc
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_rotary_reload_notice)
     return vllm
+
+
+def _rotary_reload_notice(record: logging.LogRecord) -> bool:
+    """Drop vLLM's "RotaryEmbedding: Failed to load weights" line at every weight push: a rotary embedding's cos/sin
+    table is computed from the config at start (a buffer no checkpoint holds; transformers' state_dict has no rotary
+    tensor either), so a reload has nothing to give it and vLLM keeps the table it has — the line reports no failure
+    (tests/test_vllm.py checks the engine's log-probs after every push). Every other line of that logger passes."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (record.msg == "%s: Failed to load weights" and args and "Rotary" in str(args[0]))
 
 
 def _set_logit_scale(model, factor: float) -> float:
@@ -71,12 +93,46 @@ def _set_logit_scale(model, factor: float) -> float:
     return lp.scale
 
 
+def join_process_group() -> dict:
+    """``vllm.LLM`` arguments that put the engine inside the job's process group, if one exists: vLLM's
+    ``external_launcher`` executor (one engine per rank, each a world of its own for tensor parallelism, on the device
+    ``LOCAL_RANK`` names). It reads the rank from the environment, which is set here from the group itself (Lightning's
+    launcher sets ``LOCAL_RANK`` but not ``RANK``). Without a process group: {} (vLLM's uniprocess executor)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    os.environ["RANK"] = str(dist.get_rank())
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+    if "LOCAL_RANK" not in os.environ:
+        local = os.environ.get("SLURM_LOCALID")
+        if local is None:
+            local = str(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
+        os.environ["LOCAL_RANK"] = local
+    return {"distributed_executor_backend": "external_launcher"}
+
+
+@contextmanager
+def _rng_state_kept():
+    """Restore Python's, NumPy's and torch's global RNG states (this device's CUDA one included) after the block."""
+    import random
+
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
 class VLLMRolloutEngine:
     def __init__(self, model_path: str, tokenizer, *, dtype: str = "float32", batch_size: int = 256,
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = True, sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", seed: int = 0, stop_token_ids: list[int] | None = None,
-                 llm_kwargs: dict | None = None):
+                 sync_chunk_mb: float = 256, llm_kwargs: dict | None = None):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -93,14 +149,16 @@ class VLLMRolloutEngine:
             stops = [*stops, tokenizer.pad_token_id]  # as rollout=hf: emitting the pad token ends a completion
         self.stop_token_ids = stops
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.sync_chunk_bytes = int(sync_chunk_mb * 2**20)
         t = time.perf_counter()
-        self.llm = vllm.LLM(
-            model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-            enable_sleep_mode=sleep_mode, logprobs_mode=logprobs_mode,
-            generation_config="vllm",  # never the checkpoint's sampling defaults (Qwen3: T=0.6, top_k=20)
-            skip_tokenizer_init=True,  # prompts arrive as token ids and completions leave as token ids
-            **(llm_kwargs or {}))
+        with _rng_state_kept():  # vLLM seeds the process's global RNGs with its own seed: the run's streams stay
+            self.llm = vllm.LLM(
+                model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+                enable_sleep_mode=sleep_mode, logprobs_mode=logprobs_mode,
+                generation_config="vllm",  # never the checkpoint's sampling defaults (Qwen3: T=0.6, top_k=20)
+                skip_tokenizer_init=True,  # prompts arrive as token ids and completions leave as token ids
+                **join_process_group(), **(llm_kwargs or {}))
         self.start_seconds = time.perf_counter() - t
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self._scale = 1.0  # the temperature currently folded into the logits (1/T)
@@ -109,31 +167,40 @@ class VLLMRolloutEngine:
         log.info("vLLM engine %s (%s) started in %.1f s", model_path, dtype, self.start_seconds)
 
     # ------------------------------------------------------------------ weights
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push ``model.state_dict()`` (tied lm_head included) in the engine's dtype, then drop cached KV."""
+    def load_weights(self, chunks) -> None:
+        """Load the policy's full parameters from ``chunks`` (lists of ``(name, tensor)`` in ``self.dtype``, produced
+        lazily by the update backend), then drop cached KV. In process, vLLM consumes them as one stream: each chunk
+        is produced (gathered) only when vLLM asks for its first tensor, and each layer is loaded as soon as its
+        tensors have arrived, so at most a chunk is in flight. Wakes a sleeping engine."""
         t = time.perf_counter()
         if self.sleeping:
             self.llm.wake_up(tags=["weights"])  # level-2 sleep: buffers back, contents overwritten below
-        state = model.state_dict()
         if self.in_process:
-            weights = [(k, v.detach().to(self.dtype)) for k, v in state.items()]
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            stream = (pair for chunk in chunks for pair in chunk)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         else:
-            self._push_via_path(state)
+            self._push_via_path(chunks)
         if self.sleeping:
             self.llm.wake_up(tags=["kv_cache", "scheduling"])  # vLLM: every tag must be awake before generating
             self.sleeping = False
         self.llm.reset_prefix_cache()
         self.last_sync_seconds = time.perf_counter() - t
 
-    def _push_via_path(self, state: dict[str, torch.Tensor]) -> None:
-        """Multiprocess engines cannot receive tensors: write a safetensors file and have the worker read it."""
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push an unsharded ``model``'s state dict (tied lm_head included), chunk by chunk (``load_weights``)."""
+        pairs = ((k, v.detach().to(self.dtype)) for k, v in model.state_dict().items())
+        self.load_weights(chunked(pairs, self.sync_chunk_bytes))
+
+    def _push_via_path(self, chunks) -> None:
+        """Multiprocess engines cannot receive tensors: write one safetensors file per chunk and have the worker read
+        the directory."""
         from safetensors.torch import save_file
 
         with tempfile.TemporaryDirectory(prefix="grail_vllm_sync_") as d:
-            # clone: save_file refuses tensors that share storage (the tied embedding and lm_head)
-            save_file({k: v.detach().to(self.dtype).contiguous().clone().cpu() for k, v in state.items()},
-                      str(Path(d) / "model.safetensors"))
+            for i, chunk in enumerate(chunks):
+                # clone: save_file refuses tensors that share storage (the tied embedding and lm_head)
+                save_file({k: v.detach().to(self.dtype).contiguous().clone().cpu() for k, v in chunk},
+                          str(Path(d) / f"model-{i:05d}.safetensors"))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": d})
 
     # ------------------------------------------------------------------ sleep (GPU)
@@ -207,11 +274,47 @@ class VLLMRolloutEngine:
 
 
 def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) -> VLLMRolloutEngine:
-    """The engine from a composed config: ``cfg.rollout.vllm`` knobs, ``cfg.model.dtype``, ``cfg.seed``."""
+    """The engine from a composed config: ``cfg.rollout.vllm`` knobs, ``cfg.model.dtype``, ``cfg.seed``.
+
+    ``rollout.vllm.max_model_len: null`` is the run's own need (``run_max_model_len``), not the model's context (8,192
+    for SmolLM2: vLLM would size its buffers for it). On CPU the KV cache gets what the memory plan gives it
+    (``memory.vllm_kv_cache_bytes``: the rollout batch's sequences at that length) instead of vLLM's default, a
+    ``gpu_memory_utilization`` share of the host's RAM (0.3 of 24 GiB: ~7 GiB); ``rollout.vllm.kwargs`` or vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE`` still win."""
     v = cfg.rollout.vllm
+    max_len = int(v.max_model_len) if v.max_model_len else run_max_model_len(cfg, tokenizer)
+    kwargs = dict(v.kwargs or {})
+    if not torch.cuda.is_available() and "kv_cache_memory_bytes" not in kwargs \
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        from grail_exp.memory import PlanError, vllm_kv_cache_bytes
+
+        try:
+            kwargs["kv_cache_memory_bytes"] = vllm_kv_cache_bytes(cfg, max_len)
+        except PlanError:  # a model the planner has no shape for: vLLM sizes its cache itself
+            pass
     return VLLMRolloutEngine(
         model_path, tokenizer, dtype=v.dtype or cfg.model.dtype, batch_size=batch_size,
-        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=max_len,
         enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, sleep_mode=v.sleep_mode,
         logprobs_mode=v.logprobs_mode, seed=cfg.seed if v.seed is None else v.seed,
-        llm_kwargs=dict(v.kwargs or {}))
+        sync_chunk_mb=v.get("sync_chunk_mb", 256), llm_kwargs=kwargs)
+
+
+def run_max_model_len(cfg, tokenizer, sample: int = 256, block: int = 16) -> int:
+    """The longest sequence the run asks for: its longest prompt (the first ``sample`` training prompts and every
+    problem of the evaluation benchmarks, rendered as the run renders them) + the longer of
+    ``rollout.max_completion_length`` and ``eval.max_tokens``, rounded up to vLLM's ``block``-token pages."""
+    from grail_exp.data import build_source, load_benchmark
+    from grail_exp.data.prompting import encode_prompts
+
+    source = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
+    questions = [source[i].question for i in range(sample)]
+    t = cfg.trainer
+    evaluates = bool(t.get("eval_at_end") or t.get("eval_before_training") or t.get("eval_every"))
+    budget = int(cfg.rollout.max_completion_length)
+    if evaluates:
+        for name in cfg.benchmark.names:
+            questions += [p.question for p in load_benchmark(name, cfg)]
+        budget = max(budget, int(cfg.eval.max_tokens))
+    longest = max(len(p) for p in encode_prompts(questions, tokenizer, cfg.model, cfg.data.instruction))
+    return -(-(longest + budget) // block) * block

@@ -1,10 +1,15 @@
 """The whole training job behind ``python -m grail_exp.run``: validate → build the parts → train → evaluate → summary.
 
-``train(cfg)`` reads as its steps: resume point, tracking, the parts (model, tokenizer, scheme, rollout engine,
-verifier, data), the evaluation before training, the Lightning fit of ``GRPOModule``, the final checkpoint and
-evaluation, plots and summary. ``run(cfg)`` adds validation and returns ``optimized_metric`` (for sweeps and Optuna).
-Data parallelism: every rank runs this function (Lightning re-launches the command, or torchrun / srun did); only
-rank 0 tracks, evaluates and writes files.
+``train(cfg)`` reads as its steps: resume point, tracking, the parts (model, tokenizer, scheme, verifier, data, and
+how to build the rollout engine), the Lightning fit of ``GRPOModule`` — which builds the engine once the process
+group exists, evaluates before training, trains, then writes the final checkpoint and evaluates at the end, all
+inside the fit, while the policy is on its device — then plots and summary. ``run(cfg)`` adds validation and returns
+``optimized_metric`` (for sweeps and Optuna).
+
+Data parallelism: every rank runs this function (Lightning re-launches the command, or torchrun / srun did). Every
+rank samples its own prompts, holds its own engine (vLLM: one per rank, inside the job's process group) and evaluates
+its share of the benchmark chunks; rank 0 gathers the evaluations, tracks and writes files (docs/recipes-card.md,
+"the card's layout, rank by rank").
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ log = logging.getLogger("grail_exp")
 
 @dataclass
 class Parts:
-    """What a run trains and scores with (built before any process group exists)."""
+    """What a run trains and scores with (built before any process group exists; the engine is built later, by
+    ``engine_factory`` in the module's ``setup``, inside the process group)."""
 
     model_path: str  # the starting weights (the reference model comes from here)
     policy_path: str  # the weights the policy starts from now (a checkpoint when resuming)
@@ -39,9 +45,10 @@ class Parts:
     ref_model: Any
     terms: list
     scheme: Any
-    engine: Any
+    engine_factory: Callable[[], Any]
     verifier: Any
     source: Any
+    start_sha256: str | None = None  # the starting weights' identity (study.dir or trainer.eval_cache set)
 
 
 def run(cfg: DictConfig, on_eval=None) -> float | None:
@@ -70,7 +77,13 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     from grail_exp.module import GRPOModule
     from grail_exp.tracking import NullTracker, build_tracker
 
+    from grail_exp import study
+
     _quiet_lightning()
+    done = study.finished(cfg)  # a restarted study: this arm is already recorded with this configuration
+    if done is not None:
+        log.info("study: arm %s already finished (run %s); skipping it", study.arm_name(cfg), done.get("run_id"))
+        return dict(done["metrics"])
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
     if cfg.trainer.num_threads:
@@ -87,17 +100,22 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
         _log_start(cfg, tracker, state, ckpt)
         parts = build_parts(cfg, ckpt, state, tracker, phases, t0)
         evaluator = Evaluator(cfg, parts, tracker, phases, on_eval)
-        results: dict[str, float] = {}
-        if cfg.trainer.eval_before_training and state is None and rank == 0:
-            results.update({k.replace("eval/", "eval_before/", 1): v for k, v in evaluator("before", 0).items()})
-        module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, parts.engine, parts.source,
+        module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, None, parts.source,
                             parts.verifier, tracker, parts.ref_model, evaluate_fn=evaluator.during_training,
-                            resume_state=state, terms=parts.terms)
+                            resume_state=state, terms=parts.terms, engine_factory=parts.engine_factory)
+        evaluator.module = module
         saver = Saver(cfg, module, parts, state)
+        results: dict[str, float] = {}
+        if cfg.trainer.eval_before_training and state is None:
+            module.start_fn = lambda: results.update(
+                {k.replace("eval/", "eval_before/", 1): v for k, v in evaluator("before", 0).items()})
+        module.end_fn = lambda: results.update(closing(cfg, module, saver, evaluator, phases))
         t = time.perf_counter()
         fit(cfg, module, state)
-        phases["train_s"] = time.perf_counter() - t
-        results.update(finish(cfg, module, saver, evaluator, tracker, phases, t0))
+        # training proper: the fit less the engine's start, the evaluation before it and the closing (own phases)
+        phases["train_s"] = (phases.pop("closing_started", time.perf_counter()) - t - phases.get("eval_before_s", 0.0)
+                             - phases.get("engine_build_s", 0.0))
+        finish(cfg, module, tracker, phases, t0, evaluator.tables, results, parts.start_sha256)
         status = "FINISHED"
         return results
     except (Preempted, RunStopped):
@@ -155,6 +173,7 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     """Model (built or downloaded: ``phases["model_build_s"]``), tokenizer, policy and reference, loss terms, scheme,
     rollout engine, verifier, data."""
     from grail_exp.advantages import build_scheme
+    from grail_exp.forward import share_prompts_of
     from grail_exp.data import build_source
     from grail_exp.embedded import read_build_report
     from grail_exp.extraction import reward_rule
@@ -171,6 +190,13 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
         ws = report["warm_start"]
         tracker.log_params({"warm_start.steps": ws["steps"], "warm_start.greedy_val_accuracy": ws["greedy_val_accuracy"],
                             "warm_start.seconds": round(ws["seconds"], 1), "model.path": model_path})
+    start_sha256 = None
+    if cfg.study.dir or cfg.trainer.eval_cache:
+        from grail_exp.study import weights_sha256
+
+        start_sha256 = weights_sha256(model_path)
+        if state is None:
+            tracker.log_params({"start_weights.sha256": start_sha256})
     policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
     tokenizer = load_tokenizer(policy_path, cfg)
     policy_cfg = OmegaConf.merge(cfg, BACKENDS[str(cfg.trainer.strategy)].policy_overrides(cfg))
@@ -179,43 +205,85 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms) or cfg.loss.kl_in_reward.enabled
     ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
     log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
-    scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
-    engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size, cfg=cfg,
-                          model_path=policy_path)
+    scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data,
+                                                     "share_prompts": share_prompts_of(cfg)})
+
+    def engine_factory():  # called by every rank in the module's setup, once the process group exists
+        t = time.perf_counter()
+        engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size, cfg=cfg,
+                              model_path=policy_path, push_policy=False)  # synced before every rollout / evaluation
+        phases["engine_build_s"] = time.perf_counter() - t
+        return engine
+
     r = cfg.reward
     verifier = MathVerifier(num_workers=r.num_workers, hard_timeout_s=r.hard_timeout_s, parse_timeout=r.parse_timeout,
                             verify_timeout=r.verify_timeout,
                             extraction=reward_rule(r.extraction))  # evaluation passes benchmark.extraction
     source = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
-    return Parts(model_path, policy_path, tokenizer, policy, ref_model, terms, scheme, engine, verifier, source)
+    return Parts(model_path, policy_path, tokenizer, policy, ref_model, terms, scheme, engine_factory, verifier, source,
+                 start_sha256)
 
 
 class Evaluator:
-    """Benchmark evaluations of the live policy (before, during and after training), logged and kept as tables."""
+    """Benchmark evaluations of the live policy (before, during and after training), logged and kept as tables.
+
+    Runs on every rank (a collective): the engine gets the current weights from the update backend, each rank
+    generates and grades its share of the benchmark chunks (``evaluate.evaluate_benchmarks``), every rank receives
+    the gathered result, rank 0 logs it."""
 
     def __init__(self, cfg: DictConfig, parts: Parts, tracker, phases: dict, on_eval: Callable | None):
         self.cfg, self.parts, self.tracker, self.phases, self.on_eval = cfg, parts, tracker, phases, on_eval
         self.tables: dict[str, str] = {}
+        self.module = None  # the GRPOModule: its engine (built in setup) and update backend
 
     def __call__(self, tag: str, step: int) -> dict[str, float]:
         from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
+        from grail_exp.rollout.base import release
+        from grail_exp.training import probe, world
 
         t = time.perf_counter()
-        p = self.parts
-        from grail_exp.rollout.base import release
-
-        p.engine.sync_weights(p.policy)  # vLLM holds its own copy (and may sleep): evaluate the weights trained so far
-        res = evaluate_benchmarks(p.policy, p.tokenizer, p.engine, p.verifier, self.cfg, desc=f"eval ({tag})")
-        release(p.engine)  # sleep mode: the engine's memory goes back to training until the next sync
-        log_eval_result(self.tracker, res, tag, step)
+        p, m = self.parts, self.module
+        engine, backend = m.rollout.engine, m.backend
+        backend.sync_engine(engine)  # vLLM holds its own copy (and may sleep): evaluate the weights trained so far
+        with backend.generation(engine):
+            res = evaluate_benchmarks(p.policy, p.tokenizer, engine, p.verifier, self.cfg, desc=f"eval ({tag})",
+                                      **self._cache(tag, step))
+        release(engine)  # sleep mode: the engine's memory goes back to training until the next sync
+        probe.emit("evaluated", module=m, tag=tag, result=res)
         self.phases[f"eval_{tag}_s"] = self.phases.get(f"eval_{tag}_s", 0.0) + time.perf_counter() - t
         self.tables[tag] = res.table()
-        log.info("evaluation (%s, step %d):\n%s", tag, step, self.tables[tag])
+        if world.rank() == 0:
+            log_eval_result(self.tracker, res, tag, step)
+            self._write(res, tag)
+            log.info("evaluation (%s, step %d):\n%s", tag, step, self.tables[tag])
         return res.flat_metrics()
+
+    def _cache(self, tag: str, step: int) -> dict:
+        """``trainer.eval_cache``: "before" is keyed by the starting weights (shared by every run starting from them),
+        later evaluations by this run directory and step (a killed one continues after resume=auto)."""
+        cfg = self.cfg
+        if not cfg.trainer.eval_cache:
+            return {}
+        if tag == "before":
+            m = cfg.model
+            key = f"start-weights-sha256:{self.parts.start_sha256}|dtype:{m.dtype}|attn:{m.attn_implementation}"
+            return {"cache_dir": Path(cfg.paths.cache_dir) / "evals", "model_key": key}
+        key = f"run-dir:{Path(cfg.paths.output_dir).resolve()}|step:{step}|tag:{tag}"
+        return {"cache_dir": Path(cfg.paths.output_dir) / "eval_cache", "model_key": key}
+
+    def _write(self, res, tag: str) -> None:
+        """``<run dir>/eval/<tag>/samples.parquet`` and ``summary.json``: a study records its arms from these."""
+        import pandas as pd
+
+        out = Path(self.cfg.paths.output_dir) / "eval" / tag
+        out.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(res.samples).to_parquet(out / "samples.parquet", index=False)
+        (out / "summary.json").write_text(json.dumps(res.summary_json(), indent=2))
+        (out / "metrics.json").write_text(json.dumps(res.flat_metrics(), indent=1))  # a resumed run's "before"
 
     def during_training(self, step: int) -> None:
         metrics = self(f"step{step}", step)
-        if self.on_eval is not None:
+        if self.on_eval is not None:  # every rank has the same metrics: a stop request stops all of them
             self.on_eval(step, metrics)
 
 
@@ -307,29 +375,43 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('h') else 's'}"
 
 
-def finish(cfg: DictConfig, module, saver: Saver, evaluator: Evaluator, tracker, phases: dict, t0: float) -> dict:
-    """After fit: final checkpoint and trajectory, final evaluation, phase timings, plots, the summary."""
-    results: dict[str, float] = {}
-    if module.last_metrics:
-        results.update({f"train/{k}": v for k, v in module.last_metrics.items()})
+def closing(cfg: DictConfig, module, saver: Saver, evaluator: Evaluator, phases: dict) -> dict:
+    """The end of training, still inside the fit on every rank (``GRPOModule.on_train_end``: the policy is on its
+    device, the process group exists): final checkpoint and trajectory, then the final evaluation."""
+    phases["closing_started"] = time.perf_counter()
     if cfg.trainer.save_final_checkpoint:
         saver.checkpoint(module.position)
     if cfg.trainer.save_weights_only_every:
         saver.trajectory(module.step)
-    rank = module.rank  # the process group exists now
-    if cfg.trainer.eval_at_end and rank == 0:
-        results.update(evaluator("final", module.step))
+    return evaluator("final", module.step) if cfg.trainer.eval_at_end else {}
+
+
+def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: dict, results: dict,
+           start_sha256: str | None = None) -> None:
+    """After fit: the last training metrics and phase timings into ``results`` (which holds the evaluations), plots
+    and the summary (rank 0)."""
+    if module.last_metrics:
+        results.update({f"train/{k}": v for k, v in module.last_metrics.items()})
     phases["total_s"] = time.perf_counter() - t0
     tracker.log_metrics({f"phase/{k}": v for k, v in phases.items()}, step=module.step)
+    import torch
+
+    if torch.cuda.is_available():  # the whole run's peak, the final evaluation included (steps log theirs)
+        results["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        tracker.log_metrics({"memory/run_peak_cuda_gb": results["memory/peak_cuda_gb"]}, step=module.step)
     results.update({f"phase/{k}": v for k, v in phases.items()})
     results["train/steps"] = module.step
-    if rank == 0:
+    if module.rank == 0:
         from grail_exp.plots import log_training_plots
 
         # Training curves + weight plots (from <run dir>/weights) under plots/ of the run; never fatal.
         log_training_plots(tracker, Path(cfg.paths.output_dir), label=cfg.advantage.name)
-        write_summary(cfg, results, evaluator.tables, tracker)
-    return results
+        write_summary(cfg, results, tables, tracker)
+        if cfg.study.dir:
+            from grail_exp.study import write_arm
+
+            write_arm(cfg, run_dir=Path(cfg.paths.output_dir), start_sha256=start_sha256, metrics=results,
+                      tracker=tracker)
 
 
 @contextmanager

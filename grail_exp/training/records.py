@@ -45,8 +45,9 @@ class StepRecords:
         mask = batch.loss_mask[s:s + n_rows].bool().cpu()
         w, ent = w[:n_rows].float().cpu(), entropy[:n_rows].detach().float().cpu()
         answer, post = spans.span.cpu(), spans.post.cpu()
+        ids = batch.completion_ids[s:s + n_rows].cpu()  # the tokens themselves: heatmaps with their text
         rows: dict[str, list] = {k: [] for k in ("step", "row", "correct", "advantage", "position", "length", "region",
-                                                 "weight", "entropy")}
+                                                 "weight", "entropy", "token_id")}
         for i in range(n_rows):
             n = int(mask[i].sum())
             gi = s + i
@@ -60,6 +61,7 @@ class StepRecords:
                 rows["region"].append("answer" if answer[i, t] else ("post" if post[i, t] else "pre"))
                 rows["weight"].append(float(w[i, t]))
                 rows["entropy"].append(float(ent[i, t]))
+                rows["token_id"].append(int(ids[i, t]))
         self.weight_tables.append(rows)
 
     def log_weight_table(self, step: int) -> None:

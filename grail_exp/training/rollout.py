@@ -20,7 +20,8 @@ import torch
 
 from grail_exp.data.prompting import encode_prompts
 from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
-from grail_exp.forward import position_ids_from_mask, predicting_window
+from grail_exp.forward import position_ids_from_mask
+from grail_exp.host import return_freed_memory
 from grail_exp.logprobs import kept_log_mass
 from grail_exp.rewards import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
@@ -48,6 +49,7 @@ class RolloutPhase:
         self.kl_controller = None  # KL-in-reward's β (adaptive controller)
         self.logp_diff_history: list[float] = []  # sampler-vs-trainer mismatch of recent rounds
         self.samples: list = []  # (problem, text, grade, reward, advantage) of the last batch, for the sample table
+        self.last_prompt_indices: list[int] = []  # the data-source indices this rank drew in its last round
 
     # ------------------------------------------------------------------ the phase
     def collect(self, round_index: int, timings: dict) -> tuple[TrainingBatch, dict]:
@@ -56,6 +58,7 @@ class RolloutPhase:
         batch, stats = self.make_batch(round_index, timings)
         with timed(timings, "engine_sleep"):
             release(self.engine)  # every generation of the round is done: free the engine's memory for the update
+            return_freed_memory()  # and the host heap generation freed (grail_exp/host.py)
         self.prepare(batch, timings)
         with timed(timings, "old_logp"):
             if self.needs_old_logp() and batch.old_logp is None:
@@ -75,9 +78,8 @@ class RolloutPhase:
         P = cfg.trainer.prompts_per_step // world.world_size()
         with timed(timings, "rollout"):
             t = time.perf_counter()
-            with self.backend.full_parameters():
-                self.engine.sync_weights(self.policy)
-                timings["weight_sync"] = time.perf_counter() - t
+            self.backend.sync_engine(self.engine)  # vLLM: the full weights streamed in chunks (gathered when sharded)
+            timings["weight_sync"] = time.perf_counter() - t
         # GRPO family hook (issue 15): dynamic sampling draws whole groups until P are informative.
         problems, completions, texts, graded, variant_infos, family_stats = self._sample_groups(round_index, P, timings)
         rb = pad_completions(completions, self.tokenizer.pad_token_id)
@@ -141,22 +143,30 @@ class RolloutPhase:
         return batch, stats
 
     def prepare(self, batch: TrainingBatch, timings: dict) -> None:
-        """Once per rollout batch: the scheme's ``prepare`` on the whole batch, then (when the loss allows it) group the
-        rows whose weights need the model into the first micro-batches of their mini-batch, so the others skip the
-        probe."""
+        """Once per rollout batch: the scheme's ``prepare`` on the whole batch, then (when the loss allows it) reorder
+        the rows within each mini-batch: the rows whose weights need the model first (the other micro-batches skip the
+        probe), and, where rows may be reordered freely (``rows_reorderable``), groups of similar completion length
+        next to each other with each group's rows together, so a micro-batch shares its prompts and pads little."""
         with timed(timings, "scheme_prepare"), self.backend.full_parameters():
             batch.prepared = self.scheme.prepare(self.policy, batch.scheme_view(self.scheme_ctx))
-            needs = None
-            if self.cfg.loss.loss_type in SPLIT_INVARIANT:
-                whole = batch.scheme_view(self.scheme_ctx)
-                whole.prepared = batch.prepared
-                needs = self.scheme.rows_needing_model(whole)
-            if needs is not None and 0 < int(needs.sum()) < needs.numel():
-                # Within each mini-batch (its rows stay its own): probe rows first, stable within each part.
-                size = mini_batch_rows(self.cfg)
-                perm = torch.cat([torch.cat([a + part.nonzero().squeeze(1), a + (~part).nonzero().squeeze(1)])
-                                  for a in range(0, needs.numel(), size) for part in [needs[a:a + size]]])
-                batch.permute(perm)
+            if self.cfg.loss.loss_type not in SPLIT_INVARIANT:
+                return
+            whole = batch.scheme_view(self.scheme_ctx)
+            whole.prepared = batch.prepared
+            needs = self.scheme.rows_needing_model(whole)
+            probe_first = needs is not None and 0 < int(needs.sum()) < needs.numel()
+            by_length = (self.rows_reorderable() and batch.group_ids is not None
+                         and micro_batch_rows(self.cfg) < mini_batch_rows(self.cfg))
+            if probe_first or by_length:
+                batch.permute(row_order(batch, mini_batch_rows(self.cfg), needs if probe_first else None, by_length))
+
+    def rows_reorderable(self) -> bool:
+        """Whether the order of a mini-batch's rows changes nothing but float summation order: a split-invariant loss,
+        no per-micro-batch statistic (the top-entropy quantile), a scheme that draws no per-row randomness in row
+        order (OAR-G's noise)."""
+        loss = self.cfg.loss
+        return (loss.loss_type in SPLIT_INVARIANT and float(loss.get("top_entropy_quantile", 1.0) or 1.0) >= 1.0
+                and self.scheme.row_order_invariant)
 
     @torch.no_grad()
     def logps(self, model, batch: TrainingBatch) -> torch.Tensor:
@@ -185,13 +195,12 @@ class RolloutPhase:
             batch.old_logp = self.logps(self.policy, batch)
             return
         logps, masses = [], []
-        P, C = batch.prompt_length, batch.completion_ids.shape[1]
         with self.backend.full_parameters():  # the output layer is read outside the forward
             for s, e in batch.micro_batches(micro_batch_rows(self.cfg)):
                 logp, _, fwd = self.backend.forward(self.policy, batch.input_ids[s:e], batch.attention_mask[s:e],
                                                     batch.position_ids[s:e], batch.completion_ids[s:e])
                 logps.append(logp)
-                masses.append(kept_log_mass(predicting_window(fwd.hidden, P, C), fwd.head_weight, fwd.head_bias, *kp,
+                masses.append(kept_log_mass(fwd.predicting(fwd.hidden), fwd.head_weight, fwd.head_bias, *kp,
                                             self.cfg.rollout.temperature, self.cfg.trainer.logprob_chunk_tokens))
         batch.old_logp, batch.sampler_log_mass = torch.cat(logps), torch.cat(masses)
 
@@ -248,7 +257,7 @@ class RolloutPhase:
         params = SamplingParams(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_completion_length, repetition_penalty=r.repetition_penalty,
                                 logprobs=True)
-        with timed(timings, "rollout"), self.backend.full_parameters():
+        with timed(timings, "rollout"), self.backend.generation(self.engine):
             if plan is None:
                 prompts = encode_prompts([p.question for p in problems], self.tokenizer, cfg.model, cfg.data.instruction)
                 completions, variant_infos = self.engine.generate(prompts, params), None
@@ -271,7 +280,8 @@ class RolloutPhase:
         ds = cfg.rollout.get("dynamic_sampling")
         if ds is None or not ds.enabled:
             first = round_index * cfg.trainer.prompts_per_step + world.rank() * P  # this rank's slice of the prompts
-            problems = [self.source[i] for i in range(first, first + P)]
+            self.last_prompt_indices = list(range(first, first + P))
+            problems = [self.source[i] for i in self.last_prompt_indices]
             spec = ESTIMATORS[cfg.estimator.name]
             # Estimators that sample from several prompts per problem (SCRL) plan them; the others get G of the problem.
             plan = spec.prompt_variants(cfg.estimator, problems, G, cfg.data) if spec.prompt_variants else None
@@ -281,8 +291,11 @@ class RolloutPhase:
         from grail_exp.family import informative_groups
 
         kept, dropped, rounds = [], [], 0
+        self.last_prompt_indices = []
         while len(kept) < P and rounds <= ds.max_extra_rounds:
-            problems = [self.source[i] for i in range(self.prompt_cursor, self.prompt_cursor + P)]
+            drawn = list(range(self.prompt_cursor, self.prompt_cursor + P))  # one process (validate() refuses more)
+            self.last_prompt_indices += drawn
+            problems = [self.source[i] for i in drawn]
             self.prompt_cursor += P
             rounds += 1
             completions, texts, graded, _ = self.generate_and_grade(problems, G, cfg.rollout.temperature, timings)
@@ -317,7 +330,7 @@ class RolloutPhase:
                 for s, e in batch.micro_batches(micro_batch_rows(cfg)):
                     logp, _, fwd = self.backend.forward(self.policy, batch.input_ids[s:e], batch.attention_mask[s:e],
                                                         batch.position_ids[s:e], batch.completion_ids[s:e])
-                    h = predicting_window(fwd.hidden, batch.prompt_length, batch.completion_ids.shape[1])
+                    h = fwd.predicting(fwd.hidden)
                     spps.append(sum_pi_squared_from_hidden(h, fwd.head_weight, fwd.head_bias,
                                                            cfg.rollout.temperature, cfg.trainer.logprob_chunk_tokens))
                     logps.append(logp)
@@ -361,3 +374,25 @@ class RolloutPhase:
 
             self.kl_controller = KLInRewardController(self.cfg.loss.kl_in_reward)
             self.kl_controller.load_state_dict(st["kl_controller"])
+
+
+def row_order(batch: TrainingBatch, size: int, probe: torch.Tensor | None, by_length: bool) -> torch.Tensor:
+    """The permutation ``prepare`` applies, within each mini-batch of ``size`` rows (a mini-batch keeps its rows):
+    probe rows first when ``probe`` is given, then (``by_length``) groups by their longest completion, each group's
+    rows together and by length; otherwise the existing order (stable)."""
+    lengths = batch.attention_mask[:, batch.prompt_length:].sum(1)
+    group = batch.group_ids
+    parts = []
+    for a in range(0, batch.num_rows, size):
+        idx = torch.arange(a, min(a + size, batch.num_rows), device=lengths.device)
+        if by_length:  # stable sorts from the least significant key: length, group, the group's longest
+            g = group[idx]
+            longest = torch.zeros(int(g.max()) + 1, dtype=lengths.dtype, device=g.device).scatter_reduce(
+                0, g, lengths[idx], "amax")
+            idx = idx[torch.argsort(lengths[idx], stable=True)]
+            idx = idx[torch.argsort(group[idx], stable=True)]
+            idx = idx[torch.argsort(longest[group[idx]], stable=True)]
+        if probe is not None:
+            idx = idx[torch.argsort((~probe[idx]).long(), stable=True)]
+        parts.append(idx)
+    return torch.cat(parts)

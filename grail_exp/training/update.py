@@ -28,7 +28,8 @@ from typing import Callable, Iterator
 import torch
 
 from grail_exp.errors import UserError
-from grail_exp.forward import PolicyForward, predicting_window
+from grail_exp.forward import PolicyForward
+from grail_exp.host import return_freed_memory
 from grail_exp.loss import TermContext, is_weights, policy_loss
 from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext
 from grail_exp.training import world
@@ -104,14 +105,18 @@ class UpdatePhase:
         t_scheme = 0.0
         t0 = time.perf_counter()
         loss_total = 0.0
+        computed, real = 0, 0  # decoder positions run / real tokens (each distinct prompt once per micro-batch)
         need_states = "hidden_states" in getattr(self.scheme, "forward_outputs", ())
+        # The scheme (probe rows) and loss terms may call the model between forward and backward on some ranks only.
+        hold = bool(self.scheme.needs_model or self.terms)
         agg_ctx = AggregationContext(cfg.rollout.max_completion_length, self.accumulation_steps, global_tokens,
                                      world.world_size())
         for s, e in batch.micro_batches(micro_batch_rows(cfg), rows):
             mask = batch.loss_mask[s:e]
             logp, entropy, fwd = self.backend.forward(
                 self.policy, batch.input_ids[s:e], batch.attention_mask[s:e], batch.position_ids[s:e],
-                batch.completion_ids[s:e], hidden_states=need_states)
+                batch.completion_ids[s:e], hidden_states=need_states, hold_gathered=hold)
+            computed, real = computed + fwd.positions, real + real_tokens(batch, s, e)
             # GRPO family: top-entropy / off-policy masks multiply the policy term only (TRL); the normaliser, the KL
             # term and the metrics keep the loss mask (``loss.family_mask_normaliser: kept`` masks them too).
             fam = self.family_masks(batch, s, e, mask, logp, entropy)
@@ -145,6 +150,7 @@ class UpdatePhase:
                                                     agg_ctx, fam.top_entropy)
                 metrics.update(term_metrics)
             self.backend.backward(loss)
+            return_freed_memory()  # this micro-batch's activations, before the next one's forward
             loss_total += loss.item()
             with torch.no_grad():
                 m = term_mask.float()
@@ -185,11 +191,14 @@ class UpdatePhase:
         if schedule:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        return_freed_memory()  # the step's activations and gradients (grail_exp/host.py)
         timings["scheme"] = timings.get("scheme", 0.0) + t_scheme
         timings["update"] = timings.get("update", 0.0) + (time.perf_counter() - t0 - t_scheme)
         avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": lr,
                     "iteration": float(epoch), "mini_batch": float((rows or (0, 0))[0] // max(1, mini_batch_rows(cfg))),
                     "nonfinite_steps_total": float(self.nonfinite_total),
+                    "tokens/computed_positions": float(computed), "tokens/real": float(real),
+                    "tokens/efficiency": real / max(computed, 1),
                     "scheme/recompute_per_rollout": float(self.per_rollout)})
         return avg
 
@@ -207,11 +216,14 @@ class UpdatePhase:
         if not self.per_rollout or self.mini_batches == 1:
             return
         t = time.perf_counter()
-        for s, e in batch.micro_batches(micro_batch_rows(self.cfg), (self.mini_batch_range(1)[0], batch.num_rows)):
-            if batch.weights_ready is None or not bool(batch.weights_ready[s:e].all()):
-                out = self.scheme.weights(self.policy, batch.scheme_view(self.scheme_ctx, s, e))
-                self.cache(batch, s, e, out.weights.detach())
-                self.early_metrics[(s, e)] = out.metrics
+        # The scheme calls the policy outside its training forward, on the rows each rank needs: every parameter
+        # gathered first (a collective all ranks join here), so nothing inside re-gathers on some ranks only.
+        with self.backend.full_parameters():
+            for s, e in batch.micro_batches(micro_batch_rows(self.cfg), (self.mini_batch_range(1)[0], batch.num_rows)):
+                if batch.weights_ready is None or not bool(batch.weights_ready[s:e].all()):
+                    out = self.scheme.weights(self.policy, batch.scheme_view(self.scheme_ctx, s, e))
+                    self.cache(batch, s, e, out.weights.detach())
+                    self.early_metrics[(s, e)] = out.metrics
         timings["scheme"] = timings.get("scheme", 0.0) + time.perf_counter() - t
 
     def weights(self, batch: TrainingBatch, s: int, e: int, epoch: int, fwd: PolicyForward):
@@ -254,15 +266,14 @@ class UpdatePhase:
         cfg = self.cfg
         aggregate = lambda per_token, m: AGGREGATIONS[cfg.loss.loss_type](per_token, m, agg_ctx)  # noqa: E731
         ctx = TermContext(
-            model=self.policy, batch=batch.scheme_view(self.scheme_ctx, s, e), hidden=predicting_window(
-                fwd.hidden, batch.prompt_length, batch.completion_ids.shape[1]),
+            model=self.policy, batch=batch.scheme_view(self.scheme_ctx, s, e), hidden=fwd.predicting(fwd.hidden),
             head_weight=fwd.head_weight, head_bias=fwd.head_bias, logp=logp, entropy=entropy, mask=mask,
             token_advantages=token_adv, old_logp=old,
             ref_logp=batch.ref_logp[s:e] if batch.ref_logp is not None else None,
             sampler_logp=batch.sampler_logp[s:e] if batch.sampler_logp is not None else None,
             temperature=cfg.rollout.temperature, step=self.scheme_ctx.progress.step, aggregate=aggregate,
             tokenizer=self.tokenizer, rollout_step=self.scheme_ctx.progress.rollouts or None,
-            top_entropy_mask=top_entropy)
+            top_entropy_mask=top_entropy, share_prompts=self.backend.share_prompts)
         metrics = {}
         for term in self.terms:
             value, m = term(ctx)
@@ -276,3 +287,11 @@ class UpdatePhase:
 
     def load_state_dict(self, st: dict) -> None:
         self.nonfinite_total, self.nonfinite_in_a_row = st["nonfinite_total"], st["nonfinite_in_a_row"]
+
+
+def real_tokens(batch: TrainingBatch, s: int, e: int) -> int:
+    """The tokens rows s:e need computed: each distinct prompt's real tokens once, and every completion's."""
+    P = batch.prompt_length
+    ids, attn = batch.input_ids[s:e], batch.attention_mask[s:e]
+    prompts = torch.unique(torch.where(attn[:, :P].bool(), ids[:, :P], -1), dim=0)
+    return int((prompts >= 0).sum()) + int(attn[:, P:].sum())

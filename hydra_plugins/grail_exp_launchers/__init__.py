@@ -17,6 +17,10 @@ preemption signal; ``SUBMITIT_PREEMPT_SIGNAL`` changes it). What happens then:
    run. A signal that arrives outside training (model build, evaluation) requeues at once, without a
    checkpoint: the job then restarts from its last checkpoint, or from scratch if it has none.
 
+``hydra/launcher=submitit_slurm`` sizes each job from its trainer (nodes = ``trainer.num_nodes``, tasks and GPUs per
+node = ``trainer.devices``) and refuses, before submitting anything, a job whose launcher values were set to something
+else (``check_slurm_layout``).
+
 The Hydra sweep directory is resolved once in the launching process and pickled with the launcher, so a
 requeued job never re-evaluates ``${now:...}``; ``resume`` is excluded from ``hydra.job.override_dirname``
 (conf/hydra/default.yaml) so that a sub-directory named after the overrides does not change either.
@@ -47,9 +51,44 @@ class _ResumeOnRequeue:
         return super().checkpoint(overrides, *args, **kwargs)  # type: ignore[misc]
 
 
+def check_slurm_layout(params: dict, job_cfg, overrides: list[str] = ()) -> None:
+    """Refuse a SLURM job whose shape disagrees with its trainer, naming both keys: ``hydra.launcher.nodes`` vs
+    ``trainer.num_nodes``, ``tasks_per_node`` vs ``trainer.devices`` (Lightning runs one task per rank) and, for a GPU
+    trainer, ``gpus_per_node`` vs ``trainer.devices`` (null = GPUs requested another way, e.g. ``gres``). The launcher
+    values follow the trainer by default (conf/hydra/launcher/submitit_slurm.yaml); a mismatch was set explicitly, or
+    a sweep varies the trainer's shape, which one launcher cannot follow."""
+    from grail_exp.errors import ConfigError
+    from grail_exp.training.world import devices_per_node
+
+    t = job_cfg.trainer
+    devices, nodes = devices_per_node(t.devices), int(t.get("num_nodes", 1) or 1)
+    wrong = []
+    if int(params.get("nodes") or 1) != nodes:
+        wrong.append(f"hydra.launcher.nodes = {params.get('nodes')} but trainer.num_nodes = {nodes}")
+    if int(params.get("tasks_per_node") or 1) != devices:
+        wrong.append(f"hydra.launcher.tasks_per_node = {params.get('tasks_per_node')} but trainer.devices = {t.devices} "
+                     f"(Lightning runs one task per rank)")
+    gpus = params.get("gpus_per_node")
+    if str(t.accelerator) != "cpu" and gpus is not None and int(gpus) != devices:
+        wrong.append(f"hydra.launcher.gpus_per_node = {gpus} but trainer.devices = {t.devices}")
+    if wrong:
+        job = f" (job overrides: {' '.join(overrides)})" if overrides else ""
+        raise ConfigError("the SLURM job's shape disagrees with its trainer" + job + ": " + "; ".join(wrong)
+                          + ". Leave the launcher keys unset (they follow the trainer) or set both sides alike")
+
+
 if SlurmLauncher is not None:
     class ResumingSlurmLauncher(_ResumeOnRequeue, SlurmLauncher):
-        pass
+        def launch(self, job_overrides, initial_job_idx):
+            from grail_exp.errors import exit_on_user_error
+
+            # Before anything reaches sbatch: every job's composed trainer against the one set of launcher values
+            # (one line on stderr, exit 2, as every user error of the entry points).
+            with exit_on_user_error():
+                for overrides in job_overrides:
+                    job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                    check_slurm_layout(self.params, job_cfg, list(overrides))
+            return super().launch(job_overrides, initial_job_idx)
 
     class ResumingLocalLauncher(_ResumeOnRequeue, LocalLauncher):
         pass

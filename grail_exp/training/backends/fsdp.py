@@ -5,7 +5,8 @@ micro-batch — embeddings, decoder, chunked output-layer log-probs — is one c
 FSDP's hooks gather and free parameters around everything the trainer and the schemes touch. fp32 sharded parameters
 are the master weights (the policy is loaded in fp32, ``policy_overrides``); compute runs in ``model.dtype``
 (``MixedPrecisionPolicy``), gradients are reduce-scattered in fp32 in FSDP's backward hooks. Generation, scheme
-``prepare`` passes and checkpoints see the full parameters (``full_parameters``; full state dicts on rank 0).
+``prepare`` passes and checkpoints see the full parameters (``full_parameters``; full state dicts on rank 0); an
+engine with its own copy of the weights (vLLM) is streamed them one gathered tensor at a time (``weight_chunks``).
 
 ``sharding_strategy``: FULL_SHARD (ZeRO-3-like: a layer's parameters are freed after its forward and gathered again
 for backward) or SHARD_GRAD_OP (ZeRO-2-like, the paper's layout: kept gathered from forward to backward); gradients
@@ -23,6 +24,7 @@ import torch
 
 from grail_exp.forward import policy_forward
 from grail_exp.optim import build_optimizer, grad_params
+from grail_exp.rollout.base import chunked
 from grail_exp.training.backends.base import UpdateBackend, raw_optimizer, register_backend
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
@@ -36,10 +38,11 @@ class PolicyCore(torch.nn.Module):
         self.policy = policy
 
     def forward(self, input_ids, attention_mask, position_ids, completion_ids, temperature: float, chunk_tokens: int,
-                hidden_states: bool, logprob_dtype: str = "float32"):
+                hidden_states: bool, logprob_dtype: str = "float32", share_prompts: bool = False):
         logp, entropy, fwd = policy_forward(self.policy, input_ids, attention_mask, position_ids, completion_ids,
                                             temperature, chunk_tokens=chunk_tokens, hidden_states=hidden_states,
-                                            logprob_dtype=logprob_dtype)
+                                            logprob_dtype=logprob_dtype, share_prompts=share_prompts,
+                                            anchor_prefix=True)  # FSDP's backward hooks: forward.body_forward
         return logp.clone(), entropy.clone(), fwd  # not views: FSDP hooks the outputs for its backward
 
 
@@ -83,17 +86,50 @@ def initialize_root(core: torch.nn.Module) -> None:
 
 
 @contextmanager
-def full_parameters(core: torch.nn.Module):
-    """Every sharded parameter gathered (no-grad work outside the root forward: generation, scheme ``prepare``)."""
+def full_parameters(core: torch.nn.Module, reshard_after_forward: bool):
+    """Every sharded parameter gathered (no-grad work outside the root forward: generation, scheme ``prepare``).
+
+    Kept gathered until the context ends: with FULL_SHARD a layer's forward would otherwise free its parameters
+    again, and the next call of that layer (every generated token) would all-gather them anew — a collective inside
+    generation, which hangs as soon as two ranks generate a different number of tokens or calls (their own prompts,
+    their share of an evaluation)."""
     initialize_root(core)
     units = fsdp_units(core)
     for u in units:
         u.unshard()
+    hold(core)
     try:
         yield
     finally:
+        release(core, reshard_after_forward)
         for u in units:
             u.reshard()
+
+
+def hold(core: torch.nn.Module) -> None:
+    """Keep every gathered unit gathered through forwards and backwards (no reshard, hence no re-gather: no collective)
+    until ``release``. FSDP otherwise frees a layer after its forward (FULL_SHARD) or after any backward through it —
+    a scheme's probe gradient with respect to the embeddings included — and the next use all-gathers it again."""
+    core.set_reshard_after_forward(False)
+    core.set_reshard_after_backward(False)
+
+
+def release(core: torch.nn.Module, reshard_after_forward: bool) -> None:
+    """Back to the configured behaviour: layers reshard after forward under FULL_SHARD (the root unit never) and every
+    unit after its backward."""
+    for u in fsdp_units(core):
+        u.set_reshard_after_forward(reshard_after_forward and u is not core, recurse=False)
+    core.set_reshard_after_backward(True)
+
+
+def gathered_tensors(policy: torch.nn.Module):
+    """``(name, full tensor)`` of the policy's state dict, each gathered from the ranks' shards when it is asked for
+    (one all-gather per tensor, a collective: every rank walks the same names). The state dict's own pre-hook puts
+    any gathered unit back to its shards first, so every value is a DTensor here (or a plain, replicated tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in policy.state_dict().items():
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
 
 @register_backend("fsdp")
@@ -126,19 +162,52 @@ class FSDPBackend(UpdateBackend):
     def build_optimizer(self, policy):
         return build_optimizer(policy, self.cfg.optim, master_weights=False)
 
-    def forward(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states=False):
+    def forward(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states=False,
+                hold_gathered=False):
         if self.core is None or model is not self.core.policy:  # the reference model or a teacher: not sharded
             return super().forward(model, input_ids, attention_mask, position_ids, completion_ids,
                                    hidden_states=hidden_states)
+        if hold_gathered and torch.is_grad_enabled():
+            # Probe rows differ between ranks: a probe's backward (or forward) through resharded layers would
+            # all-gather on some ranks only and hang the others. Gathered until this micro-batch's backward.
+            hold(self.core)
+            self._held = True
         return self.core(input_ids, attention_mask, position_ids, completion_ids, self.cfg.rollout.temperature,
                          self.cfg.trainer.logprob_chunk_tokens, hidden_states,
-                         self.cfg.trainer.get("logprob_dtype", "float32"))
+                         self.cfg.trainer.get("logprob_dtype", "float32"), self.share_prompts)
 
     def full_parameters(self):
-        return full_parameters(self.core) if self.core is not None else super().full_parameters()
+        if self.core is None:
+            return super().full_parameters()
+        return full_parameters(self.core, self._reshard_after_forward())
+
+    def full_tensors(self):
+        return gathered_tensors(self.core.policy) if self.core is not None else super().full_tensors()
+
+    def weight_chunks(self, dtype, max_bytes):
+        # Each shard is cast to the engine's dtype before the gather (elementwise, so the same values as casting the
+        # gathered fp32 tensor), halving what travels and what is held for bf16 engines.
+        if self.core is None:
+            return super().weight_chunks(dtype, max_bytes)
+        from torch.distributed.tensor import DTensor
+
+        def pairs():
+            for name, t in self.core.policy.state_dict().items():
+                t = t.detach().to(dtype)
+                yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+        return chunked(pairs(), max_bytes)
 
     def backward(self, loss):
+        if getattr(self, "_held", False):
+            self.core.set_reshard_after_backward(True)  # the loss backward reshards each unit after reducing it
         self.module.manual_backward(loss)
+        if getattr(self, "_held", False):
+            release(self.core, self._reshard_after_forward())
+            self._held = False
+
+    def _reshard_after_forward(self) -> bool:
+        return (self.cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "FULL_SHARD"
 
     def step(self, optimizer, loss_finite):
         params = grad_params(optimizer, self.core.policy)  # gradients were reduce-scattered in backward

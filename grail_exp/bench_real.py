@@ -1,0 +1,325 @@
+"""``python -m grail_exp.bench bench.mode=real``: N real training steps of an experiment, phase by phase, against this
+machine's arithmetic floor.
+
+    python -m grail_exp.bench bench.mode=real experiment=real/smollm2_grpo bench.steps=5 bench.schemes=[grpo,grail,oar_g]
+    python -m grail_exp.bench bench.mode=real experiment=real/smollm2_grpo rollout=vllm      # vLLM's CPU build: .venv-vllm
+
+Each scheme runs in a fresh process (so its peak memory is its own): the experiment's own parts (model, engine,
+verifier, data) and trainer code (``RolloutPhase.collect``, ``UpdatePhase.optimizer_steps``), ``bench.steps``
+optimiser steps from the experiment's start, with no evaluation and no logging. Per step it records the wall and CPU
+time of each phase (``rollout`` = generation, ``scoring``, ``old_logp``, ``scheme``, ``update`` = forward + backward +
+optimiser), the tokens (distinct prompts' tokens, completion tokens), the token efficiency (real tokens / positions the
+update's forwards computed), the reward and loss. Medians are over the steps after ``bench.skip`` (the first pays for
+allocator and kernel warm-up); peak RSS (or CUDA memory) is the process's over all steps.
+
+The floor: this machine's matmul throughput, measured in the process at the run's thread count and the model's dtype
+(best of 5 products of two 2048² matrices), times the step's matmul FLOPs with each distinct prompt counted once —
+generation (prefill of the distinct prompts, one forward per generated token), the update (forward + backward = 3x
+the forward over the distinct prompts and the completions, plus the output layer), the old-log-prob forward, GRAIL's
+probe (one input-gradient backward over the completions) and OAR-G's noisy pass (a forward and an input-gradient
+backward); attention scores counted for the positions each token attends to. ``floor_ratio`` = step time / floor.
+
+This file drives any checkout's trainer: ``PYTHONPATH=<checkout> python <this file> ...`` times that checkout's code with
+this driver (the before / after tables of results/bench_real_model.md); trainer metrics a checkout lacks (computed
+positions) are counted from the batch instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("grail_exp.bench")
+PHASES = ("rollout", "weight_sync", "scoring", "scheme_prepare", "old_logp", "scheme", "update")
+
+
+# ------------------------------------------------------------------------------------------------ one scheme
+def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | None) -> dict:
+    """``steps`` real training steps of ``scheme`` (in this process): per-step records, the floor and the peak."""
+    import torch
+
+    if threads:
+        os.environ["GRAIL_EXP_BENCH_THREADS"] = str(threads)  # bench.threads wins over trainer.num_threads
+        torch.set_num_threads(int(threads))
+    cfg, module, parts, (opt, sched) = _build(overrides, scheme)
+    shape = _shape(parts.policy)
+    gflops = matmul_gflops(parts.policy)
+    records = []
+    try:
+        for r in range(steps):
+            records.append(_one_step(module, opt, sched, r, shape, scheme))
+            log.info("bench real %s step %d: %s", scheme, r + 1, {k: round(v, 3) for k, v in records[-1].items()
+                                                                      if isinstance(v, float)})
+    finally:
+        parts.verifier.close()
+    peak = _peak_bytes()
+    for rec in records:
+        rec["floor_s"] = rec["flops"] / (gflops * 1e9)
+        rec["floor_ratio"] = rec["step_s"] / rec["floor_s"]
+    return {"records": records, "matmul_gflops": gflops, "peak_memory_gb": peak / 1e9, "threads": torch.get_num_threads(),
+            "device": str(parts.policy.device), "model": dict(shape), "engine": str(cfg.rollout.engine),
+            "micro_batch_size": int(cfg.trainer.micro_batch_size)}
+
+
+def _build(overrides: list[str], scheme: str):
+    """The experiment's parts and a ``GRPOModule`` driven without Lightning (as ``bench`` does)."""
+    import lightning as L
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from grail_exp.conf_path import CONFIG_DIR
+    from grail_exp.config import register_configs, validate
+    from grail_exp.module import GRPOModule
+    from grail_exp.tracking import NullTracker
+    from grail_exp.training.job import build_parts
+
+    register_configs()
+    out_dir = tempfile.mkdtemp(prefix="bench_real_")
+    fixed = [f"advantage={scheme}", "logger=none", f"paths.output_dir={out_dir}", "trainer.weights_table_every=0",
+             "trainer.sample_table_every=0", "trainer.eval_before_training=false", "trainer.eval_at_end=false"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = validate(compose(config_name="config", overrides=[*overrides, *fixed]))
+    if cfg.trainer.get("num_threads") and not os.environ.get("GRAIL_EXP_BENCH_THREADS"):
+        torch.set_num_threads(int(cfg.trainer.num_threads))
+    L.seed_everything(cfg.seed, verbose=False)
+    parts = build_parts(cfg, None, None, NullTracker(), {}, time.perf_counter())
+    if str(cfg.trainer.accelerator) == "gpu" and torch.cuda.is_available():  # where Lightning would put them
+        parts.policy.to("cuda")
+        if parts.ref_model is not None:
+            parts.ref_model.to("cuda")
+    engine = parts.engine_factory()  # one process, no process group: the engine is built here, as setup() would
+    module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, engine, parts.source, parts.verifier,
+                        NullTracker(), parts.ref_model, terms=parts.terms)
+    module.manual_backward = lambda loss: loss.backward()  # no Lightning trainer here
+    module.backend.configure_model(parts.policy)
+    (opt,), (sched,) = module.configure_optimizers()
+    return cfg, module, parts, (opt, sched["scheduler"])
+
+
+def _one_step(module, opt, sched, round_index: int, shape: dict, scheme: str) -> dict:
+    """One rollout batch and its optimiser steps: phase times, tokens, reward, loss."""
+    timings: dict[str, float] = {}
+    t0, c0 = time.perf_counter(), time.process_time()
+    module.progress.rollouts = round_index + 1
+    batch, stats = module.rollout.collect(round_index, timings)
+    losses, metrics = [], {}
+    for _, metrics in module.update.optimizer_steps(batch, opt, sched, 0, timings):
+        module.progress.step += 1
+        losses.append(metrics["loss"])
+    rec = {"step_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    rec.update({f"{k}_s": float(timings.get(k, 0.0)) for k in PHASES})
+    tokens = batch_tokens(batch)
+    rec.update(tokens)
+    rows, width = batch.input_ids.shape
+    computed = metrics.get("tokens/computed_positions", float(rows * width))  # a checkout without it: every column
+    rec["computed_positions"] = float(computed)
+    rec["token_efficiency"] = tokens["update_tokens"] / max(computed, 1.0)
+    rec["reward"] = float(stats["reward/mean"])
+    rec["loss"] = float(losses[-1]) if losses else float("nan")
+    rec["losses"] = [float(x) for x in losses]
+    rec["flops"] = step_flops(shape, batch, scheme, old_logp=batch.old_logp is not None)
+    return rec
+
+
+def batch_tokens(batch) -> dict:
+    """Real tokens of a rollout batch: each distinct prompt once, every completion token."""
+    import torch
+
+    P = batch.prompt_length
+    prompts = torch.unique(torch.where(batch.attention_mask[:, :P].bool(), batch.input_ids[:, :P], -1), dim=0)
+    prompt_tokens = float((prompts >= 0).sum())
+    completion_tokens = float(batch.attention_mask[:, P:].sum())
+    return {"prompts": float(prompts.shape[0]), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "update_tokens": prompt_tokens + completion_tokens}
+
+
+# ------------------------------------------------------------------------------------------------ the floor
+def _shape(policy) -> dict:
+    c = policy.config
+    heads = int(c.num_attention_heads)
+    d = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    return {"layers": int(c.num_hidden_layers), "hidden": int(c.hidden_size), "intermediate": int(c.intermediate_size),
+            "heads": heads, "kv_heads": int(getattr(c, "num_key_value_heads", heads)), "head_dim": d,
+            "vocab": int(c.vocab_size)}
+
+
+def step_flops(s: dict, batch, scheme: str, old_logp: bool) -> float:
+    """Matmul FLOPs of one step with each distinct prompt counted once (module docstring)."""
+    import torch
+
+    h, i, L, H, kv, d, V = (s[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab"))
+    per_token = 2 * L * (h * H * d + 2 * h * kv * d + H * d * h + 3 * h * i)  # the decoder's weight matmuls
+    attend = 4 * L * H * d  # per (query, key) pair: the score and the weighted value
+    P = batch.prompt_length
+    pm = batch.attention_mask[:, :P].bool()
+    _, first = torch.unique(torch.where(pm, batch.input_ids[:, :P], -1), dim=0, return_inverse=True)
+    reps = torch.zeros(int(first.max()) + 1, dtype=torch.long).scatter_(0, first.cpu(), torch.arange(first.numel()))
+    p_len = pm.sum(1).cpu().double()
+    c_len = batch.attention_mask[:, P:].sum(1).cpu().double()
+    prompt_fwd = float(sum(p_len[r] * per_token + p_len[r] ** 2 / 2 * attend for r in reps.tolist()))
+    comp_fwd = float((c_len * per_token + (c_len * p_len + c_len ** 2 / 2) * attend + 2 * c_len * V * h).sum())
+    generation = prompt_fwd + comp_fwd + 2 * V * h * len(reps)
+    forward = prompt_fwd + comp_fwd
+    total = generation + 3 * forward + (forward if old_logp else 0.0)
+    if scheme == "grail":
+        total += comp_fwd
+    elif scheme == "oar_g":
+        total += 2 * comp_fwd
+    return total
+
+
+def matmul_gflops(policy, n: int = 2048, repeats: int = 5) -> float:
+    """This process's matmul throughput (GFLOP/s) in the model's dtype on its device: the best of ``repeats``
+    products of two n x n matrices after one warm-up."""
+    import torch
+
+    p = next(policy.parameters())
+    a = torch.randn(n, n, dtype=p.dtype, device=p.device)
+    b = torch.randn(n, n, dtype=p.dtype, device=p.device)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        if p.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        a @ b
+        if p.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def _peak_bytes() -> float:
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.max_memory_allocated())
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# ------------------------------------------------------------------------------------------------ the table
+def summarize(result: dict, skip: int) -> dict:
+    """Medians over the steps after the first ``skip`` (all of them when there are no others)."""
+    recs = result["records"][skip:] or result["records"]
+    keys = [k for k, v in recs[0].items() if isinstance(v, float)]
+    out = {k: statistics.median(r[k] for r in recs) for k in keys}
+    out.update({k: result[k] for k in ("matmul_gflops", "peak_memory_gb", "threads", "engine", "micro_batch_size")})
+    out["rewards"] = [r["reward"] for r in result["records"]]
+    out["losses"] = [r["loss"] for r in result["records"]]
+    return out
+
+
+def table_markdown(summaries: dict, baseline: str = "grpo") -> str:
+    base = summaries.get(baseline, {})
+    lines = ["| scheme | engine | step s | generation s | update s | scoring s | tokens / step | token eff. | "
+             "peak GB | floor s | step / floor | step / grpo |", "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for name, r in summaries.items():
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error']} |" + " |" * 10)
+            continue
+        update = r["update_s"] + r["scheme_s"] + r["old_logp_s"] + r["scheme_prepare_s"]
+        ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base.get("step_s") else "—"
+        lines.append(f"| {name} | {r['engine']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {update:.2f} | "
+                     f"{r['scoring_s']:.2f} | {r['update_tokens']:.0f} | {r['token_efficiency']:.2f} | "
+                     f"{r['peak_memory_gb']:.2f} | {r['floor_s']:.2f} | {r['floor_ratio']:.1f}x | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(bench, overrides: list[str], argv: list[str]) -> dict:
+    """Every scheme of ``bench.schemes`` in its own process, one after the other."""
+    results, summaries = {}, {}
+    for name in bench.schemes:
+        try:
+            results[name] = in_own_process(_run_scheme_logged, overrides, name, int(bench.steps), bench.get("threads"))
+            summaries[name] = summarize(results[name], int(bench.skip))
+        except Exception as exc:  # one scheme's failure is a row of the table, not the end of the run
+            log.exception("bench real: scheme %s failed", name)
+            summaries[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        log.info("bench real %s: %s", name, summaries[name])
+    table = table_markdown(summaries)
+    print(table, flush=True)
+    payload = {"schemes": summaries, "steps": results, "command": "python -m grail_exp.bench " + " ".join(argv),
+               "load": _load()}
+    if bench.json:
+        Path(bench.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(bench.json).write_text(json.dumps(payload, indent=2))
+    if bench.markdown:
+        Path(bench.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(bench.markdown).write_text(f"`{payload['command']}`\n\nload: {payload['load']}\n\n{table}\n")
+    return payload
+
+
+def in_own_process(fn, *args):
+    """``fn(*args)`` in a fresh spawned process (its peak memory is its own); ``fn`` importable at module level. A
+    plain, non-daemonic process: a run starts processes of its own (the grading workers), which a pool's daemonic
+    workers may not."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(send, fn, args))
+    child.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        ok, value = False, f"the process ended without a result (exit code {child.join() or child.exitcode})"
+    child.join()
+    if not ok:
+        raise RuntimeError(value)
+    return value
+
+
+def _run_scheme_logged(overrides, name, steps, threads):
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine (its own process is this one)
+    return run_scheme(list(overrides), name, steps, threads)
+
+
+def _child(send, fn, args):
+    try:
+        send.send((True, fn(*args)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as this scheme's row
+        import traceback
+
+        traceback.print_exc()
+        send.send((False, f"{type(exc).__name__}: {exc}"))
+    finally:
+        send.close()
+
+
+def _load() -> str:
+    """The machine's 1-minute load average when the table was written (a shared machine slows every column)."""
+    try:
+        return f"{os.getloadavg()[0]:.2f} (1-min load average, {os.cpu_count()} CPUs)"
+    except OSError:
+        return "unknown"
+
+
+def cli(argv: list[str]) -> dict:
+    """``PYTHONPATH=<checkout> python <this file> ...``: this driver's keys (conf/bench.yaml beside it) over another
+    checkout's trainer. The same arguments as ``python -m grail_exp.bench bench.mode=real``."""
+    from omegaconf import OmegaConf
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    bench = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "bench.yaml")
+    mine = [a[len("bench."):] if a.startswith("bench.") else a for a in argv
+            if a.split("=", 1)[0].startswith("bench.") or a.split("=", 1)[0] in ("json", "markdown")]
+    overrides = [a for a in argv if not (a.split("=", 1)[0].startswith("bench.") or a.split("=", 1)[0] in ("json", "markdown"))]
+    bench = OmegaConf.merge(bench, OmegaConf.from_dotlist(mine))
+    return main(bench, overrides, argv)
+
+
+if __name__ == "__main__":
+    # Run as a file, this directory would shadow top-level modules (``models``, ``metrics``, ...): drop it, so that
+    # ``grail_exp`` is the checkout on PYTHONPATH (spawned children inherit this path).
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != here]
+    cli(sys.argv[1:])

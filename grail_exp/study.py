@@ -1,0 +1,242 @@
+"""A study on disk: every finished arm writes its evaluation summary to ``<study.dir>/<arm>/`` at once, a restarted
+study skips the arms already there, and ``python -m grail_exp.report runs.dir=<study.dir>`` reads them.
+
+Long comparisons on a shared machine get stopped. With ``study.dir`` set (sweeps/real_model_study.sh sets it), a
+training job
+
+1. first looks for ``<study.dir>/<arm>/arm.json``: if it is there and was written with the same configuration, the
+   job returns its recorded metrics without training (no MLflow run, no model load); if it was written with another
+   configuration, the job stops with a ``StudyError`` naming the keys that differ (never silently mixed);
+2. otherwise trains as usual (``resume=auto`` continues its last checkpoint), and after its final evaluation writes
+   the arm's folder, atomically (a temporary folder renamed into place, ``arm.json`` inside it):
+
+   ``arm.json``               model, scheme, seed, run ids, the starting weights' sha256, the flat resolved
+                              configuration (what pairing is checked on), the metrics before / after, phase times
+   ``samples_before.parquet`` the evaluation before training, one row per sample (benchmark, problem_index,
+                              sample_index, correct, extracted, n_tokens, completion, ...)
+   ``samples_final.parquet``  the evaluation after training, same columns
+   ``history.csv``            the training curves (one row per optimiser step), from the run's MLflow metrics
+   ``weights/step_*.parquet`` the per-token weight tables the loss used (positional profile, heatmaps)
+
+The arm's name is ``study.arm`` or ``<model>-<scheme>-s<seed>``. Keys that cannot change what an arm computes
+(paths, logging, thread count, resume) may differ between the first start and a restart (``NOT_IDENTITY``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from grail_exp.errors import UserError
+
+log = logging.getLogger("grail_exp.study")
+
+ARM_FILE = "arm.json"
+# Flat config keys (prefixes) that may change between a study's start and its restart: where files go, how runs are
+# logged, how many threads compute, whether to resume, which recipe files stated the values (recipe.*: the resolved
+# values themselves are the identity, wherever they were stated). Everything else is the arm's identity.
+NOT_IDENTITY = ("paths.", "hydra.", "logger.", "study.", "recipe.", "resume", "trainer.num_threads",
+                "trainer.progress_log_every", "reward.num_workers", "optimized_metric")
+HISTORY_KEYS = ("reward/mean", "accuracy", "completions/mean_length", "completions/truncated_rate", "entropy",
+                "loss", "grad_norm", "frac_reward_zero_std", "weights/mean", "clip_ratio/region_mean",
+                "timing/step_s", "timing/step_cpu_s", "timing/rollout_s", "timing/scheme_s", "timing/update_s",
+                "memory/peak_rss_gb")
+
+
+class StudyError(UserError, ValueError):
+    """A study folder that does not fit the job or the report (another configuration, a missing or broken file)."""
+
+
+def arm_name(cfg) -> str:
+    return str(cfg.study.arm) if cfg.study.get("arm") else f"{cfg.model.name}-{cfg.advantage.name}-s{cfg.seed}"
+
+
+def arm_dir(cfg) -> Path | None:
+    return Path(cfg.study.dir) / arm_name(cfg) if cfg.get("study") is not None and cfg.study.get("dir") else None
+
+
+def identity(cfg) -> dict[str, Any]:
+    """The flat resolved configuration minus ``NOT_IDENTITY``, as JSON values (what a restart must match)."""
+    from omegaconf import OmegaConf
+
+    from grail_exp.tracking import flatten
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    flat = {k: v for k, v in flatten(container).items() if not k.startswith(NOT_IDENTITY)}
+    return json.loads(json.dumps(flat, default=str))
+
+
+def differences(a: dict, b: dict, limit: int = 12) -> list[str]:
+    """``key: a vs b`` for every key whose values differ (absent on one side: ``<absent>``), sorted by key."""
+    keys = sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
+    out = [f"{k}: {a.get(k, '<absent>')!r} vs {b.get(k, '<absent>')!r}" for k in keys[:limit]]
+    return out + ([f"... and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+
+def finished(cfg) -> dict | None:
+    """The arm's record when this job's arm already finished with the same configuration; None when it has not.
+
+    Raises ``StudyError`` when the folder holds an arm finished with another configuration."""
+    folder = arm_dir(cfg)
+    if folder is None or not (folder / ARM_FILE).is_file():
+        return None
+    record = read_arm(folder)
+    diff = differences(record["config"], identity(cfg))
+    if diff:
+        raise StudyError(f"{folder / ARM_FILE}: this arm finished with another configuration (recorded vs this "
+                         f"job): {'; '.join(diff)}. Move the folder away, or set study.dir / study.arm to another one")
+    return record
+
+
+def weights_sha256(model_dir: str | os.PathLike) -> str:
+    """sha256 over a model directory's weight files (names and bytes, in name order): the starting weights' identity.
+    A hub id without a local directory hashes its name."""
+    p = Path(model_dir)
+    files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in p.glob(pattern)) if p.is_dir() else []
+    h = hashlib.sha256()
+    if not files:
+        h.update(f"name:{model_dir}".encode())
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _history(tracker) -> "Any":
+    """The run's training curves (one row per step) from its MLflow metrics; None without an MLflow run."""
+    import pandas as pd
+
+    client, run_id = getattr(tracker, "client", None), getattr(tracker, "run_id", None)
+    if client is None or run_id is None:
+        return None
+    from grail_exp.plots import fetch_histories
+
+    hist = fetch_histories(client, [run_id], HISTORY_KEYS)[run_id]
+    cols = {k: pd.Series(v, index=s) for k, (s, v) in hist.items()}
+    frame = pd.DataFrame(cols).sort_index()
+    frame.index.name = "step"
+    return frame
+
+
+def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tracker) -> Path:
+    """The finished arm's folder (see the module docstring), written into a temporary folder and renamed into place."""
+    from grail_exp.tracking import code_tags
+
+    folder = arm_dir(cfg)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for tag in ("before", "final"):
+        src = run_dir / "eval" / tag / "samples.parquet"
+        if src.is_file():
+            shutil.copy2(src, tmp / f"samples_{tag}.parquet")
+    if not (tmp / "samples_final.parquet").is_file():
+        raise StudyError(f"{run_dir}/eval/final/samples.parquet: no final evaluation to record for study arm "
+                         f"{folder.name} (trainer.eval_at_end must be true in a study)")
+    before = run_dir / "eval" / "before" / "metrics.json"
+    if before.is_file() and not any(k.startswith("eval_before/") for k in metrics):  # evaluated before a resume
+        metrics = {**metrics, **{k.replace("eval/", "eval_before/", 1): v for k, v in json.loads(before.read_text()).items()}}
+    history = _history(tracker)
+    if history is not None:
+        history.to_csv(tmp / "history.csv")
+    weights = sorted((run_dir / "weights").glob("step_*.parquet"))
+    if weights:
+        (tmp / "weights").mkdir()
+        for f in weights:
+            shutil.copy2(f, tmp / "weights" / f.name)
+    record = {
+        "arm": folder.name, "model": str(cfg.model.name), "scheme": str(cfg.advantage.name), "seed": str(cfg.seed),
+        "status": "FINISHED", "run_id": getattr(tracker, "run_id", None),
+        "parent_run_id": _parent_of(tracker), "run_dir": str(run_dir),
+        "start_weights_sha256": start_sha256, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "code": code_tags(), "metrics": metrics, "config": identity(cfg),
+        "files": {f.relative_to(tmp).as_posix(): _file_sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()},
+    }
+    (tmp / ARM_FILE).write_text(json.dumps(record, indent=1, default=float))
+    if folder.exists():  # a folder without arm.json is debris of nothing (arms are renamed into place whole)
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    log.info("study: arm %s recorded in %s", folder.name, folder)
+    return folder
+
+
+def _parent_of(tracker) -> str | None:
+    client, run_id = getattr(tracker, "client", None), getattr(tracker, "run_id", None)
+    if client is None or run_id is None:
+        return None
+    return client.get_run(run_id).data.tags.get("mlflow.parentRunId")
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_arm(folder: str | os.PathLike) -> dict:
+    """An arm's record with its files checked against the sha256 it recorded (``StudyError`` naming the file)."""
+    folder = Path(folder)
+    try:
+        record = json.loads((folder / ARM_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StudyError(f"{folder / ARM_FILE}: unreadable study record ({exc})") from exc
+    for name, sha in record.get("files", {}).items():
+        path = folder / name
+        if not path.is_file() or _file_sha256(path) != sha:
+            raise StudyError(f"{path}: missing or changed since the arm was recorded (sha256 {sha[:12]}...)")
+    return record
+
+
+def read_study(directory: str | os.PathLike) -> list[tuple[Path, dict]]:
+    """Every finished arm under ``directory`` (folders holding ``arm.json``), in name order."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise StudyError(f"runs.dir={str(root)!r}: no such study folder")
+    return [(f.parent, read_arm(f.parent)) for f in sorted(root.glob(f"*/{ARM_FILE}"))]
+
+
+def fault_at_step(point: str, step: int, scheme: str) -> None:
+    """Test-only fault injection at the end of optimiser step N, in any job or only in jobs of one scheme: a study is
+    stopped mid-arm at a known point instead of by a timer.
+
+    ``GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]`` sends this process SIGTERM before the step's checkpoint decision
+    (as if it had arrived during step N: the run checkpoints step N and stops); ``kill_after_step:<N>[:<scheme>]``
+    SIGKILLs it after the checkpoint decision (``point``: which of the two places calls)."""
+    fault = os.environ.get("GRAIL_EXP_FAULT", "").split(":")
+    if fault[0] != point or len(fault) < 2 or int(fault[1]) != step or (len(fault) > 2 and fault[2] != scheme):
+        return
+    import signal
+
+    log.warning("GRAIL_EXP_FAULT: %s at step %d of %s", point, step, scheme)
+    if point == "term_at_step":
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def choose_lr(folder: str | os.PathLike, out: str | os.PathLike, expected: list[str],
+              metric: str = "eval/arithmetic_val/acc") -> dict:
+    """The learning rate of a sweep folder's arms with the best ``metric`` (ties: the smaller), written to ``out``.
+
+    Every value of ``expected`` must have a finished arm (a stopped sweep is finished first, never cut short)."""
+    arms = [arm for _, arm in read_study(folder)]
+    found = {float(a["config"]["optim.lr"]): a for a in arms}
+    missing = [x for x in expected if float(x) not in found]
+    if missing:
+        raise StudyError(f"{folder}: no finished arm for optim.lr = {', '.join(missing)}; run the sweep to its end")
+    rows = sorted(({"lr": lr, "value": float(a["metrics"][metric]), "arm": a["arm"]} for lr, a in found.items()
+                   if any(float(x) == lr for x in expected)), key=lambda r: (-r["value"], r["lr"]))
+    steps = {int(a["config"]["trainer.max_steps"]) for a in arms}
+    choice = {"lr": rows[0]["lr"], "metric": metric, "rule": "the best metric, ties to the smaller lr",
+              "steps": sorted(steps), "candidates": sorted(rows, key=lambda r: r["lr"])}
+    Path(out).write_text(json.dumps(choice, indent=1) + "\n")
+    log.info("learning rate chosen: %s (%s = %.3f)", choice["lr"], metric, rows[0]["value"])
+    print(json.dumps(choice))
+    return choice

@@ -1,0 +1,97 @@
+"""The probe of the card's dress rehearsal (``GRAIL_EXP_PROBE=card_probe:CardProbe``, ``PYTHONPATH=tests``): every rank
+writes what it did, one JSON line per probe point, to ``$GRAIL_EXP_PROBE_DIR/rank<r>.jsonl``
+(grail_exp/training/probe.py lists the points). The tests judge the run by these files, not by its log or exit code.
+
+- ``setup``: the world this rank runs in (torch.distributed's size, rank, backend) and its engine;
+- ``rollout``: the data indices and questions of the prompts this rank sampled;
+- ``synced``: after every weight sync (rollouts and evaluations), the engine's log-probs of a fixed completion — its
+  greedy continuation of a fixed prompt — against the trainer's forward on the same tokens;
+- ``step``: a sha256 of the full weights after every optimiser step (gathered under FSDP, the replica otherwise);
+- ``evaluated``: the gathered evaluation (its metrics, every sample's completion, which rank generated each chunk).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+QUESTION = "Compute 12+7."  # the fixed prompt: an arithmetic question as the run renders it
+
+
+class CardProbe:
+    def __init__(self):
+        self.dir = Path(os.environ["GRAIL_EXP_PROBE_DIR"])
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _write(self, point: str, **data) -> None:
+        from grail_exp.training import world
+
+        with open(self.dir / f"rank{world.rank()}.jsonl", "a") as f:
+            f.write(json.dumps({"point": point, **data}) + "\n")
+
+    def setup(self, module):
+        import torch.distributed as dist
+
+        engine = module.rollout.engine
+        vllm = {}
+        if hasattr(engine, "llm"):  # the rank and device index vLLM's own world gave this engine, and its executor
+            from vllm.distributed.parallel_state import get_world_group
+
+            group = get_world_group()
+            vllm = {"vllm_rank": group.rank, "vllm_local_rank": group.local_rank,
+                    "vllm_executor": engine.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend}
+        self._write("setup", world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                    rank=dist.get_rank() if dist.is_initialized() else 0,
+                    backend=str(dist.get_backend()) if dist.is_initialized() else "none",
+                    engine=type(engine).__name__, local_rank=os.environ.get("LOCAL_RANK"), **vllm)
+
+    def rollout(self, module, round_index):
+        r = module.rollout
+        self._write("rollout", round=round_index, indices=list(r.last_prompt_indices),
+                    questions=sorted({s[0].question for s in r.samples}))
+
+    def synced(self, backend, engine):
+        from grail_exp.data.prompting import encode_prompts
+        from grail_exp.forward import position_ids_from_mask
+        from grail_exp.rollout import SamplingParams, pad_completions
+
+        module = backend.module
+        cfg = module.cfg
+        assert cfg.rollout.temperature == 1.0  # greedy log-probs are log softmax(z) = the trainer's at T = 1
+        prompt = encode_prompts([QUESTION], module.tokenizer, cfg.model, cfg.data.instruction)
+        with torch.random.fork_rng(devices=[]), backend.generation(engine):  # the run's RNG streams stay as they were
+            out = engine.generate(prompt, SamplingParams(n=1, temperature=0.0, max_new_tokens=12, logprobs=True))
+        rb = pad_completions(out, module.tokenizer.pad_token_id)
+        dev = module.policy.device
+        mask = rb.attention_mask.to(dev)
+        with torch.no_grad():
+            trainer, _, _ = backend.forward(module.policy, rb.input_ids.to(dev), mask, position_ids_from_mask(mask),
+                                            rb.completion_ids.to(dev))
+        m = rb.completion_mask.bool()
+        engine_lp = rb.sampling_logprobs[m]
+        trainer_lp = trainer.float().cpu()[m]
+        self._write("synced", tokens=out[0].token_ids, engine=engine_lp.tolist(), trainer=trainer_lp.tolist(),
+                    max_abs_diff=float((engine_lp - trainer_lp).abs().max()))
+
+    def step(self, module, step):
+        h = hashlib.sha256()
+        for name, t in module.backend.full_tensors():
+            h.update(name.encode())
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+        self._write("step", step=step, weights_sha256=h.hexdigest())
+
+    def evaluated(self, module, tag, result):
+        self._write("evaluated", tag=tag, metrics=result.flat_metrics(), generated_by=result.generated_by,
+                    completions=[s["completion"] for s in result.samples])
+
+
+def read(probe_dir: Path) -> dict[int, list[dict]]:
+    """rank -> its probe records, in order."""
+    out = {}
+    for f in sorted(Path(probe_dir).glob("rank*.jsonl")):
+        out[int(f.stem.removeprefix("rank"))] = [json.loads(line) for line in f.read_text().splitlines()]
+    return out

@@ -1,0 +1,395 @@
+"""The real-model scheme study (docs/real-model-study.md): the chain task, the study folder (arms recorded, skipped and
+refused on restart), the report's design check, and the driver end to end at toy scale with a deterministic kill."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import HANG_TIMEOUT_S, compose
+
+ROOT = Path(__file__).parents[1]
+
+
+# ------------------------------------------------------------------------------------------------ the chain task
+def test_solution_styles_write_the_same_chain():
+    from grail_exp.data.arithmetic import render_solution
+
+    chain = [(7, "+", 5, 12), (12, "-", 3, 9), (9, "+", 8, 17)]
+    assert render_solution(chain, "compact") == "7+5=12. 12-3=9. 9+8=17. \\boxed{17}"
+    assert render_solution(chain, "steps") == ("Step 1: 7 + 5 = 12.\nStep 2: 12 - 3 = 9.\nStep 3: 9 + 8 = 17.\n"
+                                               "The answer is \\boxed{17}.")
+    assert render_solution(chain, "words") == ("We go from left to right. First, 7+5=12. Next, 12-3=9. Finally, "
+                                               "9+8=17. So the answer is \\boxed{17}.")
+    assert render_solution(chain[:2] + chain[2:] + [(17, "-", 1, 16)], "words").count("Then, 9+8=17.") == 1
+
+
+def test_compact_default_is_the_stream_it_always_was():
+    """The embedded model's warm start trains on these solutions: the default style must not change a byte. The
+    expectation is the generator's output before the styles existed (git show 46dff6a:grail_exp/data/arithmetic.py)."""
+    from grail_exp.data.arithmetic import ArithmeticTask
+
+    p = ArithmeticTask().train_problem(0)
+    assert (p.question, p.solution, p.answer) == ("Compute 85+85+91.", "85+85=170. 170+91=261. \\boxed{261}", "261")
+
+
+def test_train_seed_reorders_training_only():
+    from grail_exp.data.arithmetic import ArithmeticTask
+
+    base, other = ArithmeticTask(min_steps=2, max_steps=3, max_operand=10), \
+        ArithmeticTask(min_steps=2, max_steps=3, max_operand=10, train_seed=7)
+    assert base.split("test") == other.split("test") and base.split("validation") == other.split("validation")
+    assert base.train_problems(0, 20) != other.train_problems(0, 20)
+    assert ArithmeticTask(train_seed=1234).train_problems(0, 5) == ArithmeticTask().train_problems(0, 5)  # = data.seed
+    held_out = {p.question for s in ("validation", "test") for p in other.split(s)}
+    assert not held_out & {p.question for p in other.train_problems(0, 200)}
+
+
+def _left_to_right(question: str) -> list[tuple[int, str, int, int]]:
+    """The chain of 'Compute a+b-c.', evaluated independently of the generator."""
+    tokens = re.findall(r"\d+|[+\-*]", question.removeprefix("Compute ").rstrip("."))
+    value, out = int(tokens[0]), []
+    for op, b in zip(tokens[1::2], tokens[2::2]):
+        new = value + int(b) if op == "+" else value - int(b) if op == "-" else value * int(b)
+        out.append((value, op, int(b), new))
+        value = new
+    return out
+
+
+def test_study_starts_from_the_screened_cold_start_zero_shot():
+    """The study's starting weights are the candidate measured in results/real_model_study.md section 1
+    (sft40_words_ops23_le10: 40 steps x 8 problems, lr 1e-4, 2-3 operations on operands <= 10, words), zero-shot."""
+    cfg = compose(["experiment=real/chain_grpo"], None)
+    cs = cfg.model.cold_start
+    assert cs.enabled and (cs.steps, cs.batch_size, cs.lr) == (40, 8, 1e-4)
+    assert list(cfg.model.few_shot) == []
+    assert (cfg.data.min_steps, cfg.data.max_steps, cfg.data.max_operand, cfg.data.solution_style) == (2, 3, 10, "words")
+
+
+def test_study_solutions_are_left_to_right_chains():
+    """The cold start's completions (the generator's solutions) state every intermediate result, computed here
+    independently of the generator."""
+    from grail_exp.data.arithmetic import render_solution
+
+    cfg = compose(["experiment=real/chain_grpo"], None)
+    for q in ("Compute 6+3-5.", "Compute 8-2+7+1."):
+        chain = _left_to_right(q)
+        text = render_solution(chain, cfg.data.solution_style)
+        assert all(f"{a}{op}{b}={c}" in text for a, op, b, c in chain) and text.endswith(f"\\boxed{{{chain[-1][3]}}}.")
+
+
+def test_study_arms_differ_only_in_the_scheme():
+    from grail_exp.study import differences, identity
+
+    cfgs = {s: compose([f"experiment=real/chain_{s}", "seed=2", "paths.output_dir=/tmp/x"], None)
+            for s in ("grpo", "grail", "oar_g")}
+    for s in ("grail", "oar_g"):
+        diff = differences(identity(cfgs["grpo"]), identity(cfgs[s]), limit=100)
+        assert diff and all(d.startswith(("advantage.", "recipe.scheme")) for d in diff), diff
+    grail, oar = cfgs["grail"].advantage, cfgs["oar_g"].advantage
+    # the paper's settings (method spec §4.3 / §5.6, the reference's qwen3_grail.yaml and qwen3_oar_g.yaml)
+    assert (grail.std, grail.mean, grail.w_min, grail.w_max, grail.symmetry) == (0.5, 1.0, 0.5, 5.0, "wrong")
+    assert (oar.variant, oar.tau, oar.beta, oar.noise_std) == ("grail_repo", 0.4, 2.0, 1e-3)
+    g = cfgs["grpo"]
+    assert g.data.train_seed == 2 and g.trainer.max_steps >= 60 and g.data.num_test >= 200 and g.eval.n >= 4
+    assert g.model.name_or_path == "pkg:smollm2"  # the packaged weights themselves: nothing to carry to a GPU
+
+
+# ------------------------------------------------------------------------------------------------ the study folder
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _arm(root: Path, scheme: str, seed: int, correct: np.ndarray, config: dict, start: str = "w0") -> Path:
+    """A study arm folder as grail_exp.study.write_arm lays it out, from a (problems, n) correctness grid."""
+    folder = root / f"m-{scheme}-s{seed}"
+    folder.mkdir(parents=True)
+    rows = [{"benchmark": "arithmetic", "problem_index": i, "sample_index": j, "correct": bool(correct[i, j]),
+             "extracted": str(int(correct[i, j]))} for i in range(correct.shape[0]) for j in range(correct.shape[1])]
+    pd.DataFrame(rows).to_parquet(folder / "samples_final.parquet", index=False)
+    record = {"arm": folder.name, "model": "m", "scheme": scheme, "seed": str(seed), "status": "FINISHED",
+              "run_id": f"run-{scheme}-{seed}", "start_weights_sha256": start, "metrics": {},
+              "config": {"seed": seed, "eval.n": correct.shape[1], "optim.lr": 3e-5, "data.train_seed": seed,
+                         **config},
+              "files": {"samples_final.parquet": _sha(folder / "samples_final.parquet")}}
+    (folder / "arm.json").write_text(json.dumps(record))
+    return folder
+
+
+def _report(study: Path, tmp: Path, *extra: str):
+    from grail_exp.report import build_report
+
+    cfg = compose([f"runs.dir={study}", "design_check.strict=true", "schemes=[grpo,grail]", "seeds=[1,2]",
+                   "metrics=[acc]", "stats.n_boot=200", "stats.n_perm=200", "plots.enabled=false", "log_to=none",
+                   f"output.dir={tmp}/out", f"paths.root_dir={tmp}", *extra], None, config_name="report")
+    return build_report(cfg)
+
+
+def test_report_reads_a_study_folder_paired(tmp_path):
+    """grpo solves 2 of 4 samples of every problem, grail 3 of 4 on seed 1 and 2 of 4 on seed 2: Δ acc = +12.5 points
+    (hand-computed: (+25 + 0) / 2), per-seed +25 and 0."""
+    study = tmp_path / "study"
+    half = np.tile([1, 1, 0, 0], (10, 1))
+    three = np.tile([1, 1, 1, 0], (10, 1))
+    for seed in (1, 2):
+        _arm(study, "grpo", seed, half, {})
+    _arm(study, "grail", 1, three, {})
+    _arm(study, "grail", 2, half, {})
+    out = _report(study, tmp_path)
+    row = next(r for r in out["payload"]["tables"][0]["rows"] if r["scheme"] == "grail")
+    delta = row["cells"]["arithmetic"]["delta"]
+    assert delta["delta"] == pytest.approx(0.125) and delta["n_seeds"] == 2 and delta["n_problems"] == 10
+    assert row["cells"]["arithmetic"]["value"] == pytest.approx(0.625)
+    assert "study folder" in out["markdown"]
+
+
+@pytest.mark.parametrize("break_it, names", [
+    (lambda s: _arm(s, "grail", 2, np.ones((10, 4)), {}, start="w1"), ["start_weights.sha256", "w0", "w1"]),
+    (lambda s: _arm(s, "grail", 2, np.ones((10, 2)), {}), ["eval.n", "4", "2"]),
+    (lambda s: _arm(s, "grail", 3, np.ones((10, 4)), {}), ["seed 3", "no grpo run of seed 3"]),
+    (lambda s: _arm(s, "grail", 2, np.ones((10, 4)), {"optim.lr": 1e-4}), ["optim.lr", "3e-05", "0.0001"]),
+    (lambda s: _arm(s, "grail", 2, np.ones((10, 4)), {"data.train_seed": 1}), ["data.train_seed", "2", "1"]),
+])
+def test_report_refuses_arms_that_are_not_one_study(tmp_path, break_it, names):
+    from grail_exp.config import ConfigError
+
+    study = tmp_path / "study"
+    for seed in (1, 2):
+        _arm(study, "grpo", seed, np.ones((10, 4)), {})
+    _arm(study, "grail", 1, np.ones((10, 4)), {})
+    break_it(study)
+    with pytest.raises(ConfigError, match="not comparable") as info:
+        _report(study, tmp_path)
+    for name in names:
+        assert name in str(info.value)
+    _report(study, tmp_path, "design_check.strict=false")  # without the check: footnotes, not an error
+
+
+def test_a_changed_arm_file_is_named(tmp_path):
+    from grail_exp.study import StudyError
+
+    study = tmp_path / "study"
+    folder = _arm(study, "grpo", 1, np.ones((10, 4)), {})
+    pd.DataFrame({"benchmark": ["arithmetic"], "problem_index": [0], "sample_index": [0], "correct": [False]}) \
+        .to_parquet(folder / "samples_final.parquet")
+    with pytest.raises(StudyError, match="samples_final.parquet: missing or changed"):
+        _report(study, tmp_path)
+
+
+def test_a_finished_arm_is_skipped_and_a_different_one_refused(tmp_path):
+    from grail_exp.study import StudyError, arm_dir, finished, identity
+
+    overrides = ["experiment=real/chain_grpo", "seed=1", f"study.dir={tmp_path}/study", "paths.output_dir=/tmp/x"]
+    cfg = compose(overrides, None)
+    assert finished(cfg) is None
+    folder = arm_dir(cfg)
+    assert folder == tmp_path / "study" / "smollm2_135m-grpo-s1"
+    folder.mkdir(parents=True)
+    (folder / "arm.json").write_text(json.dumps({"config": identity(cfg), "metrics": {"eval/arithmetic/acc": 0.5}}))
+    assert finished(cfg)["metrics"] == {"eval/arithmetic/acc": 0.5}
+    # a restart may change threads, logging and paths ...
+    assert finished(compose(overrides + ["trainer.num_threads=1", "paths.root_dir=/elsewhere"], None)) is not None
+    # ... but never what the arm computes
+    with pytest.raises(StudyError, match=r"optim.lr: 3e-05 vs 0.0001"):
+        finished(compose(overrides + ["optim.lr=1e-4"], None))
+
+
+def test_choose_lr_takes_the_best_validation_value_and_the_smaller_on_ties(tmp_path):
+    from grail_exp.study import StudyError, choose_lr
+
+    def arm(lr, acc):
+        folder = tmp_path / "sweep" / f"grpo-lr{lr}"
+        folder.mkdir(parents=True)
+        (folder / "arm.json").write_text(json.dumps({"arm": folder.name, "metrics": {"eval/arithmetic_val/acc": acc},
+                                                     "config": {"optim.lr": lr, "trainer.max_steps": 20}}))
+
+    arm(1e-5, 0.40)
+    arm(3e-5, 0.55)
+    with pytest.raises(StudyError, match="optim.lr = 1e-4"):
+        choose_lr(tmp_path / "sweep", tmp_path / "lr.json", ["1e-5", "3e-5", "1e-4"])
+    arm(1e-4, 0.55)
+    assert choose_lr(tmp_path / "sweep", tmp_path / "lr.json", ["1e-5", "3e-5", "1e-4"])["lr"] == 3e-5
+    assert json.loads((tmp_path / "lr.json").read_text())["lr"] == 3e-5
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+def _driver(tmp: Path, fault: str | None = None, **env) -> subprocess.CompletedProcess:
+    """sweeps/real_model_study.sh at toy scale: the shipped tiny model's weights in the study's configuration
+    (2 steps of 2 prompts x 2, 8 test problems x 2 samples), everything under ``tmp``."""
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    e = {**os.environ, "PY": sys.executable, "STUDY": "toy", "RES": str(tmp / "res"), "OUT": str(tmp / "out"),
+         "SEEDS": "1", "SCHEMES": "grpo grail", "LR": "1e-4", "PHASES": "lr study report",
+         "GRAIL_EXP_CACHE": str(tmp / "cache"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db",
+         "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
+    e.pop("GRAIL_EXP_FAULT", None)
+    if fault:
+        e["GRAIL_EXP_FAULT"] = fault
+    toy = [f"model.name_or_path={tiny}", "model.dtype=float32", "model.attn_implementation=eager", "model.few_shot=[]",
+           "trainer.max_steps=2", "trainer.prompts_per_step=2", "rollout.num_generations=2",
+           "trainer.micro_batch_size=4", "trainer.checkpoint_every=1", "trainer.weights_table_every=1",
+           "rollout.max_completion_length=24", "eval.max_tokens=24", "eval.n=2", "data.num_test=8",
+           "data.num_validation=8", f"paths.root_dir={tmp}"]
+    return subprocess.run(["bash", str(ROOT / "sweeps" / "real_model_study.sh"), *toy], capture_output=True,
+                          text=True, timeout=HANG_TIMEOUT_S, env=e, cwd=ROOT)
+
+
+def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_one(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    first = _driver(tmp_path, fault="kill_after_step:1:grail")
+    log1 = first.stdout + first.stderr
+    assert first.returncode != 0 and "GRAIL_EXP_FAULT: kill_after_step at step 1 of grail" in log1, log1[-3000:]
+    res = tmp_path / "res"
+    assert (res / "smollm2_135m-grpo-s1" / "arm.json").is_file()  # recorded the moment it finished
+    assert not (res / "smollm2_135m-grail-s1").exists()
+    assert (tmp_path / "out" / "study" / "grail_s1" / "checkpoints" / "step-1" / "COMPLETE").is_file()
+
+    second = _driver(tmp_path)
+    log2 = second.stdout + second.stderr
+    assert second.returncode == 0, log2[-3000:]
+    assert "arm smollm2_135m-grpo-s1 already finished" in log2  # skipped: not trained again
+    assert log2.count("starting fresh") == 0 and "resuming from" in log2 and "step-1 (step 1)" in log2
+    grpo, grail = (json.loads((res / f"smollm2_135m-{s}-s1" / "arm.json").read_text()) for s in ("grpo", "grail"))
+    assert grail["metrics"]["train/steps"] == 2 and "eval_before/arithmetic/acc" in grail["metrics"]
+    assert grpo["start_weights_sha256"] == grail["start_weights_sha256"]
+    # common random numbers: one "before" evaluation, sampled once, shared by both arms
+    before = [pd.read_parquet(res / f"smollm2_135m-{s}-s1" / "samples_before.parquet") for s in ("grpo", "grail")]
+    pd.testing.assert_frame_equal(before[0], before[1])
+    (cache,) = [p for p in (tmp_path / "cache" / "evals").glob("arithmetic-*.jsonl")]
+    assert len(cache.read_text().splitlines()) == 1  # one chunk of 8 problems, generated once
+    # one MLflow parent run across the restart, with both arms (the resumed arm continues its own run)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    parent = json.loads((tmp_path / "out" / "study" / "mlflow_parent_run.json").read_text())["run_id"]
+    assert client.get_run(parent).data.tags["sweep.restarts"] == "1"
+    children = client.search_runs([client.get_run(parent).info.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent}'")
+    assert sorted(r.info.run_id for r in children) == sorted([grpo["run_id"], grail["run_id"]])
+    assert all(r.info.status == "FINISHED" for r in children)
+    # the report read the finished arms, paired
+    report = json.loads((res / "report.json").read_text())
+    assert {r["scheme"] for r in report["tables"][0]["rows"]} == {"grpo", "grail"}
+    assert report["tables"][0]["rows"][1]["cells"]["arithmetic"]["delta"]["n_problems"] == 8
+    assert (res / "weights" / "grail_weights_profile.md").is_file()
+    assert "phase study: end (2 arms recorded)" in (res / "driver_log.txt").read_text()
+
+
+def test_sigterm_stops_the_whole_study_after_a_checkpoint_and_the_same_command_continues(tmp_path):
+    """SIGTERM (delivered by the fault hook during grpo's step 1): that arm checkpoints step 1 and the multirun exits
+    143 without starting the next arm; the same command resumes grpo at step 2 and then runs grail."""
+    first = _driver(tmp_path, fault="term_at_step:1:grpo", PHASES="study")
+    log1 = first.stdout + first.stderr
+    assert first.returncode == 143, log1[-3000:]
+    assert "SIGTERM received" in log1 and "the multirun stops after this job's checkpoint" in log1
+    out = tmp_path / "out" / "study"
+    assert (out / "grpo_s1" / "checkpoints" / "step-1" / "COMPLETE").is_file() and not (out / "grail_s1").exists()
+    assert not list((tmp_path / "res").glob("*/arm.json"))
+    second = _driver(tmp_path, PHASES="study")
+    log2 = second.stdout + second.stderr
+    assert second.returncode == 0, log2[-3000:]
+    assert "resuming from" in log2 and "step-1 (step 1)" in log2
+    assert sorted(p.parent.name for p in (tmp_path / "res").glob("*/arm.json")) == [
+        "smollm2_135m-grail-s1", "smollm2_135m-grpo-s1"]
+
+
+@pytest.mark.slow
+def test_driver_chooses_the_learning_rate_once_on_the_validation_split(tmp_path):
+    done = _driver(tmp_path, LR="", LRS="1e-4 3e-4", LR_STEPS="1", PHASES="lr")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    choice = json.loads((tmp_path / "res" / "lr.json").read_text())
+    assert choice["metric"] == "eval/arithmetic_val/acc" and {c["lr"] for c in choice["candidates"]} == {1e-4, 3e-4}
+    for c in choice["candidates"]:
+        arm = json.loads((tmp_path / "res" / "lr_sweep" / c["arm"] / "arm.json").read_text())
+        assert arm["config"]["benchmark.names"] == ["arithmetic_val"] and arm["scheme"] == "grpo"
+    again = _driver(tmp_path, LR="", LRS="1e-4 3e-4", LR_STEPS="1", PHASES="lr")
+    assert "phase lr: start" not in again.stdout  # chosen once
+
+
+@pytest.mark.slow
+def test_gpu_mode_study1gpu_runs_end_to_end_on_a_cpu(tmp_path):
+    """sweeps/gpu_checks.sh study1gpu with trainer=cpu, the shipped tiny model as SMOLLM2_PATH and a toy budget: the
+    mode's commands compose, run, record three arms and write the paired table (its GPU timing is not tested here)."""
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    extra = ("model.dtype=float32 model.attn_implementation=eager model.few_shot=[] trainer.prompts_per_step=2 "
+             "trainer.micro_batch_size=16 rollout.max_completion_length=16 eval.max_tokens=16 data.num_test=8 "
+             "eval.batch_size=64 rollout.generation_batch_size=64 logger=none")
+    env = {**os.environ, "PY": sys.executable, "SMOLLM2_PATH": str(tiny), "TRAINER": "cpu", "STEPS": "1",
+           "EXTRA": extra, "LR": "1e-4", "GRAIL_EXP_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", str(ROOT / "sweeps" / "gpu_checks.sh"), "study1gpu", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=env, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    arms = sorted(p.parent.name for p in (tmp_path / "out" / "study1gpu").glob("*/arm.json"))
+    assert arms == ["smollm2_135m-grail-s1", "smollm2_135m-grpo-s1", "smollm2_135m-oar_g-s1"]
+    assert "| smollm2_135m | oar_g" in (tmp_path / "out" / "study1gpu.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ the cold start
+def _cold_cfg(tmp: Path, *extra: str):
+    from grail_exp.config import validate
+
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    return validate(compose(["experiment=real/chain_grpo", f"model.name_or_path={tiny}", "model.dtype=float32",
+                             "model.attn_implementation=eager", "model.cold_start.enabled=true",
+                             "model.cold_start.steps=3", "seed=1",
+                             f"paths.cache_dir={tmp}/cache", f"paths.output_dir={tmp}/run", *extra], None))
+
+
+def test_cold_start_trains_on_the_training_prompts_and_the_generators_solutions(tmp_path):
+    """The SFT batch: each row is the prompt exactly as RL encodes it, then the solution + EOS; labels only there."""
+    from grail_exp.cold_start import sft_batch
+    from grail_exp.data.arithmetic import ArithmeticTask
+    from grail_exp.data.prompting import encode_prompts
+    from grail_exp.models import load_tokenizer, resolve_model_path
+
+    cfg = _cold_cfg(tmp_path, "model.cold_start.enabled=false")
+    tok = load_tokenizer(resolve_model_path(cfg), cfg)
+    d = cfg.data
+    task = ArithmeticTask(min_steps=d.min_steps, max_steps=d.max_steps, max_operand=d.max_operand, seed=d.seed,
+                          num_validation=d.num_validation, num_test=d.num_test, solution_style="words")
+    problems = task.train_problems(20_000_000, 2)
+    assert problems[0].solution.startswith("We go from left to right. First, ")
+    ids, attn, labels = sft_batch(problems, tok, cfg)
+    for i, p in enumerate(problems):
+        prompt = encode_prompts([p.question], tok, cfg.model, d.instruction)[0]
+        completion = tok(p.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        row = ids[i][attn[i].bool()].tolist()
+        assert row == prompt + completion
+        assert labels[i][labels[i] != -100].tolist() == completion
+
+
+def test_cold_start_is_built_once_cached_recorded_and_shared_by_every_seed(tmp_path):
+    import hashlib as h
+
+    from grail_exp.cold_start import MANIFEST
+    from grail_exp.models import resolve_model_path
+    from grail_exp.study import weights_sha256
+
+    path = Path(resolve_model_path(_cold_cfg(tmp_path)))
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["cold_start"]["steps"] == 3 and len(manifest["build"]["losses"]) == 3
+    assert manifest["base_weights_sha256"] == weights_sha256(ROOT / "grail_exp" / "data" / "embedded" / "tiny")
+    for name, sha in manifest["files"].items():
+        assert h.sha256((path / name).read_bytes()).hexdigest() == sha
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert Path(resolve_model_path(_cold_cfg(tmp_path, "seed=2"))) == path  # data.train_seed follows the seed: same
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # cached, not rebuilt
+    assert Path(resolve_model_path(_cold_cfg(tmp_path, "model.cold_start.lr=2e-4"))) != path
+    # the same build in another cache: the same bits (one machine, one thread count)
+    again = Path(resolve_model_path(_cold_cfg(tmp_path / "other")))
+    assert weights_sha256(again) == weights_sha256(path)
+
+
+def test_cold_start_needs_the_arithmetic_task(tmp_path):
+    from grail_exp.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.cold_start.enabled"):
+        _cold_cfg(tmp_path, "data=deepmath")

@@ -1,0 +1,266 @@
+"""Each distinct prompt computed once (``trainer.share_prompts``, grail_exp/forward.py) gives the unshared path's numbers.
+
+The reference is the straightforward forward: every row runs its whole (prompt ⊕ completion) sequence through the
+model (``trainer.share_prompts=false``), which is what a textbook implementation (and TRL) does. The batch has
+left-padded prompts of three lengths, groups split and interleaved (rows of one prompt are not adjacent), completions
+of different lengths, boxed and unboxed answers. Every scheme's one optimiser step is compared: loss, token weights,
+gradient of every parameter, and the no-grad old / reference log-prob passes.
+
+Tolerances. The two paths compute the same function in another float order: the prompt's keys and values come from
+a U-row instead of a B-row matrix product, and the prompt's gradient is one backward of the sum of its G rows'
+key/value gradients instead of G backwards summed at the parameters. Each output moves by at most a reordered
+reduction per stage (conftest.MODEL_REORDER relative to its terms' scale). A sharing bug (wrong row, position or
+mask) moves outputs by O(1) of their scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import MODEL_REORDER
+from test_ddp import model_dir  # noqa: F401  (fixture: the tiny model saved once)
+
+# (prompt index, completion, reward): three prompts, groups interleaved and of unequal size in the batch order.
+QUESTIONS = [("Compute 12+7-5.", "14"), ("Compute 3+4.", "7"), ("Compute 100-8+3-1.", "94")]
+ROWS = [
+    (0, "12+7=19. 19-5=14. \\boxed{14}", 1.0),
+    (1, "3+4=7. \\boxed{7}", 1.0),
+    (0, "12+7=19. 19-5=13. \\boxed{13}", 0.0),
+    (2, "100-8=92. 92+3=95. 95-1=94. \\boxed{94}", 1.0),
+    (1, "3+4=8, so \\boxed{8} ok", 0.0),
+    (0, "12+7=18. \\boxed{12}", 0.0),
+    (2, "100-8=92. \\boxed{93}", 0.0),
+    (0, "12+7=19. 19-5=14.", 0.0),
+]
+
+
+def _batch(tok):
+    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.rollout import Completion, pad_completions
+    from grail_exp.training.batch import TrainingBatch
+
+    comps = []
+    for q, text, _ in ROWS:
+        prompt = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[q][0]}], add_generation_prompt=True,
+                                         tokenize=False, enable_thinking=False)
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        comps.append(Completion(p, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], None, False))
+    rb = pad_completions(comps, tok.pad_token_id)
+    assert len(set(rb.prompt_mask.sum(1).tolist())) == 3  # three prompt lengths: left padding differs by row
+    group = torch.tensor([q for q, _, _ in ROWS])
+    rewards = torch.tensor([r for *_, r in ROWS])
+    means = torch.stack([rewards[group == g].mean() for g in range(3)])
+    attn = rb.attention_mask
+    return TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
+                         rb.completion_mask.float(), rewards - means[group], rewards, [t for _, t, _ in ROWS],
+                         group_ids=group, problems=[QUESTIONS[q][0] for q, _, _ in ROWS],
+                         golds=[QUESTIONS[q][1] for q, _, _ in ROWS], order=torch.arange(len(ROWS)))
+
+
+def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: bool = False, metrics: bool = False,
+             reorder: bool = True) -> dict:
+    """Loss, token weights, gradients and old / reference log-probs of one optimiser step on the fixed batch (and the
+    step's metrics, the rows' order after ``prepare``). ``reorder=False``: ``prepare`` keeps the rollout order."""
+    from pinned_step import build_model_and_tokenizer
+    from test_pinned_step import _cfg
+
+    from grail_exp.advantages import build_scheme
+    from grail_exp.forward import share_prompts_of
+    from grail_exp.loss import build_terms
+    from grail_exp.module import GRPOModule
+
+    cfg = _cfg([*overrides, f"trainer.share_prompts={str(share).lower()}"])
+    torch.manual_seed(0)
+    model, tok = build_model_and_tokenizer()
+    model.config._attn_implementation = attn
+    ref = None
+    if reference:  # another set of weights, so the KL terms are not zero
+        ref = build_model_and_tokenizer()[0]
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(0.9)
+        ref.config._attn_implementation = attn
+    ctx = {"model": cfg.model, "seed": cfg.seed, "data": cfg.data, "share_prompts": share_prompts_of(cfg)}
+    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok, ctx), None, None, None, None, ref_model=ref,
+                        terms=build_terms(cfg.loss.get("terms"), tok, cfg.model))
+    module.manual_backward = lambda loss: loss.backward()
+    if not reorder:
+        module.rollout.rows_reorderable = lambda: False
+    batch = _batch(tok)
+    module.rollout.prepare(batch, {})
+    batch.old_logp = module.rollout.logps(model, batch)
+    if ref is not None:
+        batch.ref_logp = module.rollout.logps(ref, batch)
+    weights, grads = torch.zeros_like(batch.loss_mask), []
+    module.update.on_weights = lambda b, s, e, w, ent: weights[s:e].copy_(w)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt.register_step_pre_hook(lambda *_: grads.extend(p.grad.detach().clone() for p in model.parameters()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    metrics = module.update.step(batch, opt, sched, float(batch.loss_mask.sum()), {}, epoch=0)
+    order = batch.order.argsort()  # back to the batch's rollout order (prepare may group probe rows first)
+    mask = batch.loss_mask[order].bool()
+    out = {"loss": metrics["loss"], "weights": weights[order], "grads": grads, "mask": mask,
+           "old": batch.old_logp[order], "ref": batch.ref_logp[order] if ref is not None else None,
+           "order": batch.order.tolist()}
+    return {**out, "metrics": metrics} if metrics else out
+
+
+def assert_same(a: dict, b: dict, weight_tol: float = 0.0):
+    """Shared vs unshared: every quantity within a reordered reduction per stage of its own scale; the gradient also
+    within the weights' tolerance (w enters the loss linearly: δg ≤ δw / |w| · |g| per token, |w| ≥ 0.1)."""
+    m = a["mask"]
+    assert torch.equal(m, b["mask"])
+    tol = MODEL_REORDER
+    for key in ("old", "ref"):
+        if a[key] is not None:
+            assert (a[key][m] - b[key][m]).abs().max() <= tol * b[key][m].abs().max(), key
+    assert (a["weights"] - b["weights"]).abs().max() <= weight_tol + tol * b["weights"].abs().max()
+    g_scale = max(g.abs().max() for g in b["grads"])
+    g_diff = max((x - y).abs().max() for x, y in zip(a["grads"], b["grads"]))
+    assert g_scale > 0
+    assert g_diff <= (tol + weight_tol / 0.1) * g_scale, f"gradient differs by {g_diff:.3g} (scale {g_scale:.3g})"
+    assert a["loss"] == pytest.approx(b["loss"], rel=tol + weight_tol / 0.1, abs=1e-7)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_policy_forward_and_gradient_equal_unshared(attn):
+    """The policy forward alone: log-probs, entropies and the gradient of a loss that reads both."""
+    from pinned_step import build_model_and_tokenizer
+
+    from grail_exp.forward import policy_forward
+
+    model, tok = build_model_and_tokenizer()
+    model.config._attn_implementation = attn
+    batch = _batch(tok)
+    m = batch.loss_mask
+    out = {}
+    for share in (False, True):
+        model.zero_grad()
+        logp, ent, fwd = policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                                        batch.completion_ids, 0.7, share_prompts=share)
+        ((logp * m).sum() + 0.3 * (ent * m).sum()).backward()
+        out[share] = (logp.detach() * m, ent.detach() * m, [p.grad.clone() for p in model.parameters()], fwd)
+    (lu, eu, gu, fu), (ls, es, gs, fs) = out[False], out[True]
+    assert fs.prefix is not None and fu.prefix is None  # the shared path really ran: 3 prompts for 8 rows
+    assert fs.positions < 0.75 * fu.positions
+    assert (ls - lu).abs().max() <= MODEL_REORDER * lu.abs().max()
+    assert (es - eu).abs().max() <= MODEL_REORDER * eu.abs().max()
+    scale = max(g.abs().max() for g in gu)
+    assert max((a - b).abs().max() for a, b in zip(gs, gu)) <= MODEL_REORDER * scale
+
+
+# Tolerance on the token weights beyond a reordered reduction, per scheme (zero: the weights are a reordered-reduction
+# function of the model's outputs). OAR-G's Bi-Level reshaping amplifies its importance scores' error: the same
+# derivation as tests/test_fast_path.py (V·eps of a row's range, ×2 min-max, slope ≤ 50, × 1.1): 4.2e-3.
+OAR_G_TOL = 2 * 320 * torch.finfo(torch.float32).eps * 50 * 1.1
+SCHEMES = {
+    "grpo": (["advantage=grpo"], 0.0),
+    "grail": (["advantage=grail", "advantage.symmetry=both"], 0.0),
+    "grail_separate_probe_middle_leaf": (["advantage=grail", "advantage.symmetry=both", "advantage.shared_forward=false",
+                                          "advantage.leaf_source=middle"], 0.0),
+    "oar_g": (["advantage=oar_g"], OAR_G_TOL),
+    "oar_g_original_separate": (["advantage=oar_g", "advantage.variant=original", "advantage.shared_forward=false"],
+                                OAR_G_TOL),
+    "oar_p": (["advantage=oar_p"], OAR_G_TOL),
+    "delta": (["advantage=delta"], 0.0),
+    "shear": (["advantage=shear"], 0.0),
+    "rlsd": (["advantage=rlsd"], 0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_every_scheme_step_equals_unshared(name):
+    overrides, weight_tol = SCHEMES[name]
+    assert_same(one_step(overrides, True), one_step(overrides, False), weight_tol)
+
+
+@pytest.mark.parametrize("micro", [4, 8])
+def test_sdpg_terms_and_reference_pass_equal_unshared(micro):
+    """SDPG's distillation term (a teacher forward per micro-batch) and its reference-KL term (the reference log-prob
+    pass), with micro-batches of 4 rows that split groups (partial groups in every micro-batch) and of the batch."""
+    over = ["advantage=grpo", "+loss_term=[sdpg_opd,sdpg_ref_kl]", "loss.terms.sdpg_opd.beta=0.5",
+            "loss.terms.sdpg_ref_kl.alpha=0.5", f"trainer.micro_batch_size={micro}"]
+    assert_same(one_step(over, True, reference=True), one_step(over, False, reference=True))
+
+
+def test_grail_with_split_groups_and_sdpa():
+    """GRAIL's probe with micro-batches of 4 rows (groups split between micro-batches) under SDPA attention."""
+    over = ["advantage=grail", "advantage.symmetry=both", "trainer.micro_batch_size=4", "loss.loss_type=dapo"]
+    assert_same(one_step(over, True, attn="sdpa"), one_step(over, False, attn="sdpa"))
+
+
+def test_share_prompts_key_is_validated():
+    from test_pinned_step import _cfg
+
+    from grail_exp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.share_prompts"):
+        _cfg(["trainer.share_prompts=sometimes"])
+    with pytest.raises(ConfigError, match="trainer.share_prompts.*gradient_checkpointing"):
+        _cfg(["trainer.share_prompts=true", "model.gradient_checkpointing=true"])
+    from grail_exp.forward import resolve_share_prompts
+
+    assert resolve_share_prompts("auto", False) and not resolve_share_prompts("auto", True)
+
+
+@pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
+def test_two_ranks_sharing_prompts_equal_one_unshared_process(tmp_path, model_dir, trainer):
+    """Under DDP (gloo) and FSDP2 (gloo, layers called twice per forward: prefix and suffix pass) with GRAIL's probe:
+    2 ranks computing each prompt once give the parameters of one process that computes every row's prompt."""
+    from safetensors.torch import load_file
+
+    from test_ddp import _run, _tolerance, _weights
+
+    extra = ["advantage=grail", "advantage.symmetry=both", "loss.loss_type=dr_grpo"]
+    one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
+    w1 = _weights(one, _run(one, model_dir, [*extra, "trainer.share_prompts=false"]))
+    w2 = _weights(two, _run(two, model_dir, [*extra, "trainer.share_prompts=true", f"trainer={trainer}",
+                                             "trainer.accelerator=cpu", "trainer.devices=2"]))
+    start = load_file(model_dir / "model.safetensors")
+    moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
+    assert moved > 1e-3
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < _tolerance(moved)
+
+
+def test_token_efficiency_counts_positions():
+    """``tokens/efficiency`` = real tokens (each distinct prompt once, every completion) / positions computed, counted
+    by hand from the fixture's lengths: the shared path computes U × (P − 1) prompt positions and B × (C + 1) suffix
+    positions (the last prompt token and the completion, to the longest completion); the unshared path B × (P + C)."""
+    from pinned_step import build_model_and_tokenizer
+
+    _, tok = build_model_and_tokenizer()
+    batch = _batch(tok)
+    prompt_len = batch.attention_mask[:, :batch.prompt_length].sum(1)
+    comp_len = batch.loss_mask.sum(1).long()
+    firsts = {q: i for i, (q, _, _) in reversed(list(enumerate(ROWS)))}  # one row per distinct prompt
+    real = sum(int(prompt_len[i]) for i in firsts.values()) + int(comp_len.sum())
+    P, C, B, U = int(prompt_len.max()), int(comp_len.max()), len(ROWS), len(firsts)
+    expected = {True: U * (P - 1) + B * (C + 1), False: B * (P + C)}
+    for share in (True, False):
+        m = one_step(["advantage=grpo", "trainer.micro_batch_size=8"], share, metrics=True)["metrics"]
+        assert m["tokens/real"] == real and m["tokens/computed_positions"] == expected[share]
+        assert m["tokens/efficiency"] == pytest.approx(real / expected[share])
+
+
+def test_rows_are_grouped_by_length_only_where_order_changes_nothing():
+    """With micro-batches smaller than the mini-batch, ``prepare`` puts each group's rows together, groups by their
+    longest completion (a hand-written permutation), and the step's loss and gradient are those of the rollout order.
+    Where order matters (OAR-G's row-by-row noise, a per-micro-batch top-entropy quantile) the order is kept."""
+    from pinned_step import build_model_and_tokenizer
+
+    from grail_exp.training.rollout import row_order
+
+    _, tok = build_model_and_tokenizer()
+    batch = _batch(tok)
+    n = batch.loss_mask.sum(1).long().tolist()
+    groups = {g: [i for i, (q, _, _) in enumerate(ROWS) if q == g] for g in range(3)}
+    by_longest = sorted(groups, key=lambda g: max(n[i] for i in groups[g]))
+    expected = [i for g in by_longest for i in sorted(groups[g], key=lambda i: n[i])]
+    assert row_order(batch, 8, None, True).tolist() == expected
+    over = ["advantage=grpo", "trainer.micro_batch_size=4"]
+    sorted_step, kept_step = one_step(over, True), one_step(over, True, reorder=False)
+    assert sorted_step["order"] == expected and kept_step["order"] == list(range(8))
+    assert_same(sorted_step, kept_step)
+    assert one_step(["advantage=oar_g", "trainer.micro_batch_size=4"], True)["order"] == list(range(8))
+    assert one_step([*over, "loss.top_entropy_quantile=0.5"], True)["order"] == list(range(8))

@@ -87,7 +87,8 @@ def finished(cfg) -> dict | None:
     if folder is None or not (folder / ARM_FILE).is_file():
         return None
     record = read_arm(folder)
-    diff = differences(record["config"], identity(cfg))
+    recorded = {k: v for k, v in record["config"].items() if not k.startswith(NOT_IDENTITY)}  # by an older version
+    diff = differences(recorded, identity(cfg))
     if diff:
         raise StudyError(f"{folder / ARM_FILE}: this arm finished with another configuration (recorded vs this "
                          f"job): {'; '.join(diff)}. Move the folder away, or set study.dir / study.arm to another one")

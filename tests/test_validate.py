@@ -153,6 +153,16 @@ def test_a_missing_data_file_stops_the_run_before_the_warm_start_is_built(tmp_pa
     assert not (tmp_path / "cache" / "embedded").exists()
 
 
+def test_a_curriculum_run_on_the_embedded_model_gets_its_warm_start_spec(tmp_path):
+    """Training on other data than the arithmetic task, the embedded model's warm start uses the task's defaults
+    (this used to stop with AttributeError: 'DataConfigLike' object has no attribute 'get')."""
+    from grail_exp.data.arithmetic import ArithmeticTask
+    from grail_exp.models import embedded_build_args
+
+    args = embedded_build_args(compose(SCRL, tmp_path))
+    assert (args["task"], args["instruction"]) == (ArithmeticTask(), "")
+
+
 HUB = ["data=deepmath", "data.problem_field=prompt", "data.answer_field=solution"]
 
 

@@ -245,3 +245,6 @@ class DataConfigLike:
         for k in ("min_steps", "max_steps", "max_operand", "operators", "allow_negative", "seed",
                   "num_validation", "num_test", "train_seed", "solution_style"):
             setattr(self, k, getattr(d, k))
+
+    def get(self, key: str, default=None):  # read like a config node (arithmetic_task's optional keys)
+        return getattr(self, key, default)

@@ -65,7 +65,6 @@ _METRIC = re.compile(r"^(acc|maj|pass@(\d+|n))$")
 DASH = "—"
 
 
-# ----------------------------------------------------------------------------------------------- config schema
 def arm_scheme(scheme: str, params: dict) -> str:
     """The row label of a run's scheme: ``grail+per_rollout`` when its weights were computed once per rollout batch
     (``advantage.recompute=per_rollout``), a different arm from the faithful per-update one. Batch-level schemes
@@ -78,6 +77,7 @@ def arm_scheme(scheme: str, params: dict) -> str:
     return scheme
 
 
+# ----------------------------------------------------------------------------------------------- config schema
 # The report's schema (conf/report.yaml), beside its validator below; stored as ``report_schema`` when this module
 # is imported (tests/conftest.compose imports it for config_name="report").
 @dataclass

@@ -159,7 +159,7 @@ def build_random_model(path: str | os.PathLike, dtype, attn_implementation: Opti
 
 
 def check_model_config(model_cfg) -> list[str]:
-    """Problems with the random-init / tokenizer keys of ``model`` (for ``config.validate``)."""
+    """Problems with the random-init / tokenizer keys of ``model`` (for ``validate.py``)."""
     from grail_exp.packaged_tokenizers import check_spec, is_packaged
 
     e: list[str] = []

@@ -77,7 +77,8 @@ def parse_args(argv: list[str]) -> tuple[DictConfig, list[str]]:
 def compose_run_config(overrides: list[str], scheme: str, bench: DictConfig, out_dir: str) -> DictConfig:
     from hydra import compose, initialize_config_dir
 
-    from grail_exp.config import register_configs, validate
+    from grail_exp.config import register_configs
+    from grail_exp.validate import validate
 
     register_configs()
     fixed = [f"advantage={scheme.removesuffix('_per_rollout')}", f"paths.output_dir={out_dir}",

@@ -75,8 +75,9 @@ def _build(overrides: list[str], scheme: str):
     from hydra import compose, initialize_config_dir
 
     from grail_exp.conf_path import CONFIG_DIR
-    from grail_exp.config import register_configs, validate
+    from grail_exp.config import register_configs
     from grail_exp.training.module import GRPOModule
+    from grail_exp.validate import validate
     from grail_exp.tracking import NullTracker
     from grail_exp.training.job import build_parts
 

@@ -183,6 +183,17 @@ def load_training_state(ckpt: Path) -> dict:
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
 
 
+def check_resume(resume: str | None) -> list[str]:
+    """``resume`` naming a checkpoint directory (not null / auto): it is a complete one, for ``validate``."""
+    if not resume or resume == "auto":
+        return []
+    p = Path(str(resume)).expanduser()
+    if (p / MARKER).exists():
+        return []
+    return [f"resume = {str(resume)!r}: not a complete checkpoint directory (expected {p / MARKER}); use resume=auto "
+            "or a checkpoints/step-N directory"]
+
+
 def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
     """``resume``: null (fresh start), ``auto`` (latest complete checkpoint of this run dir, or a fresh start
     if there is none) or a path to a checkpoint directory."""

@@ -66,6 +66,33 @@ def cache_key(s: dict) -> str:
     return hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# The measured build an estimate scales from: SmolLM2-135M-Instruct (134,515,008 parameters), 40 steps x 8 problems
+# in 630 s of wall time (446 CPU s) on this project's 2-core CPU machine at 2 threads (its manifest's build record;
+# results/real_model_study.md section 1). A step's cost scales with parameters x batch (its FLOPs, same task lengths).
+REFERENCE_BUILD = {"parameters": 134_515_008, "batch_size": 8, "seconds_per_step": 630.0 / 40}
+
+
+def estimate(base_dir: str, cs) -> str:
+    """The build in words with its expected duration on the CPU (scaled from ``REFERENCE_BUILD``); a GPU builds it
+    in seconds (not measured here)."""
+    import torch
+
+    from grail_exp.architectures import parameter_counts
+    from grail_exp.embedded import duration_words
+
+    what = f"{cs.steps} AdamW steps x {cs.batch_size} problems"
+    if torch.cuda.is_available():
+        return f"{what} on CUDA, expected seconds"
+    try:
+        n = parameter_counts(json.loads((Path(base_dir) / "config.json").read_text()))["total"]
+    except (OSError, KeyError, ValueError):  # an architecture the analytic count does not know: no estimate
+        return f"{what} on the CPU (no estimate: {base_dir}/config.json is not a dense Llama / Qwen3 decoder)"
+    ref = REFERENCE_BUILD
+    seconds = cs.steps * ref["seconds_per_step"] * n / ref["parameters"] * cs.batch_size / ref["batch_size"]
+    return (f"{what} on the CPU, expected {duration_words(seconds)} ({n:,} parameters; measured: SmolLM2-135M's 40 x 8 "
+            f"in {40 * ref['seconds_per_step']:.0f} s on 2 cores, scaled by parameters x batch)")
+
+
 def ensure_cold_start(base_dir: str, cfg, load_tokenizer, load_causal_lm) -> str:
     """The cold-started model directory for ``cfg`` (built from ``base_dir`` on first use, then cached).
 
@@ -86,8 +113,9 @@ def ensure_cold_start(base_dir: str, cfg, load_tokenizer, load_causal_lm) -> str
             return str(out)
         tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        log.info("cold start: %d steps on the task's solutions from %s into %s (once; cached afterwards)",
-                 cfg.model.cold_start.steps, base_dir, out)
+        log.info("cold start: no cached build of this configuration, so this run first builds it: %s on the task's "
+                 "solutions from %s (once; cached afterwards at %s)", estimate(base_dir, cfg.model.cold_start),
+                 base_dir, out)
         build = train(base_dir, cfg, tokenizer, tmp, load_causal_lm)
         files = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"key": cache_key(s), **s, "base_dir": str(base_dir),

@@ -1,9 +1,10 @@
-"""Structured configs (typed schemas for the Hydra tree in ``grail_exp/conf``) and validation.
+"""Structured configs: the typed schemas of the Hydra tree in ``conf/``.
 
 Every YAML file under ``conf/`` is merged into these dataclasses, so a misspelt key or a value of the
-wrong type fails at composition time, naming the key. ``validate`` then checks what types cannot
-express (ranges, cross-field constraints) *before* any model is loaded, and reports every problem at
-once, each with its full key.
+wrong type fails at composition time, naming the key. ``grail_exp/validate.py`` then checks what types cannot
+express (ranges, cross-field constraints, files) *before* any model is loaded, and reports every problem at
+once, each with its full key (``validate`` is importable from here too). The schemas of ``grail_exp.report`` and
+``grail_exp.extrapolate`` live beside their own validators, in those modules.
 
 Each field carries a one-line comment: what it does, its default, and where it comes from
 (paper and section, or the TRL option it mirrors).
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 
 from grail_exp.errors import ConfigError  # noqa: F401  (re-exported: `from grail_exp.config import ConfigError`)
@@ -62,7 +63,7 @@ class WarmStartConfig:
 @dataclass
 class ColdStartConfig:
     """A supervised cold start on the arithmetic task's own chain solutions, built once and cached
-    (grail_exp/cold_start.py); the real-model study's starting weights (conf/recipe_base/smollm2_chain.yaml)."""
+    (grail_exp/cold_start.py); the real-model study's starting weights (conf/recipe/smollm2_chain/base.yaml)."""
 
     enabled: bool = False
     steps: int = 40  # AdamW steps
@@ -107,12 +108,13 @@ class ModelConfig:
 
 @dataclass
 class RecipeConfig:
-    """Which recipe composed the run, recorded with it (conf/recipe*, docs/recipes-card.md). A model config declares
-    its family (`- override /recipe: paper` in its defaults list); ``recipe=<family>`` on the command line wins."""
+    """Which recipe composed the run, recorded with it (conf/recipe/<family>/, docs/recipes-card.md). A model config
+    declares its family (`- override /recipe@_global_.recipe: paper` in its defaults list); ``recipe=<family>`` on the
+    command line wins. The family's base file sets these keys."""
 
-    name: str = "demo"  # the family: demo (embedded models: conf/config.yaml's keys) | paper (the GRAIL paper's, its five models) | none
-    base: Optional[str] = None  # the family's file: its groups (data, benchmark, rollout, eval, trainer) and shared keys
-    scheme: Optional[str] = None  # the scheme's part layered on it (conf/recipe_scheme/<family>_<advantage>.yaml); null = none
+    name: str = "demo"  # the family: demo (embedded models) | paper (the GRAIL paper's, its five models) | smollm2 | baselines | none
+    base: Optional[str] = None  # the family's file, conf/recipe/<family>/base.yaml: its groups (data, benchmark, rollout, eval, trainer) and keys
+    scheme: Optional[str] = None  # the scheme's part composed after it (conf/recipe/<family>/<advantage>.yaml); null = none
     batch_sizes: dict = field(default_factory=dict)  # paper: per-engine per-rank generate()/eval rows {hf: {rollout, eval}, vllm: ...}
 
 
@@ -269,7 +271,8 @@ class KLInRewardConfig:
 
 @dataclass
 class LossConfig:
-    """The GRPO objective (method spec §2). Defaults = the GRAIL paper's GRPO (spec §2.2)."""
+    """The GRPO objective (method spec §2). Defaults = the GRAIL paper's GRPO baseline (spec §2.2) but for
+    num_iterations (paper: 4, recipe=paper), which the CPU demo keeps at 1 for speed."""
 
     # Advantage normalisation. group: (r - mean_g)/std_g (DeepSeekMath); batch: std over the whole batch;
     # none: r - mean_g (Dr. GRPO, arXiv 2503.20783; the paper's `scale_rewards: false`).
@@ -315,9 +318,9 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with a constant-with-warmup schedule (the paper: lr 1e-6, 20 warmup steps, clip 1.0)."""
+    """AdamW (transformers' TrainingArguments defaults, as the paper) with a constant-with-warmup schedule."""
 
-    lr: float = 1e-4
+    lr: float = 1e-4  # the embedded 0.4 M-parameter model's (3e-4 collapsed it); the paper: 1e-6 on 4-8B models (recipe=paper)
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
@@ -448,11 +451,13 @@ class LoggerConfig:
 
 @dataclass
 class PathsConfig:
-    root_dir: str = "."
-    results_dir: str = MISSING
-    cache_dir: str = MISSING
-    log_dir: str = MISSING
-    output_dir: str = MISSING
+    """Where everything goes, the same for every entry point; GRAIL_EXP_ROOT / GRAIL_EXP_CACHE move the tree."""
+
+    root_dir: str = "${oc.env:GRAIL_EXP_ROOT,.}"
+    results_dir: str = "${paths.root_dir}/results"  # mlflow.db, mlartifacts/, tables worth keeping
+    cache_dir: str = "${oc.env:GRAIL_EXP_CACHE,${oc.env:HOME,.}/.cache/grail_exp}"  # warm-started embedded models, evals/ (evaluate's resume cache)
+    log_dir: str = "${paths.root_dir}/outputs"  # Hydra run directories
+    output_dir: str = "${hydra:runtime.output_dir}"  # this run's directory
 
 
 @dataclass
@@ -468,7 +473,7 @@ class StudyConfig:
 class RunConfig:
     """Root schema: the config groups plus run-level keys."""
 
-    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # which recipe composed the run (conf/recipe*)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # which recipe composed the run (conf/recipe/)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     rollout: RolloutConfig = MISSING
@@ -482,9 +487,11 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    task_name: str = "train"
-    resume: Optional[str] = None  # null | auto (latest complete checkpoint of this run dir) | <checkpoint dir>
-    seed: int = 42
+    task_name: str = "train"  # names the run directory and the MLflow run (experiment files set their own)
+    # null = a fresh start | auto: continue the latest complete checkpoint of this run directory (pass the same
+    # hydra.run.dir) | a checkpoints/step-N directory
+    resume: Optional[str] = None
+    seed: int = 42  # the run seed: sampling, data order, OAR-G's noise (the paper's 42)
     optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
     experiment: Any = None  # free-form notes set by experiment files
     tune: Any = None  # Optuna study settings of `python -m grail_exp.tune` (conf/tune.yaml; typed in grail_exp/tune.py)
@@ -496,26 +503,24 @@ class RunConfig:
 class WeightsConfig:
     """Schema of ``python -m grail_exp.weights`` (conf/weights.yaml)."""
 
-    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     advantage: Any = MISSING
     paths: PathsConfig = field(default_factory=PathsConfig)
-    input: str = MISSING  # JSONL rollouts
-    output: str = MISSING  # JSON weights
-    html: Optional[str] = None  # optional heatmap
+    input: str = MISSING  # JSONL file of rollouts (required)
+    output: str = MISSING  # JSON file to write: one object per input row, in order (required)
+    html: Optional[str] = None  # optional heatmap of the weights
     device: str = "cpu"
-    dtype: str = "float32"
-    sampling_temperature: float = 1.0
-    seed: int = 0
-    batch_size: int = 64
+    dtype: str = "float32"  # computation dtype (overrides model.dtype)
+    sampling_temperature: float = 1.0  # what GRAIL's probe divides by when advantage.saliency_temperature is null
+    seed: int = 0  # seeds OAR-G's noise
+    batch_size: int = 64  # rows per scheme call (weights do not depend on the batching)
 
 
 @dataclass
 class EvaluateConfig:
     """Schema of ``python -m grail_exp.evaluate`` (conf/evaluate.yaml)."""
 
-    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # the family the model config declares (recorded only)
     model: ModelConfig = MISSING
     data: DataConfig = MISSING  # builds the embedded model; the arithmetic benchmark uses its knobs
     benchmark: BenchmarkConfig = MISSING
@@ -527,146 +532,7 @@ class EvaluateConfig:
     task_name: str = "evaluate"
     seed: int = 0
     device: Optional[str] = None  # e.g. cuda; null = where the model loads (CPU)
-    optimized_metric: Optional[str] = "eval/avg/acc"
-
-
-@dataclass
-class ObserveConfig:
-    """Which trajectory checkpoints RELEX fits on: steps in [min_step, max_step] that are multiples of ``every``."""
-
-    min_step: int = 1  # first observed step; θ_0 (step 0, delta 0) is never a row (official code: steps 1..T_cut)
-    max_step: Optional[int] = None  # T_cut, inclusive (paper: 75 of 500 steps for 1.5B/4B, 100 of 750 for 8B); null = all
-    fraction: Optional[float] = None  # instead of max_step: T_cut = floor(fraction x target_step) (paper: 0.15-0.2)
-    every: int = 1  # use only steps that are multiples of this (thin an every-step trajectory); 1 = all
-
-
-@dataclass
-class ExtrapolateConfig:
-    """Schema of ``python -m grail_exp.extrapolate`` (conf/extrapolate.yaml): RELEX, arXiv 2605.21468."""
-
-    trajectory: str = MISSING  # directory of step-<N>/ HF directories: <run dir>/trajectory or <run dir>/checkpoints
-    base: Optional[str] = None  # θ_0, the starting weights (HF dir); null = <trajectory>/step-0
-    output: str = MISSING  # HF directory to write (default <hydra run dir>/model)
-    overwrite: bool = False  # replace an existing output directory
-    # extrapolate: the fitted line beyond the last observed step (RELEX) | fit: the fitted line at any step (the
-    # official `fit_reconstruct`) | reconstruct: a real checkpoint's delta projected on the rank-r subspace (Finding 1)
-    mode: str = "extrapolate"
-    target_step: int = MISSING  # step to predict (paper: 500 from T_cut 75); reconstruct: a step with a checkpoint
-    rank: int = 1  # r, kept singular directions per tensor (paper: 1; higher rank does not help)
-    fit_window: Optional[int] = None  # fit the line on the last W observed checkpoints; null = all (official: -1)
-    observe: ObserveConfig = field(default_factory=ObserveConfig)
-    exclude: Optional[str] = None  # regex on tensor names kept at θ_0, e.g. 'norm'; null = fit all (official: all)
-    dtype: str = "auto"  # output dtype: auto (θ_0's, per tensor) | float32 | bfloat16 (official) | float16
-    compute_dtype: str = "float32"  # deltas and Gram matrix: float32 (official) | float64
-    chunk_mb: int = 1024  # memory for one row-chunk of all observed deltas of one tensor (streaming bound)
-    max_shard_mb: int = 4096  # output safetensors shard size (another memory bound: one shard is buffered)
-    compare_to_actual: bool = True  # if target_step has a checkpoint: relative weight error of prediction vs it
-    progress: bool = True  # progress bar over tensors
-    paths: PathsConfig = field(default_factory=PathsConfig)
-    task_name: str = "extrapolate"
-
-
-# ---------------------------------------------------------------------------------------------- report schema
-@dataclass
-class RunSelection:
-    """Which MLflow runs the report reads (all filters are ANDed)."""
-
-    experiment_names: Optional[list[str]] = None  # experiments searched; null = [logger.experiment_name]
-    run_ids: list[str] = field(default_factory=list)  # explicit runs; when given, the filters below are ignored
-    parent_run_id: Optional[str] = None  # children of this run (tag mlflow.parentRunId): one sweep or study
-    tags: dict = field(default_factory=dict)  # tag filters, e.g. {task_name: paper_table}
-    filter: Optional[str] = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
-    # A study folder instead of MLflow (grail_exp/study.py: one <arm>/arm.json + samples per finished arm); when
-    # set, the filters above are not used
-    dir: Optional[str] = None
-
-
-@dataclass
-class RunFields:
-    """Where a run says what it is: the first run tag or param of each list that exists (run.py sets the tags)."""
-
-    model: list[str] = field(default_factory=lambda: ["model", "model.name"])
-    scheme: list[str] = field(default_factory=lambda: ["advantage", "advantage.name"])
-    seed: list[str] = field(default_factory=lambda: ["seed"])
-
-
-@dataclass
-class StatsConfig:
-    """Paired statistics (grail_exp/stats.py)."""
-
-    n_boot: int = 10_000  # bootstrap replicates of the two-level (seeds × problems) paired bootstrap
-    alpha: float = 0.05  # 1 − confidence level of the interval; also the significance level marked with *
-    seed: int = 0  # RNG seed of the bootstrap and Monte-Carlo sign flips (the report is reproducible)
-    n_perm: int = 10_000  # Monte-Carlo sign-flip patterns when the exact test is too large
-    exact_max: int = 16  # exact sign-flip test (all 2^m patterns) up to m non-zero per-problem differences
-    resample_seeds: bool = True  # resample training seeds too (when there are >= 2); false = problems only
-
-
-@dataclass
-class OutputConfig:
-    dir: str = MISSING  # where <name>.md, <name>.tex, <name>.json and <name>_plots/ go (default results/report)
-    name: str = "report"  # file stem
-    title: Optional[str] = None  # heading; null = "Paired comparison vs <baseline>"
-
-
-@dataclass
-class PlotsConfig:
-    enabled: bool = True  # training curves, pass@k vs k and token-weight plots per model (grail_exp/plots.py)
-    curves: list[str] = field(default_factory=lambda: ["reward/mean", "accuracy", "completions/mean_length",
-                                                       "entropy", "kl", "clip_ratio/region_mean"])
-    weights: bool = True  # positional profile and weight-vs-entropy from the runs' weights/step_*.parquet
-    weights_max_files: int = 10  # weight tables read per run, evenly spread over training
-
-
-@dataclass
-class DesignCheck:
-    """What makes a set of runs one study (grail_exp/report.py ``check_design``); flat config keys, fnmatch patterns."""
-
-    strict: bool = False  # true: refuse a report whose arms differ where they must agree (else footnotes only)
-    # must agree between every run of a model (a key matching same_within_seed is exempt)
-    same_everywhere: list[str] = field(default_factory=lambda: [
-        "model.*", "data.*", "benchmark.*", "eval.*", "rollout.*", "loss.*", "optim.*", "estimator.*",
-        "reward.extraction", "reward.overlong_buffer.*",
-        "trainer.max_steps", "trainer.prompts_per_step", "trainer.mini_batches_per_rollout", "trainer.precision",
-        "trainer.logprob_dtype", "trainer.eval_before_training", "task_name"])
-    # must agree between the arms of a seed: the starting weights and what the run seed sets per seed
-    same_within_seed: list[str] = field(default_factory=lambda: [
-        "start_weights.sha256", "data.train_seed", "model.build.seed", "seed"])
-
-
-@dataclass
-class ReportConfig:
-    """Schema of ``python -m grail_exp.report`` (conf/report.yaml)."""
-
-    logger: LoggerConfig = MISSING  # where the runs are (tracking_uri, experiment_name) and the report is logged
-    paths: PathsConfig = field(default_factory=PathsConfig)
-    runs: RunSelection = field(default_factory=RunSelection)
-    fields: RunFields = field(default_factory=RunFields)
-    # per-sample artifacts, the first that exists wins: training runs' final evaluation, then evaluate runs
-    samples_artifacts: list[str] = field(default_factory=lambda: ["eval/final/samples.parquet",
-                                                                  "eval/eval/samples.parquet"])
-    baseline: str = "grpo"  # the scheme every other scheme is compared with (the paper: GRPO)
-    models: Optional[list[str]] = None  # row order / rows that must appear (missing ones read "—"); null = found
-    schemes: Optional[list[str]] = None  # likewise for schemes; null = found, baseline first
-    seeds: Optional[list[str]] = None  # the seeds every arm should have; missing ones are footnoted
-    # The cells a study planned per model where they differ from schemes / seeds (keys: schemes, seeds; an absent
-    # key = the top-level one), e.g. the CPU study's +design.tiny_llama="{schemes: [grpo, grail], seeds: [1, 2, 3]}"
-    # beside tiny Qwen3 x three schemes x seeds 1-5: a cell outside its model's plan is no row and not "missing";
-    # a planned cell without a finished run still is. (Untyped: OmegaConf cannot add typed values with +key=.)
-    design: dict[str, Any] = field(default_factory=dict)
-    benchmarks: Optional[list[str]] = None  # columns; null = every benchmark found (paper order first)
-    metrics: list[str] = field(default_factory=lambda: ["acc", "pass@n"])  # acc | pass@<k> | pass@n | maj
-    average: str = "unweighted"  # the avg column: unweighted over benchmarks (paper) | weighted by problems
-    # run params that must agree between paired runs for common random numbers (those both runs have)
-    pairing_params: list[str] = field(default_factory=lambda: [
-        "eval.seed", "eval.n", "eval.temperature", "eval.top_p", "eval.top_k", "eval.max_tokens", "eval.sampling",
-        "benchmark.limit", "benchmark.olympiad_gold"])
-    design_check: DesignCheck = field(default_factory=DesignCheck)
-    stats: StatsConfig = field(default_factory=StatsConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    log_to: str = "auto"  # auto (the parent run if runs.parent_run_id, else a new report run) | report | parent | none
-    plots: PlotsConfig = field(default_factory=PlotsConfig)
-    task_name: str = "report"
+    optimized_metric: Optional[str] = "eval/avg/acc"  # with one benchmark: eval/<benchmark>/acc
 
 
 def rollout_batches(max_steps, num_iterations, mini_batches) -> int:
@@ -681,6 +547,12 @@ def optimizer_steps(rollout_batches, num_iterations, mini_batches) -> int:
     recipes ported from verl-based codebases state their length this way in verl's unit, trainer steps = rollout
     batches (``trainer.total_training_steps``), so ``trainer.max_steps`` follows a change of k or mu."""
     return int(rollout_batches) * int(num_iterations) * int(mini_batches)
+
+
+def floordiv(a, b) -> int:
+    """``${floordiv:a,b}``: a // b, for a value that follows another (DAPO's overlong buffer: a quarter of
+    rollout.max_completion_length, conf/algo/dapo.yaml)."""
+    return int(a) // int(b)
 
 
 def slurm_tasks(devices) -> int:
@@ -698,369 +570,33 @@ def slurm_gpus(accelerator, devices) -> Optional[int]:
 
 def register_configs() -> None:
     for name, fn in (("rollout_batches", rollout_batches), ("optimizer_steps", optimizer_steps),
-                     ("slurm_tasks", slurm_tasks), ("slurm_gpus", slurm_gpus)):
+                     ("floordiv", floordiv), ("slurm_tasks", slurm_tasks), ("slurm_gpus", slurm_gpus)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="weights_schema", node=WeightsConfig)
     cs.store(name="evaluate_schema", node=EvaluateConfig)
-    cs.store(name="extrapolate_schema", node=ExtrapolateConfig)
-    cs.store(name="report_schema", node=ReportConfig)
+    store_method_schemas(cs)
 
 
-# ---------------------------------------------------------------------------------------------- validation
-def _check(errors: list[str], ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        errors.append(f"{key} = {value!r}: {why}")
-
-
-SCHEDULE_UNITS = ("optimizer_step", "rollout_batch")  # optim.schedule_unit
-HUB_MODEL_MAX_LR = 1e-5  # above this, a pretrained hub model needs optim.allow_high_lr=true
-
-
-def is_hub_model(model_cfg) -> bool:
-    """A pretrained model loaded from the Hugging Face hub by id: not the embedded model (name_or_path null), not
-    random weights (model.random_init), not a local directory, not a packaged model (``pkg:...``)."""
-    name = model_cfg.get("name_or_path")
-    if name is None or model_cfg.get("random_init"):
-        return False
-    from grail_exp.models import _looks_local
-
-    return ":" not in str(name) and not _looks_local(str(name))
-
-
-def validate(cfg: DictConfig) -> DictConfig:
-    """Reject impossible configurations before anything expensive happens.
-
-    Returns the config with ``advantage`` merged into its scheme's typed schema. Raises
-    ``ConfigError`` listing every problem, each with its full key.
-    """
-    from grail_exp.advantages import SCHEMES, scheme_config_class
-
-    e: list[str] = []
-    r, L, t, o = cfg.rollout, cfg.loss, cfg.trainer, cfg.optim
-    _check(e, r.engine in ("hf", "vllm") or ":" in str(r.engine), "rollout.engine", r.engine,
-           "must be one of: hf, vllm, or a plug-in 'package.module:ClassName'")
-    _check(e, r.num_generations >= 2, "rollout.num_generations", r.num_generations,
-           "must be >= 2 (the group mean is the baseline; one sample has no baseline)")
-    _check(e, r.max_completion_length > 0, "rollout.max_completion_length", r.max_completion_length, "must be > 0")
-    _check(e, r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0 (training samples)")
-    _check(e, 0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
-    _check(e, r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 disables top-k)")
-    _check(e, r.generation_batch_size >= 1, "rollout.generation_batch_size", r.generation_batch_size, "must be >= 1")
-    from grail_exp.loss import AGGREGATIONS, KL_ESTIMATORS, LOSS_TERMS, POLICY_LOSSES
-    from grail_exp.loss.correction import MODES as IS_MODES
-
-    _check(e, L.scale_rewards in ("group", "batch", "none"), "loss.scale_rewards", L.scale_rewards,
-           "must be one of: group, batch, none")
-    _check(e, L.policy_loss in POLICY_LOSSES, "loss.policy_loss", L.policy_loss,
-           f"must be one of: {', '.join(sorted(POLICY_LOSSES))}")
-    _check(e, L.kl_estimator in KL_ESTIMATORS, "loss.kl_estimator", L.kl_estimator,
-           f"must be one of: {', '.join(sorted(KL_ESTIMATORS))}")
-    for term in (L.get("terms") or {}):
-        _check(e, term in LOSS_TERMS, f"loss.terms.{term}", term, f"unknown loss term; valid: {', '.join(sorted(LOSS_TERMS)) or 'none registered'}")
-        if term in LOSS_TERMS and L.terms[term] is not None:  # the term's typed schema, then its own checks
-            from grail_exp.loss.terms import typed_term_config
-
-            try:
-                typed_term = typed_term_config(LOSS_TERMS[term], L.terms[term])
-            except Exception as exc:  # noqa: BLE001 - wrong key / type: report it with the others
-                e.append(f"loss.terms.{term}: {exc}".split("\n    ")[0])
-            else:
-                e.extend(f"loss.terms.{term}.{msg}" for msg in LOSS_TERMS[term].check_config(typed_term))
-    ic = r.is_correction
-    _check(e, ic.mode in IS_MODES, "rollout.is_correction.mode", ic.mode, f"must be one of: {', '.join(IS_MODES)}")
-    _check(e, ic.clip_max > 0, "rollout.is_correction.clip_max", ic.clip_max, "must be > 0")
-    _check(e, ic.clip_min is None or 0 <= ic.clip_min < ic.clip_max, "rollout.is_correction.clip_min", ic.clip_min,
-           "must be null or in [0, clip_max)")
-    sc = r.sampler_check
-    _check(e, sc.max_abs_diff is None or sc.max_abs_diff > 0, "rollout.sampler_check.max_abs_diff", sc.max_abs_diff,
-           "must be > 0 or null")
-    _check(e, sc.jump_factor is None or sc.jump_factor > 1, "rollout.sampler_check.jump_factor", sc.jump_factor,
-           "must be > 1 or null")
-    _check_vllm(cfg, e)
-    # Half precision needs fp32 master weights (or a strategy that keeps them): an Adam step of ~lr vanishes in
-    # bf16 rounding, so the model would silently not train.
-    from grail_exp.training.backends import BACKENDS
-
-    backend = BACKENDS.get(str(t.strategy))
-    if backend is None:
-        e.append(f"trainer.strategy = {t.strategy!r}: must be one of {', '.join(sorted(BACKENDS))} (the update backends "
-                 "in grail_exp/training/backends; DeepSpeed runs as 'deepspeed', trainer=deepspeed_zero2, under this "
-                 "trainer's own step: Lightning's DeepSpeed strategies own the step and do not fit it)")
-    else:
-        e.extend(backend.check_config(cfg))
-    sharded = backend is not None and backend.owns_master_weights  # FSDP / ZeRO keep the fp32 masters themselves
-    if cfg.model.dtype in ("bfloat16", "float16") and o.master_weights is False and not sharded:
-        e.append(f"model.dtype = {cfg.model.dtype!r} with optim.master_weights = false: AdamW would update "
-                 f"{cfg.model.dtype} weights in place and steps of lr = {o.lr} vanish in rounding; set "
-                 "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / fsdp_zero2 / deepspeed_zero2")
-    _check(e, cfg.model.dtype != "float16", "model.dtype", cfg.model.dtype,
-           "float16 training needs loss scaling, which is not implemented; use bfloat16 (evaluation may use float16)")
-    _check(e, t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", t.logprob_chunk_tokens, "must be >= 1")
-    from grail_exp.logprobs import LOGPROB_DTYPES
-
-    _check(e, t.logprob_dtype in LOGPROB_DTYPES, "trainer.logprob_dtype", t.logprob_dtype,
-           f"must be one of: {', '.join(LOGPROB_DTYPES)}")
-    _check(e, t.weights_table_every >= 0, "trainer.weights_table_every", t.weights_table_every, "must be >= 0")
-    from grail_exp.training.world import configured_world_size
-
-    world = configured_world_size(t)
-    share = t.get("share_prompts", "auto")
-    _check(e, share in ("auto", True, False), "trainer.share_prompts", share, "must be auto, true or false")
-    _check(e, not (share is True and cfg.model.gradient_checkpointing), "trainer.share_prompts", share,
-           "cannot be true with model.gradient_checkpointing=true (a layer replayed in the backward has no cache of "
-           "the shared prompt); set it to auto or false")
-    _check(e, t.prompts_per_step % max(1, world) == 0, "trainer.prompts_per_step", t.prompts_per_step,
-           f"must be divisible by the data-parallel world size trainer.devices x trainer.num_nodes = {world} "
-           "(every rank samples whole groups)")
-    _check(e, L.epsilon >= 0, "loss.epsilon", L.epsilon, "must be >= 0")
-    _check(e, L.epsilon_high is None or L.epsilon_high >= 0, "loss.epsilon_high", L.epsilon_high,
-           "must be >= 0 or null")
-    _check(e, L.loss_type in AGGREGATIONS, "loss.loss_type", L.loss_type,
-           f"must be one of: {', '.join(sorted(AGGREGATIONS))}")
-    _check(e, L.beta >= 0, "loss.beta", L.beta, "must be >= 0")
-    _check(e, L.num_iterations >= 1, "loss.num_iterations", L.num_iterations, "must be >= 1")
-    from grail_exp.loss.policies import check_family_config  # GRPO family knobs (issue 15)
-
-    e.extend(check_family_config(cfg))
-    _check(e, o.lr > 0, "optim.lr", o.lr, "must be > 0")
-    if o.lr > HUB_MODEL_MAX_LR and is_hub_model(cfg.model) and not o.get("allow_high_lr", False):
-        recipe = (cfg.get("recipe") or {}).get("name", "?")
-        e.append(f"optim.lr = {o.lr!r}: above {HUB_MODEL_MAX_LR:g} for the pretrained model {cfg.model.name_or_path!r} "
-                 f"(recipe {recipe}); rates like the demo's 1e-4 destroy 4-8B weights within tens of steps (the paper: "
-                 "1e-6, recipe=paper). Set optim.allow_high_lr=true if you mean it")
-    _check(e, o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    _check(e, o.get("schedule_unit", "optimizer_step") in SCHEDULE_UNITS, "optim.schedule_unit",
-           o.get("schedule_unit"), f"must be one of: {', '.join(SCHEDULE_UNITS)}")
-    _check(e, o.max_grad_norm is None or o.max_grad_norm > 0, "optim.max_grad_norm", o.max_grad_norm,
-           "must be > 0 or null")
-    _check(e, t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
-    _check(e, t.prompts_per_step >= 1, "trainer.prompts_per_step", t.prompts_per_step, "must be >= 1")
-    _check(e, t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
-    _check(e, t.checkpoint_every >= 0, "trainer.checkpoint_every", t.checkpoint_every, "must be >= 0")
-    _check(e, t.get("save_weights_only_every", 0) >= 0, "trainer.save_weights_only_every",
-           t.get("save_weights_only_every"), "must be >= 0 (0 = no trajectory)")
-    _check(e, t.keep_last_checkpoints is None or t.keep_last_checkpoints >= 1, "trainer.keep_last_checkpoints",
-           t.keep_last_checkpoints, "must be >= 1 or null")
-    _check(e, t.max_nonfinite_in_a_row >= 1, "trainer.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, "must be >= 1")
-    _check(e, cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "must be >= 0")
-    _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
-    _check_extraction(e, cfg.reward, "reward.extraction")
-    _check(e, t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0")
-    cs = cfg.model.get("cold_start")
-    if cs is not None and cs.enabled:
-        _check(e, cfg.data.name == "arithmetic", "model.cold_start.enabled", True,
-               f"the cold start learns the arithmetic task's own solutions; data.name is {cfg.data.name!r}")
-        for key in ("steps", "batch_size"):
-            _check(e, cs[key] >= 1, f"model.cold_start.{key}", cs[key], "must be >= 1")
-        _check(e, cs.lr > 0, "model.cold_start.lr", cs.lr, "must be > 0")
-    _check(e, not cfg.study.dir or t.eval_at_end, "trainer.eval_at_end", t.eval_at_end,
-           f"must be true in a study (study.dir={cfg.study.dir}): each arm is recorded with its final evaluation")
-    order = cfg.data.get("order", "shuffled")
-    _check(e, order in ("shuffled", "reference"), "data.order", order, "must be one of: shuffled, reference")
-    _check(e, order == "shuffled" or cfg.data.name != "arithmetic", "data.order", order,
-           "reference is the order of a hub dataset (data=deepmath); the arithmetic stream is generated")
-    _check_eval_model_benchmark(cfg, e)
-
-    from grail_exp.data import DATASETS
-
-    _check(e, cfg.data.name in DATASETS, "data.name", cfg.data.name, f"must be one of: {', '.join(sorted(DATASETS))}")
-    if cfg.data.name == "arithmetic":  # the knobs must allow the fixed splits: say so before any model is built
-        from grail_exp.data.sources import arithmetic_task
-
-        try:
-            task = arithmetic_task(cfg.data)
-            task.split("validation"), task.split("test")  # cached: training and evaluation reuse them
-        except ConfigError as exc:
-            e.append(str(exc))
-
-    m = cfg.get("optimized_metric")
-    if m:
-        parts = str(m).split("/")
-        ok = len(parts) == 3 and parts[0] == "eval" and parts[1] in [*cfg.benchmark.names, "avg", "avg_weighted"] and (
-            parts[2] in ("acc", "maj", "nulls", "truncation_rate", "mean_tokens") or parts[2].startswith("pass_at_"))
-        _check(e, ok, "optimized_metric", m, "must be eval/<benchmark|avg|avg_weighted>/<acc|maj|pass_at_k|...> "
-               f"for a benchmark in benchmark.names ({', '.join(cfg.benchmark.names)})")
-
-    # Micro-batches must tile the rollout batch exactly, otherwise gradient accumulation is ill-defined.
-    k = t.mini_batches_per_rollout
-    _check(e, k >= 1, "trainer.mini_batches_per_rollout", k, "must be >= 1")
-    prompts_per_rank = t.prompts_per_step // max(1, world)
-    if k >= 1 and prompts_per_rank % k:
-        e.append(f"trainer.mini_batches_per_rollout = {k}: must divide the prompts of a rank's rollout batch "
-                 f"(trainer.prompts_per_step / world size = {prompts_per_rank}): a mini-batch holds whole groups")
-    completions = t.prompts_per_step * r.num_generations // max(1, world) // max(1, k)  # per rank and mini-batch
-    if completions >= 1 and t.micro_batch_size >= 1 and completions % min(t.micro_batch_size, completions):
-        e.append(f"trainer.micro_batch_size = {t.micro_batch_size}: must divide trainer.prompts_per_step x "
-                 f"rollout.num_generations / world size / trainer.mini_batches_per_rollout = {completions}")
-
-    # The advantage estimator: known name, then its typed schema and checks.
-    from grail_exp.estimators import ESTIMATORS
-
-    est = cfg.get("estimator")
-    est_name = est.get("name") if isinstance(est, DictConfig) else None
-    if est_name not in ESTIMATORS:
-        e.append(f"estimator.name = {est_name!r}: unknown estimator; valid: {', '.join(sorted(ESTIMATORS))}")
-    else:
-        spec = ESTIMATORS[est_name]
-        try:
-            typed_est = OmegaConf.merge(OmegaConf.structured(spec.config_class), est)
-        except Exception as exc:
-            e.append(f"estimator: {exc}".split("\n    ")[0])
-        else:
-            e.extend(f"estimator.{msg}" for msg in (spec.check(typed_est) if spec.check else []))
-            e.extend(spec.check_run(typed_est, cfg) if spec.check_run else [])
-            ds = r.get("dynamic_sampling")
-            if ds is not None and ds.enabled and spec.prompt_variants is not None:
-                e.append(f"rollout.dynamic_sampling.enabled = true: not with estimator={est_name} (it plans its own "
-                         "prompts per problem and replaces the rewards dynamic sampling filters on)")
-            with open_dict(cfg):
-                cfg.estimator = typed_est
-
-    # The advantage scheme: known name, then its own typed schema and checks.
-    adv = cfg.advantage
-    name = adv.get("name") if isinstance(adv, DictConfig) else None
-    if name not in SCHEMES:
-        e.append(f"advantage.name = {name!r}: unknown scheme; valid: {', '.join(sorted(SCHEMES))}")
-    else:
-        try:
-            typed = OmegaConf.merge(OmegaConf.structured(scheme_config_class(name)), adv)
-        except Exception as exc:  # omegaconf names the offending key
-            e.append(f"advantage: {exc}".split("\n    ")[0])
-        else:
-            e.extend(f"advantage.{msg}" for msg in SCHEMES[name].check_config(typed))
-            if not e:
-                with open_dict(cfg):
-                    cfg.advantage = typed
-    if not e:
-        e.extend(check_required_settings(cfg))
-    if not e:  # the memory plan of a valid config, before any model is loaded (grail_exp/memory.py)
-        from grail_exp.memory import check as check_memory_plan
-
-        refusal = check_memory_plan(cfg)
-        if refusal:
-            e.append(refusal)
-    if e:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
-    return cfg
-
-
-def check_required_settings(cfg: DictConfig) -> list[str]:
-    """A method's required settings (``requires`` of the chosen estimator, scheme and loss terms: {key: value}) must
-    hold in the composed run. Its config-group file sets them, and the root defaults list composes the method groups
-    after the recipe family (conf/config.yaml), so a family recipe cannot undo them; an experiment file or an override
-    that sets another value is refused here, naming the key, instead of silently running another objective."""
+def store_method_schemas(cs: ConfigStore) -> None:
+    """Each registered method's dataclass defaults as ``schema/<group>/<name>``: the first layer of its group file
+    (conf/advantage/grail.yaml: ``- /schema/advantage@_here_: grail``), so a method's values are stated once, in the
+    dataclass beside its code, and still composed (``--cfg job``). Untyped: validate() types the node, as before."""
     from grail_exp.advantages import SCHEMES
     from grail_exp.estimators import ESTIMATORS
     from grail_exp.loss import LOSS_TERMS
 
-    methods = [(f"estimator={cfg.estimator.name}", ESTIMATORS[cfg.estimator.name].requires),
-               (f"advantage={cfg.advantage.name}", SCHEMES[cfg.advantage.name].requires)]
-    methods += [(f"loss term {name}", LOSS_TERMS[name].requires) for name in (cfg.loss.get("terms") or {})
-                if name in LOSS_TERMS]
-    e = []
-    for method, requires in methods:
-        for key, want in requires.items():
-            got = OmegaConf.select(cfg, key)
-            if got != want:
-                e.append(f"{key} = {got!r}: {method} requires {key}={want} (the method's definition); a recipe, "
-                         "experiment file or override set another value. Remove that setting or choose another method")
-    return e
+    for group, registry in (("advantage", SCHEMES), ("estimator", ESTIMATORS), ("loss_term", LOSS_TERMS)):
+        for name, method in registry.items():
+            node = OmegaConf.to_container(OmegaConf.structured(method.config_class))
+            if group != "loss_term":  # an estimator without its own dataclass shares EstimatorConfig's name
+                node["name"] = name
+            cs.store(group=f"schema/{group}", name=name, node=node)
 
 
-def _check_eval_model_benchmark(cfg: DictConfig, e: list[str]) -> None:
-    """Checks shared by training and ``grail_exp.evaluate``."""
-    from grail_exp.data import BENCHMARKS
-
-    ev = cfg.eval
-    _check(e, ev.n >= 1, "eval.n", ev.n, "must be >= 1")
-    _check(e, ev.temperature >= 0, "eval.temperature", ev.temperature, "must be >= 0 (0 = greedy)")
-    _check(e, ev.temperature > 0 or ev.n == 1, "eval.n", ev.n, "greedy evaluation (eval.temperature=0) needs n=1")
-    _check(e, 0 < ev.top_p <= 1, "eval.top_p", ev.top_p, "must be in (0, 1]")
-    _check(e, ev.max_tokens > 0, "eval.max_tokens", ev.max_tokens, "must be > 0")
-    _check(e, ev.n < 1 or (ev.batch_size >= ev.n and ev.batch_size % ev.n == 0), "eval.batch_size", ev.batch_size,
-           f"must be a positive multiple of eval.n = {ev.n}: one generate() call (a chunk, the unit the ranks share "
-           "and the cache keeps) holds whole problems, eval.batch_size / eval.n of them")
-    _check(e, cfg.benchmark.limit is None or cfg.benchmark.limit >= 1, "benchmark.limit", cfg.benchmark.limit,
-           "must be >= 1 or null")
-    _check(e, cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
-           "must be one of: float32, bfloat16, float16")
-    _check(e, cfg.model.prompt_style in ("chat", "plain"), "model.prompt_style", cfg.model.prompt_style,
-           "must be one of: chat, plain")
-    _check(e, cfg.logger.name in ("mlflow", "none"), "logger.name", cfg.logger.name, "must be one of: mlflow, none")
-    from grail_exp.architectures import check_model_config
-
-    e.extend(check_model_config(cfg.model))  # random_init / tokenizer keys
-    from grail_exp.packaged_models import check_spec as check_packaged_model
-
-    e.extend(check_packaged_model(cfg.model.name_or_path))  # pkg:<name>: known, installed, convertible
-    for i, ex in enumerate(cfg.model.get("few_shot") or []):
-        _check(e, hasattr(ex, "keys") and {"question", "answer"} <= set(ex.keys()), f"model.few_shot[{i}]", ex,
-               "must be a mapping with 'question' and 'answer'")
-    if cfg.model.name_or_path is None and not cfg.model.get("random_init"):
-        _check(e, cfg.model.build is not None, "model.build", None,
-               "model.name_or_path is null, so the embedded model is built, which needs model.build")
-    _check(e, cfg.benchmark.get("olympiad_gold", "first") in ("first", "str"), "benchmark.olympiad_gold",
-           cfg.benchmark.get("olympiad_gold"), "must be first (final_answer[0]) or str (the paper's str(final_answer))")
-    _check(e, len(cfg.benchmark.names) > 0, "benchmark.names", list(cfg.benchmark.names), "must name a benchmark")
-    _check_extraction(e, cfg.benchmark, "benchmark.extraction")
-    for b in cfg.benchmark.names:
-        _check(e, b in BENCHMARKS, "benchmark.names", b, f"unknown benchmark; valid: {', '.join(sorted(BENCHMARKS))}")
-
-
-def _check_extraction(e: list[str], node, key: str) -> None:
-    from grail_exp.extraction import MODES
-
-    mode = node.get("extraction", "last_balanced")
-    _check(e, mode in MODES, key, mode, f"must be one of: {', '.join(MODES)}")
-
-
-VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-
-
-def _check_vllm(cfg: DictConfig, e: list[str]) -> None:
-    """Impossible rollout.vllm values (only when rollout.engine is vllm)."""
-    v = cfg.rollout.get("vllm")
-    if cfg.rollout.engine != "vllm" or v is None:
-        return
-    _check(e, 0 < v.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization,
-           "must be in (0, 1]")
-    _check(e, v.max_model_len is None or v.max_model_len > 0, "rollout.vllm.max_model_len", v.max_model_len,
-           "must be > 0 or null")
-    _check(e, v.dtype in (None, "float32", "bfloat16", "float16"), "rollout.vllm.dtype", v.dtype,
-           "must be null (= model.dtype), float32, bfloat16 or float16")
-    _check(e, v.logprobs_mode in VLLM_LOGPROBS_MODES, "rollout.vllm.logprobs_mode", v.logprobs_mode,
-           f"must be one of: {', '.join(VLLM_LOGPROBS_MODES)}")
-    _check(e, v.get("sync_chunk_mb", 256) >= 1, "rollout.vllm.sync_chunk_mb", v.get("sync_chunk_mb"), "must be >= 1")
-    kw = v.get("kwargs") or {}
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        _check(e, int(kw.get(key, 1) or 1) == 1, f"rollout.vllm.kwargs.{key}", kw.get(key),
-               "must be 1: the trainer runs one engine per rank, each on its rank's device, inside the job's process "
-               "group (vLLM's external launcher); an engine spread over several ranks' devices is not supported")
-    _check(e, "distributed_executor_backend" not in kw, "rollout.vllm.kwargs.distributed_executor_backend",
-           kw.get("distributed_executor_backend"), "is set by the engine (external_launcher inside a process group, "
-           "uniprocess without one): remove it")
-    r = cfg.rollout
-    if v.max_model_len is not None and "max_completion_length" in r:
-        _check(e, v.max_model_len > r.max_completion_length, "rollout.vllm.max_model_len", v.max_model_len,
-               f"must exceed rollout.max_completion_length = {r.max_completion_length} (prompt + completion)")
-
-
-def validate_eval(cfg: DictConfig) -> DictConfig:
-    """Validation for ``python -m grail_exp.evaluate`` (before any model is loaded)."""
-    e: list[str] = []
-    _check(e, cfg.rollout.engine in ("hf", "vllm"), "rollout.engine", cfg.rollout.engine, "must be one of: hf, vllm")
-    _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
-    _check_vllm(cfg, e)
-    _check_eval_model_benchmark(cfg, e)
-    if e:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
-    return cfg
-
-
-def open_dict(cfg: DictConfig):
-    from omegaconf import open_dict as _open
-
-    return _open(cfg)
+# ---------------------------------------------------------------------------------------------- validation
+# The checks of a composed config live in grail_exp/validate.py, one function per config group; importable from here
+# too, as they always were.
+from grail_exp.validate import validate, validate_eval, validate_weights  # noqa: E402,F401  (re-exported)

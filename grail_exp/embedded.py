@@ -361,6 +361,31 @@ def find_shipped_model(key: str, shipped_dir: str | os.PathLike | None = None) -
     return None
 
 
+def warm_start_estimate(n_params: int, warm: dict, shipped_dir: str | os.PathLike | None = None) -> str:
+    """How long a warm start of ``warm`` on a model of ``n_params`` parameters should take, in words: scaled from the
+    shipped build's measured one (its grail_exp_build.json) by parameters x batch size (an SFT step's FLOPs on the
+    same task's lengths). It stops at ``target_accuracy``: expected = the shipped build's steps to its target, at
+    most ``max_steps``."""
+    steps, batch = int(warm["max_steps"]), int(warm["batch_size"])
+    what = f"a warm start of up to {steps} SFT steps of {batch} problems (until greedy validation accuracy " \
+           f"{warm['target_accuracy']})"
+    refs = sorted(Path(shipped_dir or SHIPPED_DIR).glob("*/grail_exp_build.json"))
+    if not refs:
+        return f"{what}; no shipped build to estimate its duration from"
+    ref = json.loads(refs[0].read_text())
+    ref_steps, ref_s = ref["warm_start"]["steps"], ref["warm_start"]["seconds"]
+    per_step = ref_s / ref_steps * (n_params / ref["parameters"]) * (batch / ref["spec"]["warm_start"]["batch_size"])
+    expected, at_most = duration_words(per_step * min(steps, ref_steps)), duration_words(per_step * steps)
+    return (f"{what}, expected {expected}, at most {at_most} "
+            f"(the shipped build of {ref['parameters']:,} parameters: {ref_steps} steps of "
+            f"{ref['spec']['warm_start']['batch_size']} in {ref_s:.0f} s, scaled by parameters x batch)")
+
+
+def duration_words(seconds: float) -> str:
+    """``~12 min`` / ``~40 s``: an estimate's precision."""
+    return f"~{seconds / 60:.0f} min" if seconds >= 90 else f"~{seconds:.0f} s"
+
+
 def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_template_kwargs: dict,
                           instruction: str, cache_dir: str | os.PathLike, use_shipped: bool = True) -> Path:
     """Return the directory of the warm-started embedded model: the shipped artifact when it was built for exactly
@@ -386,12 +411,14 @@ def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_te
         if (target / "grail_exp_build.json").exists():  # built by a concurrent job while we waited
             log.info("embedded model: the cached build %s", target)
             return target
-        log.info("building the embedded model (cached afterwards) at %s", target)
         t0 = time.time()
         tokenizer = build_tokenizer(build["tokenizer"], task, build["vocab_size"], warm)
         seed = build.get("seed", 0)
         model = build_model(build, tokenizer, seed)
         n_params = sum(p.numel() for p in model.parameters())
+        log.info("embedded model: no shipped or cached build of this spec (key %s), so this run first builds it: "
+                 "%s (cached afterwards at %s)", key,
+                 warm_start_estimate(n_params, warm) if warm["enabled"] else "no warm start, seconds", target)
         report = warm_start(model, tokenizer, task, warm, chat_template_kwargs, instruction, seed) if warm["enabled"] else {}
         tmp = root / f".tmp-{target.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

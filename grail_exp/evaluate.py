@@ -385,7 +385,7 @@ def write_run_files(result: EvalResult, out_dir: str | Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- CLI
 def evaluate_job(cfg: DictConfig) -> EvalResult:
-    from grail_exp.config import validate_eval
+    from grail_exp.validate import validate_eval
     from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.rewards import MathVerifier
     from grail_exp.rollout import build_engine

@@ -34,6 +34,38 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
 
 
+def check_local_files(model_cfg) -> list[str]:
+    """The model's files on this machine, for ``validate`` before anything loads: a local ``model.name_or_path`` is a
+    Hugging Face directory (a config.json that parses), a local ``model.tokenizer_name_or_path`` a directory, and a
+    ``model.architecture`` that is not a shipped name a config.json that parses. Hub ids and ``pkg:`` names are
+    checked where they load. (``model.random_init`` builds from the architecture: ``check_model_config`` checks it.)"""
+    import json
+
+    from grail_exp.architectures import ArchitectureError, load_architecture
+
+    e: list[str] = []
+    name, tok = model_cfg.get("name_or_path"), model_cfg.get("tokenizer_name_or_path")
+    arch = model_cfg.get("architecture")
+    if name is not None and not model_cfg.get("random_init") and ":" not in str(name) and _looks_local(str(name)):
+        config = Path(str(name)).expanduser() / "config.json"
+        if not config.is_file():
+            e.append(f"model.name_or_path = {str(name)!r}: no Hugging Face model there (expected {config}); point "
+                     "it at a directory written by save_pretrained (e.g. a run's checkpoints/step-N/)")
+        else:
+            try:
+                json.loads(config.read_text())
+            except json.JSONDecodeError as exc:
+                e.append(f"model.name_or_path = {str(name)!r}: {config}:{exc.lineno}: invalid JSON: {exc.msg}")
+    if tok is not None and ":" not in str(tok) and _looks_local(str(tok)) and not Path(str(tok)).expanduser().is_dir():
+        e.append(f"model.tokenizer_name_or_path = {str(tok)!r}: no such directory")
+    if arch and not model_cfg.get("random_init"):
+        try:
+            load_architecture(str(arch))
+        except ArchitectureError as exc:
+            e.append(str(exc))
+    return e
+
+
 def resolve_model_path(cfg) -> str:
     """The directory or hub id to load; builds the embedded model when ``model.name_or_path`` is null, and the
     cached supervised cold start on top when ``model.cold_start.enabled`` (grail_exp/cold_start.py)."""

@@ -47,12 +47,13 @@ from typing import Any, Optional
 
 import hydra
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from grail_exp import metrics as M
 from grail_exp import stats
 from grail_exp.conf_path import CONFIG_DIR
-from grail_exp.config import ConfigError, ReportConfig, register_configs  # noqa: F401  (ReportConfig: public)
+from grail_exp.config import ConfigError, LoggerConfig, PathsConfig, register_configs
 from grail_exp.errors import DataError
 
 log = logging.getLogger("grail_exp.report")
@@ -64,7 +65,6 @@ _METRIC = re.compile(r"^(acc|maj|pass@(\d+|n))$")
 DASH = "—"
 
 
-# ----------------------------------------------------------------------------------------------- config schema
 def arm_scheme(scheme: str, params: dict) -> str:
     """The row label of a run's scheme: ``grail+per_rollout`` when its weights were computed once per rollout batch
     (``advantage.recompute=per_rollout``), a different arm from the faithful per-update one. Batch-level schemes
@@ -77,7 +77,113 @@ def arm_scheme(scheme: str, params: dict) -> str:
     return scheme
 
 
-register_configs()  # the report's schema (ReportConfig) lives with the other schemas in grail_exp/config.py
+# ----------------------------------------------------------------------------------------------- config schema
+# The report's schema (conf/report.yaml), beside its validator below; stored as ``report_schema`` when this module
+# is imported (tests/conftest.compose imports it for config_name="report").
+@dataclass
+class RunSelection:
+    """Which MLflow runs the report reads (all filters are ANDed)."""
+
+    experiment_names: Optional[list[str]] = None  # experiments searched; null = [logger.experiment_name]
+    run_ids: list[str] = field(default_factory=list)  # explicit runs; when given, the filters below are ignored
+    parent_run_id: Optional[str] = None  # children of this run (tag mlflow.parentRunId): one sweep or study
+    tags: dict = field(default_factory=dict)  # tag filters, e.g. {task_name: paper_table}
+    filter: Optional[str] = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
+    # A study folder instead of MLflow (grail_exp/study.py: one <arm>/arm.json + samples per finished arm); when
+    # set, the filters above are not used
+    dir: Optional[str] = None
+
+
+@dataclass
+class RunFields:
+    """Where a run says what it is: the first run tag or param of each list that exists (run.py sets the tags)."""
+
+    model: list[str] = field(default_factory=lambda: ["model", "model.name"])
+    scheme: list[str] = field(default_factory=lambda: ["advantage", "advantage.name"])
+    seed: list[str] = field(default_factory=lambda: ["seed"])
+
+
+@dataclass
+class StatsConfig:
+    """Paired statistics (grail_exp/stats.py)."""
+
+    n_boot: int = 10_000  # bootstrap replicates of the two-level (seeds × problems) paired bootstrap
+    alpha: float = 0.05  # 1 − confidence level of the interval; also the significance level marked with *
+    seed: int = 0  # RNG seed of the bootstrap and Monte-Carlo sign flips (the report is reproducible)
+    n_perm: int = 10_000  # Monte-Carlo sign-flip patterns when the exact test is too large
+    exact_max: int = 16  # exact sign-flip test (all 2^m patterns) up to m non-zero per-problem differences
+    resample_seeds: bool = True  # resample training seeds too (when there are >= 2); false = problems only
+
+
+@dataclass
+class OutputConfig:
+    dir: str = MISSING  # where <name>.md, <name>.tex, <name>.json and <name>_plots/ go (default results/report)
+    name: str = "report"  # file stem
+    title: Optional[str] = None  # heading; null = "Paired comparison vs <baseline>"
+
+
+@dataclass
+class PlotsConfig:
+    enabled: bool = True  # training curves, pass@k vs k and token-weight plots per model (grail_exp/plots.py)
+    curves: list[str] = field(default_factory=lambda: ["reward/mean", "accuracy", "completions/mean_length",
+                                                       "entropy", "kl", "clip_ratio/region_mean"])
+    weights: bool = True  # positional profile and weight-vs-entropy from the runs' weights/step_*.parquet
+    weights_max_files: int = 10  # weight tables read per run, evenly spread over training
+
+
+@dataclass
+class DesignCheck:
+    """What makes a set of runs one study (grail_exp/report.py ``check_design``); flat config keys, fnmatch patterns."""
+
+    strict: bool = False  # true: refuse a report whose arms differ where they must agree (else footnotes only)
+    # must agree between every run of a model (a key matching same_within_seed is exempt)
+    same_everywhere: list[str] = field(default_factory=lambda: [
+        "model.*", "data.*", "benchmark.*", "eval.*", "rollout.*", "loss.*", "optim.*", "estimator.*",
+        "reward.extraction", "reward.overlong_buffer.*",
+        "trainer.max_steps", "trainer.prompts_per_step", "trainer.mini_batches_per_rollout", "trainer.precision",
+        "trainer.logprob_dtype", "trainer.eval_before_training", "task_name"])
+    # must agree between the arms of a seed: the starting weights and what the run seed sets per seed
+    same_within_seed: list[str] = field(default_factory=lambda: [
+        "start_weights.sha256", "data.train_seed", "model.build.seed", "seed"])
+
+
+@dataclass
+class ReportConfig:
+    """Schema of ``python -m grail_exp.report`` (conf/report.yaml)."""
+
+    logger: LoggerConfig = MISSING  # where the runs are (tracking_uri, experiment_name) and the report is logged
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    runs: RunSelection = field(default_factory=RunSelection)
+    fields: RunFields = field(default_factory=RunFields)
+    # per-sample artifacts, the first that exists wins: training runs' final evaluation, then evaluate runs
+    samples_artifacts: list[str] = field(default_factory=lambda: ["eval/final/samples.parquet",
+                                                                  "eval/eval/samples.parquet"])
+    baseline: str = "grpo"  # the scheme every other scheme is compared with (the paper: GRPO)
+    models: Optional[list[str]] = None  # row order / rows that must appear (missing ones read "—"); null = found
+    schemes: Optional[list[str]] = None  # likewise for schemes; null = found, baseline first
+    seeds: Optional[list[str]] = None  # the seeds every arm should have; missing ones are footnoted
+    # The cells a study planned per model where they differ from schemes / seeds (keys: schemes, seeds; an absent
+    # key = the top-level one), e.g. the CPU study's +design.tiny_llama="{schemes: [grpo, grail], seeds: [1, 2, 3]}"
+    # beside tiny Qwen3 x three schemes x seeds 1-5: a cell outside its model's plan is no row and not "missing";
+    # a planned cell without a finished run still is. (Untyped: OmegaConf cannot add typed values with +key=.)
+    design: dict[str, Any] = field(default_factory=dict)
+    benchmarks: Optional[list[str]] = None  # columns; null = every benchmark found (paper order first)
+    metrics: list[str] = field(default_factory=lambda: ["acc", "pass@n"])  # acc | pass@<k> | pass@n | maj
+    average: str = "unweighted"  # the avg column: unweighted over benchmarks (paper) | weighted by problems
+    # run params that must agree between paired runs for common random numbers (those both runs have)
+    pairing_params: list[str] = field(default_factory=lambda: [
+        "eval.seed", "eval.n", "eval.temperature", "eval.top_p", "eval.top_k", "eval.max_tokens", "eval.sampling",
+        "benchmark.limit", "benchmark.olympiad_gold"])
+    design_check: DesignCheck = field(default_factory=DesignCheck)
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    log_to: str = "auto"  # auto (the parent run if runs.parent_run_id, else a new report run) | report | parent | none
+    plots: PlotsConfig = field(default_factory=PlotsConfig)
+    task_name: str = "report"
+
+
+register_configs()
+ConfigStore.instance().store(name="report_schema", node=ReportConfig)
 
 
 def validate_report(cfg: DictConfig) -> None:
@@ -106,6 +212,8 @@ def validate_report(cfg: DictConfig) -> None:
                           f"{cfg.baseline!r} (every row is paired with it)")
         if cfg.models is not None and model not in cfg.models:
             errors.append(f"design.{model}: not one of models = {list(cfg.models)}")
+    if cfg.runs.dir is not None and not Path(str(cfg.runs.dir)).expanduser().is_dir():
+        errors.append(f"runs.dir = {str(cfg.runs.dir)!r}: no such directory (a study folder, grail_exp/study.py)")
     for key, v in dict(cfg.runs.tags).items():
         if "'" in str(v) or "`" in str(key):
             errors.append(f"runs.tags.{key}: quotes are not supported in tag filters")

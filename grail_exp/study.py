@@ -39,8 +39,9 @@ log = logging.getLogger("grail_exp.study")
 
 ARM_FILE = "arm.json"
 # Flat config keys (prefixes) that may change between a study's start and its restart: where files go, how runs are
-# logged, how many threads compute, whether to resume. Everything else is the arm's identity.
-NOT_IDENTITY = ("paths.", "hydra.", "logger.", "study.", "resume", "trainer.num_threads",
+# logged, how many threads compute, whether to resume, which recipe files stated the values (recipe.*: the resolved
+# values themselves are the identity, wherever they were stated). Everything else is the arm's identity.
+NOT_IDENTITY = ("paths.", "hydra.", "logger.", "study.", "recipe.", "resume", "trainer.num_threads",
                 "trainer.progress_log_every", "reward.num_workers", "optimized_metric")
 HISTORY_KEYS = ("reward/mean", "accuracy", "completions/mean_length", "completions/truncated_rate", "entropy",
                 "loss", "grad_norm", "frac_reward_zero_std", "weights/mean", "clip_ratio/region_mean",
@@ -86,7 +87,8 @@ def finished(cfg) -> dict | None:
     if folder is None or not (folder / ARM_FILE).is_file():
         return None
     record = read_arm(folder)
-    diff = differences(record["config"], identity(cfg))
+    recorded = {k: v for k, v in record["config"].items() if not k.startswith(NOT_IDENTITY)}  # by an older version
+    diff = differences(recorded, identity(cfg))
     if diff:
         raise StudyError(f"{folder / ARM_FILE}: this arm finished with another configuration (recorded vs this "
                          f"job): {'; '.join(diff)}. Move the folder away, or set study.dir / study.arm to another one")

@@ -60,8 +60,10 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from grail_exp import faults
 from grail_exp.conf_path import CONFIG_DIR
-from grail_exp.config import ConfigError, register_configs, validate
+from grail_exp.config import ConfigError, register_configs
 from grail_exp.errors import RunStopped
+from grail_exp.training.world import configured_world_size
+from grail_exp.validate import validate
 
 log = logging.getLogger("grail_exp.tune")
 register_configs()
@@ -524,7 +526,7 @@ def optimize(cfg: DictConfig) -> dict:
     check_selection_benchmarks(checked, metric)
     space = parse_search_space(settings.params, checked)
     t = checked.trainer
-    if (t.devices if isinstance(t.devices, int) else len(t.devices)) * t.get("num_nodes", 1) != 1:
+    if configured_world_size(t) != 1:
         # Trials run inside this process; a data-parallel launcher would re-launch the tune command per rank, and a
         # pruning decision taken on rank 0 would leave the other ranks waiting at their next all-reduce.
         raise ConfigError(f"trainer.devices = {t.devices}, trainer.num_nodes = {t.get('num_nodes', 1)}: tuning runs "

@@ -108,7 +108,9 @@ def compute(cfg: DictConfig) -> list[dict]:
     from grail_exp.advantages import build_scheme, scheme_config_class, SCHEMES
     from grail_exp.forward import share_prompts_of
     from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.validate import validate_weights
 
+    validate_weights(cfg)  # the rollouts file and the model's files, before a model (or its warm start) loads
     if cfg.advantage.name not in SCHEMES:
         raise InputError(f"advantage={cfg.advantage.name!r}: valid schemes: {', '.join(sorted(SCHEMES))}")
     adv_cfg = OmegaConf.merge(OmegaConf.structured(scheme_config_class(cfg.advantage.name)), cfg.advantage)

@@ -1,6 +1,7 @@
 """Checkpointing, exact resume and fault tolerance (SIGKILL mid-write, SIGTERM, failing sweep jobs)."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,10 @@ def test_sigterm_writes_a_checkpoint_before_exit(tmp_path, tiny_model_dir):
 
 @pytest.mark.e2e
 def test_sweep_continues_past_a_failing_job(tmp_path, tiny_model_dir):
+    # A job that fails after its MLflow run started: its model directory passes validation (a config.json that
+    # parses) but holds no weights or tokenizer, so loading fails (a missing directory is refused before the run).
+    (tmp_path / "no_such_model").mkdir()
+    shutil.copy(Path(tiny_model_dir) / "config.json", tmp_path / "no_such_model" / "config.json")
     proc = subprocess.run(
         [sys.executable, "-m", "grail_exp.run", "-m", f"model.name_or_path={tiny_model_dir},{tmp_path}/no_such_model",
          f"paths.root_dir={tmp_path}", "trainer.max_steps=1", "trainer.prompts_per_step=2", "trainer.micro_batch_size=8",

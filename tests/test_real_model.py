@@ -162,7 +162,7 @@ def _scheme(name: str, tok, tmp: Path, cache: Path):
 
 def test_answer_spans_cover_the_boxed_answer_of_real_completions(smollm2, sampled_batch, tmp_path, smollm2_cache):
     """span_mapping=exact covers the box exactly; the default (the reference's re-encoding) lands one token right
-    of it when a space precedes the box (the documented quirk of grail_exp/advantages/spans.py, seen here on
+    of it when a space precedes the box (the documented quirk of grail_exp/spans.py, seen here on
     SmolLM2's own completions: 'Ġ\\' is one live token, but "a" + text[:s] re-encodes with a bare 'Ġ')."""
     from omegaconf import OmegaConf
 

@@ -199,6 +199,12 @@ def test_a_finished_arm_is_skipped_and_a_different_one_refused(tmp_path):
     assert finished(cfg)["metrics"] == {"eval/arithmetic/acc": 0.5}
     # a restart may change threads, logging and paths ...
     assert finished(compose(overrides + ["trainer.num_threads=1", "paths.root_dir=/elsewhere"], None)) is not None
+    # ... and which files stated the values: an arm recorded before the config tree's one recipe group
+    # (conf/recipe_base/smollm2_chain.yaml, conf/recipe_scheme/...) is the same arm
+    before = {**identity(cfg), "recipe.base": "conf/recipe_base/smollm2_chain.yaml", "recipe.name": "smollm2_chain",
+              "recipe.scheme": "conf/recipe_scheme/smollm2_chain_grail.yaml"}
+    (folder / "arm.json").write_text(json.dumps({"config": before, "metrics": {"eval/arithmetic/acc": 0.5}}))
+    assert finished(cfg) is not None
     # ... but never what the arm computes
     with pytest.raises(StudyError, match=r"optim.lr: 3e-05 vs 0.0001"):
         finished(compose(overrides + ["optim.lr=1e-4"], None))

@@ -24,8 +24,8 @@ from grail_exp.tracking import flatten
 
 PAPER_MODELS = ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b")
 SCHEMES = ("grpo", "grail", "oar_g")
-DEMO = {  # the embedded demo's values (conf/config.yaml + conf/recipe_base/demo.yaml), written out
-    "recipe.name": "demo", "recipe.base": "conf/recipe_base/demo.yaml", "recipe.scheme": None,
+DEMO = {  # the embedded demo's values (the schema defaults + conf/recipe/demo/base.yaml's groups), written out
+    "recipe.name": "demo", "recipe.base": "conf/recipe/demo/base.yaml", "recipe.scheme": None,
     "optim.lr": 1e-4, "optim.warmup_steps": 0, "data.name": "arithmetic", "benchmark.names": ["arithmetic"],
     "eval.name": "quick", "eval.max_tokens": 64, "rollout.engine": "hf", "rollout.max_completion_length": 64,
     "rollout.top_k": 0, "rollout.generation_batch_size": 256, "loss.num_iterations": 1, "trainer.name": "cpu",
@@ -54,7 +54,7 @@ def test_card_command_composes_the_paper_recipe(model, scheme):
     # and that is the paper's recipe, not the demo's (the full table is tests/test_recipes.py)
     assert (card["recipe.name"], card["optim.lr"], card["rollout.max_completion_length"], card["loss.num_iterations"],
             card["data.name"], card["trainer.devices"]) == ("paper", 1e-6, 4096, 4, "deepmath", 4)
-    assert card["recipe.scheme"] == f"conf/recipe_scheme/paper_{scheme}.yaml"
+    assert card["recipe.scheme"] == ("conf/recipe/paper/oar_g.yaml" if scheme == "oar_g" else None)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -122,7 +122,7 @@ def test_cfg_job_shows_the_recipe(tmp_path):
                            f"paths.root_dir={tmp_path}", "--cfg", "job"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     job = OmegaConf.create(proc.stdout)
-    assert job.recipe.name == "paper" and job.recipe.scheme == "conf/recipe_scheme/paper_grail.yaml"
+    assert job.recipe.name == "paper" and job.recipe.base == "conf/recipe/paper/base.yaml" and job.recipe.scheme is None
     assert job.optim.lr == 1e-6 and job.trainer.name == "fsdp_zero2" and job.rollout.engine == "vllm"
 
 

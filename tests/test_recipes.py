@@ -50,16 +50,16 @@ SHARED = {  # every paper recipe
     # the reference's layout (spec §6.1): 4 GPUs under ZeRO-2, vLLM colocated at 0.2 of each GPU
     "trainer.devices": 4, "trainer.name": "fsdp_zero2", "trainer.strategy": "fsdp",
     "trainer.sharding_strategy": "SHARD_GRAD_OP", "rollout.engine": "vllm", "rollout.vllm.gpu_memory_utilization": 0.2,
-    "recipe.name": "paper", "recipe.base": "conf/recipe_base/paper.yaml",
+    "recipe.name": "paper", "recipe.base": "conf/recipe/paper/base.yaml",
 }
 PER_SCHEME = {
-    "grpo": {"advantage.name": "grpo", "trainer.micro_batch_size": 8, "recipe.scheme": "conf/recipe_scheme/paper_grpo.yaml"},
+    "grpo": {"advantage.name": "grpo", "trainer.micro_batch_size": 8, "recipe.scheme": None},
     "grail": {"advantage.name": "grail", "advantage.std": 0.5, "advantage.mean": 1.0, "advantage.w_min": 0.5,
               "advantage.w_max": 5.0, "advantage.leaf_source": "embeddings", "advantage.symmetry": "wrong",
-              "trainer.micro_batch_size": 8, "recipe.scheme": "conf/recipe_scheme/paper_grail.yaml"},
+              "trainer.micro_batch_size": 8, "recipe.scheme": None},
     "oar_g": {"advantage.name": "oar_g", "advantage.variant": "grail_repo", "advantage.tau": 0.4,
               "advantage.beta": 2.0, "advantage.noise_std": 1e-3, "trainer.micro_batch_size": 2,
-              "recipe.scheme": "conf/recipe_scheme/paper_oar_g.yaml"},
+              "recipe.scheme": "conf/recipe/paper/oar_g.yaml"},
 }
 
 
@@ -196,7 +196,8 @@ def test_reference_order_needs_seed_and_rejects_generated_data(tmp_path, compose
 
 # ---------------------------------------------------------------------------------------------- method settings
 CONF = Path(__file__).resolve().parent.parent / "conf"
-FAMILIES = {"demo": [], "paper": ["model=qwen3_4b"], "smollm2": ["model=smollm2_135m"]}
+FAMILIES = {"demo": [], "paper": ["model=qwen3_4b"], "smollm2": ["model=smollm2_135m"],
+            "baselines": ["recipe=baselines", "model=qwen3_4b"]}
 TRAINING_KEYS = ("loss.", "optim.", "trainer.", "rollout.", "reward.")
 
 
@@ -208,8 +209,20 @@ def _method_files():
             yield group, f, select.format(group, f.stem)
 
 
-def _settings(group: str, path: Path) -> dict:
-    """The leaves a group file sets, as root-level dotted keys (its `# @package` line, else the group's package)."""
+OWN_NODE = {"estimator": "estimator.", "advantage": "advantage.", "loss_term": "loss.terms.{}."}
+
+
+def _method(group: str, path: Path):
+    from grail_exp.advantages import SCHEMES
+    from grail_exp.estimators import ESTIMATORS
+    from grail_exp.loss import LOSS_TERMS
+
+    return {"estimator": ESTIMATORS, "advantage": SCHEMES, "loss_term": LOSS_TERMS}[group][path.stem]
+
+
+def _file_settings(group: str, path: Path) -> dict:
+    """The leaves a group file sets itself, as root-level dotted keys (its `# @package` line, else the group's
+    package)."""
     text = path.read_text()
     package = next((line.split()[2] for line in text.splitlines() if line.startswith("# @package")), group)
     node = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
@@ -217,16 +230,17 @@ def _settings(group: str, path: Path) -> dict:
     return flatten(node, "" if package == "_global_" else package + ".")
 
 
-def _requires(group: str, path: Path, settings: dict) -> dict:
-    from grail_exp.advantages import SCHEMES
-    from grail_exp.estimators import ESTIMATORS
-    from grail_exp.loss import LOSS_TERMS
+def _settings(group: str, path: Path) -> dict:
+    """Every value selecting the method gives: its dataclass defaults (the first layer of its group file), then the
+    leaves the file sets itself."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(_method(group, path).config_class))
+    if group != "loss_term":
+        defaults["name"] = path.stem  # estimators without a dataclass of their own share EstimatorConfig's
+    return {**flatten(defaults, OWN_NODE[group].format(path.stem)), **_file_settings(group, path)}
 
-    if group == "estimator":
-        return ESTIMATORS[settings["estimator.name"]].requires
-    if group == "advantage":
-        return SCHEMES[settings["advantage.name"]].requires
-    return LOSS_TERMS[path.stem].requires
+
+def _requires(group: str, path: Path, settings: dict) -> dict:
+    return _method(group, path).requires
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -245,6 +259,6 @@ def test_training_keys_a_method_sets_are_its_declared_requirements(group, path, 
     refuses an experiment file or override that changes them (tests/test_scrl.py), and declares nothing it does not
     set (that would refuse every run)."""
     settings = _settings(group, path)
-    own = {"estimator": "estimator.", "advantage": "advantage.", "loss_term": f"loss.terms.{path.stem}."}[group]
+    own = OWN_NODE[group].format(path.stem)
     outside = {k: v for k, v in settings.items() if not k.startswith(own) and k.startswith(TRAINING_KEYS)}
     assert outside == _requires(group, path, settings)

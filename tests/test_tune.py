@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,15 @@ from helpers.models import TINY_BUILD
 from helpers.tolerances import HANG_TIMEOUT_S
 
 optuna = pytest.importorskip("optuna")
+
+
+def _unloadable_model(tmp_path, tiny_model_dir) -> str:
+    """A model directory that passes validation (a config.json that parses) but holds no weights or tokenizer: its
+    trial fails while loading, after its MLflow run started (a missing directory is refused before the trial)."""
+    d = tmp_path / "no_such_model"
+    d.mkdir(exist_ok=True)
+    shutil.copy(Path(tiny_model_dir) / "config.json", d / "config.json")
+    return str(d)
 
 
 def _tune_cfg(tmp_path, overrides=()):
@@ -97,7 +107,7 @@ def test_failed_trials_are_failed_child_runs_with_tracebacks_and_the_study_goes_
 
     from grail_exp.tune import optimize
 
-    bad_dir = str(tmp_path / "no_such_model")
+    bad_dir = _unloadable_model(tmp_path, tiny_model_dir)
     good = str(tiny_model_dir)
     cfg = _tune_cfg(tmp_path, [
         "trainer.max_steps=1", "trainer.eval_every=0", "trainer.prompts_per_step=2", "trainer.micro_batch_size=8",
@@ -317,7 +327,8 @@ def test_a_worker_killed_at_any_point_of_a_trial_leaves_both_stores_agreeing_aft
 
     from grail_exp.tune import optimize
 
-    model = str(tiny_model_dir) if point.endswith("COMPLETE") or ":" not in point else str(tmp_path / "no_such_model")
+    model = str(tiny_model_dir) if point.endswith("COMPLETE") or ":" not in point else \
+        _unloadable_model(tmp_path, tiny_model_dir)
     args = [f"model.name_or_path={model}", "trainer.max_steps=2", "trainer.eval_every=1",
             "trainer.eval_before_training=false", "trainer.prompts_per_step=2", "trainer.micro_batch_size=8",
             "rollout.num_generations=4", "rollout.max_completion_length=8", "benchmark.limit=2", "eval.n=2",

@@ -44,11 +44,13 @@ def test_arithmetic_knobs_that_cannot_fill_the_splits_name_the_keys_before_any_m
 
 @pytest.mark.e2e
 def test_a_training_dataset_that_cannot_be_loaded_is_one_line_naming_data_path(tmp_path, tiny_model_dir):
-    """Raised deep in the run (building the prompt source, after the model is loaded), still one line."""
-    missing = tmp_path / "no_such_file.jsonl"
-    proc = _cli("grail_exp.run", [f"model.name_or_path={tiny_model_dir}", "data=deepmath", f"data.path={missing}",
+    """Raised deep in the run (building the prompt source, after the model is loaded), still one line. validate()
+    reads a CSV's header only (a missing or headless file never gets here): a ragged row fails in the loader."""
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("prompt,solution\nCompute 1+2.,3\nCompute 2+2.,4,extra,fields\n")
+    proc = _cli("grail_exp.run", [f"model.name_or_path={tiny_model_dir}", "data=deepmath", f"data.path={ragged}",
                                   "trainer.eval_before_training=false", "benchmark.limit=2"], tmp_path)
-    _assert_one_clear_error(proc, f"data.path={str(missing)!r}", "cannot load the dataset")
+    _assert_one_clear_error(proc, f"data.path={str(ragged)!r}", "cannot load the dataset")
 
 
 @pytest.mark.e2e

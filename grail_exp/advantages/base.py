@@ -118,7 +118,7 @@ class AdvantageScheme:
     # True when ``weights`` must see the rollout batch's ``prepared`` state (batch-level schemes).
     batch_level: ClassVar[bool] = False
     # Run settings the scheme is defined with, {dotted key: value}; validate() refuses a run that changes one
-    # (grail_exp/config.py check_required_settings). None of the shipped schemes has any.
+    # (grail_exp/validate.py required_settings). None of the shipped schemes has any.
     requires: ClassVar[dict[str, Any]] = {}
     # False for schemes whose weights depend on the order of the rows in the micro-batches (OAR-G draws its noise row
     # by row from a seeded stream): the trainer then never reorders rows for speed (``RolloutPhase.prepare``).

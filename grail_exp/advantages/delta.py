@@ -53,6 +53,7 @@ NORM_FLOOR = 1e-8  # clamp of Σ w·m in the self-normalisation
 
 @dataclass
 class DeltaConfig(SchemeConfig):
+    # Defaults: the official code RUCBM/DelTA @ cf048bd, run_DelTA.sh.
     name: str = "delta"
     recompute: str = "per_rollout"  # weights once per rollout batch, before the μ updates (the code); only value
     K: int = 1  # rounds of soft reassignment (run_DelTA.sh delta_K = 1)

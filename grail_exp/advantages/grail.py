@@ -50,6 +50,7 @@ from grail_exp.logprobs import selective_log_softmax
 
 @dataclass
 class GrailConfig(SchemeConfig):
+    # Defaults: the reference's qwen3_grail.yaml, i.e. the paper's runs (spec §4.3), and the reference's quirks (§11-§12).
     name: str = "grail"
     # σ_w: spread of the log-saliency z-score mapping (paper 0.5). The reference raises at 0; here 0 is
     # allowed and gives w = w_mean on every token the overrides leave alone. With ``overrides`` on, boxed content
@@ -60,13 +61,14 @@ class GrailConfig(SchemeConfig):
     w_max: float = 5.0  # upper clip; also the weight of boxed answer content tokens
     leaf_source: str = "embeddings"  # embeddings | first | middle | last (hidden_states[1], [L//2], [L-1])
     symmetry: str = "wrong"  # which rollouts are reweighted: wrong (A <= 0; paper) | correct (A > 0) | both
-    saliency_temperature: Optional[float] = None  # divides the probe logits; null = rollout.temperature
+    saliency_temperature: Optional[float] = None  # divides the probe logits; null = rollout.temperature (paper: 1.0); tuned by hparams_search
     overrides: bool = True  # content -> w_max, marker/closing/post -> w_mean (reference: always on)
     zscore_post_answer: str = "include"  # include (reference) | exclude: post-answer slots out of mu / sigma
     span_mapping: str = "reference"  # reference (re-encode behind "a") | exact (live token offsets)
     box: str = "first"  # first (reference: probe + overrides) | last (the box the reward grades)
     # Skip the probe for A = 0 rows (zero-variance groups): their weights multiply A = 0, so the gradient is
     # identical; they get w = 1 (+ overrides). Diagnostics are over rows with A != 0 either way, so logs match.
+    # false probes them too.
     skip_zero_advantage: bool = True
     # Take the probe's gradient from the trainer's policy forward (one forward fewer, same numbers: the forward is
     # the same function of the same parameters and inputs, and w is detached) instead of a separate forward from a

@@ -58,12 +58,12 @@ class OARGConfig(SchemeConfig):
     variant: str = "grail_repo"  # grail_repo (GRAIL's re-implementation, the paper's baseline) | original
     tau: float = 0.4  # quantile level τ (GRAIL's config 0.4; the OAR README suggests 0.25)
     beta: float = 2.0  # boost strength β (GRAIL's config 2.0; the OAR README suggests 1.0)
-    noise_std: float = 1e-3  # σ_n of the embedding noise
+    noise_std: float = 1e-3  # σ_n of the embedding noise (drawn from the run's seeded generator)
     eps: float = 1e-12  # KL / min-max epsilon (oar_g_eps)
     p_final: str = "answer_mean"  # answer_mean: softmax of the mean logits over the answer span slots
-    log_compression: str = "reference"  # reference: torch.log(1 + s) in float32 | log1p
-    span_mapping: str = "reference"
-    box: str = "first"
+    log_compression: str = "reference"  # reference: torch.log(1 + s) in float32 (small scores collapse, §11.9) | log1p
+    span_mapping: str = "reference"  # reference (re-encode decoded text, as GRAIL's spans) | exact (live token offsets)
+    box: str = "first"  # first complete \boxed{} (reference) | last
     # Take the clean teacher P0 from the trainer's policy forward (the same clean forward of the same parameters)
     # instead of a separate no-grad forward: one forward fewer, same numbers. false = the reference's separate pass.
     shared_forward: bool = True
@@ -72,11 +72,12 @@ class OARGConfig(SchemeConfig):
 @dataclass
 class OARPConfig(SchemeConfig):
     name: str = "oar_p"
-    tau: float = 0.4
-    beta: float = 2.0
+    tau: float = 0.4  # quantile level τ: tokens below the τ-quantile are suppressed
+    beta: float = 2.0  # boost strength β: weights reach 1 + β before renormalisation
     eps: float = 1e-12
-    p_final: str = "answer_mean"  # answer_mean | last (the slot predicting the first answer-content token) | answer_joint
-    log_compression: str = "log1p"
+    # answer_mean | last (the slot predicting the first answer-content token; the OAR README's OAR-P choice) | answer_joint
+    p_final: str = "answer_mean"
+    log_compression: str = "log1p"  # log1p | reference (torch.log(1 + s) in float32)
     max_batch_tokens: int = 16384  # memory budget of one masked-copies forward: rows x sequence length
     span_mapping: str = "reference"
     box: str = "first"

@@ -49,13 +49,14 @@ from grail_exp.teacher import build_teacher_batch, check_template, teacher_logpr
 
 @dataclass
 class RlsdConfig(SchemeConfig):
+    # Defaults: the official rlsd_train.sh (opsd.* keys), other-methods.md §4.2.
     name: str = "rlsd"
     lam: float = 0.5  # λ₀: mixing weight of the evidence term (official rlsd_lambda 0.5)
     lambda_warmup_steps: int = 0  # K_warm: linear warmup of λ from 0, in rollout batches (official 0)
-    lambda_decay_steps: int = 60  # K_decay: linear decay of λ to 0 after the warmup, in rollout batches; 0 = constant (official 60)
+    lambda_decay_steps: int = 60  # K_decay: linear decay of λ to 0 after the warmup, in rollout batches; 0 = constant (official 60; SDPG's RLSD baseline 50)
     clip: float = 0.2  # ε_w: e_t is clipped to [1 − ε_w, 1 + ε_w] (official rlsd_reweight_clip_range 0.2)
     negative_only: bool = False  # reweight only rows with A < 0 (official switch, default off)
-    teacher: str = "frozen"  # frozen: a copy of the actor re-synced every teacher_sync_every steps (official) | live
+    teacher: str = "frozen"  # frozen: a copy of the actor re-synced every teacher_sync_every steps (official; +1 model of memory) | live
     teacher_sync_every: int = 20  # frozen teacher: copy the actor's weights after every N-th rollout batch (official 20)
     student_logp: str = "live"  # live: the live actor's log-prob, detached (official) | rollout: the rollout params'
     template: str = "rlsd"  # teacher prompt: a name in teacher.py TEMPLATES or a literal with {answer}

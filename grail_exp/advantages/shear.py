@@ -48,16 +48,20 @@ from grail_exp.advantages.delta import PreparedWeights, hidden_window, prepared_
 class ShearConfig(SchemeConfig):
     name: str = "shear"
     recompute: str = "per_rollout"  # weights once per rollout batch (the paper computes ω once per batch); only value
-    window: int = 100  # w: span length in tokens (paper 100; insensitive over 80-120)
+    # w: span length in tokens (paper 100; insensitive over 80-120). The embedded model's ~30-token completions make
+    # one span per rollout: experiment=shear/cpu_embedded has CPU values.
+    window: int = 100
     stride: int = 25  # s: span stride (paper 25; smaller is better than 75)
-    epsilon: float = 0.05  # Sinkhorn ε (UNVERIFIED in the paper); in units of epsilon_scale
+    # Sinkhorn ε (UNVERIFIED in the paper: ε log n ≈ 20.8, i.e. ≈ 4.5 absolute at n = 100, epsilon_scale=absolute);
+    # ours: 0.05 × each problem's mean ground cost.
+    epsilon: float = 0.05
     epsilon_scale: str = "mean_cost"  # mean_cost: ε × each problem's mean ground cost (scale-free) | absolute
-    max_iter: int = 200  # Sinkhorn iterations at most (UNVERIFIED in the paper)
-    tol: float = 1e-4  # stop when every problem's row-marginal L1 error is below tol
+    max_iter: int = 200  # Sinkhorn iterations at most (UNVERIFIED in the paper; ours)
+    tol: float = 1e-4  # stop when every problem's row-marginal L1 error is below tol (ours)
     max_pairs: int = 2048  # span pairs per Sinkhorn batch (memory: max_pairs · w² floats per buffer)
     reward_threshold: float = 0.5  # correct class: reward >= threshold (binary 0/1 rewards: r = 1 vs 0, the paper)
-    hidden_position: str = "own"  # own: h at token t's own position | predicting: at the position that scores t
-    normalize: str = "group_mean_norm"  # group_mean_norm (paper: ÷ the group's mean ‖h‖) | none
+    hidden_position: str = "own"  # own: h at token t's own position (ours, UNVERIFIED) | predicting: at the position that scores t
+    normalize: str = "group_mean_norm"  # group_mean_norm (paper: ÷ the group's mean ‖h‖; per-rollout was worse) | none
     chunk_rows: int = 8  # rows per no-grad forward in prepare (memory bound; the weights do not depend on it)
 
 

@@ -154,6 +154,22 @@ class CurriculumSource:
         return self.rows[index % len(self.rows)]
 
 
-@register_dataset("scrl_jsonl")
+def check_curriculum_file(data_cfg) -> list[str]:
+    """``data.path`` (null = the shipped sample): the whole file read as training will read it, so a missing file or
+    a malformed line is one problem naming the key, the file and the line."""
+    if data_cfg.path is None:
+        return []
+    path = Path(str(data_cfg.path)).expanduser()
+    if not path.is_file():
+        return [f"data.path = {str(data_cfg.path)!r}: no such curriculum file (one JSON object per line: problem, "
+                "answer, subproblems)"]
+    try:
+        load_curriculum_jsonl(path, data_cfg.get("num_subproblems"))
+    except CurriculumError as exc:
+        return [f"data.path = {str(data_cfg.path)!r}: {exc}"]
+    return []
+
+
+@register_dataset("scrl_jsonl", check_files=check_curriculum_file)
 def _scrl_jsonl(data_cfg):
     return CurriculumSource(data_cfg)

@@ -18,7 +18,7 @@ def iter_jsonl_objects(path: str | Path, error: type[Exception] = ValueError,
             if skip_blank and not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # so a line cut short is reported at its end, not at column 1
             except json.JSONDecodeError as exc:
                 raise error(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(row, dict):

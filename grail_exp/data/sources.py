@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
 from grail_exp.data.arithmetic import ArithmeticTask
@@ -22,11 +23,16 @@ class PromptSource(Protocol):
 
 # name -> builder(data_cfg, seed=run seed, prompts_per_step=P) -> PromptSource
 DATASETS: dict[str, Callable[..., PromptSource]] = {}
+# name -> check(data_cfg) -> problems: the files the source will read, checked by validate() before anything loads
+# (one line per problem, naming data.path, the file and the line)
+DATASET_FILE_CHECKS: dict[str, Callable[..., list[str]]] = {}
 
 
-def register_dataset(name: str):
+def register_dataset(name: str, check_files: Callable[..., list[str]] | None = None):
     def deco(fn):
         DATASETS[name] = fn
+        if check_files is not None:
+            DATASET_FILE_CHECKS[name] = check_files
         return fn
 
     return deco
@@ -78,7 +84,7 @@ class HubSource:
         path = data_cfg.path
         if path is None:
             raise ConfigError("data.path is required for a hub dataset (hub id, local directory or file)")
-        kind = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}.get(str(path).rsplit(".", 1)[-1])
+        kind = LOCAL_DATA_FILES.get(str(path).rsplit(".", 1)[-1])
         try:
             if kind:  # a local data file
                 ds = datasets.load_dataset(kind, data_files=str(path), split=data_cfg.split)
@@ -148,7 +154,77 @@ class ReferenceOrder:
         return self._perms[epoch][pos]
 
 
-@register_dataset("deepmath")
+LOCAL_DATA_FILES = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}  # suffix -> datasets builder
+
+
+def check_hub_files(data_cfg) -> list[str]:
+    """A local ``data.path`` (a .jsonl / .json / .parquet / .csv file, or a directory written like a path): it exists,
+    parses, and every row has data.problem_field and data.answer_field. A hub id is left to the hub."""
+    path = data_cfg.path
+    if path is None:
+        return ["data.path = None: required for a hub dataset (hub id, local directory or .jsonl/.json/.parquet/.csv "
+                "file)"]
+    kind, p = LOCAL_DATA_FILES.get(str(path).rsplit(".", 1)[-1]), Path(str(path)).expanduser()
+    if kind is None:  # a hub id, or a dataset directory
+        local = str(path).startswith(("/", "./", "../", "~"))
+        return [f"data.path = {str(path)!r}: no such directory"] if local and not p.is_dir() else []
+    if not p.is_file():
+        return [f"data.path = {str(path)!r}: no such file"]
+    fields = (data_cfg.problem_field, data_cfg.answer_field)
+    problem = {"json": _json_rows_problem, "parquet": _parquet_problem, "csv": _csv_problem}[kind](p, fields)
+    return [f"data.path = {str(path)!r}: {problem}"] if problem else []
+
+
+def _missing(fields, have, where: str) -> str | None:
+    missing = [f for f in fields if f not in have]
+    return f"{where}: no field {missing[0]!r} (data.problem_field / data.answer_field)" if missing else None
+
+
+def _json_rows_problem(p: Path, fields) -> str | None:
+    """JSON Lines (one object per line), or one JSON array of objects (a .json file: datasets loads both)."""
+    import json
+
+    from grail_exp.data.jsonl import iter_jsonl_objects
+
+    rows: list = []
+    with open(p, encoding="utf-8") as f:
+        is_array = p.suffix == ".json" and f.read(4096).lstrip().startswith("[")
+    try:
+        if is_array:
+            rows = [(f"{p}: row {i}", r) for i, r in enumerate(json.loads(p.read_text(encoding="utf-8")))]
+        else:
+            rows = [(f"{p}:{lineno}", r) for lineno, r in iter_jsonl_objects(p, DataError)]
+    except json.JSONDecodeError as exc:
+        return f"{p}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})"
+    except DataError as exc:
+        return str(exc)
+    for where, row in rows:
+        problem = f"{where}: expected a JSON object" if not isinstance(row, dict) else _missing(fields, row, where)
+        if problem:
+            return problem
+    return None if rows else f"{p}: no rows"
+
+
+def _parquet_problem(p: Path, fields) -> str | None:
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(p).names
+    except Exception as exc:  # noqa: BLE001 - not Parquet, truncated, unreadable: one line says which file
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{p}: not a readable Parquet file ({type(exc).__name__}: {first})"
+    return _missing(fields, names, str(p))
+
+
+def _csv_problem(p: Path, fields) -> str | None:
+    import csv
+
+    with open(p, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), None)
+    return f"{p}: empty (no header row)" if header is None else _missing(fields, header, f"{p}:1")
+
+
+@register_dataset("deepmath", check_files=check_hub_files)
 def _deepmath(data_cfg, seed: int | None = None, prompts_per_step: int | None = None) -> PromptSource:
     return HubSource(data_cfg, seed=seed, prompts_per_step=prompts_per_step)
 
@@ -169,3 +245,6 @@ class DataConfigLike:
         for k in ("min_steps", "max_steps", "max_operand", "operators", "allow_negative", "seed",
                   "num_validation", "num_test", "train_seed", "solution_style"):
             setattr(self, k, getattr(d, k))
+
+    def get(self, key: str, default=None):  # read like a config node (arithmetic_task's optional keys)
+        return getattr(self, key, default)

@@ -47,7 +47,7 @@ class SCRLConfig:
     curriculum_rollouts: Optional[int] = None  # G_c per problem; null = G/2 (paper); the rest answer x itself
     progress_correction: bool = True  # R⁽ʲ⁾ = r⁽ʲ⁾·[j ≤ k] (paper §3.2); false = raw span rewards (ablation)
     normalize_std: bool = True  # divide by the per-position std (paper §3.3); false = mean-centred only
-    span_tokens: str = "tagged"  # tagged: <pj>answer</pj> tokens carry A⁽ʲ⁾ | content: only the answer's tokens
+    span_tokens: str = "tagged"  # tagged: <pj>answer</pj> tokens carry A⁽ʲ⁾ | content: only the answer's tokens (INFERRED)
     verify: str = "math_verify"  # math_verify: the run's verifier on each span's answer | exact: stripped string equality
     prompt_template: str = DEFAULT_PROMPT  # the curriculum prompt t_K(x); {subproblems} = the lines below, {K}
     subproblem_template: str = "{j}. {question}"  # one line per subproblem

@@ -55,13 +55,15 @@ KL_MODES = ("urkl", "ufkl", "fkl", "rkl")
 @dataclass
 class SdpgOpdConfig:
     beta: float = 1.0e-3  # β_base (SDPG scripts: 1e-3); 0 = the term is off (exactly the plain loss)
-    warmup_steps: int = 0  # T_warm: linear warmup of β (scripts: 0 = off)
-    decay_steps: int = 0  # T_decay: linear decay of β to 0 at total_steps (scripts: 0 = off)
-    total_steps: Optional[int] = None  # T: the run's length in rollout batches (official total_training_steps; the recipe sets ${trainer.max_steps}); needed by decay
+    warmup_steps: int = 0  # T_warm: linear warmup of β (scripts: 0 = off; the paper's value UNVERIFIED)
+    decay_steps: int = 0  # T_decay: linear decay of β to 0 at total_steps (scripts: 0 = off; the paper's value UNVERIFIED)
+    # T: the run's length in rollout batches (official total_training_steps); needed by decay. conf/loss_term/sdpg_opd.yaml
+    # derives it from trainer.max_steps.
+    total_steps: Optional[int] = None
     positive_only: bool = False  # the A > 0 gate L_OPD⁺ (project page; beta_distill_positive_advantage_only, scripts: off)
     clamp: float = 20.0  # per-token KL clamp (SDPG code: 20)
     template: str = "sdpg"  # teacher prompt: a name in teacher.py TEMPLATES or a literal with {answer}
-    instruction: str = ""  # the {instruction} field (the recipe sets ${data.instruction}, the student's)
+    instruction: str = ""  # the {instruction} field (conf/loss_term/sdpg_opd.yaml sets ${data.instruction}, the student's)
     chunk_tokens: int = 1024  # positions per chunk: (chunk, V) float32 student and teacher logits alive at once
     # raw: the teacher's logits are not divided by the rollout temperature (official SDPG) | sampling: they are, like the actor's
     teacher_temperature: str = "raw"

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from grail_exp.config import validate
+from grail_exp.validate import validate
 from grail_exp.errors import Preempted, RunStopped
 
 log = logging.getLogger("grail_exp")
@@ -91,7 +91,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     ckpt, state = _resume_point(cfg)  # cheap, first: its state names the MLflow run to continue
     rank = launch_rank()
-    os.environ["GRAIL_EXP_DEVICES_PER_NODE"] = str(cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else 1)
+    export_devices_per_node(cfg.trainer)
     # Tracking next: an unreachable server fails before minutes of model building.
     tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
         if rank == 0 else NullTracker()
@@ -138,6 +138,14 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
 # ---------------------------------------------------------------------------------------------- the steps
 def default_run_name(cfg: DictConfig) -> str:
     return cfg.logger.get("run_name") or f"{cfg.model.name}-{cfg.advantage.name}-seed{cfg.seed}"
+
+
+def export_devices_per_node(trainer_cfg) -> None:
+    """The ranks per node, for ``distributed.launch_rank`` in the processes Lightning's launcher spawns (global rank
+    = node rank x ranks per node + local rank): a count or a list of device ids (``world.devices_per_node``)."""
+    from grail_exp.training.world import devices_per_node
+
+    os.environ["GRAIL_EXP_DEVICES_PER_NODE"] = str(devices_per_node(trainer_cfg.devices))
 
 
 def _quiet_lightning() -> None:

@@ -16,6 +16,8 @@ def compose(overrides: list[str] | None = None, tmp: Path | None = None, config_
     from grail_exp.config import register_configs
 
     register_configs()
+    if config_name in ("report", "extrapolate"):  # their schemas are stored by their own modules
+        __import__(f"grail_exp.{config_name}")
     GlobalHydra.instance().clear()
     paths = []
     if tmp is not None:

@@ -4,7 +4,7 @@
 
 Every token keeps a gradient (PPO's clip drops it); the weight only rescales it. ``loss.epsilon`` /
 ``loss.epsilon_high`` bound the weight as in verl; TRL caps it at ``epsilon_high`` itself (no lower bound): set
-ε = 1 (lower bound 0) and ε_high = 4 for TRL's / ScaleRL's cap of 5 (conf/experiment/baselines/cispo*.yaml).
+ε = 1 (lower bound 0) and ε_high = 4 for TRL's / ScaleRL's cap of 5 (conf/algo/cispo.yaml).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 
 gspo / gspo_token force the ``grpo`` aggregation (mean over a sequence's tokens, then over sequences: the paper's
 sequence objective; verl forces seq-mean-token-mean too); luspo forces ``seq_mean_token_sum``. The paper's clip
-range is tiny because s_i is a geometric mean: ε = 3e-4, ε_high = 4e-4 (conf/experiment/baselines/gspo*.yaml).
+range is tiny because s_i is a geometric mean: ε = 3e-4, ε_high = 4e-4 (conf/algo/gspo.yaml).
 With token advantages (GRAIL / OAR) prefer ``gspo_token``: its gradient weights each token by its own Â_{i,t}.
 """
 

@@ -1,6 +1,6 @@
 """Memory plan of a run, per device, before anything is loaded (the library; the CLI is ``grail_exp/plan.py``).
 
-``config.validate`` calls :func:`check` and refuses a run whose plan does not fit, naming keys and values that would;
+``validate.py`` calls :func:`check` and refuses a run whose plan does not fit, naming keys and values that would;
 ``python -m grail_exp.plan <overrides>`` prints :func:`render` of :func:`plan` (docs/memory-planner.md).
 
 Per rank (one device), with N parameters, b bytes per model-dtype element, W ranks, from the shipped architecture
@@ -27,9 +27,9 @@ plans. ``plan`` is one function per phase — ``model_state_lines``, ``update_li
 ``vllm_share`` / ``rollout_lines``, ``eval_lines`` — and ``assemble``.
 
 The peak is the largest phase; vLLM's reserve is held through every phase. CPU runs (``trainer.accelerator=cpu``) are
-planned (the table prints) but never refused: host memory is not this planner's. A GPU config validated where no
-CUDA device is visible is refused only with ``trainer.device_memory_gb`` set (planning offline); otherwise its plan is
-printed by ``python -m grail_exp.plan`` without a verdict. Measured peaks against the plan: results/memory_plan.md
+planned in RAM against the host's memory and refused like GPU runs when they do not fit. A GPU config validated
+where no CUDA device is visible is refused only with ``trainer.device_memory_gb`` set (planning offline); otherwise
+its plan is printed by ``python -m grail_exp.plan`` without a verdict. Measured peaks against the plan: results/memory_plan.md
 (``python sweeps/memory_plan.py``).
 """
 
@@ -171,9 +171,9 @@ class MemoryPlan:
 
 
 def _world(t) -> int:
-    d = t.devices
-    n = d if isinstance(d, int) else len(d) if hasattr(d, "__len__") and not isinstance(d, str) else 1
-    return max(1, int(n)) * max(1, int(t.get("num_nodes", 1) or 1))
+    from grail_exp.training.world import configured_world_size
+
+    return configured_world_size(t)
 
 
 def _dtype_bytes(dtype) -> int:

@@ -308,3 +308,11 @@ def test_the_baseline_presets_are_the_algorithm_and_a_recipe(algo):
              "trainer.micro_batch_size": 8, "trainer.checkpoint_every": 50,
              "data.instruction": " Please reason step by step, and put your final answer within \\boxed{}."}
     assert not _wrong(gpu, scale)
+
+
+def test_dynamic_sampling_with_a_device_list_is_refused(compose_cfg):
+    """trainer.devices=[0,1] is two ranks, as trainer.devices=2 is (the world size has one definition)."""
+    from grail_exp.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"dynamic_sampling.enabled = true: only implemented for one process \(world size 2\)"):
+        validate(compose_cfg(["algo=dapo", "trainer=ddp", "trainer.devices=[0,1]", "logger=none"]))

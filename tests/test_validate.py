@@ -137,6 +137,7 @@ def test_a_good_curriculum_file_passes(tmp_path):
     assert _problems([*SCRL, f"data.path={good}"], tmp_path) == []
 
 
+@pytest.mark.e2e
 def test_a_missing_data_file_stops_the_run_before_the_warm_start_is_built(tmp_path):
     """As a new user: `data=scrl_jsonl data.path=<missing> estimator=scrl` needs an embedded model of its own (its
     key includes the data), which takes minutes to build; the run stops at once, before creating the cache. (The

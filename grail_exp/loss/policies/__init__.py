@@ -12,7 +12,7 @@ from grail_exp.loss.policies import cispo, cov, dppo, gmpo, gpg, gspo, sapo, ves
 
 
 def check_family_config(cfg) -> list[str]:
-    """Validation of the family's ``loss.*`` knobs (called from grail_exp.config.validate)."""
+    """Validation of the family's ``loss.*`` knobs (called from grail_exp/validate.py)."""
     L, e = cfg.loss, []
 
     def check(ok, key, why):
@@ -57,7 +57,9 @@ def check_family_config(cfg) -> list[str]:
     ds = cfg.get("rollout", {}).get("dynamic_sampling") if hasattr(cfg, "get") else None
     if ds is not None and ds.enabled:
         t = cfg.trainer
-        world = (t.devices if isinstance(t.devices, int) else 1) * t.num_nodes
+        from grail_exp.training.world import configured_world_size
+
+        world = configured_world_size(t)
         if ds.max_extra_rounds < 0:
             e.append(f"rollout.dynamic_sampling.max_extra_rounds = {ds.max_extra_rounds!r}: must be >= 0")
         if world != 1:

@@ -8,7 +8,7 @@ from grail_exp.training.backends import local as _local  # noqa: E402,F401
 
 
 def build_backend(cfg, module) -> UpdateBackend:
-    """The backend serving ``trainer.strategy`` (``config.validate`` has checked the name)."""
+    """The backend serving ``trainer.strategy`` (``validate.py`` has checked the name)."""
     return BACKENDS[str(cfg.trainer.strategy)](cfg, module)
 
 

@@ -107,7 +107,7 @@ class UpdateBackend:
 
     @classmethod
     def check_config(cls, cfg) -> list[str]:
-        """Key-named problems of ``cfg`` for this strategy (``config.validate`` calls it)."""
+        """Key-named problems of ``cfg`` for this strategy (``validate.py`` calls it)."""
         return []
 
     # ---- the memory planner's questions (grail_exp/memory.py), per rank: n parameters, b bytes per model-dtype

@@ -314,5 +314,6 @@ def test_dynamic_sampling_with_a_device_list_is_refused(compose_cfg):
     """trainer.devices=[0,1] is two ranks, as trainer.devices=2 is (the world size has one definition)."""
     from grail_exp.config import ConfigError, validate
 
-    with pytest.raises(ConfigError, match=r"dynamic_sampling.enabled = true: only implemented for one process \(world size 2\)"):
+    refusal = r"dynamic_sampling.enabled = true: only implemented for one process \(world size 2\)"
+    with pytest.raises(ConfigError, match=refusal):
         validate(compose_cfg(["algo=dapo", "trainer=ddp", "trainer.devices=[0,1]", "logger=none"]))

@@ -130,7 +130,7 @@ def test_readme_links_resolve_on_the_site_home_page():
     home = readme_as_home(README.read_text(encoding="utf-8"))
     assert "](docs/" not in home
     targets = [t for _, t in relative_links(home)]
-    assert "schemes.md" in targets and "notes/shapes.md" in targets
+    assert "schemes.md" in targets and "developer.md" in targets
     broken = broken_links(home, DOCS, "README.md as docs/index.md")
     assert not broken, "README links that break on the site's home page:\n" + "\n".join(broken)
 
@@ -182,3 +182,38 @@ def test_site_builds_with_warnings_as_errors(tmp_path):
     for page in ("objective", "schemes", "grpo-family", "evaluation", "recipes", "scaling", "sweeps", "reliability",
                  "performance", "results", "developer"):
         assert (tmp_path / "site" / f"{page}.html").is_file(), page
+
+
+def test_the_config_name_map_lists_every_registered_name_with_its_file():
+    """docs/developer.md's "Config name → file" rows equal the registries: each name with the file that defines it
+    (the source file of the registered class or function), so the map cannot rot."""
+    import inspect
+
+    import grail_exp.estimators  # noqa: F401  (registers)
+    import grail_exp.loss  # noqa: F401
+    import grail_exp.training.backends  # noqa: F401
+    from grail_exp.advantages import SCHEMES
+    from grail_exp.estimators.base import ESTIMATORS
+    from grail_exp.loss.aggregation import AGGREGATIONS
+    from grail_exp.loss.kl import KL_ESTIMATORS
+    from grail_exp.loss.policy import POLICY_LOSSES
+    from grail_exp.loss.terms import LOSS_TERMS
+    from grail_exp.training.backends.base import BACKENDS
+
+    registries = {"advantage=": SCHEMES, "estimator=": {k: v.fn for k, v in ESTIMATORS.items()},
+                  "loss.policy_loss=": POLICY_LOSSES, "loss.loss_type=": AGGREGATIONS,
+                  "loss.kl_estimator=": KL_ESTIMATORS, "loss.terms:": LOSS_TERMS, "trainer.strategy=": BACKENDS}
+    want = set()
+    for key, reg in registries.items():
+        for name, obj in reg.items():
+            path = Path(inspect.getsourcefile(obj)).resolve().relative_to(ROOT).as_posix()
+            want.add((key, name, path))
+    text = (DOCS / "developer.md").read_text(encoding="utf-8")
+    section = text.split("## Config name → file", 1)[1].split("\n## ", 1)[0]
+    have = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[2].startswith("`grail_exp/"):
+            for name in cells[1].split(","):
+                have.add((cells[0].strip("`"), name.strip().strip("`"), cells[2].strip("`")))
+    assert have == want, f"missing: {sorted(want - have)}; stale: {sorted(have - want)}"

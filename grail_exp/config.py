@@ -221,7 +221,7 @@ class RolloutConfig:
     generation_batch_size: int = 256  # completions per generate() call (memory knob only)
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     sampler_check: SamplerCheckConfig = field(default_factory=SamplerCheckConfig)
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=lambda: DynamicSamplingConfig())  # DAPO (issue 15)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=lambda: DynamicSamplingConfig())  # DAPO
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout=vllm only (conf/rollout/vllm.yaml)
 
 
@@ -288,7 +288,7 @@ class LossConfig:
     terms: dict = field(default_factory=dict)  # auxiliary loss terms: {name: {its config}} (grail_exp/loss/terms.py)
     num_iterations: int = 1  # mu: optimiser steps per rollout batch, with old log-probs (paper: 4)
     mask_truncated_completions: bool = True  # completions without EOS add no loss (DAPO overlong filtering)
-    # --- GRPO family (issue 15; grail_exp/loss/policies/, docs/grpo-family.md). Defaults = off / the papers'.
+    # --- GRPO family (grail_exp/loss/policies/, docs/grpo-family.md). Defaults = off / the papers'.
     clip_ratio_c: Optional[float] = None  # ppo_clip dual-clip c > 1: loss <= -c*A for A < 0 (arXiv 1912.09729; verl: 3.0); dppo_*: ratio cap; null = off
     delta: Optional[float] = None  # ppo_clip two-sided clipping: ratio <= delta in the unclipped branch (INTELLECT-2 arXiv 2505.07291; TRL); null = off
     sapo_tau_pos: float = 1.0  # sapo gate temperature for A > 0 (SAPO arXiv 2511.20347; TRL/verl default 1.0)
@@ -304,15 +304,17 @@ class LossConfig:
     kl_cov_coef: float = 0.1  # kl_cov: coefficient of that penalty (verl ppo_kl_coef 0.1)
     kl_bias_correction: bool = False  # multiply the KL term by the ratio pi/pi_old (TRL use_bias_correction_kl; DeepSeek-V3.2 arXiv 2512.02556)
     top_entropy_quantile: float = 1.0  # rho: keep only the top-rho highest-entropy tokens in the loss (arXiv 2506.01939; 0.2 there); 1 = off
-    kl_in_reward: KLInRewardConfig = field(default_factory=lambda: KLInRewardConfig())  # KL folded into the reward (issue 15)
+    kl_in_reward: KLInRewardConfig = field(default_factory=lambda: KLInRewardConfig())  # KL folded into the reward
     off_policy_mask_threshold: Optional[float] = None  # OPSM delta: drop A < 0 sequences with mean KL(sampler||policy) > delta (DeepSeek-V3.2); null = off
     # The two masks above multiply the policy term only. unmasked (TRL, DeepSeek-V3.2): the normaliser counts every loss
-    # token and beta*KL stays on masked tokens | kept: they shrink the loss mask itself (before issue 23; docs/deviations.md)
+    # token and beta*KL stays on masked tokens | kept: they shrink the loss mask itself, normaliser and KL included
+    # (docs/deviations.md)
     family_mask_normaliser: str = "unmasked"
     # Tokens whose entropies give the top_entropy_quantile threshold: all (the micro-batch's loss tokens, before the
-    # off-policy mask: TRL) | off_policy_kept (only the rows OPSM keeps: before issue 23)
+    # off-policy mask: TRL) | off_policy_kept (only the rows OPSM keeps)
     top_entropy_population: str = "all"
-    # gmpo with rollout IS weights: geometric (their per-sequence geometric mean, verl geo_mean) | arithmetic (before issue 23)
+    # gmpo with rollout IS weights: geometric (their per-sequence geometric mean, verl geo_mean) | arithmetic (their
+    # arithmetic mean over the sequence's tokens)
     gmpo_is_mean: str = "geometric"
 
 
@@ -431,7 +433,7 @@ class RewardConfig:
     # last (default) | paper: the reference reward's regex (last non-nested box, stripped) | math_verify:
     # math-verify's own extraction over the whole completion (TRL accuracy_reward's settings).
     extraction: str = "last_balanced"
-    overlong_buffer: OverlongBufferConfig = field(default_factory=lambda: OverlongBufferConfig())  # DAPO soft overlong punishment (issue 15)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=lambda: OverlongBufferConfig())  # DAPO soft overlong punishment
 
 
 @dataclass

@@ -309,11 +309,12 @@ def test_a_cold_start_build_is_announced_with_its_expected_duration(tmp_path, ti
     318 tokens x 64 = 20,352 + final norm 64, tied head); 4,000 steps x 64 problems from SmolLM2-135M's measured
     15.75 s per step of 8 (134,515,008 parameters): 4000 x 15.75 x 94,464 / 134,515,008 x 64 / 8 = 354 s (~6 min)."""
     from grail_exp import cold_start
+    from grail_exp.models import load_causal_lm, load_tokenizer
 
     assert TINY_BUILD["hidden_size"] == 64 and TINY_BUILD["num_layers"] == 2  # the count above
     announced = []
 
-    def no_training(base_dir, cfg, tokenizer, out):
+    def no_training(base_dir, cfg, tokenizer, out, load_causal_lm):
         announced.extend(r.getMessage() for r in caplog.records if "first builds it" in r.getMessage())
         Path(out).mkdir(parents=True)
         return {"seconds": 0.0, "losses": [1.0]}
@@ -323,6 +324,6 @@ def test_a_cold_start_build_is_announced_with_its_expected_duration(tmp_path, ti
     cfg = compose([f"model.name_or_path={tiny_model_dir}", "model.cold_start.enabled=true",
                    "model.cold_start.steps=4000", "model.cold_start.batch_size=64"], tmp_path)
     with caplog.at_level(logging.INFO, logger="grail_exp.cold_start"):
-        cold_start.ensure_cold_start(str(tiny_model_dir), cfg)
+        cold_start.ensure_cold_start(str(tiny_model_dir), cfg, load_tokenizer, load_causal_lm)
     (line,) = announced
     assert "4000 AdamW steps x 64 problems on the CPU, expected ~6 min (94,464 parameters; " in line

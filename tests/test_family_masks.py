@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grail_exp.family import family_token_masks
+from grail_exp.loss.masks import family_token_masks
 from grail_exp.loss import AggregationContext, compose_objective
 
 # The 2 × 4 example: every token valid, A = (+1, −1), entropies chosen so that ρ = 0.2 keeps 4 tokens.

@@ -9,7 +9,7 @@
   default, arXiv 1707.06347, with DAPO's clip-higher, arXiv 2503.14476).
 - ρ^IS: the detached rollout-correction weights (``correction.py``; TIS / IcePop / TRL's sequence mask).
 - f: the product of the GRPO family's token masks (top-entropy arXiv 2506.01939, the off-policy sequence mask of
-  DeepSeek-V3.2 arXiv 2512.02556; ``grail_exp/family.py``), 1 when they are off. As in TRL's GRPOTrainer it masks the
+  DeepSeek-V3.2 arXiv 2512.02556; ``grail_exp/loss/masks.py``), 1 when they are off. As in TRL's GRPOTrainer it masks the
   surrogate only: the normaliser counts the unmasked loss mask m and β·KL stays on every loss token
   (``loss.family_mask_normaliser: unmasked``). ``kept`` folds f into m instead, so the normaliser counts the kept
   tokens and the KL term is dropped on masked ones.

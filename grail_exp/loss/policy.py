@@ -7,7 +7,7 @@ Every loss receives the token log-probs under the current policy ``logp`` (B, T)
 detached diagnostics. Adding a loss = one function here with ``@register_policy_loss("name")``, its equation and
 paper in the docstring, plus its knobs in ``LossConfig``.
 
-The GRPO family's token masks (top-entropy, off-policy sequence mask; ``grail_exp/family.py``) and the rollout
+The GRPO family's token masks (top-entropy, off-policy sequence mask; ``grail_exp/loss/masks.py``) and the rollout
 importance-sampling weights multiply a loss's per-token output afterwards (``grail_exp.loss.policy_loss``). A loss
 whose per-sequence weight is a geometric mean over tokens (GMPO) registers with ``folds_token_weights=True`` instead:
 it is then called with the keyword arguments ``policy_mask`` and ``is_weight`` and folds them into that mean itself.

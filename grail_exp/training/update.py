@@ -250,7 +250,7 @@ class UpdatePhase:
     def family_masks(self, batch, s, e, mask, logp, entropy):
         """GRPO family: the top-entropy token mask (``loss.top_entropy_quantile``) and OPSM
         (``loss.off_policy_mask_threshold``) of rows s:e, as ``family.FamilyMasks`` (``policy`` is None when off)."""
-        from grail_exp.family import family_token_masks
+        from grail_exp.loss.masks import family_token_masks
 
         behaviour = batch.sampler_logp[s:e] if batch.sampler_logp is not None else (
             batch.old_logp[s:e] if batch.old_logp is not None else logp.detach())

@@ -30,7 +30,7 @@ def check_family_config(cfg) -> list[str]:
     check(0 < L.get("top_entropy_quantile", 1.0) <= 1, "top_entropy_quantile", "must be in (0, 1] (1 = off)")
     check(L.get("off_policy_mask_threshold") is None or L.off_policy_mask_threshold >= 0, "off_policy_mask_threshold",
           "must be >= 0 or null")
-    from grail_exp.family import NORMALISERS, POPULATIONS
+    from grail_exp.loss.masks import NORMALISERS, POPULATIONS
     from grail_exp.loss.policies.gmpo import IS_MEANS
 
     for key, valid, default in (("family_mask_normaliser", NORMALISERS, "unmasked"),

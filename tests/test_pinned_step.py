@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from helpers.pinned_step import CASES, PINNED, build_model_and_tokenizer, pinned_config, rollout_batch, summarise
+from helpers.pinned_step import (CASES, PINNED, build_model_and_tokenizer, pinned_config, rollout_batch,
+                                 step_recording_gradient, summarise)
 
 
 def run_case(overrides, extra=()):
@@ -46,15 +47,7 @@ def run_case(overrides, extra=()):
 
     module.update.weights = spy
 
-    class Opt:
-        def step(self):
-            captured["g"] = torch.cat([p.grad.flatten() for p in model.parameters()])
-
-        def zero_grad(self, set_to_none=True):
-            model.zero_grad(set_to_none=True)
-
-    sched = type("S", (), {"step": lambda self: None, "get_last_lr": lambda self: [0.0]})()
-    metrics = module.update.step(batch, Opt(), sched, batch.loss_mask.sum().item(), {}, epoch=0)
+    metrics = step_recording_gradient(module, model, batch, captured)
     return summarise(metrics["loss"], captured["g"], captured["w"])
 
 

@@ -112,6 +112,21 @@ def pinned_module(dtype, overrides=()):
     return module, batch
 
 
+def step_recording_gradient(module, model, batch, captured: dict) -> dict:
+    """One optimiser step of the update phase whose optimiser only records the flat gradient in ``captured["g"]``
+    (the parameters stay as they are); returns the step's metrics."""
+
+    class Opt:
+        def step(self):
+            captured["g"] = torch.cat([p.grad.flatten() for p in model.parameters()])
+
+        def zero_grad(self, set_to_none=True):
+            model.zero_grad(set_to_none=True)
+
+    sched = type("S", (), {"step": lambda self: None, "get_last_lr": lambda self: [0.0]})()
+    return module.update.step(batch, Opt(), sched, batch.loss_mask.sum().item(), {}, epoch=0)
+
+
 def run_case_legacy(overrides):
     """The pre-refactor trainer API (commit 2d87701): used once to write the pinned file."""
     from grail_exp.advantages import build_scheme
@@ -144,15 +159,7 @@ def run_case_legacy(overrides):
 
     module.scheme.weights = spy
 
-    class Opt:
-        def step(self):
-            captured["g"] = torch.cat([p.grad.flatten() for p in model.parameters()])
-
-        def zero_grad(self, set_to_none=True):
-            model.zero_grad(set_to_none=True)
-
-    sched = type("S", (), {"step": lambda self: None, "get_last_lr": lambda self: [0.0]})()
-    metrics = module.update.step(batch, Opt(), sched, batch.loss_mask.sum().item(), {}, epoch=0)
+    metrics = step_recording_gradient(module, model, batch, captured)
     return summarise(metrics["loss"], captured["g"], torch.cat(captured["w"]))
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -126,6 +127,28 @@ def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path, tiny_model_d
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the same MLflow run continued
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
     assert steps[-1] == 3 and 1 in steps
+
+
+@pytest.mark.e2e
+def test_killed_in_the_final_evaluation_then_resume_auto_evaluates_and_finishes(tmp_path, tiny_model_dir):
+    """Stopped after its last step, in the final evaluation: the restarted run trains nothing, evaluates from the
+    completion cache and writes the final evaluation (a study records its arm from it)."""
+    run_dir = tmp_path / "run"
+    args = _cli_args(run_dir, tiny_model_dir, tmp_path, ["trainer.max_steps=2", "trainer.checkpoint_every=1",
+                                                         "eval.batch_size=4", "trainer.eval_cache=true"])
+    killed = _run_cli(args, env={"GRAIL_EXP_FAULT": "kill_eval_after_chunks:1"})
+    out = killed.communicate(timeout=HANG_TIMEOUT_S)[0]
+    assert killed.returncode == -signal.SIGKILL and "GRAIL_EXP_FAULT: killing this process after 1" in out, out[-3000:]
+    assert [c.name for c in complete_checkpoints(run_dir / "checkpoints")][-1] == "step-2"
+    assert not (run_dir / "eval" / "final" / "summary.json").exists()
+
+    resumed = _run_cli(args + ["resume=auto"])
+    out = resumed.communicate(timeout=HANG_TIMEOUT_S)[0]
+    assert resumed.returncode == 0, out[-3000:]
+    assert (run_dir / "eval" / "final" / "summary.json").is_file()
+    assert "only the closing (final checkpoint and evaluation) is left" in out
+    assert "step 3" not in out and "step 1/2" not in out  # nothing trained again
+    assert len(pd.read_parquet(run_dir / "eval" / "final" / "samples.parquet")) == 4 * 2  # benchmark.limit x eval.n
 
 
 @pytest.mark.e2e

@@ -362,8 +362,12 @@ def fit(cfg: DictConfig, module, state: dict | None) -> None:
         deterministic=cfg.trainer.deterministic, default_root_dir=cfg.paths.output_dir,
         use_distributed_sampler=False,  # every rank walks the same rounds; the module splits the prompts
     )
+    # A run stopped after its last optimiser step (in its final checkpoint or evaluation) has no round left; Lightning
+    # would skip a fit over nothing, and with it the closing. It gets one round in which the module does nothing, so
+    # the closing runs inside the fit as in any run (the final evaluation from the completion cache where it got to).
+    to_run = range(start_round, max(rounds, start_round + 1))
     with stop_on_signal(module):
-        trainer.fit(module, train_dataloaders=DataLoader(range(start_round, rounds), batch_size=None, shuffle=False))
+        trainer.fit(module, train_dataloaders=DataLoader(to_run, batch_size=None, shuffle=False))
 
 
 def log_length(cfg: DictConfig, rounds: int, per_round: int, start_round: int) -> None:
@@ -374,6 +378,8 @@ def log_length(cfg: DictConfig, rounds: int, per_round: int, start_round: int) -
     last = t.max_steps - (rounds - 1) * per_round
     partial = f"; the last one gives {last} of its {per_round} steps" if last != per_round else ""
     resumed = f", continuing at rollout batch {start_round + 1}" if start_round else ""
+    if start_round >= rounds:
+        resumed = ", all done: only the closing (final checkpoint and evaluation) is left"
     log.info("training length: %d optimiser steps = %s (x %s x %s%s)%s", t.max_steps, _count(rounds, "rollout batch"),
              _count(k, "mini-batch"), _count(mu, "epoch"), partial, resumed)
 

@@ -148,6 +148,8 @@ class GRPOModule(L.LightningModule):
         timings: dict[str, float] = {}
         t_step, c_step = time.perf_counter(), time.process_time()
         round_index = int(round_index)
+        if self.progress.step >= cfg.trainer.max_steps:  # resumed after the last step: only the closing is left
+            return None
         self.progress.rollouts = round_index + 1
         start = 0
         if self.resume_buffer is not None and self.resume_buffer["round"] == round_index:

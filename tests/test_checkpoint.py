@@ -135,7 +135,8 @@ def test_killed_in_the_final_evaluation_then_resume_auto_evaluates_and_finishes(
     completion cache and writes the final evaluation (a study records its arm from it)."""
     run_dir = tmp_path / "run"
     args = _cli_args(run_dir, tiny_model_dir, tmp_path, ["trainer.max_steps=2", "trainer.checkpoint_every=1",
-                                                         "eval.batch_size=4", "trainer.eval_cache=true"])
+                                                         "eval.batch_size=4", "eval.max_tokens=16",
+                                                         "trainer.eval_cache=true"])
     killed = _run_cli(args, env={"GRAIL_EXP_FAULT": "kill_eval_after_chunks:1"})
     out = killed.communicate(timeout=HANG_TIMEOUT_S)[0]
     assert killed.returncode == -signal.SIGKILL and "GRAIL_EXP_FAULT: killing this process after 1" in out, out[-3000:]

@@ -177,6 +177,8 @@ def _benchmark(name: str, tokenizer, cfg, per_call: int, cache_dir, model_key, r
             what["bos"] = bos_prefix(tokenizer)
         if cfg.rollout.engine != "hf":  # another engine samples other completions (hf keys stay as they were)
             what["engine"] = str(cfg.rollout.engine)
+        elif cfg.rollout.get("draw", "multinomial") != "multinomial":  # another draw, other completions
+            what["draw"] = str(cfg.rollout.draw)
         path = Path(cache_dir) / f"{name}-{_sha(what)}.jsonl"
         cache = CompletionCache(path, writer=path.with_suffix(f".rank{rank}.jsonl") if world > 1 else None)
     return _Benchmark(name, problems, prompts, shas, cache, per_call)

@@ -274,3 +274,128 @@ def test_dropping_finished_rows_changes_nothing(tiny_model, tiny_tokenizer):
     assert lengths.min() < lengths.max() < 16  # early and late stops
     live = torch.arange(16)[None, :] < lengths[:, None]  # up to and including each row's stop token
     assert torch.allclose(l1[live], l2[live], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- the inverse-CDF draw
+def _warped_distribution(z: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution transformers' sampling defines, from its documented rules, one row at a time in float64:
+    z / T; top-k keeps every score >= the k-th largest; top-p (on the scores sorted ascending) removes the tokens
+    whose cumulative probability is <= 1 - top_p, never the most likely one."""
+    out = []
+    for row in z.double() / temperature:
+        keep = torch.ones_like(row, dtype=torch.bool)
+        if top_k:
+            keep &= row >= torch.sort(row, descending=True).values[top_k - 1]
+        p = torch.where(keep, row, torch.tensor(float("-inf"), dtype=row.dtype)).softmax(-1)
+        if top_p < 1.0:
+            order = torch.argsort(p)  # ascending
+            cum = torch.cumsum(p[order], 0)
+            removed = order[cum <= 1 - top_p]
+            removed = removed[removed != order[-1]]
+            keep[removed] = False
+            p = torch.where(keep, row, torch.tensor(float("-inf"), dtype=row.dtype)).softmax(-1)
+        out.append(p)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.6, 4, 1.0), (1.0, 0, 0.8),
+                                                        (0.6, 4, 0.9), (0.8, 3, 0.5)])
+def test_the_inverse_cdf_draw_samples_the_warped_distribution(temperature, top_k, top_p):
+    """Every row's empirical frequencies against the distribution written out from the rules (above), for scores with
+    ties at the k-th place (bf16 logits tie often): each frequency within 5 binomial standard deviations (+ 1/N), and
+    as many tokens drawn as the rules keep. 3 distinct score rows, each repeated N times in one call."""
+    from grail_exp.rollout.hf import draw_inverse_cdf
+
+    base = torch.tensor([[2.0, 1.5, 1.5, 1.5, 0.3, -0.2, -1.0, -3.0],  # three ties at 2nd-4th: top-3/4 keeps them all
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # uniform: everything tied
+                         [5.0, -2.0, 1.0, 0.5, -4.0, 3.0, 0.0, -1.0]])
+    N = 40_000
+    scores = base.repeat_interleave(N, 0)
+    torch.manual_seed(11)
+    B = scores.shape[0]
+    tokens = draw_inverse_cdf(scores, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), B,
+                              torch.arange(B))
+    expected = _warped_distribution(base, temperature, top_k, top_p)
+    for r in range(3):
+        freq = torch.bincount(tokens[r * N:(r + 1) * N], minlength=8).double() / N
+        # Which of several tied tokens top-p removes is the sort's choice (transformers' too): compare per group of
+        # equal scores — its kept mass and how many of its tokens are kept are fixed by the rules.
+        for v in base[r].unique():
+            group = base[r] == v
+            want, got = expected[r][group].sum(), freq[group].sum()
+            assert abs(got - want) <= 5 * (want * (1 - want) / N).sqrt() + 1 / N, (r, v, freq, expected[r])
+            drawn, kept = int((freq[group] > 0).sum()), int((expected[r][group] > 0).sum())
+            assert drawn <= kept and (drawn == kept or want * N < 50 * kept), (r, v, freq, expected[r])
+
+
+def test_the_inverse_cdf_candidates_are_transformers_warped_distribution_on_a_large_vocabulary():
+    """At a 49,152-token vocabulary (T 0.6, top-k 20, top-p 0.95, the evaluation's sampling): the candidates the fast
+    path draws from (top-p on the top-k candidates only) carry the probabilities transformers' own warpers give over
+    the whole vocabulary, and nothing else has mass."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from grail_exp.rollout.hf import inverse_cdf_candidates
+
+    g = torch.Generator().manual_seed(0)
+    B, V = 256, 49_152
+    scores = torch.randn(B, V, generator=g) * 4
+    params = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+    z, index = inverse_cdf_candidates(scores, params)
+    fast = torch.zeros(B, V, dtype=torch.float64).scatter_(1, index, torch.softmax(z.double(), -1))
+    ref = scores
+    for w in (TemperatureLogitsWarper(0.6), TopKLogitsWarper(20), TopPLogitsWarper(0.95)):
+        ref = w(None, ref)
+    ref = torch.softmax(ref.double(), -1)
+    assert torch.equal(fast > 0, ref > 0)
+    assert torch.allclose(fast, ref, rtol=1e-5, atol=0)  # float32 scores divided by T in both; softmax in float64
+
+
+def test_the_inverse_cdf_draw_gives_each_row_its_own_uniform_whichever_rows_are_computed():
+    """Rows that left the batch do not shift the others' random stream: drawing rows {1, 3} of 4 gives those rows'
+    tokens of the full draw, and both consume the same stream (one uniform per row of all B)."""
+    from grail_exp.rollout.hf import draw_inverse_cdf
+
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(4, 50, generator=g)
+    params = SamplingParams(temperature=1.0)
+    torch.manual_seed(4)
+    full, after_full = draw_inverse_cdf(scores, params, 4, torch.arange(4)), torch.rand(1)
+    torch.manual_seed(4)
+    part, after_part = draw_inverse_cdf(scores[[1, 3]], params, 4, torch.tensor([1, 3])), torch.rand(1)
+    assert part.tolist() == full[[1, 3]].tolist() and torch.equal(after_full, after_part)
+
+
+@pytest.mark.parametrize("kw", SAMPLINGS[:2], ids=["plain", "top_k_top_p"])
+def test_the_engine_with_the_inverse_cdf_draw(tiny_model, tiny_tokenizer, kw):
+    """``rollout.draw=inverse_cdf`` through the engine: stop flags and shapes as ever, log-probs those of the trainer's
+    forward (the draw changes which tokens, not how they are scored), and another stream than ``generate``'s."""
+    from grail_exp.rollout.hf import HFRolloutEngine
+
+    tiny_model.config._attn_implementation = "sdpa"
+    params = SamplingParams(n=4, max_new_tokens=12, logprobs=True, **kw)
+    out = {}
+    for draw in ("multinomial", "inverse_cdf"):
+        torch.manual_seed(3)
+        out[draw] = HFRolloutEngine(tiny_model, tiny_tokenizer, draw=draw).generate(_prompts(tiny_tokenizer), params)
+    fast = out["inverse_cdf"]
+    assert [c.token_ids for c in fast] != [c.token_ids for c in out["multinomial"]]
+    rb = pad_completions(fast, tiny_tokenizer.pad_token_id)
+    attn = rb.attention_mask
+    with torch.no_grad():
+        logits = completion_logits(tiny_model.eval(), rb.input_ids, attn, position_ids_from_mask(attn),
+                                   rb.completion_ids.shape[1], kw["temperature"])
+    m = rb.completion_mask.bool()
+    logp = selective_log_softmax(logits, rb.completion_ids)
+    assert torch.allclose(logp[m], rb.sampling_logprobs[m], rtol=0, atol=MODEL_REORDER * logits.abs().max().item())
+    for c in fast:
+        assert c.truncated == (len(c.token_ids) == 12 and c.token_ids[-1] not in (tiny_tokenizer.eos_token_id,
+                                                                                  tiny_tokenizer.pad_token_id))
+
+
+def test_an_unknown_draw_is_refused_naming_the_key(compose_cfg):
+    from grail_exp.errors import ConfigError
+    from grail_exp.validate import validate
+
+    cfg = compose_cfg(["rollout.draw=gumbel"])
+    with pytest.raises(ConfigError, match=r"rollout.draw = 'gumbel': must be one of: multinomial, inverse_cdf"):
+        validate(cfg)

@@ -22,6 +22,11 @@ top-p are transformers' own processors in ``generate``'s order, and the draw is 
 the whole batch does). With bit-equal logits the tokens are those ``generate`` samples under the same seed
 (tests/test_rollout.py checks it); sharing the prefill changes the logits' last bits only (a smaller matrix product),
 so a draw that falls within rounding of a category boundary can differ — equally likely either way.
+The draw over a large vocabulary is the costly part of a decode step on CPU: ``multinomial``'s B x V exponential
+variates (36 ms for 32 rows x 49,152 tokens on one core, more than the step's matrix products at 135 M parameters),
+and top-p's sort of the whole vocabulary (another ~40 ms). ``draw="inverse_cdf"`` samples the same distribution
+from one uniform per row (the cumulative distribution searched), with top-p evaluated on the top-k candidates only
+when top-k is on: other tokens than ``generate`` under the same seed, drawn ~20x faster.
 ``decode="transformers"`` keeps ``generate`` itself (models whose layers do not all attend to every earlier
 position, e.g. sliding windows, use it automatically).
 """
@@ -37,6 +42,7 @@ from grail_exp.rollout.decode import RowGroups, decode_cache
 from grail_exp.rollout.decode import register as register_grouped_attention
 
 DECODERS = ("lean", "transformers")
+DRAWS = ("multinomial", "inverse_cdf")  # the lean decoder's draw (module docstring)
 
 
 class SampledTokenLogprobs:
@@ -70,9 +76,12 @@ class SampledTokenLogprobs:
 
 class HFRolloutEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256, stop_token_ids: list[int] | None = None,
-                 decode: str = "lean"):
+                 decode: str = "lean", draw: str = "multinomial"):
         if decode not in DECODERS:
             raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
+        if draw not in DRAWS:
+            raise ValueError(f"draw must be one of {DRAWS}, got {draw!r}")
+        self.draw = draw
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size  # completions per call (the memory knob)
@@ -99,7 +108,7 @@ class HFRolloutEngine:
                 ids, attn = left_pad(chunk, self.tokenizer.pad_token_id, device)
                 if lean:
                     seqs, logprobs = sample(self.model, ids, attn, params, self.stop_token_ids,
-                                            self.tokenizer.pad_token_id)
+                                            self.tokenizer.pad_token_id, draw=self.draw)
                 else:
                     seqs, logprobs = self._transformers_generate(ids, attn, params)
                 out.extend(self._completions(chunk, seqs.cpu(), logprobs, params))
@@ -188,11 +197,12 @@ def lean_decoding_applies(model) -> bool:
 
 @torch.no_grad()
 def sample(model, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams, stop_ids: list[int], pad_id: int,
-           compact_at: float = 0.25) -> tuple[torch.Tensor, torch.Tensor | None]:
+           compact_at: float = 0.25, draw: str = "multinomial") -> tuple[torch.Tensor, torch.Tensor | None]:
     """``params.n`` completions of each left-padded prompt (U, P): (U·n, T) token ids (``pad_id`` after a row's stop
     token) and their log softmax(z / T) (U·n, T) float32 when ``params.logprobs``; prompt-major rows.
 
-    ``compact_at``: the finished share of the computed rows at which they are dropped from the batch."""
+    ``compact_at``: the finished share of the computed rows at which they are dropped from the batch. ``draw``:
+    ``multinomial`` (``generate``'s random stream) or ``inverse_cdf`` (the same distribution, faster)."""
     U, P = ids.shape
     n, T = params.n, params.max_new_tokens
     B, dev = U * n, ids.device
@@ -219,7 +229,8 @@ def sample(model, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams,
             scores = logits
             for proc in before:
                 scores = proc(history[rows, :P + t], scores)
-            nxt = _draw(scores, warpers, params, B, rows)
+            nxt = (_draw(scores, warpers, params, B, rows) if draw == "multinomial"
+                   else draw_inverse_cdf(scores, params, B, rows))
             if logps is not None:
                 logps[rows, t] = torch.log_softmax(scores / (params.temperature or 1.0), -1).gather(
                     1, nxt[:, None]).squeeze(1)
@@ -259,3 +270,38 @@ def _draw(scores: torch.Tensor, warpers: list, params: SamplingParams, B: int, r
     probs = torch.softmax(scores, -1)
     q = torch.empty(B, probs.shape[-1], dtype=probs.dtype, device=probs.device).exponential_(1)
     return (probs / q.index_select(0, rows)).argmax(-1)
+
+
+def draw_inverse_cdf(scores: torch.Tensor, params: SamplingParams, B: int, rows: torch.Tensor) -> torch.Tensor:
+    """The next token of each computed row from the distribution transformers' temperature, top-k and top-p warpers
+    define (``inverse_cdf_candidates``), sampled by inversion: one uniform u per row of all B (so a row's stream does
+    not depend on which rows are still computed), the token whose cumulative probability interval holds u."""
+    if params.temperature == 0:
+        return scores.argmax(-1)
+    u = torch.rand(B, dtype=torch.float64, device=scores.device).index_select(0, rows)
+    z, index = inverse_cdf_candidates(scores, params)
+    c = torch.softmax(z.double(), -1).cumsum(-1)
+    pick = torch.searchsorted(c, (u * c[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    pick = torch.minimum(pick, (c < c[:, -1:]).sum(-1))  # rounding at the top: the last token with mass
+    return pick if index is None else index.gather(1, pick.unsqueeze(1)).squeeze(1)
+
+
+def inverse_cdf_candidates(scores: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(candidate scores, their token ids or None for the whole vocabulary in order): z / T, then top-k keeping every
+    token tied with the k-th score (as transformers), then top-p keeping the smallest set whose mass exceeds top_p (at
+    least one token); removed candidates are -inf. With top-k on, top-p runs on the top-k candidates only (a few
+    dozen sorted scores); with top-p alone, on the sorted vocabulary."""
+    z = scores / params.temperature if params.temperature != 1.0 else scores
+    index = None
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = z.topk(params.top_k, -1).values[:, -1:]
+        ties = int((z >= kth).sum(-1).max())  # every score >= the k-th, ties included
+        z, index = z.topk(ties, -1)  # descending
+        z = z.masked_fill(z < kth, float("-inf"))
+    elif params.top_p < 1.0:
+        z, index = z.sort(-1, descending=True)
+    if params.top_p < 1.0:  # z is sorted descending here: transformers' rule, written from the top
+        p = torch.softmax(z, -1)
+        above = p.cumsum(-1) - p  # mass of the strictly higher-ranked tokens
+        z = z.masked_fill(above >= params.top_p, float("-inf"))  # its ascending rule: cum <= 1 - top_p removed
+    return z, index

@@ -240,10 +240,15 @@ class FSDPBackend(UpdateBackend):
         return chunked(pairs(), max_bytes)
 
     def backward(self, loss):
-        if getattr(self, "_held", False):
-            self.core.set_reshard_after_backward(True)  # the loss backward reshards each unit after reducing it
+        # A held micro-batch's loss backward keeps every unit gathered too, and the units are resharded after it. A
+        # scheme's probe backward ran on some ranks only and used up FSDP's record of the forward order there, so the
+        # ranks no longer agree on which unit to prefetch; any re-gather inside this backward (a unit resharded after
+        # one of its calls while another call of it, a shared prompt's prefix pass, still needs it) would then be an
+        # all-gather on one rank against a reduce-scatter on the other: a hang. Nothing re-gathered, nothing to pair.
         self.module.manual_backward(loss)
         if getattr(self, "_held", False):
+            for unit in fsdp_units(self.core):
+                unit.reshard()
             release(self.core, self._reshard_after_forward())
             self._held = False
 

@@ -132,6 +132,9 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
     from grail_exp.tracking import code_tags
 
     folder = arm_dir(cfg)
+    if not (run_dir / "eval" / "final" / "samples.parquet").is_file():  # refused before anything is written
+        raise StudyError(f"{run_dir}/eval/final/samples.parquet: no final evaluation to record for study arm "
+                         f"{folder.name} (trainer.eval_at_end must be true in a study)")
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -139,9 +142,6 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
         src = run_dir / "eval" / tag / "samples.parquet"
         if src.is_file():
             shutil.copy2(src, tmp / f"samples_{tag}.parquet")
-    if not (tmp / "samples_final.parquet").is_file():
-        raise StudyError(f"{run_dir}/eval/final/samples.parquet: no final evaluation to record for study arm "
-                         f"{folder.name} (trainer.eval_at_end must be true in a study)")
     before = run_dir / "eval" / "before" / "metrics.json"
     if before.is_file() and not any(k.startswith("eval_before/") for k in metrics):  # evaluated before a resume
         metrics = {**metrics, **{k.replace("eval/", "eval_before/", 1): v for k, v in json.loads(before.read_text()).items()}}

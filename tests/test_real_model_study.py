@@ -210,6 +210,22 @@ def test_a_finished_arm_is_skipped_and_a_different_one_refused(tmp_path):
         finished(compose(overrides + ["optim.lr=1e-4"], None))
 
 
+def test_an_arm_without_its_final_evaluation_is_refused_and_leaves_nothing_behind(tmp_path):
+    """A run stopped before its final evaluation (its "before" evaluation written) cannot be recorded: one error naming
+    the missing file, and no half-written arm folder in the study directory (the next attempt starts clean)."""
+    from grail_exp.study import StudyError, write_arm
+
+    cfg = compose(["experiment=real/chain_grpo", "seed=1", f"study.dir={tmp_path}/study", "paths.output_dir=/tmp/x"],
+                  None)
+    run_dir = tmp_path / "run"
+    (run_dir / "eval" / "before").mkdir(parents=True)
+    (run_dir / "eval" / "before" / "samples.parquet").write_bytes(b"PAR1")
+    (tmp_path / "study").mkdir()
+    with pytest.raises(StudyError, match=r"eval/final/samples.parquet: no final evaluation to record"):
+        write_arm(cfg, run_dir=run_dir, start_sha256=None, metrics={}, tracker=None)
+    assert list((tmp_path / "study").iterdir()) == []
+
+
 def test_choose_lr_takes_the_best_validation_value_and_the_smaller_on_ties(tmp_path):
     from grail_exp.study import StudyError, choose_lr
 

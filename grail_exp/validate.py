@@ -43,6 +43,9 @@ def _raise(e: list[str], what: str = "configuration") -> None:
         raise ConfigError(f"invalid {what}:\n  - " + "\n  - ".join(e))
 
 
+ROLLOUT_DRAWS = ("multinomial", "inverse_cdf")  # the hf engine's draws (rollout/hf.py DRAWS; a test keeps them equal)
+
+
 def _check(errors: list[str], ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         errors.append(f"{key} = {value!r}: {why}")
@@ -61,9 +64,8 @@ def rollout(cfg) -> list[str]:
     _check(e, 0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _check(e, r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 disables top-k)")
     _check(e, r.generation_batch_size >= 1, "rollout.generation_batch_size", r.generation_batch_size, "must be >= 1")
-    from grail_exp.rollout.hf import DRAWS
-
-    _check(e, r.get("draw", "multinomial") in DRAWS, "rollout.draw", r.get("draw"), f"must be one of: {', '.join(DRAWS)}")
+    _check(e, r.get("draw", "multinomial") in ROLLOUT_DRAWS, "rollout.draw", r.get("draw"),
+           f"must be one of: {', '.join(ROLLOUT_DRAWS)}")
     from grail_exp.loss.correction import MODES as IS_MODES
 
     ic = r.is_correction

@@ -396,6 +396,10 @@ def test_an_unknown_draw_is_refused_naming_the_key(compose_cfg):
     from grail_exp.errors import ConfigError
     from grail_exp.validate import validate
 
+    from grail_exp.rollout.hf import DRAWS
+    from grail_exp.validate import ROLLOUT_DRAWS
+
+    assert ROLLOUT_DRAWS == DRAWS  # what validate accepts is what the engine runs
     cfg = compose_cfg(["rollout.draw=gumbel"])
     with pytest.raises(ConfigError, match=r"rollout.draw = 'gumbel': must be one of: multinomial, inverse_cdf"):
         validate(cfg)

@@ -9,8 +9,9 @@ carry the token ids, an HTML heatmap of a few completions with their text.
 
 With several folders the rollouts of all of them are pooled. ``--min-length`` / ``--max-length`` keep the rollouts
 of that many completion tokens. The profile uses every boxed rollout the tables hold, A = 0 included; the study's
-arms (skip_zero_advantage: true, symmetry: wrong) leave correct and A = 0 rollouts at weight 1, so ``--wrong-only``
-(the default for study folders) profiles the rollouts GRAIL actually reweighted.
+arms (skip_zero_advantage: true, symmetry: wrong) leave correct and A = 0 rollouts at weight 1 (their boxed content
+at w_max by the overrides, which multiplies A = 0), so ``--wrong-only`` (the default for study folders) profiles and
+shows the rollouts GRAIL actually reweighted: wrong, A != 0.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ def tokenizer_for(folder: Path):
 
 
 def text_heatmap(df, tokenizer, path: Path, per_outcome: int = 3) -> None:
-    """``per_outcome`` wrong and correct rollouts of the last table, their tokens coloured by weight (HTML)."""
+    """``per_outcome`` wrong and correct rollouts of the last table that has rollouts with A != 0 (a table of
+    zero-variance groups only shows weights that multiply nothing), their tokens coloured by weight (HTML)."""
     from grail_exp.viz import weights_html
 
-    last = df[df["step"] == df["step"].max()]
+    live = df[df["advantage"] != 0]
+    source = live if not live.empty else df
+    last = source[source["step"] == source["step"].max()]
     rows = []
     for correct in (False, True):
         keys = last.loc[last["correct"] == correct, "row"].drop_duplicates().head(per_outcome)
@@ -97,7 +101,7 @@ def main() -> None:
     boxed = df.loc[df.region == "answer", key].drop_duplicates()
     probed = df.merge(boxed, on=key)
     if wrong_only:
-        probed = probed[~probed["correct"]]
+        probed = probed[~probed["correct"] & (probed["advantage"] != 0)]
     lengths = df.groupby(key)["length"].first()
     summary = (f"rollouts {len(lengths)}, boxed {len(boxed)}, profiled {probed.groupby(key).ngroups}; completion "
                f"length mean {lengths.mean():.0f}, median {lengths.median():.0f}, range {lengths.min()}-"

@@ -420,3 +420,46 @@ def test_cold_start_needs_the_arithmetic_task(tmp_path):
 
     with pytest.raises(ConfigError, match="model.cold_start.enabled"):
         _cold_cfg(tmp_path, "data=deepmath")
+
+
+def _weight_rows(step: int, row: int, correct: bool, advantage: float, pre: list[float]) -> list[dict]:
+    """One rollout's weight-table rows: the given pre-answer weights, then a two-token box at w_max (the overrides)."""
+    n = len(pre) + 2
+    return [{"step": step, "row": row, "correct": correct, "advantage": advantage, "position": p, "length": n,
+             "region": "pre" if p < len(pre) else "answer", "weight": pre[p] if p < len(pre) else 5.0,
+             "entropy": 0.1, "token_id": 100 + p} for p in range(n)]
+
+
+def test_the_weight_profile_of_a_study_arm_is_over_the_rollouts_grail_reweighted(tmp_path):
+    """sweeps/real_model_weights.py on a study arm: the profile averages the wrong rollouts with A != 0 only — a
+    zero-variance group's rollouts keep weight 1 by construction and would pull every bin toward it — and the text
+    heatmap shows the last table that has such rollouts, not a last table of A = 0 groups. Numbers by hand: the one
+    reweighted rollout's pre-answer weights [2, 2, 1, 1, 1, 1, 3, 3] in two bins give 1.5 and 2.0."""
+    sys.path.insert(0, str(ROOT / "sweeps"))
+    try:
+        import real_model_weights
+    finally:
+        sys.path.remove(str(ROOT / "sweeps"))
+    arm = tmp_path / "arm"
+    (arm / "weights").mkdir(parents=True)
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"  # an arm folder: --wrong-only by default
+    (arm / "arm.json").write_text(json.dumps({"config": {"model.name_or_path": str(tiny)}}))
+    step1 = (_weight_rows(1, 0, False, -0.5, [2, 2, 1, 1, 1, 1, 3, 3]) + _weight_rows(1, 1, False, 0.0, [1.0] * 8)
+             + _weight_rows(1, 2, True, 0.5, [1.0] * 8))
+    step2 = _weight_rows(2, 0, False, 0.0, [1.0] * 8) + _weight_rows(2, 1, True, 0.0, [1.0] * 8)
+    pd.DataFrame(step1).to_parquet(arm / "weights" / "step_000001.parquet")
+    pd.DataFrame(step2).to_parquet(arm / "weights" / "step_000002.parquet")
+    done = subprocess.run([sys.executable, str(ROOT / "sweeps" / "real_model_weights.py"), str(arm), "--out",
+                           str(tmp_path / "out"), "--bins", "2"], capture_output=True, text=True,
+                          timeout=HANG_TIMEOUT_S, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = (tmp_path / "out" / "grail_weights_profile.md").read_text()
+    assert "| 0.25 | 1.5 | 4 |" in table and "| 0.75 | 2 | 4 |" in table, table
+
+    class Digits:
+        def decode(self, ids):
+            return f"<{ids[0]}>"
+
+    frames = pd.concat([pd.DataFrame(step1), pd.DataFrame(step2)])
+    real_model_weights.text_heatmap(frames, Digits(), tmp_path / "heat.html")
+    assert "step 1" in (tmp_path / "heat.html").read_text()

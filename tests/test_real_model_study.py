@@ -430,6 +430,7 @@ def _weight_rows(step: int, row: int, correct: bool, advantage: float, pre: list
              "entropy": 0.1, "token_id": 100 + p} for p in range(n)]
 
 
+@pytest.mark.e2e
 def test_the_weight_profile_of_a_study_arm_is_over_the_rollouts_grail_reweighted(tmp_path):
     """sweeps/real_model_weights.py on a study arm: the profile averages the wrong rollouts with A != 0 only — a
     zero-variance group's rollouts keep weight 1 by construction and would pull every bin toward it — and the text

@@ -1,6 +1,7 @@
 """``python -m grail_exp.bench``: the cost of each scheme's optimiser step, side by side, in one process.
 
     python -m grail_exp.bench                                    # embedded tiny model: grpo, grail, oar_g
+    python -m grail_exp.bench bench.mode=attention                # fused vs explicit CPU attention per shape
     python -m grail_exp.bench model=qwen3_8b model.random_init=true model.tokenizer_name_or_path=pkg:qwen3 \\
         'model.random_init_overrides={num_hidden_layers: 1}' bench.completion_length=256 json=bench.json
 
@@ -312,6 +313,10 @@ def main(argv: list[str] | None = None) -> dict:
         from grail_exp.bench_real import main as real_main
 
         return real_main(bench, overrides, argv)
+    if bench.mode == "attention":  # the fused CPU attention kernel against the explicit one (bench_attention.py)
+        from grail_exp.bench_attention import main as attention_main
+
+        return attention_main(bench, argv)
     device = torch.device("cuda" if bench.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if bench.device == "auto" else bench.device))
     torch.manual_seed(int(bench.seed))

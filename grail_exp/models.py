@@ -254,7 +254,7 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as exc:
             raise _hub_error(path, exc) from exc
-    use_kernel_gqa(model)
+    use_kernel_gqa(model, m.get("cpu_explicit_attention_max_scores", 16384))
     # Dropout makes log-prob ratios noisy and is off in the paper's recipe.
     for mod in model.modules():
         if isinstance(mod, torch.nn.Dropout):
@@ -273,25 +273,43 @@ SDPA_GQA = "sdpa_gqa"  # transformers' SDPA attention, grouped-query heads left 
 
 def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
                        **kwargs):
-    """transformers' SDPA attention, except on CPU with a mask and grouped-query heads: there transformers repeats each
-    key/value head for its query heads (``repeat_kv``; it lets the kernel group them only without a mask, for CUDA
-    kernels' sake), and autograd keeps the repeated copies — for SmolLM2 (9 query heads, 3 key/value heads) 3x the
-    keys and values of every layer. The CPU kernel groups them itself (``enable_gqa``), with the same numbers
-    (tests/test_share_prompts.py compares)."""
+    """transformers' SDPA attention, except on CPU with a mask:
+
+    - grouped-query heads: transformers repeats each key/value head for its query heads (``repeat_kv``; it lets the
+      kernel group them only without a mask, for CUDA kernels' sake), and autograd keeps the repeated copies — for
+      SmolLM2 (9 query heads, 3 key/value heads) 3x the keys and values of every layer. The CPU kernel groups them
+      itself (``enable_gqa``), with the same numbers (tests/test_share_prompts.py compares).
+    - short sequences under autograd: two products and a float32 softmax (``grail_exp/cpu_attention.py``) instead of
+      the fused kernel, up to ``model.cpu_explicit_attention_max_scores`` query × key positions (the attribute
+      ``use_kernel_gqa`` sets on each attention module; 0 = never)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    if query.device.type != "cpu" or attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None:
+    if query.device.type != "cpu" or attention_mask is None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if (dropout == 0.0 and torch.is_grad_enabled() and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and query.shape[2] * key.shape[2] <= getattr(module, EXPLICIT_ATTENTION_ATTR, 0)
+            and (query.requires_grad or key.requires_grad or value.requires_grad)):
+        from grail_exp.cpu_attention import explicit_attention
+
+        out = explicit_attention(query, key, value, attention_mask, scale)
+    elif getattr(module, "num_key_value_groups", 1) == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               dropout_p=dropout, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
-def use_kernel_gqa(model) -> None:
+EXPLICIT_ATTENTION_ATTR = "cpu_explicit_attention_max_scores"
+
+
+def use_kernel_gqa(model, explicit_max_scores: int = 0) -> None:
     """A model loaded with ``attn_implementation=sdpa`` runs ``sdpa_gqa_attention`` (registered with transformers under
-    ``SDPA_GQA``, with SDPA's own mask construction)."""
+    ``SDPA_GQA``, with SDPA's own mask construction); its attention modules take the explicit float32 attention on
+    CPU under autograd up to ``explicit_max_scores`` query × key positions."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -299,6 +317,9 @@ def use_kernel_gqa(model) -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
         model.config._attn_implementation = SDPA_GQA
+    for mod in model.modules():
+        if hasattr(mod, "num_key_value_groups"):
+            setattr(mod, EXPLICIT_ATTENTION_ATTR, int(explicit_max_scores))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

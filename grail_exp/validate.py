@@ -288,6 +288,8 @@ def model_and_evaluation(cfg) -> list[str]:
     _check(e, m.dtype in ("float32", "bfloat16", "float16"), "model.dtype", m.dtype,
            "must be one of: float32, bfloat16, float16")
     _check(e, m.prompt_style in ("chat", "plain"), "model.prompt_style", m.prompt_style, "must be one of: chat, plain")
+    _check(e, m.cpu_explicit_attention_max_scores >= 0, "model.cpu_explicit_attention_max_scores",
+           m.cpu_explicit_attention_max_scores, "must be >= 0 (0 = always the fused attention kernel)")
     _check(e, cfg.logger.name in ("mlflow", "none"), "logger.name", cfg.logger.name, "must be one of: mlflow, none")
     e += check_model_config(m) + check_packaged_model(m.name_or_path)  # random_init / tokenizer keys; pkg:<name>
     for i, ex in enumerate(m.get("few_shot") or []):

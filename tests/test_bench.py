@@ -110,3 +110,25 @@ def test_real_mode_scheme_process_may_start_processes():
     assert in_own_process(_start_a_grandchild) == 0
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         in_own_process(divmod, 1, 0)
+
+
+def test_attention_mode_times_both_paths_and_marks_the_default_pick(tmp_path):
+    """bench.mode=attention: both attention paths per shape, the same output, and the explicit one picked exactly
+    where query × key positions <= model.cpu_explicit_attention_max_scores."""
+    import json
+
+    from grail_exp.bench import main
+    from grail_exp.config import ModelConfig
+
+    side = int(ModelConfig.cpu_explicit_attention_max_scores ** 0.5)
+    md = tmp_path / "attention.md"
+    payload = main(["bench.mode=attention", f"bench.attention.shapes=[[3,5],[{side},{side}],[{side},{side + 1}]]",
+                    "bench.attention.rows=2", "bench.attention.heads=4", "bench.attention.kv_heads=2",
+                    "bench.attention.head_dim=8", "bench.warmup=0", "bench.repeats=1", "bench.threads=1",
+                    f"json={tmp_path / 'a.json'}", f"markdown={md}"])
+    rows = payload["shapes"]
+    assert [(r["queries"], r["keys"]) for r in rows] == [(3, 5), (side, side), (side, side + 1)]
+    assert all(r["same_output"] and r["fused_ms"] > 0 and r["explicit_ms"] > 0 for r in rows)
+    picks = [line.rsplit("|", 2)[1].strip() for line in md.read_text().splitlines() if line.startswith("| ")][1:]
+    assert picks == ["explicit", "explicit", "fused"]
+    assert json.loads((tmp_path / "a.json").read_text())["shapes"] == rows

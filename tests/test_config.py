@@ -73,6 +73,7 @@ def test_debug_fast_composes(compose_cfg):
     ("benchmark.limit=0", "benchmark.limit"),
     ("model.dtype=float8", "model.dtype"),
     ("model.prompt_style=fancy", "model.prompt_style"),
+    ("model.cpu_explicit_attention_max_scores=-1", "model.cpu_explicit_attention_max_scores"),
     ("reward.hard_timeout_s=0", "reward.hard_timeout_s"),
     ("reward.num_workers=-1", "reward.num_workers"),
     ("data.name=nope", "data.name"),

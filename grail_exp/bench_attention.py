@@ -1,0 +1,108 @@
+"""``python -m grail_exp.bench bench.mode=attention``: the fused CPU attention kernel against the explicit one, per shape.
+
+    python -m grail_exp.bench bench.mode=attention markdown=results/bench_attention.md
+
+One attention layer's forward + backward at each ``bench.attention.shapes`` entry (query positions, key positions),
+with the heads of ``bench.attention`` (default SmolLM2-135M's: 9 query heads sharing 3 key/value heads of 64, 16 rows,
+bfloat16), a causal mask aligned to the last key and a few left-padded rows: PyTorch's fused
+``scaled_dot_product_attention`` (grouped-query heads in the kernel) and ``grail_exp.cpu_attention`` (two products and
+a float32 softmax). Medians of ``bench.repeats`` timed calls after ``bench.warmup``, alternating the two so drift of a
+shared machine hits both. The table says which one ``model.cpu_explicit_attention_max_scores`` (query × key positions)
+picks for each shape: the crossover on this machine is where the ratio passes 1. Each row also checks that both give
+the same output (within float32 rounding and the bfloat16 result's half ulp).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+log = logging.getLogger("grail_exp.bench")
+
+
+def _inputs(rows: int, heads: int, kv_heads: int, head_dim: int, lq: int, lk: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, heads, lq, head_dim, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(rows, kv_heads, lk, head_dim, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(rows, kv_heads, lk, head_dim, generator=g).to(dtype).requires_grad_()
+    mask = torch.ones(rows, 1, lq, lk, dtype=torch.bool).tril(lk - lq)
+    mask[: rows // 4, :, :, : min(lk - lq, lk // 8)] = False  # a quarter of the rows left-padded
+    grad = torch.randn(rows, heads, lq, head_dim, generator=g).to(dtype)
+    return q, k, v, mask, grad
+
+
+def time_shape(a: DictConfig, lq: int, lk: int, warmup: int, repeats: int, seed: int) -> dict:
+    from grail_exp.cpu_attention import explicit_attention
+
+    dtype = getattr(torch, a.dtype)
+    q, k, v, mask, grad = _inputs(a.rows, a.heads, a.kv_heads, a.head_dim, lq, lk, dtype, seed)
+    scale = a.head_dim ** -0.5
+    paths = {
+        "fused": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                          enable_gqa=True),
+        "explicit": lambda: explicit_attention(q, k, v, mask, scale),
+    }
+    times = {name: [] for name in paths}
+    outs = {}
+    for i in range(warmup + repeats):
+        for name in (list(paths) if i % 2 == 0 else list(paths)[::-1]):
+            t0 = time.perf_counter()
+            out = paths[name]()
+            out.backward(grad)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+            outs[name] = out.detach()
+            q.grad = k.grad = v.grad = None
+    fused, explicit = (statistics.median(times[n]) * 1e3 for n in ("fused", "explicit"))
+    real = mask.any(-1, keepdim=True).expand_as(outs["fused"])  # rows with a key to attend to
+    diff = (outs["explicit"] - outs["fused"])[real].float().abs().max().item()
+    scale_out = outs["fused"][real].float().abs().max().item()
+    return {"queries": lq, "keys": lk, "scores": lq * lk, "fused_ms": round(fused, 3),
+            "explicit_ms": round(explicit, 3), "ratio": round(explicit / fused, 3),
+            "max_abs_diff": diff, "same_output": diff <= (2.0 ** -7 + 1e-4) * scale_out}
+
+
+def table_markdown(rows: list[dict], threshold: int, a: DictConfig, threads: int) -> str:
+    head = (f"{a.rows} rows, {a.heads} query heads / {a.kv_heads} key-value heads of {a.head_dim}, {a.dtype}, "
+            f"{threads} thread(s); forward + backward of one layer, median ms. `model.cpu_explicit_attention_max_scores"
+            f"` = {threshold} picks the explicit path up to that many query × key positions.\n\n")
+    lines = ["| queries | keys | fused ms | explicit ms | explicit / fused | picked at the default |",
+             "|--:|--:|--:|--:|--:|---|"]
+    for r in rows:
+        picked = "explicit" if r["scores"] <= threshold else "fused"
+        lines.append(f"| {r['queries']} | {r['keys']} | {r['fused_ms']:.2f} | {r['explicit_ms']:.2f} | "
+                     f"{r['ratio']:.2f} | {picked} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main(bench: DictConfig, argv: list[str]) -> dict:
+    from grail_exp.config import ModelConfig
+
+    a = bench.attention
+    threads = int(bench.threads) if bench.threads else torch.get_num_threads()
+    torch.set_num_threads(threads)
+    threshold = ModelConfig.cpu_explicit_attention_max_scores
+    rows = []
+    for lq, lk in a.shapes:
+        if lq > lk:
+            raise ValueError(f"bench.attention.shapes: ({lq}, {lk}) has more query than key positions")
+        r = time_shape(a, int(lq), int(lk), int(bench.warmup), int(bench.repeats), int(bench.seed))
+        if not r["same_output"]:
+            raise AssertionError(f"explicit and fused attention differ by {r['max_abs_diff']:.3g} at {lq} x {lk}")
+        log.info("%4d x %4d: fused %.2f ms, explicit %.2f ms (%.2fx)", lq, lk, r["fused_ms"], r["explicit_ms"],
+                 r["ratio"])
+        rows.append(r)
+    md = table_markdown(rows, threshold, a, threads)
+    print(md)
+    out = {"shapes": rows, "threads": threads, "default_max_scores": threshold, "argv": argv}
+    if bench.json:
+        Path(bench.json).write_text(json.dumps(out, indent=2) + "\n")
+    if bench.markdown:
+        Path(bench.markdown).write_text(f"`python -m grail_exp.bench {' '.join(argv)}`\n\n{md}")
+    return out

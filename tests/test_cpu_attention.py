@@ -1,0 +1,178 @@
+"""The explicit CPU attention (grail_exp/cpu_attention.py) against attention written out by hand, and its use in models.
+
+The reference is the textbook formula evaluated in float64 one query row at a time: for query head h (key/value head
+h // G), row i: p_j = exp(s_j) / Σ_allowed exp(s), s_j = scale · q_i · k_j over the keys the mask allows, o_i = Σ p_j v_j;
+a row with no allowed key outputs 0. Its gradients come from autograd through that loop.
+
+Tolerances. float64 inputs: the kernel computes in float64 too, so only summation order differs (reductions of
+≤ 64 terms: 64 · 2^-52 of the terms' scale; 1e-12 covers it with room). bfloat16 inputs: the kernel computes in
+float32 and rounds each result to bfloat16 once — half a bfloat16 ulp (8 significant bits), ≤ 2^-8 of the
+value, plus float32 error of
+reductions of ≤ 64 terms (64 · 2^-24 ≈ 4e-6 of the terms' scale, bounded here by 1e-4 of the largest entry).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.tolerances import MODEL_REORDER
+
+B, H, HK, D = 3, 6, 2, 8
+
+
+def reference(q, k, v, mask, scale):
+    """Attention by hand, float64, one (batch, head, query row) at a time."""
+    q, k, v = q.double(), k.double(), v.double()
+    b_, h_, lq, d = q.shape
+    groups = h_ // k.shape[1]
+    rows = []
+    for b in range(b_):
+        heads = []
+        for h in range(h_):
+            out = []
+            for i in range(lq):
+                allowed = [j for j in range(k.shape[2]) if bool(mask[b if mask.shape[0] > 1 else 0, 0, i, j])]
+                if not allowed:
+                    out.append(torch.zeros(d, dtype=torch.float64))
+                    continue
+                s = torch.stack([scale * (q[b, h, i] * k[b, h // groups, j]).sum() for j in allowed])
+                p = torch.exp(s - s.max())
+                p = p / p.sum()
+                out.append(sum(p[n] * v[b, h // groups, j] for n, j in enumerate(allowed)))
+            heads.append(torch.stack(out))
+        rows.append(torch.stack(heads))
+    return torch.stack(rows)
+
+
+def inputs(dtype, lq=5, lk=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, lq, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, HK, lk, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, HK, lk, D, generator=g).to(dtype).requires_grad_()
+    # causal with the queries at the last lq key positions, and left padding: row 1 pads 3 keys, row 2 pads 6, so
+    # row 2's first query has no key to attend to (a left-padding position)
+    mask = torch.ones(B, 1, lq, lk, dtype=torch.bool).tril(lk - lq)
+    mask[1, :, :, :3] = False
+    mask[2, :, :, :6] = False
+    return q, k, v, mask
+
+
+def grads(fn, q, k, v, go):
+    for t in (q, k, v):
+        t.grad = None
+    out = fn()
+    out.backward(go)
+    return out.detach(), [t.grad.clone() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_output_and_gradients_equal_attention_written_out(dtype):
+    from grail_exp.cpu_attention import explicit_attention
+
+    q, k, v, mask = inputs(dtype)
+    scale = D ** -0.5
+    go = torch.randn(B, H, q.shape[2], D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out, g = grads(lambda: explicit_attention(q, k, v, mask, scale), q, k, v, go)
+    ref_out, ref_g = grads(lambda: reference(q, k, v, mask, scale), q, k, v, go)
+    assert out.dtype == dtype and all(x.dtype == dtype for x in g)
+    for name, a, r in [("out", out, ref_out), *zip(("dq", "dk", "dv"), g, ref_g)]:
+        a, r = a.double(), r.double()
+        if dtype == torch.float64:
+            bound = 1e-12 * r.abs().max()
+        else:
+            bound = 2.0 ** -8 * r.abs() + 1e-4 * r.abs().max()
+        assert ((a - r).abs() <= bound).all(), f"{name}: {(a - r).abs().max():.3g}"
+    assert torch.equal(out[2, :, 0], torch.zeros_like(out[2, :, 0]))  # the query with no key: zero output
+
+
+def test_backward_equals_numerical_derivatives():
+    """The hand-written backward against finite differences (float64), fully masked row included."""
+    from grail_exp.cpu_attention import explicit_attention
+
+    q, k, v, mask = inputs(torch.float64, lq=3, lk=5)
+    mask[2, :, :, :4] = False  # row 2's first two queries see nothing
+    assert torch.autograd.gradcheck(lambda a, b, c: explicit_attention(a, b, c, mask, 0.4), (q, k, v))
+
+
+def test_additive_mask_equals_boolean_mask():
+    from grail_exp.cpu_attention import explicit_attention
+
+    q, k, v, mask = inputs(torch.float64)
+    additive = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
+    keep = mask.any(-1, keepdim=True).expand(-1, H, -1, D)  # rows with at least one key
+    a = explicit_attention(q, k, v, mask, 0.3)
+    b = explicit_attention(q, k, v, additive, 0.3)
+    assert torch.allclose(a[keep], b[keep], rtol=0, atol=1e-12)
+
+
+def test_same_as_the_fused_kernel_and_bad_shapes_refused():
+    from grail_exp.cpu_attention import explicit_attention
+
+    q, k, v, mask = inputs(torch.float32)
+    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    ours = explicit_attention(q, k, v, mask, 0.25)
+    real = mask.any(-1, keepdim=True).expand(-1, H, -1, D)
+    assert (ours - fused)[real].abs().max() <= 1e-5 * fused.abs().max()  # float32, reductions of <= 8 terms
+    with pytest.raises(ValueError, match="not a multiple"):
+        explicit_attention(q[:, :5], k, v, mask, 0.25)
+    with pytest.raises(ValueError, match="mask"):
+        explicit_attention(q, k, v, mask.expand(-1, H, -1, -1), 0.25)
+
+
+def _policy_pass(model, batch, share):
+    from grail_exp.forward import policy_forward
+
+    model.zero_grad()
+    m = batch.loss_mask
+    logp, ent, _ = policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                                  batch.completion_ids, 0.7, share_prompts=share)
+    ((logp * m).sum() + 0.3 * (ent * m).sum()).backward()
+    return logp.detach() * m, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
+    """A grouped-query model (4 query heads, 2 key/value heads) with left-padded prompts of three lengths: the policy's
+    log-probs and every parameter's gradient with the explicit attention equal the fused kernel's within a reordered
+    reduction per stage; the explicit path ran in the training pass and not under no_grad."""
+    from helpers.pinned_step import build_model_and_tokenizer
+    from test_share_prompts import _batch
+
+    from grail_exp import cpu_attention
+    from grail_exp.forward import policy_forward
+    from grail_exp.models import use_kernel_gqa
+
+    calls = []
+    real_apply = cpu_attention.ExplicitAttention.apply
+    monkeypatch.setattr(cpu_attention.ExplicitAttention, "apply", lambda *a: calls.append(1) or real_apply(*a))
+    model, tok = build_model_and_tokenizer()
+    model.config._attn_implementation = "sdpa"
+    batch = _batch(tok)
+    use_kernel_gqa(model, 0)
+    fused_logp, fused_g = _policy_pass(model, batch, share)
+    assert not calls
+    use_kernel_gqa(model, 10 ** 6)
+    logp, g = _policy_pass(model, batch, share)
+    assert len(calls) >= model.config.num_hidden_layers
+    n = len(calls)
+    with torch.no_grad():
+        policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, 0.7,
+                       share_prompts=share)
+    assert len(calls) == n  # no gradient: the fused kernel
+    assert (logp - fused_logp).abs().max() <= MODEL_REORDER * fused_logp.abs().max()
+    scale = max(x.abs().max() for x in fused_g)
+    assert max((a - b).abs().max() for a, b in zip(g, fused_g)) <= MODEL_REORDER * scale
+
+
+def test_config_key_reaches_every_attention_module(compose_cfg):
+    from grail_exp.config import validate
+    from grail_exp.models import EXPLICIT_ATTENTION_ATTR, load_causal_lm, resolve_model_path
+
+    tiny = "model.random_init_overrides={num_hidden_layers: 2, hidden_size: 72, intermediate_size: 96}"
+    for value in (16384, 0):
+        cfg = validate(compose_cfg(["model=smollm2_135m", "model.random_init=true", tiny, "advantage=grpo",
+                                    f"model.cpu_explicit_attention_max_scores={value}"]))
+        model = load_causal_lm(resolve_model_path(cfg), cfg, trainable=True)
+        attn = [mod for mod in model.modules() if hasattr(mod, "num_key_value_groups")]
+        assert len(attn) == 2 and all(getattr(mod, EXPLICIT_ATTENTION_ATTR) == value for mod in attn)

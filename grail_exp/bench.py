@@ -316,7 +316,17 @@ def main(argv: list[str] | None = None) -> dict:
     if bench.mode == "attention":  # the fused CPU attention kernel against the explicit one (bench_attention.py)
         from grail_exp.bench_attention import main as attention_main
 
-        return attention_main(bench, argv)
+        if not overrides:  # one attention layer per shape only
+            return attention_main(bench, argv)
+        from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+        with tempfile.TemporaryDirectory() as tmp:  # and the run's policy forward + backward on the synthetic batch
+            cfg = compose_run_config(overrides, "grpo", bench, tmp)
+            path = resolve_model_path(cfg)
+            tokenizer = load_tokenizer(path, cfg)
+            policy = load_causal_lm(path, cfg, trainable=True)
+            batch = synthetic_batch(tokenizer, bench, cfg, torch.device("cpu"))
+            return attention_main(bench, argv, policy=(cfg, policy, batch))
     device = torch.device("cuda" if bench.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if bench.device == "auto" else bench.device))
     torch.manual_seed(int(bench.seed))

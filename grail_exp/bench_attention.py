@@ -10,6 +10,15 @@ a float32 softmax). Medians of ``bench.repeats`` timed calls after ``bench.warmu
 shared machine hits both. The table says which one ``model.cpu_explicit_attention_max_scores`` (query × key positions)
 picks for each shape: the crossover on this machine is where the ratio passes 1. Each row also checks that both give
 the same output (within float32 rounding and the bfloat16 result's half ulp).
+
+    python -m grail_exp.bench bench.mode=attention experiment=real/smollm2_grpo bench.prompt_length=131 \
+        bench.completion_length=20 bench.num_generations=8 bench.micro_batch_size=16
+
+With run overrides, it also times the run's policy forward + backward (the trainer's ``policy_forward``, its
+``trainer.share_prompts``, micro-batches of ``bench.micro_batch_size``) over the synthetic batch of ``bench.prompts`` ×
+``bench.num_generations`` rows of ``bench.prompt_length`` + ``bench.completion_length`` tokens, in one process,
+alternating the fused kernel (``model.cpu_explicit_attention_max_scores=0``) and the run's setting batch by batch, so
+the machine's drift hits both.
 """
 
 from __future__ import annotations
@@ -68,6 +77,38 @@ def time_shape(a: DictConfig, lq: int, lk: int, warmup: int, repeats: int, seed:
             "max_abs_diff": diff, "same_output": diff <= (2.0 ** -7 + 1e-4) * scale_out}
 
 
+def time_policy(cfg: DictConfig, policy, batch, bench: DictConfig) -> dict:
+    """The policy's forward + backward over the batch, fused kernel vs the run's setting, alternating per batch."""
+    from grail_exp.forward import policy_forward, share_prompts_of
+    from grail_exp.models import use_kernel_gqa
+
+    setting = int(cfg.model.cpu_explicit_attention_max_scores)
+    share, micro, rows = share_prompts_of(cfg), int(bench.micro_batch_size), batch.input_ids.shape[0]
+
+    def forward_backward():
+        policy.zero_grad(set_to_none=True)
+        for lo in range(0, rows, micro):
+            s = slice(lo, lo + micro)
+            logp, _, _ = policy_forward(policy, batch.input_ids[s], batch.attention_mask[s], batch.position_ids[s],
+                                        batch.completion_ids[s], 1.0, share_prompts=share)
+            (logp * batch.loss_mask[s]).sum().backward()
+
+    times = {0: [], setting: []}
+    for i in range(int(bench.warmup) + int(bench.repeats)):
+        for value in ((0, setting) if i % 2 == 0 else (setting, 0)):
+            use_kernel_gqa(policy, value)
+            t0 = time.perf_counter()
+            forward_backward()
+            if i >= int(bench.warmup):
+                times[value].append(time.perf_counter() - t0)
+    use_kernel_gqa(policy, setting)
+    fused, explicit = statistics.median(times[0]), statistics.median(times[setting])
+    return {"model": cfg.model.name, "rows": rows, "prompt_length": int(bench.prompt_length),
+            "completion_length": int(bench.completion_length), "micro_batch_size": micro, "share_prompts": share,
+            "max_scores": setting, "fused_s": round(fused, 3), "explicit_s": round(explicit, 3),
+            "ratio": round(explicit / fused, 3)}
+
+
 def table_markdown(rows: list[dict], threshold: int, a: DictConfig, threads: int) -> str:
     head = (f"{a.rows} rows, {a.heads} query heads / {a.kv_heads} key-value heads of {a.head_dim}, {a.dtype}, "
             f"{threads} thread(s); forward + backward of one layer, median ms. `model.cpu_explicit_attention_max_scores"
@@ -81,7 +122,8 @@ def table_markdown(rows: list[dict], threshold: int, a: DictConfig, threads: int
     return head + "\n".join(lines) + "\n"
 
 
-def main(bench: DictConfig, argv: list[str]) -> dict:
+def main(bench: DictConfig, argv: list[str], policy: tuple | None = None) -> dict:
+    """``policy``: (run config, its policy model, a synthetic batch) to time the whole forward + backward as well."""
     from grail_exp.config import ModelConfig
 
     a = bench.attention
@@ -99,8 +141,14 @@ def main(bench: DictConfig, argv: list[str]) -> dict:
                  r["ratio"])
         rows.append(r)
     md = table_markdown(rows, threshold, a, threads)
-    print(md)
     out = {"shapes": rows, "threads": threads, "default_max_scores": threshold, "argv": argv}
+    if policy is not None:
+        p = out["policy"] = time_policy(*policy, bench)
+        md += (f"\n{p['model']}'s policy forward + backward, {p['rows']} rows of {p['prompt_length']} + "
+               f"{p['completion_length']} tokens in micro-batches of {p['micro_batch_size']} (share_prompts "
+               f"{p['share_prompts']}), median s over {bench.repeats} alternating batches: fused {p['fused_s']:.2f}, "
+               f"`max_scores` = {p['max_scores']}: {p['explicit_s']:.2f} ({p['ratio']:.2f}x).\n")
+    print(md)
     if bench.json:
         Path(bench.json).write_text(json.dumps(out, indent=2) + "\n")
     if bench.markdown:

@@ -82,7 +82,7 @@ class ModelConfig:
     revision: Optional[str] = None  # hub revision (commit sha or tag); pin it for reproductions
     dtype: str = "float32"  # float32 | bfloat16 | float16
     attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2; null = transformers default
-    cpu_explicit_attention_max_scores: int = 16384  # sdpa on CPU under autograd: up to this many query x key positions per head, two products and a float32 softmax instead of the fused kernel (grail_exp/cpu_attention.py); 0 = always the fused kernel
+    cpu_explicit_attention_max_scores: int = 20_000  # sdpa on CPU under autograd: up to this many query x key positions per head, two products and a float32 softmax instead of the fused kernel (grail_exp/cpu_attention.py, whose DEFAULT_MAX_SCORES says why this value); 0 = always the fused kernel
     trust_remote_code: bool = False  # never execute code from a model repo unless you say so
     gradient_checkpointing: bool = False
     # Prompting (how a problem becomes the model's input; recorded with every table)

@@ -12,8 +12,8 @@ what PyTorch's fused kernel holds (Q, K, V in their own dtype, one float per que
 
 Why: at the real-model study's lengths (~40–160 key positions) PyTorch's fused CPU attention kernel spends most of its
 time outside arithmetic; its backward was ~23 % of the update's backward. These few batched matrix products measured
-~45 % cheaper per layer forward + backward at SmolLM2's heads (``python -m grail_exp.bench attention``; numbers in
-docs/performance.md). Longer sequences keep the fused kernel (``model.cpu_explicit_attention_max_keys``), as do
+35-40 % cheaper per layer forward + backward at SmolLM2's heads (``python -m grail_exp.bench bench.mode=attention``;
+numbers in docs/performance.md). Longer sequences keep the fused kernel (``model.cpu_explicit_attention_max_scores``), as do
 forward passes without gradients, where the fused kernel is the faster one. Computed in float32 for bfloat16 / float16
 inputs (as the fused kernel accumulates), in the inputs' own dtype otherwise. A query row with no key to attend to
 (a left-padding position) gets a zero output and zero gradients, as from the fused kernel.
@@ -22,6 +22,12 @@ inputs (as the fused kernel accumulates), in the inputs' own dtype otherwise. A 
 from __future__ import annotations
 
 import torch
+
+# The default of model.cpu_explicit_attention_max_scores (query x key positions per head): where the explicit path
+# stops being the faster one on a 2-core x86 machine (bench.mode=attention: 0.87-0.91x of the fused kernel at 128 x 128,
+# 0.93-1.05x at 160 x 160, 1.4-1.6x at 192 x 192, at 1 and 2 threads), so that it covers the prefix pass of
+# SmolLM2's 131-token few-shot prompts (130 x 130) as well as the study's short prompts.
+DEFAULT_MAX_SCORES = 20_000
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -254,7 +254,9 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as exc:
             raise _hub_error(path, exc) from exc
-    use_kernel_gqa(model, m.get("cpu_explicit_attention_max_scores", 16384))
+    from grail_exp.cpu_attention import DEFAULT_MAX_SCORES
+
+    use_kernel_gqa(model, m.get("cpu_explicit_attention_max_scores", DEFAULT_MAX_SCORES))
     # Dropout makes log-prob ratios noisy and is off in the paper's recipe.
     for mod in model.modules():
         if isinstance(mod, torch.nn.Dropout):

@@ -132,3 +132,21 @@ def test_attention_mode_times_both_paths_and_marks_the_default_pick(tmp_path):
     picks = [line.rsplit("|", 2)[1].strip() for line in md.read_text().splitlines() if line.startswith("| ")][1:]
     assert picks == ["explicit", "explicit", "fused"]
     assert json.loads((tmp_path / "a.json").read_text())["shapes"] == rows
+
+
+def test_attention_mode_times_the_runs_policy_both_ways(tmp_path, tiny_model_dir, monkeypatch):
+    """With run overrides, bench.mode=attention also times the policy's forward + backward with the fused kernel and
+    with the run's setting — and the explicit path really runs in the second."""
+    from grail_exp import cpu_attention
+    from grail_exp.bench import main
+
+    calls = []
+    real_apply = cpu_attention.ExplicitAttention.apply
+    monkeypatch.setattr(cpu_attention.ExplicitAttention, "apply", lambda *a: calls.append(1) or real_apply(*a))
+    payload = main(["bench.mode=attention", "bench.attention.shapes=[]", "bench.prompts=2", "bench.num_generations=2",
+                    "bench.prompt_length=6", "bench.completion_length=12", "bench.micro_batch_size=2",
+                    "bench.warmup=0", "bench.repeats=2", "bench.threads=1", f"model.name_or_path={tiny_model_dir}",
+                    "model.attn_implementation=sdpa", "model.cpu_explicit_attention_max_scores=500"])
+    p = payload["policy"]
+    assert p["max_scores"] == 500 and p["rows"] == 4 and p["fused_s"] > 0 and p["explicit_s"] > 0
+    assert calls  # 2 repeats x 2 micro-batches x the layers, only in the explicit half

@@ -170,7 +170,11 @@ def test_config_key_reaches_every_attention_module(compose_cfg):
     from grail_exp.models import EXPLICIT_ATTENTION_ATTR, load_causal_lm, resolve_model_path
 
     tiny = "model.random_init_overrides={num_hidden_layers: 2, hidden_size: 72, intermediate_size: 96}"
-    for value in (16384, 0):
+    from grail_exp.config import ModelConfig
+    from grail_exp.cpu_attention import DEFAULT_MAX_SCORES
+
+    assert ModelConfig.cpu_explicit_attention_max_scores == DEFAULT_MAX_SCORES
+    for value in (DEFAULT_MAX_SCORES, 0):
         cfg = validate(compose_cfg(["model=smollm2_135m", "model.random_init=true", tiny, "advantage=grpo",
                                     f"model.cpu_explicit_attention_max_scores={value}"]))
         model = load_causal_lm(resolve_model_path(cfg), cfg, trainable=True)

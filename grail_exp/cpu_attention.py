@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 # The default of model.cpu_explicit_attention_max_scores (query x key positions per head): where the explicit path
-# stops being the faster one on a 2-core x86 machine (bench.mode=attention: 0.87-0.91x of the fused kernel at 128 x 128,
-# 0.93-1.05x at 160 x 160, 1.4-1.6x at 192 x 192, at 1 and 2 threads), so that it covers the prefix pass of
-# SmolLM2's 131-token few-shot prompts (130 x 130) as well as the study's short prompts.
+# stops being the faster one on a 2-core x86 machine (bench.mode=attention, explicit / fused at 2 threads: 0.87 at
+# 128 x 128, 0.93 at 160 x 160, 1.61 at 192 x 192; at 1 thread 0.91 at 130 x 130, 1.05 at 160 x 160), so that it
+# covers the prefix pass of SmolLM2's 131-token few-shot prompts (130 x 130) as well as the study's short prompts.
 DEFAULT_MAX_SCORES = 20_000
 
 

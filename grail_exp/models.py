@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from grail_exp.cpu_attention import DEFAULT_MAX_SCORES, explicit_attention
 from grail_exp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -254,8 +255,6 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as exc:
             raise _hub_error(path, exc) from exc
-    from grail_exp.cpu_attention import DEFAULT_MAX_SCORES
-
     use_kernel_gqa(model, m.get("cpu_explicit_attention_max_scores", DEFAULT_MAX_SCORES))
     # Dropout makes log-prob ratios noisy and is off in the paper's recipe.
     for mod in model.modules():
@@ -293,8 +292,6 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
     if (dropout == 0.0 and torch.is_grad_enabled() and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
             and query.shape[2] * key.shape[2] <= getattr(module, EXPLICIT_ATTENTION_ATTR, 0)
             and (query.requires_grad or key.requires_grad or value.requires_grad)):
-        from grail_exp.cpu_attention import explicit_attention
-
         out = explicit_attention(query, key, value, attention_mask, scale)
     elif getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

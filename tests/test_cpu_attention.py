@@ -136,8 +136,8 @@ def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
     """A grouped-query model (4 query heads, 2 key/value heads) with left-padded prompts of three lengths: the policy's
     log-probs and every parameter's gradient with the explicit attention equal the fused kernel's within a reordered
     reduction per stage; the explicit path ran in the training pass and not under no_grad."""
+    from helpers.batches import interleaved_training_batch
     from helpers.pinned_step import build_model_and_tokenizer
-    from test_share_prompts import _batch
 
     from grail_exp import cpu_attention
     from grail_exp.forward import policy_forward
@@ -148,7 +148,7 @@ def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
     monkeypatch.setattr(cpu_attention.ExplicitAttention, "apply", lambda *a: calls.append(1) or real_apply(*a))
     model, tok = build_model_and_tokenizer()
     model.config._attn_implementation = "sdpa"
-    batch = _batch(tok)
+    batch = interleaved_training_batch(tok)
     use_kernel_gqa(model, 0)
     fused_logp, fused_g = _policy_pass(model, batch, share)
     assert not calls

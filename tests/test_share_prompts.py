@@ -18,44 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.batches import INTERLEAVED_ROWS, interleaved_training_batch
 from helpers.tolerances import MODEL_REORDER
-
-# (prompt index, completion, reward): three prompts, groups interleaved and of unequal size in the batch order.
-QUESTIONS = [("Compute 12+7-5.", "14"), ("Compute 3+4.", "7"), ("Compute 100-8+3-1.", "94")]
-ROWS = [
-    (0, "12+7=19. 19-5=14. \\boxed{14}", 1.0),
-    (1, "3+4=7. \\boxed{7}", 1.0),
-    (0, "12+7=19. 19-5=13. \\boxed{13}", 0.0),
-    (2, "100-8=92. 92+3=95. 95-1=94. \\boxed{94}", 1.0),
-    (1, "3+4=8, so \\boxed{8} ok", 0.0),
-    (0, "12+7=18. \\boxed{12}", 0.0),
-    (2, "100-8=92. \\boxed{93}", 0.0),
-    (0, "12+7=19. 19-5=14.", 0.0),
-]
-
-
-def _batch(tok):
-    from grail_exp.forward import position_ids_from_mask
-    from grail_exp.rollout import Completion, pad_completions
-    from grail_exp.training.batch import TrainingBatch
-
-    comps = []
-    for q, text, _ in ROWS:
-        prompt = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[q][0]}], add_generation_prompt=True,
-                                         tokenize=False, enable_thinking=False)
-        p = tok(prompt, add_special_tokens=False)["input_ids"]
-        comps.append(Completion(p, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], None, False))
-    rb = pad_completions(comps, tok.pad_token_id)
-    assert len(set(rb.prompt_mask.sum(1).tolist())) == 3  # three prompt lengths: left padding differs by row
-    group = torch.tensor([q for q, _, _ in ROWS])
-    rewards = torch.tensor([r for *_, r in ROWS])
-    means = torch.stack([rewards[group == g].mean() for g in range(3)])
-    attn = rb.attention_mask
-    return TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
-                         rb.completion_mask.float(), rewards - means[group], rewards, [t for _, t, _ in ROWS],
-                         group_ids=group, problems=[QUESTIONS[q][0] for q, _, _ in ROWS],
-                         golds=[QUESTIONS[q][1] for q, _, _ in ROWS], order=torch.arange(len(ROWS)))
-
 
 def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: bool = False, metrics: bool = False,
              reorder: bool = True) -> dict:
@@ -86,7 +50,7 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
     module.manual_backward = lambda loss: loss.backward()
     if not reorder:
         module.rollout.rows_reorderable = lambda: False
-    batch = _batch(tok)
+    batch = interleaved_training_batch(tok)
     module.rollout.prepare(batch, {})
     batch.old_logp = module.rollout.logps(model, batch)
     if ref is not None:
@@ -131,7 +95,7 @@ def test_policy_forward_and_gradient_equal_unshared(attn):
 
     model, tok = build_model_and_tokenizer()
     model.config._attn_implementation = attn
-    batch = _batch(tok)
+    batch = interleaved_training_batch(tok)
     m = batch.loss_mask
     out = {}
     for share in (False, True):
@@ -232,12 +196,12 @@ def test_token_efficiency_counts_positions():
     from helpers.pinned_step import build_model_and_tokenizer
 
     _, tok = build_model_and_tokenizer()
-    batch = _batch(tok)
+    batch = interleaved_training_batch(tok)
     prompt_len = batch.attention_mask[:, :batch.prompt_length].sum(1)
     comp_len = batch.loss_mask.sum(1).long()
-    firsts = {q: i for i, (q, _, _) in reversed(list(enumerate(ROWS)))}  # one row per distinct prompt
+    firsts = {q: i for i, (q, _, _) in reversed(list(enumerate(INTERLEAVED_ROWS)))}  # one row per distinct prompt
     real = sum(int(prompt_len[i]) for i in firsts.values()) + int(comp_len.sum())
-    P, C, B, U = int(prompt_len.max()), int(comp_len.max()), len(ROWS), len(firsts)
+    P, C, B, U = int(prompt_len.max()), int(comp_len.max()), len(INTERLEAVED_ROWS), len(firsts)
     expected = {True: U * (P - 1) + B * (C + 1), False: B * (P + C)}
     for share in (True, False):
         m = one_step(["advantage=grpo", "trainer.micro_batch_size=8"], share, metrics=True)["metrics"]
@@ -254,9 +218,9 @@ def test_rows_are_grouped_by_length_only_where_order_changes_nothing():
     from grail_exp.training.rollout import row_order
 
     _, tok = build_model_and_tokenizer()
-    batch = _batch(tok)
+    batch = interleaved_training_batch(tok)
     n = batch.loss_mask.sum(1).long().tolist()
-    groups = {g: [i for i, (q, _, _) in enumerate(ROWS) if q == g] for g in range(3)}
+    groups = {g: [i for i, (q, _, _) in enumerate(INTERLEAVED_ROWS) if q == g] for g in range(3)}
     by_longest = sorted(groups, key=lambda g: max(n[i] for i in groups[g]))
     expected = [i for g in by_longest for i in sorted(groups[g], key=lambda i: n[i])]
     assert row_order(batch, 8, None, True).tolist() == expected

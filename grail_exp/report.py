@@ -235,6 +235,7 @@ class RunRecord:
     artifact: Optional[str] = None
     history: Any = None  # a study folder's training curves (DataFrame indexed by step); MLflow runs: fetched
     weights_dir: Optional[Path] = None  # a study folder's weight tables; MLflow runs: downloaded
+    folder: Optional[Path] = None  # the study folder's arm this record was read from (nothing of it is in MLflow)
 
 
 def letter(i: int) -> str:
@@ -383,6 +384,7 @@ def select_study_arms(cfg: DictConfig, notes: Notes):
         rec = RunRecord(arm.get("run_id") or folder.name, arm["model"], scheme, str(arm["seed"]), arm["status"], 0,
                         params, artifact=str(folder / "samples_final.parquet"))
         rec.samples = pd.read_parquet(folder / "samples_final.parquet")
+        rec.folder = folder
         _check_samples(rec)
         if (folder / "history.csv").is_file():
             rec.history = pd.read_csv(folder / "history.csv", index_col="step")
@@ -938,7 +940,8 @@ def report_plots(client, arms: dict, tables: list[MetricTable], cfg: DictConfig,
 
 
 def _histories(client, recs: list, keys: list[str]) -> list[dict]:
-    """Per run ``{key: (steps, values)}``: a study folder's history.csv, else the MLflow metric histories."""
+    """Per run ``{key: (steps, values)}``: a study folder's history.csv (an arm recorded without one has no curves),
+    else the MLflow metric histories."""
     from grail_exp import plots as P
 
     out = []
@@ -946,6 +949,8 @@ def _histories(client, recs: list, keys: list[str]) -> list[dict]:
         if rec.history is not None:
             h = rec.history
             out.append({k: (h.index.to_numpy(), h[k].to_numpy(dtype=float)) for k in keys if k in h})
+        elif rec.folder is not None:
+            log.warning("study arm %s has no history.csv: no training curves for it", rec.folder.name)
         elif client is not None:
             out.extend(P.fetch_histories(client, [rec.run_id], keys).values())
     return out

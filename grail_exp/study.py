@@ -16,6 +16,7 @@ training job
                               sample_index, correct, extracted, n_tokens, completion, ...)
    ``samples_final.parquet``  the evaluation after training, same columns
    ``history.csv``            the training curves (one row per optimiser step), from the run's MLflow metrics
+                              (with ``logger=none``: the metrics the run logged, kept in memory)
    ``weights/step_*.parquet`` the per-token weight tables the loss used (positional profile, heatmaps)
 
 The arm's name is ``study.arm`` or ``<model>-<scheme>-s<seed>``. Keys that cannot change what an arm computes
@@ -112,15 +113,23 @@ def weights_sha256(model_dir: str | os.PathLike) -> str:
 
 
 def _history(tracker) -> "Any":
-    """The run's training curves (one row per step) from its MLflow metrics; None without an MLflow run."""
+    """The run's training curves (one row per step): its MLflow metrics, or without an MLflow run (``logger=none``)
+    the metrics the tracker kept in memory; None when there are neither."""
     import pandas as pd
 
     client, run_id = getattr(tracker, "client", None), getattr(tracker, "run_id", None)
-    if client is None or run_id is None:
-        return None
-    from grail_exp.plots import fetch_histories
+    if client is not None and run_id is not None:
+        from grail_exp.plots import fetch_histories
 
-    hist = fetch_histories(client, [run_id], HISTORY_KEYS)[run_id]
+        hist = fetch_histories(client, [run_id], HISTORY_KEYS)[run_id]
+    elif getattr(tracker, "history", None):
+        steps = sorted(tracker.history)
+        hist = {k: ([s for s in steps if k in tracker.history[s]], [tracker.history[s][k] for s in steps
+                                                                      if k in tracker.history[s]])
+                for k in HISTORY_KEYS}
+        hist = {k: v for k, v in hist.items() if v[0]}
+    else:
+        return None
     cols = {k: pd.Series(v, index=s) for k, (s, v) in hist.items()}
     frame = pd.DataFrame(cols).sort_index()
     frame.index.name = "step"

@@ -64,12 +64,22 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 class NullTracker:
-    """``logger=none``: everything is a no-op, so callers never branch on tracking."""
+    """``logger=none``: nothing is stored anywhere, so callers never branch on tracking. The run's scalar metrics are
+    kept in memory per step (``history``: a few dozen floats a step), so that a study arm records its training
+    curves without MLflow (grail_exp/study.py)."""
 
     run_id: str | None = None
 
+    def __init__(self) -> None:
+        self.history: dict[int, dict[str, float]] = {}
+
     def log_params(self, params: dict) -> None: ...
-    def log_metrics(self, metrics: dict, step: int) -> None: ...
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        row = self.history.setdefault(int(step), {})
+        row.update({k: float(v) for k, v in metrics.items()
+                    if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v))})  # as MLflow keeps them
+
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_dict(self, d: dict, artifact_file: str) -> None: ...
     def log_table(self, df, artifact_file: str) -> None: ...

@@ -114,14 +114,15 @@ if [[ $what == study1gpu ]]; then
     [[ -f $model/config.json ]] || $PY -c "import sys; from pathlib import Path; from grail_exp.packaged_models import convert_gguf; print(convert_gguf(Path(sys.argv[1]), Path(sys.argv[2])), 'parameters')" "$src" "$model"
   fi
   lr=${LR:-$($PY -c "import json, glob; f = sorted(glob.glob('results/real_model_study/*/lr.json')); print(json.load(open(f[-1]))['lr'] if f else '')")}
-  echo "study1gpu: model $model, lr ${lr:-the recipe default}, $(( $(date +%s) - start )) s so far"
+  logger=""; $PY -c "import mlflow" 2>/dev/null || logger=logger=none  # a bare GPU image: the arms' curves still recorded
+  echo "study1gpu: model $model, lr ${lr:-the recipe default}, ${logger:-MLflow}, $(( $(date +%s) - start )) s so far"
   # shellcheck disable=SC2086  # EXTRA: further overrides, word-split (the CPU smoke test of this mode uses it)
   $PY -m grail_exp.run -m seed=1 experiment=real/chain_grpo,real/chain_grail,real/chain_oar_g trainer=${TRAINER:-gpu} \
       "model.name_or_path=$model" ${lr:+optim.lr=$lr} trainer.max_steps=${STEPS:-15} trainer.prompts_per_step=32 \
       trainer.micro_batch_size=64 rollout.generation_batch_size=256 eval.batch_size=800 \
       trainer.checkpoint_every=0 trainer.save_final_checkpoint=false trainer.eval_before_training=true \
       "study.dir=$out/study1gpu" paths.root_dir=/tmp/study1gpu hydra.sweep.dir=/tmp/study1gpu/sweep \
-      'hydra.sweep.subdir=${advantage.name}_s${seed}' ${EXTRA:-} 2>&1 | tee "$out/study1gpu.log" | grep -v "it/s\]" | tail -30
+      'hydra.sweep.subdir=${advantage.name}_s${seed}' $logger ${EXTRA:-} 2>&1 | tee "$out/study1gpu.log" | grep -v "it/s\]" | tail -30
   $PY -m grail_exp.report "runs.dir=$out/study1gpu" design_check.strict=true 'schemes=[grpo,grail,oar_g]' 'seeds=[1]' \
       'metrics=[acc,pass@n]' "output.dir=$out" output.name=study1gpu log_to=none paths.root_dir=/tmp/study1gpu \
       "output.title='SmolLM2-135M-Instruct on arithmetic chains, one H100, seed 1, 32 x 8 per step'" 2>&1 | tail -30

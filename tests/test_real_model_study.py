@@ -153,6 +153,22 @@ def test_report_reads_a_study_folder_paired(tmp_path):
     assert "study folder" in out["markdown"]
 
 
+def test_report_plots_a_study_folder_without_asking_mlflow(tmp_path, caplog):
+    """A folder arm without history.csv (recorded by an older run) has no training curves; the report still draws the
+    other plots and never looks the arm up in MLflow (where it is not)."""
+    study = tmp_path / "study"
+    half = np.tile([1, 1, 0, 0], (10, 1))
+    for seed in (1, 2):
+        _arm(study, "grpo", seed, half, {})
+        _arm(study, "grail", seed, np.tile([1, 1, 1, 0], (10, 1)), {})
+    (study / "m-grpo-s1" / "history.csv").write_text("step,loss,reward/mean\n1,0.5,0.25\n2,0.4,0.5\n")
+    with caplog.at_level("WARNING"):
+        out = _report(study, tmp_path, "plots.enabled=true")
+    assert not [r for r in caplog.records if "plots failed" in r.getMessage()], caplog.text
+    assert "m-grpo-s2 has no history.csv" in caplog.text
+    assert sorted(p.name for p in out["plots"]) == ["m_pass_at_k.png", "m_training_curves.png"]
+
+
 @pytest.mark.parametrize("break_it, names", [
     (lambda s: _arm(s, "grail", 2, np.ones((10, 4)), {}, start="w1"), ["start_weights.sha256", "w0", "w1"]),
     (lambda s: _arm(s, "grail", 2, np.ones((10, 2)), {}), ["eval.n", "4", "2"]),
@@ -356,6 +372,9 @@ def test_gpu_mode_study1gpu_runs_end_to_end_on_a_cpu(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     arms = sorted(p.parent.name for p in (tmp_path / "out" / "study1gpu").glob("*/arm.json"))
     assert arms == ["smollm2_135m-grail-s1", "smollm2_135m-grpo-s1", "smollm2_135m-oar_g-s1"]
+    for arm in arms:  # logger=none (no MLflow there): the curves come from the metrics the run logged
+        history = pd.read_csv(tmp_path / "out" / "study1gpu" / arm / "history.csv", index_col="step")
+        assert list(history.index) == [1] and {"loss", "reward/mean", "timing/step_s"} <= set(history.columns)
     assert "| smollm2_135m | oar_g" in (tmp_path / "out" / "study1gpu.md").read_text()
 
 

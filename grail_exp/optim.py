@@ -50,8 +50,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
     @staticmethod
     def _accumulate_into(master: torch.Tensor):
         def hook(p: torch.Tensor) -> None:
-            g = p.grad.float()
-            master.grad = g if master.grad is None else master.grad.add_(g)
+            if master.grad is None:
+                master.grad = p.grad.float()
+            else:  # fp32 += bf16 in place: the same sum as adding its fp32 copy (the widening is exact), no copy made
+                master.grad.add_(p.grad)
             p.grad = None  # the bf16 buffer is not kept between micro-batches
 
         return hook
@@ -61,8 +63,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
         """Move any gradient still on the model parameters (no hooks, or DDP) into the fp32 masters."""
         for p, m in zip(self.model_params, self.masters):
             if p.grad is not None:
-                g = p.grad.float()
-                m.grad = g if m.grad is None else m.grad.add_(g)
+                if m.grad is None:
+                    m.grad = p.grad.float()
+                else:
+                    m.grad.add_(p.grad)
                 p.grad = None
 
     def grad_params(self) -> list[torch.Tensor]:

@@ -19,6 +19,12 @@ the forward over the distinct prompts and the completions, plus the output layer
 probe (one input-gradient backward over the completions) and OAR-G's noisy pass (a forward and an input-gradient
 backward); attention scores counted for the positions each token attends to. ``floor_ratio`` = step time / floor.
 
+``bench.profile=<dir>``: after the timed steps, one more step per scheme under the torch profiler, the generation and
+the update apart (its overhead slows it, so it is not a timed step): ``<scheme>_<phase>_ops.txt`` (ops by self time)
+and ``<scheme>_<phase>_matmuls.txt`` (each matrix-product shape: calls, time, achieved GFLOP/s), and under the table
+the share of each phase's op time spent in matrix products and their throughput — what separates "the products are
+slow at these shapes" from "the time is outside the products".
+
 This file drives any checkout's trainer: ``PYTHONPATH=<checkout> python <this file> ...`` times that checkout's code with
 this driver (the before / after tables of results/bench_real_model.md); trainer metrics a checkout lacks (computed
 positions) are counted from the batch instead.
@@ -26,6 +32,7 @@ positions) are counted from the batch instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -41,8 +48,9 @@ PHASES = ("rollout", "weight_sync", "scoring", "scheme_prepare", "old_logp", "sc
 
 
 # ------------------------------------------------------------------------------------------------ one scheme
-def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | None) -> dict:
-    """``steps`` real training steps of ``scheme`` (in this process): per-step records, the floor and the peak."""
+def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | None, profile: str | None = None) -> dict:
+    """``steps`` real training steps of ``scheme`` (in this process): per-step records, the floor and the peak; with
+    ``profile`` (a directory), one more step under the torch profiler, phase by phase (``profile_step``)."""
     import torch
 
     if threads:
@@ -57,15 +65,16 @@ def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | Non
             records.append(_one_step(module, opt, sched, r, shape, scheme))
             log.info("bench real %s step %d: %s", scheme, r + 1, {k: round(v, 3) for k, v in records[-1].items()
                                                                       if isinstance(v, float)})
+        peak = _peak_bytes()  # the timed steps' (the profiler holds its events in memory)
+        profiled = profile_step(module, opt, sched, steps, shape, scheme, Path(profile)) if profile else None
     finally:
         parts.verifier.close()
-    peak = _peak_bytes()
     for rec in records:
         rec["floor_s"] = rec["flops"] / (gflops * 1e9)
         rec["floor_ratio"] = rec["step_s"] / rec["floor_s"]
     return {"records": records, "matmul_gflops": gflops, "peak_memory_gb": peak / 1e9, "threads": torch.get_num_threads(),
             "device": str(parts.policy.device), "model": dict(shape), "engine": str(cfg.rollout.engine),
-            "micro_batch_size": int(cfg.trainer.micro_batch_size)}
+            "micro_batch_size": int(cfg.trainer.micro_batch_size), "profile": profiled}
 
 
 def _build(overrides: list[str], scheme: str):
@@ -104,16 +113,20 @@ def _build(overrides: list[str], scheme: str):
     return cfg, module, parts, (opt, sched["scheduler"])
 
 
-def _one_step(module, opt, sched, round_index: int, shape: dict, scheme: str) -> dict:
-    """One rollout batch and its optimiser steps: phase times, tokens, reward, loss."""
+def _one_step(module, opt, sched, round_index: int, shape: dict, scheme: str, phase=None) -> dict:
+    """One rollout batch and its optimiser steps: phase times, tokens, reward, loss. ``phase(name)``: a context
+    manager around the generation ("generation") and the update ("update"), e.g. a profiler."""
+    phase = phase or (lambda name: contextlib.nullcontext())
     timings: dict[str, float] = {}
     t0, c0 = time.perf_counter(), time.process_time()
     module.progress.rollouts = round_index + 1
-    batch, stats = module.rollout.collect(round_index, timings)
+    with phase("generation"):
+        batch, stats = module.rollout.collect(round_index, timings)
     losses, metrics = [], {}
-    for _, metrics in module.update.optimizer_steps(batch, opt, sched, 0, timings):
-        module.progress.step += 1
-        losses.append(metrics["loss"])
+    with phase("update"):
+        for _, metrics in module.update.optimizer_steps(batch, opt, sched, 0, timings):
+            module.progress.step += 1
+            losses.append(metrics["loss"])
     rec = {"step_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
     rec.update({f"{k}_s": float(timings.get(k, 0.0)) for k in PHASES})
     tokens = batch_tokens(batch)
@@ -139,6 +152,59 @@ def batch_tokens(batch) -> dict:
     completion_tokens = float(batch.attention_mask[:, P:].sum())
     return {"prompts": float(prompts.shape[0]), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "update_tokens": prompt_tokens + completion_tokens}
+
+
+# ------------------------------------------------------------------------------------------------ the profile
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+
+
+def matmul_flops(op: str, shapes: list) -> float:
+    """FLOPs of one call of a matrix-product op from its input shapes (2 per multiply-add); 0 for anything else:
+    mm [[M, K], [K, N]], addmm [[bias], [M, K], [K, N]], bmm [[b, M, K], [b, K, N]], baddbmm [[..], [b, M, K], [b, K, N]]."""
+    if op not in MATMUL_OPS:
+        return 0.0
+    a, b = (shapes[1], shapes[2]) if op in ("aten::addmm", "aten::baddbmm") else (shapes[0], shapes[1])
+    if len(a) < 2 or len(b) < 2:
+        return 0.0
+    batch = a[0] if len(a) == 3 else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1]
+
+
+def profile_step(module, opt, sched, round_index: int, shape: dict, scheme: str, out_dir: Path) -> dict:
+    """One more step under the torch profiler (CPU op times; its own overhead makes it slower, so it is not one of the
+    timed steps), generation and update profiled apart. Writes ``<scheme>_<phase>_ops.txt`` (ops by self time) and
+    ``<scheme>_<phase>_matmuls.txt`` (each product shape: calls, time, achieved GFLOP/s) into ``out_dir``; returns per
+    phase the ops' self time, the products' time and share, and their achieved throughput."""
+    from torch.profiler import ProfilerActivity, profile
+
+    profilers = {}
+
+    @contextlib.contextmanager
+    def phase(name):
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+            yield
+        profilers[name] = p
+
+    rec = _one_step(module, opt, sched, round_index, shape, scheme, phase=phase)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"step_s": rec["step_s"]}
+    for name, p in profilers.items():
+        events = p.key_averages(group_by_input_shape=True)
+        total = sum(e.self_cpu_time_total for e in events) / 1e6
+        rows = sorted(((e.key, e.input_shapes, e.count, e.self_cpu_time_total / 1e6,
+                        matmul_flops(e.key, e.input_shapes) * e.count) for e in events if e.key in MATMUL_OPS),
+                      key=lambda r: -r[3])
+        mm_s, mm_flops = sum(r[3] for r in rows), sum(r[4] for r in rows)
+        summary[name] = {"ops_s": total, "matmul_s": mm_s, "matmul_share": mm_s / total if total else 0.0,
+                         "matmul_gflops": mm_flops / mm_s / 1e9 if mm_s else 0.0}
+        (out_dir / f"{scheme}_{name}_ops.txt").write_text(
+            p.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+        (out_dir / f"{scheme}_{name}_matmuls.txt").write_text("\n".join(
+            ["| op | input shapes | calls | self s | GFLOP/s |", "|---|---|--:|--:|--:|"]
+            + [f"| {k} | {s} | {n} | {t:.3f} | {f / t / 1e9 if t else 0:.0f} |" for k, s, n, t, f in rows[:40]]) + "\n")
+        log.info("bench real %s profile, %s: ops %.2f s, matrix products %.2f s (%.0f %%) at %.0f GFLOP/s", scheme,
+                 name, total, mm_s, 100 * summary[name]["matmul_share"], summary[name]["matmul_gflops"])
+    return summary
 
 
 # ------------------------------------------------------------------------------------------------ the floor
@@ -235,18 +301,30 @@ def table_markdown(summaries: dict, baseline: str = "grpo") -> str:
     return "\n".join(lines)
 
 
+def profile_lines(results: dict) -> str:
+    """The profiled step of each scheme (``bench.profile``), a line per phase under the table."""
+    lines = []
+    for name, res in results.items():
+        for phase, p in ((res.get("profile") or {}).items()):
+            if isinstance(p, dict):
+                lines.append(f"- {name}, {phase} (profiled step): ops {p['ops_s']:.2f} s, matrix products "
+                             f"{p['matmul_s']:.2f} s ({100 * p['matmul_share']:.0f} %) at {p['matmul_gflops']:.0f} GFLOP/s")
+    return ("\n\n" + "\n".join(lines)) if lines else ""
+
+
 def main(bench, overrides: list[str], argv: list[str]) -> dict:
     """Every scheme of ``bench.schemes`` in its own process, one after the other."""
     results, summaries = {}, {}
     for name in bench.schemes:
         try:
-            results[name] = in_own_process(_run_scheme_logged, overrides, name, int(bench.steps), bench.get("threads"))
+            results[name] = in_own_process(_run_scheme_logged, overrides, name, int(bench.steps), bench.get("threads"),
+                                           bench.get("profile"))
             summaries[name] = summarize(results[name], int(bench.skip))
         except Exception as exc:  # one scheme's failure is a row of the table, not the end of the run
             log.exception("bench real: scheme %s failed", name)
             summaries[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
         log.info("bench real %s: %s", name, summaries[name])
-    table = table_markdown(summaries)
+    table = table_markdown(summaries) + profile_lines(results)
     print(table, flush=True)
     payload = {"schemes": summaries, "steps": results, "command": "python -m grail_exp.bench " + " ".join(argv),
                "load": _load()}
@@ -283,10 +361,10 @@ def in_own_process(fn, *args):
     return value
 
 
-def _run_scheme_logged(overrides, name, steps, threads):
+def _run_scheme_logged(overrides, name, steps, threads, profile=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine (its own process is this one)
-    return run_scheme(list(overrides), name, steps, threads)
+    return run_scheme(list(overrides), name, steps, threads, profile)
 
 
 def _child(send, fn, args):

@@ -55,6 +55,7 @@ def test_real_mode_runs_training_steps_per_scheme(tmp_path, tiny_model_dir):
     payload = main(["bench.mode=real", "bench.steps=2", "bench.skip=1", "bench.schemes=[grpo,grail]", "bench.threads=1",
                     f"model.name_or_path={tiny_model_dir}", "trainer.prompts_per_step=2", "rollout.num_generations=4",
                     "rollout.max_completion_length=12", "trainer.micro_batch_size=8", "reward.num_workers=1",
+                    f"bench.profile={tmp_path / 'profile'}",
                     f"paths.cache_dir={tmp_path}", f"json={out}", f"markdown={tmp_path / 'real.md'}"])
     written = json.loads(out.read_text())
     assert list(written["schemes"]) == ["grpo", "grail"]
@@ -67,8 +68,25 @@ def test_real_mode_runs_training_steps_per_scheme(tmp_path, tiny_model_dir):
         assert last["token_efficiency"] == pytest.approx(last["update_tokens"] / last["computed_positions"])
         assert last["floor_ratio"] == pytest.approx(last["step_s"] / last["floor_s"])
         assert s["peak_memory_gb"] > 0 and s["matmul_gflops"] > 0
-    assert "| grail | hf |" in (tmp_path / "real.md").read_text()
+        profiled = written["steps"][name]["profile"]  # one more step, not among the timed ones (2 records above)
+        for phase in ("generation", "update"):
+            p = profiled[phase]
+            assert 0 < p["matmul_s"] <= p["ops_s"] and 0 < p["matmul_share"] <= 1 and p["matmul_gflops"] > 0
+            assert "aten::mm" in (tmp_path / "profile" / f"{name}_{phase}_matmuls.txt").read_text()
+            assert "Self CPU" in (tmp_path / "profile" / f"{name}_{phase}_ops.txt").read_text()
+    md = (tmp_path / "real.md").read_text()
+    assert "| grail | hf |" in md and "- grail, update (profiled step): ops" in md
     assert payload["schemes"]["grpo"]["engine"] == "hf"
+
+
+def test_matmul_flops_by_hand():
+    from grail_exp.bench_real import matmul_flops
+
+    assert matmul_flops("aten::mm", [[64, 32], [32, 16]]) == 2 * 64 * 32 * 16
+    assert matmul_flops("aten::addmm", [[16], [64, 32], [32, 16]]) == 2 * 64 * 32 * 16
+    assert matmul_flops("aten::bmm", [[3, 5, 7], [3, 7, 2]]) == 2 * 3 * 5 * 7 * 2
+    assert matmul_flops("aten::baddbmm", [[3, 5, 2], [3, 5, 7], [3, 7, 2]]) == 2 * 3 * 5 * 7 * 2
+    assert matmul_flops("aten::add", [[64, 32], [64, 32]]) == 0.0
 
 
 def test_step_flops_counts_each_prompt_once():

@@ -122,16 +122,13 @@ def _history(tracker) -> "Any":
         from grail_exp.plots import fetch_histories
 
         hist = fetch_histories(client, [run_id], HISTORY_KEYS)[run_id]
+        frame = pd.DataFrame({k: pd.Series(v, index=s) for k, (s, v) in hist.items()})
     elif getattr(tracker, "history", None):
-        steps = sorted(tracker.history)
-        hist = {k: ([s for s in steps if k in tracker.history[s]], [tracker.history[s][k] for s in steps
-                                                                      if k in tracker.history[s]])
-                for k in HISTORY_KEYS}
-        hist = {k: v for k, v in hist.items() if v[0]}
+        frame = pd.DataFrame.from_dict(tracker.history, orient="index")
+        frame = frame[[k for k in HISTORY_KEYS if k in frame.columns]].dropna(how="all")  # steps that logged only others
     else:
         return None
-    cols = {k: pd.Series(v, index=s) for k, (s, v) in hist.items()}
-    frame = pd.DataFrame(cols).sort_index()
+    frame = frame.sort_index()
     frame.index.name = "step"
     return frame
 

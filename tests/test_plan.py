@@ -151,7 +151,8 @@ print(fwd, hwm() - base)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("hidden, rows", [(64, 1536), (64, 512), (1024, 1536), (2048, 1536)])
+@pytest.mark.parametrize("hidden, rows", [(64, 1536), (64, 512), (1024, 1536),
+                                          pytest.param(2048, 1536, marks=pytest.mark.slow)])
 def test_logprob_peak_matches_the_function(hidden, rows):
     """The output layer's forward / backward peak of grail_exp/logprobs.py, measured as peak RSS on CPU (every
     (chunk, V) tensor is 128 MiB, so glibc maps it on its own and returns it on free), against the plan's figures."""
@@ -195,8 +196,9 @@ print(sum(v for (ptr, n), v in seen.items() if ptr not in params))
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("model_type, checkpointing", [  # each family and each checkpointing setting once by default
+    ("qwen3", True), ("llama", False),
+    pytest.param("qwen3", False, marks=pytest.mark.slow), pytest.param("llama", True, marks=pytest.mark.slow)])
 def test_layer_activations_match_the_saved_tensors(model_type, checkpointing):
     """Bytes autograd saves per token for one more decoder layer of the real HF model (saved-tensor hooks, deduplicated
     by storage), against layer_activation_bytes (checkpointing: the layer's b-byte input)."""

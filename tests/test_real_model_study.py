@@ -323,6 +323,7 @@ def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_o
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~50 s; the SIGKILL test above covers the resume, this one the clean stop
 def test_sigterm_stops_the_whole_study_after_a_checkpoint_and_the_same_command_continues(tmp_path):
     """SIGTERM (delivered by the fault hook during grpo's step 1): that arm checkpoints step 1 and the multirun exits
     143 without starting the next arm; the same command resumes grpo at step 2 and then runs grail."""

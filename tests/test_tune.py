@@ -310,11 +310,12 @@ def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_pa
 @pytest.mark.e2e
 @pytest.mark.parametrize("point", [
     "run_ended:COMPLETE",        # window 1: the child FINISHED, Optuna's trial still RUNNING
-    "optuna_recorded:COMPLETE",  # window 2: Optuna COMPLETE, the child without optuna.state / optuna/value
-    "run_ended:FAIL",            # window 1 of a failing trial: the child FAILED, Optuna RUNNING
     "optuna_recorded:FAIL",      # window 2 of a failing trial: Optuna FAIL, the child without its tags
     "parent_created",            # the study's parent run in MLflow, its id not yet in Optuna: adopted, not doubled
-    # Not between the two writes (each worker costs ~10 s of CPU for its imports alone): `make test-all`.
+    # The same two windows with the other trial outcome, and points not between the two writes (each worker costs
+    # ~10 s of CPU for its imports alone): `make test-all`.
+    pytest.param("optuna_recorded:COMPLETE", marks=pytest.mark.slow),  # window 2: the child without optuna.state
+    pytest.param("run_ended:FAIL", marks=pytest.mark.slow),  # window 1 of a failing trial: the child FAILED
     pytest.param("trial_started", marks=pytest.mark.slow),  # Optuna has the RUNNING trial, MLflow no child run
     pytest.param("reported", marks=pytest.mark.slow),  # mid-training: a value in Optuna, the child RUNNING
 ])

@@ -12,7 +12,11 @@ one device:
 Under the multi-GPU strategies the strategy owns the same split instead: FSDP keeps fp32 sharded parameters with a
 bf16 ``MixedPrecision`` policy (trainer=fsdp, trainer=fsdp_zero2); under DDP this class is used with bf16 gradients reduced by DDP and accumulated in the
 parameters' ``.grad`` (fp32 accumulation hooks would run before DDP's reduction).
-Memory per parameter: 2 (bf16 weights) + 4 (master) + 8 (Adam) + 4 (fp32 gradient) = 18 bytes.
+Memory per parameter: 2 (bf16 weights) + 4 (master) + 8 (Adam) + 4 (fp32 gradient) = 18 bytes. The first
+micro-batch's gradient is held as it came, in bf16 (its fp32 widening is exact, so nothing is lost), and widened when
+the second arrives, parameter by parameter: through the second micro-batch's forward and the start of its backward it
+takes 2 bytes per parameter instead of 4, with the same bits as widening at once (SmolLM2 on CPU: 0.27 GB less resident
+through that forward; the step's peak RSS, at the end of that backward when every fp32 gradient exists, is unchanged).
 
 ``optim.grad_accum_dtype: bf16`` (one process) skips the accumulation hooks: autograd then sums each micro-batch's
 bf16 gradient into the parameter's bf16 ``.grad`` (rounded after every add, as DeepSpeed ZeRO's bf16 default, which
@@ -37,9 +41,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
         super().__init__(masters, **adamw_kwargs)
         self.masters = masters
         self._hooks = []
+        self._first: list[torch.Tensor | None] = [None] * len(masters)  # micro-batch 1's gradient, not yet widened
         if accumulate_fp32:
-            for p, m in zip(self.model_params, masters):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into(m)))
+            for i, (p, m) in enumerate(zip(self.model_params, masters)):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into(i, m)))
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the model's parameters (before another optimiser takes them over)."""
@@ -47,21 +52,28 @@ class MasterWeightAdamW(torch.optim.AdamW):
             h.remove()
         self._hooks = []
 
-    @staticmethod
-    def _accumulate_into(master: torch.Tensor):
+    def _accumulate_into(self, i: int, master: torch.Tensor):
         def hook(p: torch.Tensor) -> None:
-            if master.grad is None:
-                master.grad = p.grad.float()
-            else:  # fp32 += bf16 in place: the same sum as adding its fp32 copy (the widening is exact), no copy made
-                master.grad.add_(p.grad)
-            p.grad = None  # the bf16 buffer is not kept between micro-batches
+            if master.grad is None and self._first[i] is None:
+                self._first[i] = p.grad  # held in its own dtype: widened exactly when needed
+            else:
+                self._widen_first(i)
+                master.grad.add_(p.grad)  # fp32 += bf16 in place: the sum of its exact fp32 copy, no copy made
+            p.grad = None  # autograd starts the next micro-batch's gradient afresh
 
         return hook
+
+    def _widen_first(self, i: int) -> None:
+        first = self._first[i]
+        if first is not None:
+            self.masters[i].grad = first.float()
+            self._first[i] = None
 
     @torch.no_grad()
     def prepare_grads(self) -> None:
         """Move any gradient still on the model parameters (no hooks, or DDP) into the fp32 masters."""
-        for p, m in zip(self.model_params, self.masters):
+        for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
+            self._widen_first(i)
             if p.grad is not None:
                 if m.grad is None:
                     m.grad = p.grad.float()
@@ -84,6 +96,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
+        self._first = [None] * len(self.masters)
         for p in self.model_params:
             p.grad = None
 

@@ -299,6 +299,39 @@ def test_grad_accum_dtype_sums_the_micro_batches_as_named(acc):
         assert any(not torch.equal(a, b) for a, b in zip(got["grads"], fp32))
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
+def test_master_gradients_are_the_float32_sum_while_the_first_is_held_in_bf16(micro_batches):
+    """fp32 accumulation holds the first micro-batch's bf16 gradient as it came (half the bytes through the second
+    backward) and widens it when the second arrives or at the step: what AdamW steps with is still the float32 sum of
+    the bf16 gradients, bit for bit, for 1, 2 or 3 micro-batches; between the first and second backward no float32
+    gradient exists yet."""
+    from grail_exp.optim import MasterWeightAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(torch.bfloat16)
+    opt = MasterWeightAdamW(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    seen = [[] for _ in params]
+    for i, p in enumerate(params):
+        p.register_hook(lambda g, i=i: seen[i].append(g.detach().clone()))
+    for k in range(micro_batches):
+        model(torch.randn(4, 7, dtype=torch.bfloat16)).square().sum().backward()
+        assert all(p.grad is None for p in params)  # nothing left on the bf16 parameters
+        if k == 0:
+            assert all(m.grad is None for m in opt.masters)  # no float32 buffer while only one gradient exists
+    got = [g.grad.clone() for g in opt.grad_params()]  # what clipping and AdamW see
+    for i in range(len(params)):
+        want = seen[i][0].float()
+        for g in seen[i][1:]:
+            want = want + g.float()  # float32 sums, in micro-batch order
+        assert got[i].dtype == torch.float32 and torch.equal(got[i], want), i
+    opt.step()
+    opt.zero_grad()
+    model(torch.randn(4, 7, dtype=torch.bfloat16)).sum().backward()  # a fresh step starts from nothing held
+    assert all(m.grad is None for m in opt.masters)
+    assert torch.equal(opt.grad_params()[0].grad, seen[0][-1].float())
+
+
 def test_grad_accum_dtype_is_validated(compose_cfg):
     from grail_exp.config import ConfigError, validate
 

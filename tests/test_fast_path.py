@@ -187,3 +187,24 @@ def test_per_rollout_weights_are_those_of_the_rollout_parameters():
     # The check can tell the parameters apart: per_update's second mini-batch (after one step at lr 1e-2) is far off.
     live, _ = _weights_seen([*common, "advantage.recompute=per_update"])
     assert (live[1][2] - expected[4:8]).abs().max() > 100 * tol
+
+
+@pytest.mark.parametrize("scheme, probes", [("grpo", False), ("grail", True), ("oar_g", True)])
+def test_freed_heap_goes_back_after_the_probe_and_before_the_backward(monkeypatch, scheme, probes):
+    """On CPU a scheme that calls the model inside the update (GRAIL's probe, OAR-G's teacher) frees that work's
+    memory before the micro-batch's own backward; otherwise glibc keeps it and the backward's peak comes on top
+    (SmolLM2's GRAIL step: 4.35 -> 4.21 GB peak RSS, results/bench_real_model.md). GRPO has no such call."""
+    import grail_exp.training.update as update_mod
+
+    module, batch = pinned_module(torch.float32, [f"advantage={scheme}", "trainer.micro_batch_size=4"])
+    events = []
+    monkeypatch.setattr(update_mod, "return_freed_memory", lambda: events.append("trim"))
+    backward = module.update.backend.backward
+    monkeypatch.setattr(module.update.backend, "backward", lambda loss: (events.append("backward"), backward(loss)))
+    opt = torch.optim.SGD(module.policy.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
+    assert batch.num_rows == 8 and events.count("backward") == 2  # two micro-batches of 4
+    # Per micro-batch: [trim after the probe], backward, trim (its activations); then one trim after the step.
+    one = ["trim", "backward", "trim"] if probes else ["backward", "trim"]
+    assert events == one * 2 + ["trim"]

@@ -123,7 +123,9 @@ class UpdatePhase:
             term_mask = fam.term_mask(mask, cfg.loss)
 
             ts = time.perf_counter()
-            w, scheme_metrics, _ = self.weights(batch, s, e, epoch, fwd)
+            w, scheme_metrics, computed_now = self.weights(batch, s, e, epoch, fwd)
+            if computed_now and self.scheme.needs_model:
+                return_freed_memory()  # the probe's own backward, before this micro-batch's (else their peaks add up)
             t_scheme += time.perf_counter() - ts
             adv = batch.token_advantages[s:e] if batch.token_advantages is not None \
                 else batch.advantages[s:e].unsqueeze(1)

@@ -43,8 +43,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self._hooks = []
         self._first: list[torch.Tensor | None] = [None] * len(masters)  # micro-batch 1's gradient, not yet widened
         if accumulate_fp32:
-            for i, (p, m) in enumerate(zip(self.model_params, masters)):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into(i, m)))
+            for i, p in enumerate(self.model_params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into(i)))
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the model's parameters (before another optimiser takes them over)."""
@@ -52,33 +52,37 @@ class MasterWeightAdamW(torch.optim.AdamW):
             h.remove()
         self._hooks = []
 
-    def _accumulate_into(self, i: int, master: torch.Tensor):
+    def _accumulate_into(self, i: int):
         def hook(p: torch.Tensor) -> None:
-            if master.grad is None and self._first[i] is None:
+            if self.masters[i].grad is None and self._first[i] is None:
                 self._first[i] = p.grad  # held in its own dtype: widened exactly when needed
             else:
                 self._widen_first(i)
-                master.grad.add_(p.grad)  # fp32 += bf16 in place: the sum of its exact fp32 copy, no copy made
+                self._add(i, p.grad)
             p.grad = None  # autograd starts the next micro-batch's gradient afresh
 
         return hook
 
+    def _add(self, i: int, grad: torch.Tensor) -> None:
+        """Master ``i``'s gradient += ``grad``: its exact fp32 copy first, then fp32 += bf16 in place (no copy made)."""
+        m = self.masters[i]
+        if m.grad is None:
+            m.grad = grad.float()
+        else:
+            m.grad.add_(grad)
+
     def _widen_first(self, i: int) -> None:
-        first = self._first[i]
-        if first is not None:
-            self.masters[i].grad = first.float()
+        if self._first[i] is not None:
+            self._add(i, self._first[i])
             self._first[i] = None
 
     @torch.no_grad()
     def prepare_grads(self) -> None:
         """Move any gradient still on the model parameters (no hooks, or DDP) into the fp32 masters."""
-        for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
+        for i, p in enumerate(self.model_params):
             self._widen_first(i)
             if p.grad is not None:
-                if m.grad is None:
-                    m.grad = p.grad.float()
-                else:
-                    m.grad.add_(p.grad)
+                self._add(i, p.grad)
                 p.grad = None
 
     def grad_params(self) -> list[torch.Tensor]:

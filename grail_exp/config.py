@@ -408,6 +408,12 @@ class TrainerConfig:
     # accumulated once (grail_exp/forward.py). Same numbers up to floating-point reduction order. auto = on unless
     # model.gradient_checkpointing (a replayed layer has no cache); true | false. docs/performance.md
     share_prompts: Any = "auto"
+    # CPU runs: points in each backward where freed heap goes back to the OS (glibc malloc_trim; grail_exp/host.py),
+    # evenly spaced down the decoder layers, the last after the first layer, before the embedding's gradient. The heap
+    # the backward frees is otherwise kept and its high-water mark, not the live tensors, makes the peak RSS. 1 costs
+    # nothing measurable; each further point re-faults what it returned (SmolLM2-135M, GRPO: peak 4.21 -> 4.00 GB at
+    # 1, 3.9 GB at 2 for ~2 % of the update; results/bench_real_model.md). 0 = none. No effect on GPU runs.
+    backward_heap_returns: int = 1
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
     # Evaluations through the completion cache (grail_exp/evaluate.py): the one before training is keyed by the

@@ -4,6 +4,7 @@ A CPU run's tensors live in the process heap. glibc keeps freed blocks for reuse
 a phase that allocated a lot (generation's caches and scores, the update's activations) the resident set stays at that
 phase's high-water mark and the next phase's peak is added on top of what fragments remain. ``return_freed_memory``
 (glibc's ``malloc_trim``) at the phase boundaries keeps the resident set near what is live; it costs milliseconds.
+``return_freed_memory_after_gradients`` does the same inside a backward pass, at a point given by parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +25,29 @@ def return_freed_memory() -> None:
             _LIBC = False
     if _LIBC:
         _LIBC.malloc_trim(0)
+
+
+def return_freed_memory_after_gradients(params) -> list:
+    """Hand freed heap back once every parameter of ``params`` has received its gradient in a backward pass (the
+    hooks' handles, to remove them). With the first decoder layer's parameters this runs after the layers' backward
+    freed their activations and before the embedding's gradient (tied: the output layer's too) is allocated.
+
+    Why there: the master gradients made during the backward do not reuse every block the freed activations leave, so
+    the heap's high-water mark lands at the end of the backward, above what is live (SmolLM2-135M on CPU, GRPO: 4.14
+    GB resident against 3.2 GB live at that point; with this hook 3.93 GB). The memory handed back is what the trim
+    after the backward returns anyway, so the time it adds is the embedding backward's page faults: not measurable
+    in an update of ~5.5 s (results/bench_real_model.md).
+    """
+    params = [p for p in params if p.requires_grad]
+    arrived: set[int] = set()
+
+    def hook(p: "torch.Tensor") -> None:
+        arrived.add(id(p))
+        if len(arrived) == len(params):
+            arrived.clear()
+            return_freed_memory()
+
+    return [p.register_post_accumulate_grad_hook(hook) for p in params]
 
 
 def memory_bytes() -> tuple[int | None, int | None]:

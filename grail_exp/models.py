@@ -331,3 +331,9 @@ def decoder_layer_classes(cfg) -> set:
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
     return {Qwen3DecoderLayer, LlamaDecoderLayer}
+
+
+def decoder_layers(model: torch.nn.Module, cfg=None) -> list[torch.nn.Module]:
+    """The model's decoder layers, from the embeddings up (a backward computes their gradients in reverse)."""
+    classes = tuple(decoder_layer_classes(cfg))
+    return [m for m in model.modules() if isinstance(m, classes)]

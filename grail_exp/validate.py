@@ -186,7 +186,7 @@ def trainer(cfg) -> list[str]:
         e.extend(backend.check_config(cfg))
     for key, low in (("max_steps", 1), ("prompts_per_step", 1), ("micro_batch_size", 1), ("logprob_chunk_tokens", 1),
                      ("checkpoint_every", 0), ("weights_table_every", 0), ("max_nonfinite_in_a_row", 1),
-                     ("eval_every", 0)):
+                     ("eval_every", 0), ("backward_heap_returns", 0)):
         _check(e, t[key] >= low, f"trainer.{key}", t[key], f"must be >= {low}")
     _check(e, t.get("save_weights_only_every", 0) >= 0, "trainer.save_weights_only_every",
            t.get("save_weights_only_every"), "must be >= 0 (0 = no trajectory)")

@@ -208,3 +208,34 @@ def test_freed_heap_goes_back_after_the_probe_and_before_the_backward(monkeypatc
     # Per micro-batch: [trim after the probe], backward, trim (its activations); then one trim after the step.
     one = ["trim", "backward", "trim"] if probes else ["backward", "trim"]
     assert events == one * 2 + ["trim"]
+
+
+@pytest.mark.parametrize("scheme", ["grpo", "grail"])
+@pytest.mark.parametrize("returns", [0, 1, 2])
+def test_freed_heap_goes_back_inside_the_backward_after_the_decoder_layers(monkeypatch, scheme, returns):
+    """``trainer.backward_heap_returns`` = n: n times per backward, once the gradients of every parameter of one decoder
+    layer (and all above it) have arrived and before the embedding's: the pinned model's 2 layers give the points
+    layer 0 (n = 1) and layers 1, 0 (n = 2). GRAIL's probe (a gradient to the inputs only) adds none."""
+    import grail_exp.host as host
+
+    module, batch = pinned_module(torch.float32, [f"advantage={scheme}", "trainer.micro_batch_size=8",
+                                                  f"trainer.backward_heap_returns={returns}"])
+    named = dict(module.policy.named_parameters())
+    with_grad = []
+    monkeypatch.setattr(host, "return_freed_memory",
+                        lambda: with_grad.append({n for n, p in named.items() if p.grad is not None}))
+    opt = torch.optim.SGD(module.policy.parameters(), lr=0.0)  # leaves each gradient on its parameter
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
+
+    def layer(i):
+        return {n for n in named if n.startswith(f"policy.model.layers.{i}.") or n.startswith(f"model.layers.{i}.")}
+
+    assert layer(0) and layer(1) and "model.embed_tokens.weight" in named
+    points = {0: [], 1: [0], 2: [1, 0]}[returns]
+    assert len(with_grad) == len(points)  # one micro-batch, one backward
+    for arrived, i in zip(with_grad, points):
+        for j in (0, 1):
+            assert (layer(j) <= arrived) == (j >= i) and (layer(j) & arrived == set()) == (j < i), (i, j, arrived)
+        assert "model.embed_tokens.weight" not in arrived
+    assert len(module.update.trim_hooks) == sum(len(layer(i)) for i in points)

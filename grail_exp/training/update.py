@@ -30,8 +30,9 @@ import torch
 
 from grail_exp.errors import UserError
 from grail_exp.forward import PolicyForward
-from grail_exp.host import return_freed_memory
+from grail_exp.host import return_freed_memory, return_freed_memory_after_gradients
 from grail_exp.loss import AggregationContext, TermContext, aggregator, compose_objective, is_weights
+from grail_exp.models import decoder_layers
 from grail_exp.training import world
 from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
 
@@ -51,6 +52,17 @@ class UpdatePhase:
         self.early_metrics: dict[tuple[int, int], dict] = {}  # per_rollout: scheme diagnostics of rows weighed early
         # Called with (batch, s, e, weights, entropy) for every micro-batch of the first epoch (the weight tables).
         self.on_weights: Callable | None = None
+        self.trim_hooks = self._return_heap_in_backward(policy)
+
+    def _return_heap_in_backward(self, policy) -> list:
+        """``trainer.backward_heap_returns`` points in each backward of a CPU policy where freed heap goes back: after
+        layers L·(n-1)/n, ..., L/n, 0 of its L decoder layers (grail_exp/host.py); the hooks' handles."""
+        n = int(self.cfg.trainer.get("backward_heap_returns", 1))
+        layers = decoder_layers(policy, self.cfg)
+        if n <= 0 or not layers or next(policy.parameters()).device.type != "cpu":
+            return []
+        points = sorted({len(layers) * k // n for k in range(n)})
+        return [h for i in points for h in return_freed_memory_after_gradients(layers[i].parameters())]
 
     @property
     def mini_batches(self) -> int:

@@ -231,3 +231,74 @@ def test_rows_are_grouped_by_length_only_where_order_changes_nothing():
     assert_same(sorted_step, kept_step)
     assert one_step(["advantage=oar_g", "trainer.micro_batch_size=4"], True)["order"] == list(range(8))
     assert one_step([*over, "loss.top_entropy_quantile=0.5"], True)["order"] == list(range(8))
+
+
+def test_probe_rows_first_as_rows_or_as_whole_groups():
+    """``row_order(..., whole_groups=True)`` keeps each prompt's group together (groups holding a probe row first);
+    ``update_work`` counts the positions the forward really computes (checked against ``body_forward``'s own count on
+    each micro-batch) plus each probed micro-batch's suffix."""
+    from helpers.pinned_step import build_model_and_tokenizer
+
+    from grail_exp.forward import body_forward
+    from grail_exp.training.rollout import row_order, update_work
+
+    model, tok = build_model_and_tokenizer()
+    batch = interleaved_training_batch(tok)  # groups 0: rows 0 2 5 7, 1: rows 1 4, 2: rows 3 6
+    probe = torch.tensor([False, False, True, False, True, True, False, False])  # rows 2, 4, 5
+    assert row_order(batch, 8, probe, False).tolist() == [2, 4, 5, 0, 1, 3, 6, 7]
+    # groups by first appearance (0, 1, 2); groups 0 and 1 hold probe rows, group 2 does not
+    assert row_order(batch, 8, probe, False, whole_groups=True).tolist() == [0, 2, 5, 7, 1, 4, 3, 6]
+    assert row_order(batch, 4, probe, False, whole_groups=True).tolist() == [0, 2, 1, 3, 4, 5, 7, 6]  # per mini-batch
+
+    P = batch.prompt_length
+    for order in (torch.tensor([2, 4, 5, 0, 1, 3, 6, 7]), torch.tensor([0, 2, 5, 7, 1, 4, 3, 6])):
+        for share in (True, False):
+            expected = 0
+            for s in (0, 4):
+                rows = order[s:s + 4]
+                with torch.no_grad():
+                    fwd = body_forward(model, batch.input_ids[rows], batch.attention_mask[rows],
+                                       batch.position_ids[rows], P, share_prompts=share)
+                suffix = fwd.embeds.shape[0] * fwd.embeds.shape[1]  # the suffix pass (all columns when unshared)
+                c = int(batch.attention_mask[rows, P:].sum(1).max())
+                assert not share or fwd.prefix is not None or len(set(batch.group_ids[rows].tolist())) == 4
+                expected += 3 * fwd.positions + (4 * (c + 1) if bool(probe[rows].any()) else 0)
+                assert share or suffix == fwd.positions
+            assert update_work(batch, order, 8, 4, probe, share) == expected, (order, share)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_grail_takes_the_cheaper_probe_order_and_the_step_is_the_same(monkeypatch, share):
+    """GRAIL's probe rows first, as rows or as whole groups: ``prepare`` takes the order ``update_work`` finds cheaper
+    — the one whose measured cost (the step's computed positions, the probed micro-batches' suffixes) is lower; with
+    shared prompts here the groups kept whole — and either order gives the step of the other up to reduction order."""
+    import grail_exp.training.rollout as rollout_mod
+
+    over = ["advantage=grail", "trainer.micro_batch_size=4"]
+    chosen = one_step(over, share, metrics=True)
+    forced = {}
+    for prefer_groups in (True, False):
+        real = rollout_mod.row_order
+
+        def order_of(batch, size, probe, by_length, whole_groups=False, prefer=prefer_groups):
+            return real(batch, size, probe, by_length, whole_groups=prefer)  # both candidates: the forced kind
+        monkeypatch.setattr(rollout_mod, "row_order", order_of)
+        forced[prefer_groups] = one_step(over, share, metrics=True)
+        monkeypatch.setattr(rollout_mod, "row_order", real)
+    assert forced[True]["order"] != forced[False]["order"]
+    assert_same(forced[True], forced[False])
+    # The measured cost of each order: 3 x the positions the step's forwards computed, + the suffix of each micro-batch
+    # holding a probe row: boxed rows with A < 0, i.e. rows 2, 5 (group 0), 4 (group 1), 6 (group 2); row 7 has no box.
+    completion = chosen["mask"].sum(1).long()
+    probe_rows = {2, 4, 5, 6}
+
+    def cost(run):
+        order = run["order"]
+        probed = [order[s:s + 4] for s in (0, 4) if probe_rows & set(order[s:s + 4])]
+        return 3 * run["metrics"]["tokens/computed_positions"] + sum(4 * (int(completion[r].max()) + 1) for r in probed)
+
+    costs = {k: cost(v) for k, v in forced.items()}
+    assert costs[True] != costs[False]
+    assert chosen["order"] == forced[min(costs, key=costs.get)]["order"]
+    if share:  # three distinct prompts in each row-level micro-batch against two
+        assert costs[True] < costs[False]

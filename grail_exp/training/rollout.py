@@ -20,7 +20,7 @@ import torch
 
 from grail_exp.data.prompting import encode_prompts
 from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
-from grail_exp.forward import position_ids_from_mask
+from grail_exp.forward import can_share_prompts, position_ids_from_mask, share_prompts_of
 from grail_exp.host import return_freed_memory
 from grail_exp.logprobs import kept_log_mass
 from grail_exp.extraction import strip_think
@@ -145,7 +145,7 @@ class RolloutPhase:
     def prepare(self, batch: TrainingBatch, timings: dict) -> None:
         """Once per rollout batch: the scheme's ``prepare`` on the whole batch, then (when the loss allows it) reorder
         the rows within each mini-batch: the rows whose weights need the model first (the other micro-batches skip the
-        probe), and, where rows may be reordered freely (``rows_reorderable``), groups of similar completion length
+        probe; as rows, or as the whole groups holding them, whichever ``update_work`` finds cheaper), and, where rows may be reordered freely (``rows_reorderable``), groups of similar completion length
         next to each other with each group's rows together, so a micro-batch shares its prompts and pads little."""
         with timed(timings, "scheme_prepare"), self.backend.full_parameters():
             batch.prepared = self.scheme.prepare(self.policy, batch.scheme_view(self.scheme_ctx))
@@ -157,8 +157,17 @@ class RolloutPhase:
             probe_first = needs is not None and 0 < int(needs.sum()) < needs.numel()
             by_length = (self.rows_reorderable() and batch.group_ids is not None
                          and micro_batch_rows(self.cfg) < mini_batch_rows(self.cfg))
-            if probe_first or by_length:
-                batch.permute(row_order(batch, mini_batch_rows(self.cfg), needs if probe_first else None, by_length))
+            if not (probe_first or by_length):
+                return
+            mini, micro = mini_batch_rows(self.cfg), micro_batch_rows(self.cfg)
+            order = row_order(batch, mini, needs if probe_first else None, by_length)
+            if probe_first and batch.group_ids is not None:
+                # Probe rows first (the other micro-batches skip the probe) can split every prompt's group across
+                # micro-batches, so each computes more distinct prompts; whole groups keep the sharing. The cheaper.
+                share = share_prompts_of(self.cfg) and can_share_prompts(self.policy)
+                grouped = row_order(batch, mini, needs, by_length, whole_groups=True)
+                order = min((order, grouped), key=lambda o: update_work(batch, o, mini, micro, needs, share))
+            batch.permute(order)
 
     def rows_reorderable(self) -> bool:
         """Whether the order of a mini-batch's rows changes nothing but float summation order: a split-invariant loss,
@@ -381,10 +390,13 @@ def informative_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
     return (r.max(1).values - r.min(1).values) > 1e-6
 
 
-def row_order(batch: TrainingBatch, size: int, probe: torch.Tensor | None, by_length: bool) -> torch.Tensor:
+def row_order(batch: TrainingBatch, size: int, probe: torch.Tensor | None, by_length: bool,
+              whole_groups: bool = False) -> torch.Tensor:
     """The permutation ``prepare`` applies, within each mini-batch of ``size`` rows (a mini-batch keeps its rows):
-    probe rows first when ``probe`` is given, then (``by_length``) groups by their longest completion, each group's
-    rows together and by length; otherwise the existing order (stable)."""
+    probe rows first when ``probe`` is given (``whole_groups``: the groups holding a probe row first, each group's rows
+    kept together), then (``by_length``) groups by their longest completion, each group's rows together and by length;
+    otherwise the existing order (stable). A rollout batch holds each group's rows together, and every step here
+    keeps them so except row-level probe ordering."""
     lengths = batch.attention_mask[:, batch.prompt_length:].sum(1)
     group = batch.group_ids
     parts = []
@@ -397,7 +409,34 @@ def row_order(batch: TrainingBatch, size: int, probe: torch.Tensor | None, by_le
             idx = idx[torch.argsort(lengths[idx], stable=True)]
             idx = idx[torch.argsort(group[idx], stable=True)]
             idx = idx[torch.argsort(longest[group[idx]], stable=True)]
-        if probe is not None:
+        if probe is not None and whole_groups and group is not None:
+            g = group[idx]  # each group's rows together, groups in order of first appearance, then probed groups first
+            first = torch.full((int(g.max()) + 1,), idx.numel(), dtype=torch.long, device=g.device).scatter_reduce(
+                0, g, torch.arange(idx.numel(), device=g.device), "amin")
+            probed = torch.zeros_like(first).index_add_(0, g, probe[idx].long()) > 0
+            idx = idx[torch.argsort(first[g], stable=True)]
+            idx = idx[torch.argsort((~probed[group[idx]]).long(), stable=True)]
+        elif probe is not None:
             idx = idx[torch.argsort((~probe[idx]).long(), stable=True)]
         parts.append(idx)
     return torch.cat(parts)
+
+
+def update_work(batch: TrainingBatch, order: torch.Tensor, mini: int, micro: int, probe: torch.Tensor,
+                share: bool) -> int:
+    """The update's work under a row order, in decoder positions: per micro-batch (``micro`` rows, within mini-batches
+    of ``mini``), 3 × the positions its forward computes (forward + backward; each distinct prompt once when ``share``,
+    as ``grail_exp/forward.py`` counts them, a group standing for a distinct prompt) and, when it holds a probe row,
+    1 × its suffix positions (a scheme's input-gradient pass through that forward, which stops at the prompt's keys)."""
+    P = batch.prompt_length
+    prompt = batch.attention_mask[:, :P].sum(1)[order]
+    completion = batch.attention_mask[:, P:].sum(1)[order]
+    group, needs = batch.group_ids[order], probe[order]
+    work, n = 0, order.numel()
+    for s in (s for a in range(0, n, mini) for s in range(a, min(a + mini, n), micro)):
+        rows = slice(s, min(s + micro, n, (s // mini + 1) * mini))
+        B, p, c = completion[rows].numel(), int(prompt[rows].max()), int(completion[rows].max())
+        U = int(torch.unique(group[rows]).numel())
+        positions = U * (p - 1) + B * (c + 1) if share and U < B else B * (p + c)
+        work += 3 * positions + (B * (c + 1) if bool(needs[rows].any()) else 0)
+    return work

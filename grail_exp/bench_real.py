@@ -53,9 +53,7 @@ def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | Non
     ``profile`` (a directory), one more step under the torch profiler, phase by phase (``profile_step``)."""
     import torch
 
-    if threads:
-        os.environ["GRAIL_EXP_BENCH_THREADS"] = str(threads)  # bench.threads wins over trainer.num_threads
-        torch.set_num_threads(int(threads))
+    _set_threads(threads)
     cfg, module, parts, (opt, sched) = _build(overrides, scheme)
     shape = _shape(parts.policy)
     gflops = matmul_gflops(parts.policy)
@@ -63,8 +61,7 @@ def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | Non
     try:
         for r in range(steps):
             records.append(_one_step(module, opt, sched, r, shape, scheme))
-            log.info("bench real %s step %d: %s", scheme, r + 1, {k: round(v, 3) for k, v in records[-1].items()
-                                                                      if isinstance(v, float)})
+            _log_step(scheme, r, records[-1])
         peak = _peak_bytes()  # the timed steps' (the profiler holds its events in memory)
         # the machine's rate is what it can do: on a shared host one measurement can land in another tenant's burst
         # (2x lower seen here), so the best of one before and one after the steps
@@ -72,12 +69,79 @@ def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | Non
         profiled = profile_step(module, opt, sched, steps, shape, scheme, Path(profile)) if profile else None
     finally:
         parts.verifier.close()
-    for rec in records:
-        rec["floor_s"] = rec["flops"] / (gflops * 1e9)
-        rec["floor_ratio"] = rec["step_s"] / rec["floor_s"]
+    _add_floor(records, gflops)
     return {"records": records, "matmul_gflops": gflops, "peak_memory_gb": peak / 1e9, "threads": torch.get_num_threads(),
             "device": str(parts.policy.device), "model": dict(shape), "engine": str(cfg.rollout.engine),
             "micro_batch_size": int(cfg.trainer.micro_batch_size), "profile": profiled}
+
+
+def run_paired(overrides: list[str], schemes: list[str], steps: int, threads: int | None) -> dict:
+    """``bench.paired``: every scheme built in this one process, their steps taken in turn, round by round, the order
+    rotating each round (ABC, BCA, CAB, ...): scheme k's step r runs minutes, not a process apart, from the others'
+    step r, so a ratio of the two sees the same machine (this host drifts ±20 % between processes). Per scheme the
+    records of ``run_scheme``; the peak memory is the process's, of all schemes together (``None`` per scheme)."""
+    import torch
+
+    _set_threads(threads)
+    built = {name: _build(overrides, name) for name in schemes}
+    shapes = {name: _shape(b[2].policy) for name, b in built.items()}
+    first = built[schemes[0]][2].policy
+    gflops = matmul_gflops(first)
+    records: dict[str, list] = {name: [] for name in schemes}
+    try:
+        for r in range(steps):
+            for name in schemes[r % len(schemes):] + schemes[:r % len(schemes)]:
+                cfg, module, parts, (opt, sched) = built[name]
+                records[name].append(_one_step(module, opt, sched, r, shapes[name], name))
+                _log_step(name, r, records[name][-1])
+        gflops = max(gflops, matmul_gflops(first))
+    finally:
+        for _, _, parts, _ in built.values():
+            parts.verifier.close()
+    peak = _peak_bytes()
+    out = {}
+    for name, (cfg, _, parts, _) in built.items():
+        _add_floor(records[name], gflops)
+        out[name] = {"records": records[name], "matmul_gflops": gflops, "peak_memory_gb": None,
+                     "process_peak_memory_gb": peak / 1e9, "threads": torch.get_num_threads(),
+                     "device": str(parts.policy.device), "model": dict(shapes[name]), "engine": str(cfg.rollout.engine),
+                     "micro_batch_size": int(cfg.trainer.micro_batch_size), "profile": None}
+    return out
+
+
+def paired_ratios(results: dict, skip: int, baseline: str = "grpo") -> dict:
+    """Per scheme, its step time over the baseline's in the same round, for the rounds after ``skip``: the median and
+    the range of those ratios (``run_paired``'s rounds), and of the update's (update + scheme) alone."""
+    if baseline not in results:
+        return {}
+    base = results[baseline]["records"]
+    out = {}
+    for name, res in results.items():
+        pairs = list(zip(res["records"], base))[skip:] or list(zip(res["records"], base))
+        step = [a["step_s"] / b["step_s"] for a, b in pairs]
+        update = [(a["update_s"] + a["scheme_s"]) / (b["update_s"] + b["scheme_s"]) for a, b in pairs]
+        out[name] = {"step_ratio": statistics.median(step), "step_ratio_range": [min(step), max(step)],
+                     "update_ratio": statistics.median(update), "update_ratio_range": [min(update), max(update)]}
+    return out
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        os.environ["GRAIL_EXP_BENCH_THREADS"] = str(threads)  # bench.threads wins over trainer.num_threads
+        torch.set_num_threads(int(threads))
+
+
+def _log_step(scheme: str, r: int, record: dict) -> None:
+    log.info("bench real %s step %d: %s", scheme, r + 1, {k: round(v, 3) for k, v in record.items()
+                                                          if isinstance(v, float)})
+
+
+def _add_floor(records: list, gflops: float) -> None:
+    for rec in records:
+        rec["floor_s"] = rec["flops"] / (gflops * 1e9)
+        rec["floor_ratio"] = rec["step_s"] / rec["floor_s"]
 
 
 def _build(overrides: list[str], scheme: str):
@@ -288,19 +352,29 @@ def summarize(result: dict, skip: int) -> dict:
     return out
 
 
-def table_markdown(summaries: dict, baseline: str = "grpo") -> str:
+def table_markdown(summaries: dict, baseline: str = "grpo", paired: dict | None = None) -> str:
+    """The table; ``paired`` (``paired_ratios``): the last column is the median of the per-round ratios with their
+    range, and an update column of the same kind follows."""
     base = summaries.get(baseline, {})
-    lines = ["| scheme | engine | step s | generation s | update s | scoring s | tokens / step | token eff. | "
-             "peak GB | floor s | step / floor | step / grpo |", "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    head = ("| scheme | engine | step s | generation s | update s | scoring s | tokens / step | token eff. | "
+            "peak GB | floor s | step / floor | step / grpo |")
+    lines = [head + (" update / grpo |" if paired else ""),
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if paired else "")]
     for name, r in summaries.items():
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error']} |" + " |" * 10)
+            lines.append(f"| {name} | error: {r['error']} |" + " |" * (11 if paired else 10))
             continue
         update = r["update_s"] + r["scheme_s"] + r["old_logp_s"] + r["scheme_prepare_s"]
-        ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base.get("step_s") else "—"
+        if paired and name in paired:
+            q = paired[name]
+            ratio = (f"{q['step_ratio']:.2f}x ({q['step_ratio_range'][0]:.2f}–{q['step_ratio_range'][1]:.2f}) | "
+                     f"{q['update_ratio']:.2f}x ({q['update_ratio_range'][0]:.2f}–{q['update_ratio_range'][1]:.2f})")
+        else:
+            ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base.get("step_s") else "—"
+        peak = f"{r['peak_memory_gb']:.2f}" if r.get("peak_memory_gb") is not None else "—"
         lines.append(f"| {name} | {r['engine']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {update:.2f} | "
                      f"{r['scoring_s']:.2f} | {r['update_tokens']:.0f} | {r['token_efficiency']:.2f} | "
-                     f"{r['peak_memory_gb']:.2f} | {r['floor_s']:.2f} | {r['floor_ratio']:.1f}x | {ratio} |")
+                     f"{peak} | {r['floor_s']:.2f} | {r['floor_ratio']:.1f}x | {ratio} |")
     return "\n".join(lines)
 
 
@@ -316,18 +390,31 @@ def profile_lines(results: dict) -> str:
 
 
 def main(bench, overrides: list[str], argv: list[str]) -> dict:
-    """Every scheme of ``bench.schemes`` in its own process, one after the other."""
-    results, summaries = {}, {}
-    for name in bench.schemes:
-        try:
-            results[name] = in_own_process(_run_scheme_logged, overrides, name, int(bench.steps), bench.get("threads"),
-                                           bench.get("profile"))
-            summaries[name] = summarize(results[name], int(bench.skip))
-        except Exception as exc:  # one scheme's failure is a row of the table, not the end of the run
-            log.exception("bench real: scheme %s failed", name)
-            summaries[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-        log.info("bench real %s: %s", name, summaries[name])
-    table = table_markdown(summaries) + profile_lines(results)
+    """Every scheme of ``bench.schemes`` in its own process, one after the other; ``bench.paired``: all in one process,
+    step by step in turn (``run_paired``)."""
+    results, summaries, paired = {}, {}, None
+    if bench.get("paired"):
+        results = in_own_process(_run_paired_logged, overrides, list(bench.schemes), int(bench.steps),
+                                 bench.get("threads"))
+        summaries = {name: summarize(res, int(bench.skip)) for name, res in results.items()}
+        paired = paired_ratios(results, int(bench.skip))
+        for name, q in paired.items():
+            summaries[name].update(q)
+    else:
+        for name in bench.schemes:
+            try:
+                results[name] = in_own_process(_run_scheme_logged, overrides, name, int(bench.steps),
+                                               bench.get("threads"), bench.get("profile"))
+                summaries[name] = summarize(results[name], int(bench.skip))
+            except Exception as exc:  # one scheme's failure is a row of the table, not the end of the run
+                log.exception("bench real: scheme %s failed", name)
+                summaries[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            log.info("bench real %s: %s", name, summaries[name])
+    table = table_markdown(summaries, paired=paired) + profile_lines(results)
+    if paired:
+        peak = next(iter(results.values()))["process_peak_memory_gb"]
+        table += (f"\n\nPaired: all schemes in one process (peak RSS {peak:.2f} GB for all of them together), step r of "
+                  "each taken in turn; the ratios are medians (ranges) over the rounds after the first.")
     print(table, flush=True)
     payload = {"schemes": summaries, "steps": results, "command": "python -m grail_exp.bench " + " ".join(argv),
                "load": _load()}
@@ -368,6 +455,12 @@ def _run_scheme_logged(overrides, name, steps, threads, profile=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine (its own process is this one)
     return run_scheme(list(overrides), name, steps, threads, profile)
+
+
+def _run_paired_logged(overrides, schemes, steps, threads):
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return run_paired(list(overrides), list(schemes), steps, threads)
 
 
 def _child(send, fn, args):

@@ -79,6 +79,35 @@ def test_real_mode_runs_training_steps_per_scheme(tmp_path, tiny_model_dir):
     assert payload["schemes"]["grpo"]["engine"] == "hf"
 
 
+def test_paired_mode_takes_the_schemes_steps_in_turn_in_one_process(tmp_path, tiny_model_dir, monkeypatch):
+    """bench.paired: one process builds every scheme and takes their steps round by round in a rotating order; the
+    ratio column is the median of the per-round ratios to GRPO, with their range."""
+    import grail_exp.bench_real as real
+    from grail_exp.bench import main
+
+    order = []
+    step = real._one_step
+    monkeypatch.setattr(real, "in_own_process", lambda fn, *args: fn(*args))  # in this process, to watch the order
+    monkeypatch.setattr(real, "_one_step", lambda module, opt, sched, r, shape, scheme, phase=None: (
+        order.append((r, scheme)), step(module, opt, sched, r, shape, scheme, phase))[1])
+    out = tmp_path / "paired.json"
+    payload = main(["bench.mode=real", "bench.paired=true", "bench.steps=3", "bench.skip=1",
+                    "bench.schemes=[grpo,grail]", "bench.threads=1", f"model.name_or_path={tiny_model_dir}",
+                    "trainer.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_completion_length=12",
+                    "trainer.micro_batch_size=8", "reward.num_workers=1", f"paths.cache_dir={tmp_path}", f"json={out}",
+                    f"markdown={tmp_path / 'paired.md'}"])
+    assert order == [(0, "grpo"), (0, "grail"), (1, "grail"), (1, "grpo"), (2, "grpo"), (2, "grail")]
+    written = json.loads(out.read_text())
+    grail, grpo = (written["steps"][n]["records"] for n in ("grail", "grpo"))
+    ratios = sorted(a["step_s"] / b["step_s"] for a, b in zip(grail[1:], grpo[1:]))  # rounds 2 and 3
+    s = written["schemes"]["grail"]
+    assert s["step_ratio"] == pytest.approx(sum(ratios) / 2) and s["step_ratio_range"] == pytest.approx(ratios)
+    assert written["schemes"]["grpo"]["step_ratio"] == 1.0 and s["peak_memory_gb"] is None
+    md = (tmp_path / "paired.md").read_text()
+    assert "update / grpo" in md and f"{s['step_ratio']:.2f}x ({ratios[0]:.2f}–{ratios[1]:.2f})" in md
+    assert "Paired: all schemes in one process" in md and payload["schemes"]["grpo"]["engine"] == "hf"
+
+
 def test_matmul_flops_by_hand():
     from grail_exp.bench_real import matmul_flops
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+SDPA_GQA = "sdpa_gqa"  # transformers' SDPA attention, grouped-query heads left to the kernel on CPU (models.use_kernel_gqa)
+
 # The default of model.cpu_explicit_attention_max_scores (query x key positions per head): where the explicit path
 # stops being the faster one on a 2-core x86 machine (bench.mode=attention, explicit / fused at 2 threads: 0.87 at
 # 128 x 128, 0.93 at 160 x 160, 1.61 at 192 x 192; at 1 thread 0.91 at 130 x 130, 1.05 at 160 x 160), so that it
@@ -92,6 +94,38 @@ class ExplicitAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+class RowGroups:
+    """Rows laid out by their prompt for grouped products (the decode step's, the update's suffix pass): ``slot`` (B,)
+    places row r at ``prompt × width + its rank among its prompt's rows`` (rows in any order; width = the most rows
+    of one prompt)."""
+
+    def __init__(self, group: torch.Tensor, num_prompts: int):
+        self.group = group  # (B,) prompt of each computed row
+        counts = torch.bincount(group, minlength=num_prompts)
+        self.width = int(counts.max()) if group.numel() else 1
+        first = torch.cumsum(counts, 0) - counts
+        by_prompt = torch.argsort(group, stable=True)
+        rank = torch.empty_like(group)
+        rank[by_prompt] = torch.arange(group.numel(), device=group.device) - first[group[by_prompt]]
+        self.slot = group * self.width + rank
+        self.num_prompts = num_prompts
+        self.rows = torch.arange(group.numel(), device=group.device)
+        # prompt-major with the same count per prompt (the trainer's usual micro-batch): slot = row, no scatter needed
+        self.dense = group.numel() == num_prompts * self.width and bool((self.slot == self.rows).all())
+        self.first = torch.full((num_prompts,), group.numel(), dtype=torch.long, device=group.device).scatter_reduce(
+            0, group, self.rows, "amin")  # each prompt's first row (none: the row count)
+
+    def grouped(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """(B, ...) -> (U, width, ...), ``fill`` where a prompt has fewer rows."""
+        out = x.new_full((self.num_prompts * self.width, *x.shape[1:]), fill)
+        out[self.slot] = x
+        return out.view(self.num_prompts, self.width, *x.shape[1:])
+
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """(U, width, ...) -> (B, ...)."""
+        return x.reshape(self.num_prompts * self.width, *x.shape[2:])[self.slot]
+
+
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                        scale: float) -> torch.Tensor:
     """query (B, H, Lq, D), key / value (B, kv_heads, Lk, D), mask (B | 1, 1, Lq, Lk) boolean (True: attend) or
@@ -101,3 +135,114 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if mask.dim() != 4 or mask.shape[1] != 1:
         raise ValueError(f"expected a (batch, 1, queries, keys) mask, got shape {tuple(mask.shape)}")
     return ExplicitAttention.apply(query, key, value, mask, float(scale))
+
+
+class PrefixSuffixKV:
+    """One layer's keys and values in the suffix pass of a micro-batch whose distinct prompts were computed once
+    (``grail_exp/forward.py``): the prompts' (U rows, L positions) and the rows' own suffix (B rows, S positions)."""
+
+    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, groups: RowGroups):
+        self.kp, self.vp, self.ks, self.vs, self.groups = prefix_keys, prefix_values, keys, values, groups
+
+    def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's (prompt ⊕ suffix) keys and values, (B, kv_heads, L+S, D): what a plain cache would hold."""
+        g = self.groups.group
+        return (torch.cat([self.kp.index_select(0, g), self.ks], 2), torch.cat([self.vp.index_select(0, g), self.vs], 2))
+
+
+class PrefixSuffixAttention(torch.autograd.Function):
+    """Attention of a suffix pass over its rows' shared prompts and their own suffixes, as one softmax:
+
+        S_p = scale · Q K_p[g(r)]ᵀ (prompt padding masked)   S_s = scale · Q K_sᵀ (causal, padding masked)
+        P = softmax([S_p, S_s])      O = P_p V_p[g(r)] + P_s V_s
+
+    with the rows of one prompt stacked into one product against that prompt's keys and values (as the decode step
+    does, ``grail_exp/rollout/decode.py``): (G · heads · S) × L products per prompt instead of a copy of the prompt per
+    row and G small products; the prompt's gradients dK_p = scale · dS_pᵀ Q and dV_p = P_pᵀ dO come out summed over its
+    rows by the same products. Float32 for half-precision inputs, the backward recomputes P from the saved
+    log-sum-exp (``ExplicitAttention``'s scheme)."""
+
+    @staticmethod
+    def forward(ctx, q, kp, vp, ks, vs, prefix_mask, suffix_mask, scale, groups):
+        b, h, lq, d = q.shape
+        hk = ks.shape[1]
+        dt = _compute_dtype(q.dtype)
+        qr = _grouped(q, hk, dt)  # (B, hk, G·S, D)
+        sp, ss = _prefix_suffix_scores(qr, rows_to_groups(qr, groups), kp.to(dt), ks.to(dt), prefix_mask, suffix_mask,
+                                       scale, h // hk)
+        m = torch.maximum(groups_to_rows(sp.amax(-1, keepdim=True), groups), ss.amax(-1, keepdim=True))
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        pp = torch.exp_(sp.sub_(rows_to_groups(m, groups)))
+        ps = torch.exp_(ss.sub_(m))
+        total = groups_to_rows(pp.sum(-1, keepdim=True), groups) + ps.sum(-1, keepdim=True)
+        inv = 1.0 / total.clamp_min(torch.finfo(dt).tiny)  # a row with no key: all zeros, not 0/0
+        out = groups_to_rows(pp @ vp.to(dt), groups).add_(ps @ vs.to(dt)).mul_(inv)
+        lse = torch.where(total > 0, m + total.log(), torch.full_like(total, float("inf")))
+        ctx.save_for_backward(q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse)
+        ctx.scale, ctx.groups = scale, groups
+        return out.reshape(b, h, lq, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse = ctx.saved_tensors
+        scale, groups = ctx.scale, ctx.groups
+        hk = ks.shape[1]
+        dt = _compute_dtype(q.dtype)
+        qr = _grouped(q, hk, dt)
+        qg = rows_to_groups(qr, groups)
+        kpf, vpf, ksf, vsf = kp.to(dt), vp.to(dt), ks.to(dt), vs.to(dt)
+        sp, ss = _prefix_suffix_scores(qr, qg, kpf, ksf, prefix_mask, suffix_mask, scale, q.shape[1] // hk)
+        pp = torch.exp_(sp.sub_(rows_to_groups(lse, groups, fill=float("inf"))))  # a padding slot: exp(-inf) = 0
+        ps = torch.exp_(ss.sub_(lse))
+        do = _grouped(grad_out, hk, dt)
+        dog = rows_to_groups(do, groups)
+        need = ctx.needs_input_grad  # a detached prompt (a scheme's extra pass) needs no dK_p, dV_p
+        dvp = pp.transpose(-1, -2) @ dog if need[2] else None
+        dvs = ps.transpose(-1, -2) @ do if need[4] else None
+        dpp = dog @ vpf.transpose(-1, -2)
+        dps = do @ vsf.transpose(-1, -2)
+        delta = groups_to_rows((pp * dpp).sum(-1, keepdim=True), groups) + (ps * dps).sum(-1, keepdim=True)
+        dsp = dpp.sub_(rows_to_groups(delta, groups)).mul_(pp).mul_(scale)
+        dss = dps.sub_(delta).mul_(ps).mul_(scale)
+        dq = groups_to_rows(dsp @ kpf, groups).add_(dss @ ksf).reshape(q.shape) if need[0] else None
+        dkp = dsp.transpose(-1, -2) @ qg if need[1] else None
+        dks = dss.transpose(-1, -2) @ qr if need[3] else None
+        cast = [(g.to(t.dtype) if g is not None else None) for g, t in zip((dq, dkp, dvp, dks, dvs), (q, kp, vp, ks, vs))]
+        return (*cast, None, None, None, None)
+
+
+def rows_to_groups(x: torch.Tensor, groups: RowGroups, fill: float = 0.0) -> torch.Tensor:
+    """(B, kv_heads, R, X) -> (U, kv_heads, width·R, X): each prompt's rows stacked (``fill`` in padding slots)."""
+    b, hk, r, n = x.shape
+    u, w = groups.num_prompts, groups.width
+    stacked = x.view(u, w, hk, r, n) if groups.dense else groups.grouped(x, fill)
+    return stacked.permute(0, 2, 1, 3, 4).reshape(u, hk, w * r, n)
+
+
+def groups_to_rows(y: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+    """(U, kv_heads, width·R, X) -> (B, kv_heads, R, X)."""
+    u, hk, wr, n = y.shape
+    per_row = y.view(u, hk, groups.width, wr // groups.width, n).permute(0, 2, 1, 3, 4)
+    return per_row.reshape(-1, hk, wr // groups.width, n) if groups.dense else groups.rows_of(per_row)
+
+
+def _prefix_suffix_scores(qr, qg, kp, ks, prefix_mask, suffix_mask, scale, heads_per_kv):
+    """S_p (U, kv_heads, width·G·S, L) and S_s (B, kv_heads, G·S, S), masked entries at −inf; ``qg`` = the queries
+    ``qr`` stacked by prompt."""
+    sp = (qg @ kp.transpose(-1, -2)).mul_(scale)
+    sp.masked_fill_(~prefix_mask[:, None, None, :], float("-inf"))
+    ss = (qr @ ks.transpose(-1, -2)).mul_(scale)
+    b, hk, rows, s = ss.shape
+    ss.view(b, hk, heads_per_kv, rows // heads_per_kv, s).masked_fill_(~suffix_mask.unsqueeze(2), float("-inf"))
+    return sp, ss
+
+
+def prefix_suffix_attention(query: torch.Tensor, kv: PrefixSuffixKV, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """query (B, H, S, D) of a suffix pass, its layer's ``PrefixSuffixKV``, the pass's boolean mask (B, 1, S, L+S)
+    over (prompt ⊕ suffix) keys (True: attend) -> (B, H, S, D). The prompt part of the mask is its padding (every
+    prompt key precedes every suffix query), the same for the rows of one prompt: read from each prompt's first row."""
+    L = kv.kp.shape[2]
+    prefix_mask = mask[kv.groups.first.clamp(max=kv.groups.group.numel() - 1), 0, 0, :L]
+    return PrefixSuffixAttention.apply(query, kv.kp, kv.vp, kv.ks, kv.vs, prefix_mask, mask[:, :, :, L:],
+                                       float(scale), kv.groups)

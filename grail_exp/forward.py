@@ -26,17 +26,23 @@ a shared embedding would sum the G rows' gradients there.
 completion columns past its longest completion. ``PolicyForward.predicting`` / ``own`` give (B, C, …) windows back,
 zero past the computed columns (positions that only ever meet a zero loss mask).
 
+On CPU with the ``sdpa_gqa`` attention the suffix pass does not copy the prompt to each row: its cache hands the
+attention each prompt's keys and values once, and the rows of a prompt attend to them in one product
+(``grail_exp.cpu_attention.PrefixSuffixAttention``; the autograd sum over rows then happens inside that product).
+
 This file sits below everything that runs a policy forward (the training phases, the update backends, the advantage
 schemes, the teacher of RLSD / SDPG, the weights and bench tools) and imports nothing of the project but
-``grail_exp.logprobs``.
+``grail_exp.logprobs`` and ``grail_exp.cpu_attention``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from grail_exp.cpu_attention import SDPA_GQA, PrefixSuffixKV, RowGroups
 from grail_exp.logprobs import linear_logprob
 
 SHARE_PROMPTS = ("auto", True, False)  # trainer.share_prompts
@@ -49,20 +55,61 @@ class SharedPrefix:
     keys_values: list  # per layer (K, V), each (U, kv_heads, L, head_dim), in the autograd graph of the prefix pass
     inverse: torch.Tensor  # (B,) which distinct prompt each row has
 
-    def cache(self, rows: torch.Tensor | None = None, detach: bool = False):
-        """A transformers ``DynamicCache`` holding each row's prompt (rows of the micro-batch; default all)."""
+    def cache(self, rows: torch.Tensor | None = None, detach: bool = False, grouped: bool = False):
+        """A transformers ``DynamicCache`` holding each row's prompt (rows of the micro-batch; default all): a copy of
+        the prompt's keys and values per row, or (``grouped``) layers whose ``update`` hands the attention the prompts
+        and the suffix apart (``PrefixSuffixKV``: only the model's ``sdpa_gqa`` attention reads it)."""
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
         inv = self.inverse if rows is None else self.inverse[rows]
         cache = DynamicCache()
         cache.layers = []
+        if grouped:
+            used, inv = torch.unique(inv, return_inverse=True)  # only the prompts these rows have
+            groups = RowGroups(inv, used.numel())
         for k, v in self.keys_values:
-            layer = DynamicLayer()
             k, v = (k.detach(), v.detach()) if detach else (k, v)
+            if grouped:
+                if used.numel() < k.shape[0]:
+                    k, v = k.index_select(0, used), v.index_select(0, used)
+                cache.layers.append(_prefix_layer_class()(k, v, groups))
+                continue
+            layer = DynamicLayer()
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k.index_select(0, inv), v.index_select(0, inv)
             cache.layers.append(layer)
         return cache
+
+
+@functools.cache
+def _prefix_layer_class():
+    """The cache layer class of a grouped suffix pass (made on first use: transformers is imported lazily here)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PrefixLayer(DynamicLayer):
+        """A cache layer holding the distinct prompts' keys and values: ``update`` returns them with the suffix's, apart."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, groups: RowGroups):
+            super().__init__()
+            self.prefix_keys, self.prefix_values, self.groups = keys, values, groups
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+        def update(self, keys, values, *args, **kwargs):
+            return PrefixSuffixKV(self.prefix_keys, self.prefix_values, keys, values, self.groups), None
+
+        def get_seq_length(self) -> int:
+            return self.prefix_keys.shape[2]
+
+    return PrefixLayer
+
+
+def grouped_prefix_attention(model) -> bool:
+    """Whether the suffix pass hands the attention the prompts apart (``SharedPrefix.cache(grouped=True)``): the
+    model's attention is ``sdpa_gqa`` (``grail_exp.models.use_kernel_gqa``) on CPU, which reads that form where its
+    explicit attention applies (under autograd, short sequences) and concatenates the parts elsewhere."""
+    cfg = getattr(model, "config", None)
+    return (getattr(cfg, "_attn_implementation", None) == SDPA_GQA
+            and next(model.parameters()).device.type == "cpu")
 
 
 @dataclass
@@ -215,8 +262,9 @@ def body_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
                use_cache=True)
     prefix = SharedPrefix([(layer.keys, layer.values) for layer in pre.past_key_values.layers], inverse)
     embeds = embed(ids[:, L:])
-    out = body(inputs_embeds=embeds, attention_mask=attn, position_ids=pos[:, L:], past_key_values=prefix.cache(),
-               use_cache=True, output_hidden_states=hidden_states)
+    out = body(inputs_embeds=embeds, attention_mask=attn, position_ids=pos[:, L:],
+               past_key_values=prefix.cache(grouped=grouped_prefix_attention(model)), use_cache=True,
+               output_hidden_states=hidden_states)
     hidden = _Anchor.apply(out.last_hidden_state, pre.last_hidden_state) if anchor_prefix else out.last_hidden_state
     return BodyOutput(embeds, hidden, out.hidden_states if hidden_states else None, P, C,
                       start=lo + L, prefix=prefix, positions=first.numel() * L + embeds.shape[0] * embeds.shape[1])
@@ -235,7 +283,8 @@ def continue_forward(model, fwd: BodyOutput, inputs_embeds: torch.Tensor, rows: 
                     position_ids=position_ids[:, fwd.start:hi], use_cache=False).last_hidden_state
     lo = fwd.start - fwd.prefix.keys_values[0][0].shape[2]  # the prefix pass's first column
     return body(inputs_embeds=inputs_embeds, attention_mask=attention_mask[:, lo:hi],
-                position_ids=position_ids[:, fwd.start:hi], past_key_values=fwd.prefix.cache(rows, detach=True),
+                position_ids=position_ids[:, fwd.start:hi],
+                past_key_values=fwd.prefix.cache(rows, detach=True, grouped=grouped_prefix_attention(model)),
                 use_cache=True).last_hidden_state
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from grail_exp.cpu_attention import DEFAULT_MAX_SCORES, explicit_attention
+from grail_exp.cpu_attention import (DEFAULT_MAX_SCORES, SDPA_GQA, PrefixSuffixKV, explicit_attention,
+                                     prefix_suffix_attention)
 from grail_exp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,6 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
     return model
 
 
-SDPA_GQA = "sdpa_gqa"  # transformers' SDPA attention, grouped-query heads left to the kernel on CPU (use_kernel_gqa)
 
 
 def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -285,10 +285,17 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
       ``use_kernel_gqa`` sets on each attention module; 0 = never)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(key, PrefixSuffixKV):  # a suffix pass over shared prompts (grail_exp/forward.py)
+        if (query.device.type == "cpu" and dropout == 0.0 and torch.is_grad_enabled() and attention_mask is not None
+                and attention_mask.dtype == torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+                and query.shape[2] * (key.kp.shape[2] + key.ks.shape[2]) <= getattr(module, EXPLICIT_ATTENTION_ATTR, 0)
+                and (query.requires_grad or key.ks.requires_grad or key.kp.requires_grad)):
+            return prefix_suffix_attention(query, key, attention_mask, scale).transpose(1, 2).contiguous(), None
+        key, value = key.expanded()
     if query.device.type != "cpu" or attention_mask is None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if (dropout == 0.0 and torch.is_grad_enabled() and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
             and query.shape[2] * key.shape[2] <= getattr(module, EXPLICIT_ATTENTION_ATTR, 0)
             and (query.requires_grad or key.requires_grad or value.requires_grad)):

@@ -86,6 +86,44 @@ def test_output_and_gradients_equal_attention_written_out(dtype):
     assert torch.equal(out[2, :, 0], torch.zeros_like(out[2, :, 0]))  # the query with no key: zero output
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_prompts_apart_equal_attention_written_out_over_each_rows_whole_sequence(dtype):
+    """``PrefixSuffixAttention``: 5 rows of 2 prompts, interleaved and of unequal count (3 + 2), prompt 1 left-padded by
+    2 keys, row 4's suffix right-padded by 2 (its keys masked), against the reference on each row's own copy of its
+    prompt ⊕ its suffix; gradients of the prompts' keys and values against the reference's, summed over each
+    prompt's rows by hand. Tolerances as above (reductions of ≤ 64 terms)."""
+    from grail_exp.cpu_attention import PrefixSuffixKV, RowGroups, prefix_suffix_attention
+
+    g = torch.Generator().manual_seed(3)
+    rows, prompts, L, S = 5, 2, 6, 4
+    group = torch.tensor([0, 1, 0, 1, 0])
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+
+    q, kp, vp, ks, vs = t(rows, H, S, D), t(prompts, HK, L, D), t(prompts, HK, L, D), t(rows, HK, S, D), t(rows, HK, S, D)
+    prompt_mask = torch.ones(prompts, L, dtype=torch.bool)
+    prompt_mask[1, :2] = False
+    suffix_mask = torch.ones(rows, 1, S, S, dtype=torch.bool).tril()
+    suffix_mask[4, :, :, 2:] = False  # row 4's last two positions are padding: no query attends to them
+    mask = torch.cat([prompt_mask[group][:, None, None, :].expand(rows, 1, S, L), suffix_mask], -1)
+    go = torch.randn(rows, H, S, D, generator=g).to(dtype)
+    scale = D ** -0.5
+
+    out = prefix_suffix_attention(q, PrefixSuffixKV(kp, vp, ks, vs, RowGroups(group, prompts)), mask, scale)
+    mine = (out, *torch.autograd.grad(out, (q, kp, vp, ks, vs), go))
+    # the reference on each row's own copy of its prompt, in float64 leaves holding the same values (gradients taken
+    # at the inputs' bfloat16 would round each copy's before the sum): autograd sums the copies' into the prompt's
+    q64, kp64, vp64, ks64, vs64 = (x.detach().double().requires_grad_() for x in (q, kp, vp, ks, vs))
+    ref = reference(q64, torch.cat([kp64[group], ks64], 2), torch.cat([vp64[group], vs64], 2), mask, scale)
+    expected = (ref, *torch.autograd.grad(ref, (q64, kp64, vp64, ks64, vs64), go.double()))
+    for name, a, r in zip(("out", "dq", "dkp", "dvp", "dks", "dvs"), mine, expected):
+        assert a.dtype == dtype
+        a, r = a.detach().double(), r.detach().double()
+        bound = 1e-12 * r.abs().max() if dtype == torch.float64 else 2.0 ** -8 * r.abs() + 1e-4 * r.abs().max()
+        assert ((a - r).abs() <= bound).all(), f"{name}: {(a - r).abs().max():.3g}"
+
+
 def test_backward_equals_numerical_derivatives():
     """The hand-written backward against finite differences (float64), fully masked row included."""
     from grail_exp.cpu_attention import explicit_attention

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from grail_exp.cpu_attention import RowGroups
+
 ATTENTION_NAME = "grail_grouped_decode"
 
 
@@ -51,31 +53,6 @@ class DecodeKV:
 
     def keep(self, rows: torch.Tensor) -> None:
         self.kg, self.vg = self.kg[rows], self.vg[rows]
-
-
-class RowGroups:
-    """The computed rows' prompts, laid out for grouped products: rows of a prompt are contiguous (prompt-major, and
-    dropping finished rows keeps the order). ``slot`` (B,) places row r at ``prompt × width + rank within prompt``."""
-
-    def __init__(self, group: torch.Tensor, num_prompts: int):
-        self.group = group  # (B,) prompt of each computed row
-        counts = torch.bincount(group, minlength=num_prompts)
-        self.width = int(counts.max()) if group.numel() else 1
-        first = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(group.numel(), device=group.device) - first[group]
-        self.slot = group * self.width + rank
-        self.num_prompts = num_prompts
-        self.rows = torch.arange(group.numel(), device=group.device)
-
-    def grouped(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, ...) -> (U, width, ...), zeros where a prompt has fewer rows."""
-        out = x.new_zeros(self.num_prompts * self.width, *x.shape[1:])
-        out[self.slot] = x
-        return out.view(self.num_prompts, self.width, *x.shape[1:])
-
-    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
-        """(U, width, ...) -> (B, ...)."""
-        return x.reshape(self.num_prompts * self.width, *x.shape[2:])[self.slot]
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):

@@ -45,7 +45,8 @@ def return_freed_memory_after_gradients(params) -> list:
         arrived.add(id(p))
         if len(arrived) == len(params):
             arrived.clear()
-            return_freed_memory()
+            if p.device.type == "cpu":  # the model may have moved to a GPU since the hooks were set: no host heap then
+                return_freed_memory()
 
     return [p.register_post_accumulate_grad_hook(hook) for p in params]
 

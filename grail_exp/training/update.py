@@ -55,11 +55,12 @@ class UpdatePhase:
         self.trim_hooks = self._return_heap_in_backward(policy)
 
     def _return_heap_in_backward(self, policy) -> list:
-        """``trainer.backward_heap_returns`` points in each backward of a CPU policy where freed heap goes back: after
-        layers L·(n-1)/n, ..., L/n, 0 of its L decoder layers (grail_exp/host.py); the hooks' handles."""
+        """``trainer.backward_heap_returns`` points in each backward where freed heap goes back while the policy is on
+        the CPU (the hooks check at each call: Lightning moves it to a GPU after this): after layers L·(n-1)/n, ..., L/n,
+        0 of its L decoder layers (grail_exp/host.py); the hooks' handles."""
         n = int(self.cfg.trainer.get("backward_heap_returns", 1))
         layers = decoder_layers(policy, self.cfg)
-        if n <= 0 or not layers or next(policy.parameters()).device.type != "cpu":
+        if n <= 0 or not layers:
             return []
         points = sorted({len(layers) * k // n for k in range(n)})
         return [h for i in points for h in return_freed_memory_after_gradients(layers[i].parameters())]

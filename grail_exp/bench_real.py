@@ -37,6 +37,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -69,6 +70,7 @@ def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | Non
         profiled = profile_step(module, opt, sched, steps, shape, scheme, Path(profile)) if profile else None
     finally:
         parts.verifier.close()
+        shutil.rmtree(cfg.paths.output_dir, ignore_errors=True)  # the run's folder: nothing in it is kept
     _add_floor(records, gflops)
     return {"records": records, "matmul_gflops": gflops, "peak_memory_gb": peak / 1e9, "threads": torch.get_num_threads(),
             "device": str(parts.policy.device), "model": dict(shape), "engine": str(cfg.rollout.engine),
@@ -96,8 +98,9 @@ def run_paired(overrides: list[str], schemes: list[str], steps: int, threads: in
                 _log_step(name, r, records[name][-1])
         gflops = max(gflops, matmul_gflops(first))
     finally:
-        for _, _, parts, _ in built.values():
+        for cfg, _, parts, _ in built.values():
             parts.verifier.close()
+            shutil.rmtree(cfg.paths.output_dir, ignore_errors=True)
     peak = _peak_bytes()
     out = {}
     for name, (cfg, _, parts, _) in built.items():

@@ -85,6 +85,11 @@ def test_paired_mode_takes_the_schemes_steps_in_turn_in_one_process(tmp_path, ti
     import grail_exp.bench_real as real
     from grail_exp.bench import main
 
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where each scheme's run folder is made
     order = []
     step = real._one_step
     monkeypatch.setattr(real, "in_own_process", lambda fn, *args: fn(*args))  # in this process, to watch the order
@@ -106,6 +111,7 @@ def test_paired_mode_takes_the_schemes_steps_in_turn_in_one_process(tmp_path, ti
     md = (tmp_path / "paired.md").read_text()
     assert "update / grpo" in md and f"{s['step_ratio']:.2f}x ({ratios[0]:.2f}–{ratios[1]:.2f})" in md
     assert "Paired: all schemes in one process" in md and payload["schemes"]["grpo"]["engine"] == "hf"
+    assert list(scratch.iterdir()) == []  # the runs' folders are removed (nothing in them is kept)
 
 
 def test_matmul_flops_by_hand():

@@ -193,9 +193,9 @@ def test_attention_mode_times_the_runs_policy_both_ways(tmp_path, tiny_model_dir
     from grail_exp import cpu_attention
     from grail_exp.bench import main
 
-    calls = []
-    real_apply = cpu_attention.ExplicitAttention.apply
-    monkeypatch.setattr(cpu_attention.ExplicitAttention, "apply", lambda *a: calls.append(1) or real_apply(*a))
+    calls = []  # the explicit attention of an unshared or prefix pass, and of a suffix pass over shared prompts
+    for fn in (cpu_attention.ExplicitAttention, cpu_attention.PrefixSuffixAttention):
+        monkeypatch.setattr(fn, "apply", lambda *a, real=fn.apply: calls.append(1) or real(*a))
     payload = main(["bench.mode=attention", "bench.attention.shapes=[]", "bench.prompts=2", "bench.num_generations=2",
                     "bench.prompt_length=6", "bench.completion_length=12", "bench.micro_batch_size=2",
                     "bench.warmup=0", "bench.repeats=2", "bench.threads=1", f"model.name_or_path={tiny_model_dir}",

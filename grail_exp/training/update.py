@@ -59,7 +59,7 @@ class UpdatePhase:
         the CPU (the hooks check at each call: Lightning moves it to a GPU after this): after layers L·(n-1)/n, ..., L/n,
         0 of its L decoder layers (grail_exp/host.py); the hooks' handles."""
         n = int(self.cfg.trainer.get("backward_heap_returns", 1))
-        layers = decoder_layers(policy, self.cfg)
+        layers = decoder_layers(policy, self.cfg) if policy is not None else []
         if n <= 0 or not layers:
             return []
         points = sorted({len(layers) * k // n for k in range(n)})

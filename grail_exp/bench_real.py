@@ -52,8 +52,6 @@ PHASES = ("rollout", "weight_sync", "scoring", "scheme_prepare", "old_logp", "sc
 def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | None, profile: str | None = None) -> dict:
     """``steps`` real training steps of ``scheme`` (in this process): per-step records, the floor and the peak; with
     ``profile`` (a directory), one more step under the torch profiler, phase by phase (``profile_step``)."""
-    import torch
-
     _set_threads(threads)
     cfg, module, parts, (opt, sched) = _build(overrides, scheme)
     shape = _shape(parts.policy)
@@ -71,10 +69,7 @@ def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | Non
     finally:
         parts.verifier.close()
         shutil.rmtree(cfg.paths.output_dir, ignore_errors=True)  # the run's folder: nothing in it is kept
-    _add_floor(records, gflops)
-    return {"records": records, "matmul_gflops": gflops, "peak_memory_gb": peak / 1e9, "threads": torch.get_num_threads(),
-            "device": str(parts.policy.device), "model": dict(shape), "engine": str(cfg.rollout.engine),
-            "micro_batch_size": int(cfg.trainer.micro_batch_size), "profile": profiled}
+    return _result(cfg, parts, shape, records, gflops, peak_memory_gb=peak / 1e9, profile=profiled)
 
 
 def run_paired(overrides: list[str], schemes: list[str], steps: int, threads: int | None) -> dict:
@@ -82,8 +77,6 @@ def run_paired(overrides: list[str], schemes: list[str], steps: int, threads: in
     rotating each round (ABC, BCA, CAB, ...): scheme k's step r runs minutes, not a process apart, from the others'
     step r, so a ratio of the two sees the same machine (this host drifts ±20 % between processes). Per scheme the
     records of ``run_scheme``; the peak memory is the process's, of all schemes together (``None`` per scheme)."""
-    import torch
-
     _set_threads(threads)
     built = {name: _build(overrides, name) for name in schemes}
     shapes = {name: _shape(b[2].policy) for name, b in built.items()}
@@ -102,14 +95,19 @@ def run_paired(overrides: list[str], schemes: list[str], steps: int, threads: in
             parts.verifier.close()
             shutil.rmtree(cfg.paths.output_dir, ignore_errors=True)
     peak = _peak_bytes()
-    out = {}
-    for name, (cfg, _, parts, _) in built.items():
-        _add_floor(records[name], gflops)
-        out[name] = {"records": records[name], "matmul_gflops": gflops, "peak_memory_gb": None,
-                     "process_peak_memory_gb": peak / 1e9, "threads": torch.get_num_threads(),
-                     "device": str(parts.policy.device), "model": dict(shapes[name]), "engine": str(cfg.rollout.engine),
-                     "micro_batch_size": int(cfg.trainer.micro_batch_size), "profile": None}
-    return out
+    return {name: _result(cfg, parts, shapes[name], records[name], gflops, peak_memory_gb=None,
+                          process_peak_memory_gb=peak / 1e9)
+            for name, (cfg, _, parts, _) in built.items()}
+
+
+def _result(cfg, parts, shape: dict, records: list, gflops: float, **extra) -> dict:
+    """One scheme's result: its step records with the floor added, and what the run ran on."""
+    import torch
+
+    _add_floor(records, gflops)
+    return {"records": records, "matmul_gflops": gflops, "threads": torch.get_num_threads(),
+            "device": str(parts.policy.device), "model": dict(shape), "engine": str(cfg.rollout.engine),
+            "micro_batch_size": int(cfg.trainer.micro_batch_size), "profile": None, **extra}
 
 
 def paired_ratios(results: dict, skip: int, baseline: str = "grpo") -> dict:

@@ -41,7 +41,7 @@ def return_freed_memory_after_gradients(params) -> list:
     params = [p for p in params if p.requires_grad]
     arrived: set[int] = set()
 
-    def hook(p: "torch.Tensor") -> None:
+    def hook(p) -> None:  # p: the parameter whose gradient arrived
         arrived.add(id(p))
         if len(arrived) == len(params):
             arrived.clear()

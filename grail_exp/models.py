@@ -287,18 +287,15 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(key, PrefixSuffixKV):  # a suffix pass over shared prompts (grail_exp/forward.py)
-        if (query.device.type == "cpu" and dropout == 0.0 and torch.is_grad_enabled() and attention_mask is not None
-                and attention_mask.dtype == torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
-                and query.shape[2] * (key.kp.shape[2] + key.ks.shape[2]) <= getattr(module, EXPLICIT_ATTENTION_ATTR, 0)
-                and (query.requires_grad or key.ks.requires_grad or key.kp.requires_grad)):
-            return prefix_suffix_attention(query, key, attention_mask, scale).transpose(1, 2).contiguous(), None
-        key, value = key.expanded()
+        kv = key
+        if (_explicit_applies(module, query, kv.kp.shape[2] + kv.ks.shape[2], attention_mask, dropout,
+                              (query, kv.kp, kv.vp, kv.ks, kv.vs)) and attention_mask.dtype == torch.bool):
+            return prefix_suffix_attention(query, kv, attention_mask, scale).transpose(1, 2).contiguous(), None
+        key, value = kv.expanded()
     if query.device.type != "cpu" or attention_mask is None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if (dropout == 0.0 and torch.is_grad_enabled() and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
-            and query.shape[2] * key.shape[2] <= getattr(module, EXPLICIT_ATTENTION_ATTR, 0)
-            and (query.requires_grad or key.requires_grad or value.requires_grad)):
+    if _explicit_applies(module, query, key.shape[2], attention_mask, dropout, (query, key, value)):
         out = explicit_attention(query, key, value, attention_mask, scale)
     elif getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -310,6 +307,15 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
 
 
 EXPLICIT_ATTENTION_ATTR = "cpu_explicit_attention_max_scores"
+
+
+def _explicit_applies(module, query, keys: int, mask, dropout: float, inputs) -> bool:
+    """The explicit CPU attention's regime: CPU, a (B, 1, Lq, Lk) mask, no dropout, under autograd with an input that
+    needs a gradient, and at most the module's ``cpu_explicit_attention_max_scores`` query × key positions."""
+    return (query.device.type == "cpu" and mask is not None and dropout == 0.0 and torch.is_grad_enabled()
+            and mask.dim() == 4 and mask.shape[1] == 1
+            and query.shape[2] * keys <= getattr(module, EXPLICIT_ATTENTION_ATTR, 0)
+            and any(t.requires_grad for t in inputs))
 
 
 def use_kernel_gqa(model, explicit_max_scores: int = 0) -> None:

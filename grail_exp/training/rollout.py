@@ -145,8 +145,9 @@ class RolloutPhase:
     def prepare(self, batch: TrainingBatch, timings: dict) -> None:
         """Once per rollout batch: the scheme's ``prepare`` on the whole batch, then (when the loss allows it) reorder
         the rows within each mini-batch: the rows whose weights need the model first (the other micro-batches skip the
-        probe; as rows, or as the whole groups holding them, whichever ``update_work`` finds cheaper), and, where rows may be reordered freely (``rows_reorderable``), groups of similar completion length
-        next to each other with each group's rows together, so a micro-batch shares its prompts and pads little."""
+        probe; as rows, or as the whole groups holding them, whichever ``update_work`` finds cheaper), and, where rows
+        may be reordered freely (``rows_reorderable``), groups of similar completion length next to each other with
+        each group's rows together, so a micro-batch shares its prompts and pads little."""
         with timed(timings, "scheme_prepare"), self.backend.full_parameters():
             batch.prepared = self.scheme.prepare(self.policy, batch.scheme_view(self.scheme_ctx))
             if self.cfg.loss.loss_type not in SPLIT_INVARIANT:

@@ -408,6 +408,11 @@ class TrainerConfig:
     # accumulated once (grail_exp/forward.py). Same numbers up to floating-point reduction order. auto = on unless
     # model.gradient_checkpointing (a replayed layer has no cache); true | false. docs/performance.md
     share_prompts: Any = "auto"
+    # The tokens every distinct prompt of a micro-batch starts with (system prompt, few-shot turns) computed once too,
+    # in the update's forwards and in the HF engine's prefill: one pass over them, then each prompt's tail attends to
+    # their keys and values (grail_exp/forward.py: prompts_once). Same numbers up to reduction order. auto = when it
+    # saves >= 64 positions ((distinct prompts - 1) x prefix length); true = whenever there is one; false.
+    share_prompt_prefix: Any = "auto"
     # CPU runs: points in each backward where freed heap goes back to the OS (glibc malloc_trim; grail_exp/host.py),
     # evenly spaced down the decoder layers, the last after the first layer, before the embedding's gradient. The heap
     # the backward frees is otherwise kept and its high-water mark, not the live tensors, makes the peak RSS. 1 costs

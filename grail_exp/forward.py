@@ -22,6 +22,21 @@ gradient instead of G). The last prompt token is computed per row, in the suffix
 (the predicting window starts at P-1) is then its row's own, so GRAIL's saliency (∂J/∂e at P-1 …) keeps its meaning —
 a shared embedding would sum the G rows' gradients there.
 
+**A prefix every prompt starts with, once** (``trainer.share_prompt_prefix``). Distinct prompts often begin with the
+same tokens — a system prompt, few-shot examples (SmolLM2's recipe: 121 of its ~132 tokens). ``prompts_once`` then
+splits the prefix pass in two:
+
+    common pass  the c tokens every distinct prompt starts with, one row, positions 0 … c-1   ──▶ keys / values
+    tail pass    each distinct prompt's tokens after them (right-aligned, U rows), attending to the common keys /
+                 values (one copy per prompt) and to its own tail causally
+
+and the prompts' keys and values are laid out ``[common | tail]`` with their own mask (a tail's columns before its
+first token masked), which the suffix pass and the sampler read instead of the batch's columns. Causality again makes
+this the same function: position i's keys and values depend on tokens 0 … i only, the same for every prompt sharing
+them; the common prefix's gradient is the sum over the prompts (autograd's ``expand`` backward). ``auto`` splits when it
+saves at least ``MIN_COMMON_PREFIX_SAVING`` positions ((U - 1) · c; below that the extra pass's per-layer overhead
+outweighs it).
+
 **No padding columns.** Each micro-batch is cut to the columns it uses: left-padding columns that every row pads, and
 completion columns past its longest completion. ``PolicyForward.predicting`` / ``own`` give (B, C, …) windows back,
 zero past the computed columns (positions that only ever meet a zero loss mask).
@@ -46,6 +61,26 @@ from grail_exp.cpu_attention import SDPA_GQA, PrefixSuffixKV, RowGroups
 from grail_exp.logprobs import linear_logprob
 
 SHARE_PROMPTS = ("auto", True, False)  # trainer.share_prompts
+SHARE_PROMPT_PREFIX = ("auto", True, False)  # trainer.share_prompt_prefix
+MIN_COMMON_PREFIX_SAVING = 64  # positions ((U - 1) · c) from which ``auto`` computes a common prefix once
+
+
+@dataclass(frozen=True)
+class PromptSharing:
+    """``trainer.share_prompts`` and ``trainer.share_prompt_prefix`` resolved, as the forwards take them: true (each
+    distinct prompt of a micro-batch once) or false, like the bool it stands in for; ``common_prefix`` says whether the
+    prefix every distinct prompt starts with is computed once too (``auto``, ``True``, ``False``)."""
+
+    prompts: bool
+    common_prefix: object = "auto"
+
+    def __bool__(self) -> bool:
+        return self.prompts
+
+
+def common_prefix_mode(share_prompts) -> object:
+    """The ``common_prefix`` setting a forward's ``share_prompts`` argument carries (``auto`` for a plain bool)."""
+    return share_prompts.common_prefix if isinstance(share_prompts, PromptSharing) else "auto"
 
 
 @dataclass
@@ -54,6 +89,13 @@ class SharedPrefix:
 
     keys_values: list  # per layer (K, V), each (U, kv_heads, L, head_dim), in the autograd graph of the prefix pass
     inverse: torch.Tensor  # (B,) which distinct prompt each row has
+    mask: torch.Tensor | None = None  # (U, L) the prompts' key columns' mask ([common | tail] layout, ``prompts_once``)
+
+    def attention_mask(self, suffix_mask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The 2-D mask of a suffix pass over rows ``rows`` (default all): each row's prompt columns as the prefix
+        laid them out, then ``suffix_mask`` (b, S) of its own columns."""
+        inv = self.inverse if rows is None else self.inverse[rows]
+        return torch.cat([self.mask.index_select(0, inv).to(suffix_mask.dtype), suffix_mask], 1)
 
     def cache(self, rows: torch.Tensor | None = None, detach: bool = False, grouped: bool = False):
         """A transformers ``DynamicCache`` holding each row's prompt (rows of the micro-batch; default all): a copy of
@@ -176,10 +218,12 @@ def resolve_share_prompts(value, gradient_checkpointing: bool) -> bool:
     return bool(value)
 
 
-def share_prompts_of(cfg) -> bool:
-    """A run config's ``trainer.share_prompts``, resolved against its ``model.gradient_checkpointing``."""
+def share_prompts_of(cfg) -> PromptSharing:
+    """A run config's ``trainer.share_prompts`` (resolved against its ``model.gradient_checkpointing``) and
+    ``trainer.share_prompt_prefix``."""
     trainer, model = cfg.get("trainer") or {}, cfg.get("model") or {}
-    return resolve_share_prompts(trainer.get("share_prompts", "auto"), bool(model.get("gradient_checkpointing", False)))
+    prompts = resolve_share_prompts(trainer.get("share_prompts", "auto"), bool(model.get("gradient_checkpointing", False)))
+    return PromptSharing(prompts, trainer.get("share_prompt_prefix", "auto"))
 
 
 def can_share_prompts(model) -> bool:
@@ -220,17 +264,96 @@ def used_columns(attention_mask: torch.Tensor, prompt_length: int) -> tuple[int,
     return first, prompt_length + used_c
 
 
+def common_prefix_length(ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """The number of leading tokens every row of a left-padded batch (U, L) starts with (0 when the rows are not
+    left-padded token runs: nothing is assumed about other layouts)."""
+    lengths = attention_mask.long().sum(1)
+    n = int(lengths.min()) if ids.shape[0] else 0
+    if ids.shape[0] < 2 or n == 0:
+        return 0
+    start = ids.shape[1] - lengths  # each row's first real column
+    cols = torch.arange(ids.shape[1], device=ids.device)
+    if not torch.equal(attention_mask.bool(), cols >= start[:, None]):
+        return 0
+    aligned = ids.gather(1, start[:, None] + cols[:n])
+    differs = (aligned != aligned[:1]).any(0)
+    return int(differs.long().argmax()) if bool(differs.any()) else n
+
+
+def common_prefix_used(ids: torch.Tensor, attention_mask: torch.Tensor, mode) -> int:
+    """The common prefix ``prompts_once`` computes apart under ``mode`` (``auto`` / true / false): its length, or 0."""
+    if mode is False or mode == "false" or ids.shape[0] < 2:
+        return 0
+    c = min(common_prefix_length(ids, attention_mask), ids.shape[1] - 1)  # a tail column at least (equal rows)
+    if mode == "auto" and (ids.shape[0] - 1) * c < MIN_COMMON_PREFIX_SAVING:
+        return 0
+    return c
+
+
+def prompt_pass_positions(ids: torch.Tensor, attention_mask: torch.Tensor, mode) -> int:
+    """Positions ``prompts_once`` computes for these rows (U, L): c + U · (L − c) with a common prefix c, else U · L."""
+    c = common_prefix_used(ids, attention_mask, mode)
+    return ids.numel() if c == 0 else c + ids.shape[0] * (ids.shape[1] - c)
+
+
+@dataclass
+class PromptPass:
+    """Left-padded token rows run through the decoder with their keys and values kept (``prompts_once``)."""
+
+    keys_values: list  # per layer (K, V), each (U, kv_heads, L', head_dim)
+    mask: torch.Tensor  # (U, L') which of those key columns each row attends to
+    hidden: list  # the passes' last hidden states (the last column of the last one: each row's last token)
+    positions: int  # positions computed
+
+
+def prompts_once(model, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 common_prefix="auto") -> PromptPass:
+    """The decoder on U left-padded rows (U, L) with their keys and values kept, the tokens every row starts with
+    computed once when ``common_prefix`` says so (``common_prefix_used``; module docstring): a common pass of one row
+    (c tokens), then a tail pass of the U rows' last L − c columns attending to the common keys and values. A tail
+    shorter than the longest holds some of its row's common tokens in its first columns: masked there (their keys are
+    the common pass's). Keys / values / mask columns are ``[common | tail]``; ``hidden[-1][:, -1]`` is each row's
+    last token."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    body, embed = decoder_body(model), model.get_input_embeddings()
+    c = common_prefix_used(ids, attention_mask, common_prefix)
+    if c == 0:
+        out = body(inputs_embeds=embed(ids), attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        return PromptPass([(x.keys, x.values) for x in out.past_key_values.layers], attention_mask,
+                          [out.last_hidden_state], ids.numel())
+    U, L = ids.shape
+    first = L - int(attention_mask[0].sum())  # row 0's first token: its c tokens are everyone's
+    head = body(inputs_embeds=embed(ids[:1, first:first + c]), attention_mask=attention_mask[:1, first:first + c],
+                position_ids=position_ids[:1, first:first + c], use_cache=True)
+    cache = DynamicCache()
+    cache.layers = []
+    for x in head.past_key_values.layers:  # one (autograd) copy of the common keys / values per row
+        layer = DynamicLayer()
+        layer.lazy_initialization(x.keys, x.values)
+        layer.keys, layer.values = x.keys.expand(U, -1, -1, -1), x.values.expand(U, -1, -1, -1)
+        cache.layers.append(layer)
+    T = L - c  # tail columns: every row's tokens after the common ones fit (a row has at most L tokens)
+    cols = torch.arange(L - T, L, device=ids.device)
+    after_common = cols >= (L - attention_mask.long().sum(1) + c)[:, None]
+    mask = torch.cat([attention_mask.new_ones(U, c), attention_mask[:, L - T:] * after_common], 1)
+    tail = body(inputs_embeds=embed(ids[:, L - T:]), attention_mask=mask, position_ids=position_ids[:, L - T:],
+                past_key_values=cache, use_cache=True)
+    return PromptPass([(x.keys, x.values) for x in tail.past_key_values.layers], mask,
+                      [head.last_hidden_state, tail.last_hidden_state], c + U * T)
+
+
 class _Anchor(torch.autograd.Function):
-    """y = x in the forward; ``anchor`` gets a zero gradient in the backward (it joins the graph, nothing else)."""
+    """y = x in the forward; the ``anchors`` get zero gradients in the backward (they join the graph, nothing else)."""
 
     @staticmethod
-    def forward(ctx, x, anchor):
-        ctx.anchor_shape, ctx.anchor_dtype = anchor.shape, anchor.dtype
+    def forward(ctx, x, *anchors):
+        ctx.anchors = [(a.shape, a.dtype) for a in anchors]
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g, g.new_zeros(ctx.anchor_shape, dtype=ctx.anchor_dtype)
+        return (g, *(g.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.anchors))
 
 
 def body_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -258,16 +381,15 @@ def body_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
                           start=lo, positions=ids.numel())
     first, inverse = groups
     L = Pt - 1  # prefix columns: the prompt without its last token
-    pre = body(inputs_embeds=embed(ids[first, :L]), attention_mask=attn[first, :L], position_ids=pos[first, :L],
-               use_cache=True)
-    prefix = SharedPrefix([(layer.keys, layer.values) for layer in pre.past_key_values.layers], inverse)
+    pre = prompts_once(model, ids[first, :L], attn[first, :L], pos[first, :L], common_prefix_mode(share_prompts))
+    prefix = SharedPrefix(pre.keys_values, inverse, pre.mask)
     embeds = embed(ids[:, L:])
-    out = body(inputs_embeds=embeds, attention_mask=attn, position_ids=pos[:, L:],
+    out = body(inputs_embeds=embeds, attention_mask=prefix.attention_mask(attn[:, L:]), position_ids=pos[:, L:],
                past_key_values=prefix.cache(grouped=grouped_prefix_attention(model)), use_cache=True,
                output_hidden_states=hidden_states)
-    hidden = _Anchor.apply(out.last_hidden_state, pre.last_hidden_state) if anchor_prefix else out.last_hidden_state
+    hidden = _Anchor.apply(out.last_hidden_state, *pre.hidden) if anchor_prefix else out.last_hidden_state
     return BodyOutput(embeds, hidden, out.hidden_states if hidden_states else None, P, C,
-                      start=lo + L, prefix=prefix, positions=first.numel() * L + embeds.shape[0] * embeds.shape[1])
+                      start=lo + L, prefix=prefix, positions=pre.positions + embeds.shape[0] * embeds.shape[1])
 
 
 def continue_forward(model, fwd: BodyOutput, inputs_embeds: torch.Tensor, rows: torch.Tensor,
@@ -281,8 +403,7 @@ def continue_forward(model, fwd: BodyOutput, inputs_embeds: torch.Tensor, rows: 
     if fwd.prefix is None:
         return body(inputs_embeds=inputs_embeds, attention_mask=attention_mask[:, fwd.start:hi],
                     position_ids=position_ids[:, fwd.start:hi], use_cache=False).last_hidden_state
-    lo = fwd.start - fwd.prefix.keys_values[0][0].shape[2]  # the prefix pass's first column
-    return body(inputs_embeds=inputs_embeds, attention_mask=attention_mask[:, lo:hi],
+    return body(inputs_embeds=inputs_embeds, attention_mask=fwd.prefix.attention_mask(attention_mask[:, fwd.start:hi], rows),
                 position_ids=position_ids[:, fwd.start:hi],
                 past_key_values=fwd.prefix.cache(rows, detach=True, grouped=grouped_prefix_attention(model)),
                 use_cache=True).last_hidden_state

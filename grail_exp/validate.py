@@ -193,6 +193,8 @@ def trainer(cfg) -> list[str]:
     _check(e, t.keep_last_checkpoints is None or t.keep_last_checkpoints >= 1, "trainer.keep_last_checkpoints",
            t.keep_last_checkpoints, "must be >= 1 or null")
     share = t.get("share_prompts", "auto")
+    _check(e, t.get("share_prompt_prefix", "auto") in ("auto", True, False), "trainer.share_prompt_prefix",
+           t.get("share_prompt_prefix"), "must be auto, true or false")
     _check(e, share in ("auto", True, False), "trainer.share_prompts", share, "must be auto, true or false")
     _check(e, not (share is True and cfg.model.gradient_checkpointing), "trainer.share_prompts", share,
            "cannot be true with model.gradient_checkpointing=true (a layer replayed in the backward has no cache of "

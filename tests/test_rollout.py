@@ -229,6 +229,40 @@ def test_lean_decoder_samples_what_generate_samples(tiny_model, tiny_tokenizer, 
         assert 1 <= sum(not c.truncated for c in lean) < len(lean)  # rows stopped early and rows ran to the budget
 
 
+def test_lean_decoder_prefills_a_common_prompt_prefix_once(tiny_model, tiny_tokenizer, monkeypatch):
+    """Prompts that start with one system turn: the lean decoder prefills it once (a pass of its c tokens, then the
+    prompts' tails), and samples what ``generate`` samples under the same seed — the same tokens and stop flags,
+    log-probs within a reordered reduction of the logits' scale."""
+    import grail_exp.rollout.hf as hf
+    from grail_exp.rollout.hf import HFRolloutEngine
+
+    system = [{"role": "system", "content": "Answer with one number in a box. Be brief, exact and careful."}]
+    texts = [tiny_tokenizer.apply_chat_template([*system, {"role": "user", "content": f"Compute {i}+{i * 7}."}],
+                                                add_generation_prompt=True, tokenize=False, enable_thinking=False)
+             for i in range(3)]
+    prompts = tiny_tokenizer(texts, add_special_tokens=False)["input_ids"]
+    c = 0
+    while all(len(p) > c and p[c] == prompts[0][c] for p in prompts):
+        c += 1
+    passes = []
+    real = hf.prompts_once
+    monkeypatch.setattr(hf, "prompts_once", lambda *a, **k: passes.append(real(*a, **k)) or passes[-1])
+    params = SamplingParams(n=4, max_new_tokens=16, logprobs=True, temperature=1.0)
+    out = {}
+    for decode in ("transformers", "lean"):
+        torch.manual_seed(3)
+        out[decode] = HFRolloutEngine(tiny_model, tiny_tokenizer, decode=decode, common_prefix=True).generate(prompts,
+                                                                                                           params)
+    L = max(map(len, prompts))
+    assert c > 20 and [p.positions for p in passes] == [c + 3 * (L - c)]  # the system turn once, then 3 tails
+    ref, lean = out["transformers"], out["lean"]
+    assert [x.token_ids for x in lean] == [x.token_ids for x in ref]
+    assert [x.truncated for x in lean] == [x.truncated for x in ref]
+    with torch.no_grad():
+        scale = tiny_model.get_output_embeddings().weight.abs().max().item() * 10  # |logit| bound, as above
+    assert max(abs(a - b) for x, y in zip(lean, ref) for a, b in zip(x.logprobs, y.logprobs)) <= MODEL_REORDER * scale
+
+
 def test_grouped_decode_attention_is_each_rows_softmax_attention():
     """One decode step of the grouped attention against a brute-force loop: row r's query against the concatenation of
     its prompt's keys (padding masked) and its own generated keys, softmax in float64. Rows of unequal groups (a

@@ -21,7 +21,8 @@ def build_engine(name: str, model, tokenizer, batch_size: int = 256, *, cfg=None
         from grail_exp.rollout.hf import HFRolloutEngine
 
         draw = cfg.rollout.get("draw", "multinomial") if cfg is not None else "multinomial"
-        return HFRolloutEngine(model, tokenizer, batch_size=batch_size, draw=draw)
+        common = (cfg.get("trainer") or {}).get("share_prompt_prefix", "auto") if cfg is not None else "auto"
+        return HFRolloutEngine(model, tokenizer, batch_size=batch_size, draw=draw, common_prefix=common)
     if name == "vllm":
         if cfg is None or model_path is None:
             raise ValueError("build_engine('vllm', ...) needs cfg= (for rollout.vllm) and model_path= (where to start)")

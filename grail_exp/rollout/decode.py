@@ -88,15 +88,16 @@ def register() -> str:
     return ATTENTION_NAME
 
 
-def decode_cache(prefill_cache, prompt_mask: torch.Tensor, capacity: int, groups: RowGroups):
-    """A transformers ``DynamicCache`` holding ``DecodeKV`` layers built from the prefill's cache (U prompt rows)."""
+def decode_cache(keys_values: list, prompt_mask: torch.Tensor, capacity: int, groups: RowGroups):
+    """A transformers ``DynamicCache`` holding ``DecodeKV`` layers built from the prefill's keys and values (per layer
+    (K, V), each (U, kv_heads, P, head_dim)) and their columns' mask (U, P)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     class DecodeLayer(DynamicLayer):
         def __init__(self, kv: DecodeKV):
             super().__init__()
             self.kv, self.is_initialized = kv, True
-            self.dtype, self.device = prefill_cache.layers[0].keys.dtype, kv.kp.device
+            self.dtype, self.device = keys_values[0][0].dtype, kv.kp.device
 
         def update(self, keys, values, *args, **kwargs):
             self.kv.write(keys, values)
@@ -106,5 +107,5 @@ def decode_cache(prefill_cache, prompt_mask: torch.Tensor, capacity: int, groups
             return self.kv.kp.shape[2] + self.kv.length
 
     cache = DynamicCache()
-    cache.layers = [DecodeLayer(DecodeKV(x.keys, x.values, prompt_mask, capacity, groups)) for x in prefill_cache.layers]
+    cache.layers = [DecodeLayer(DecodeKV(k, v, prompt_mask, capacity, groups)) for k, v in keys_values]
     return cache

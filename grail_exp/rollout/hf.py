@@ -8,7 +8,8 @@ The decode loop (``sample``) is transformers ``generate``'s sampling, written fo
 
 - **each distinct prompt is prefilled once**: the n completions of a prompt start from copies of its keys and values
   (``generate`` with ``num_return_sequences`` prefills the n copies of each prompt; for 4 prompts x 8 completions of
-  ~130 tokens that was 8x the prefill work);
+  ~130 tokens that was 8x the prefill work), and the tokens all the prompts start with (a system prompt, few-shot
+  turns) once for all of them (``common_prefix``: ``grail_exp.forward.prompts_once``, ``trainer.share_prompt_prefix``);
 - **the cache is preallocated** (prompt + the token budget) and written in place, instead of a concatenation of the
   whole cache at every step;
 - **finished completions leave the batch**: rows that emitted a stop token are dropped from the forward (in steps,
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.forward import can_share_prompts, decoder_body, output_layer, position_ids_from_mask
+from grail_exp.forward import can_share_prompts, decoder_body, output_layer, position_ids_from_mask, prompts_once
 from grail_exp.models import SDPA_GQA
 from grail_exp.rollout.base import Completion, SamplingParams
 from grail_exp.rollout.decode import RowGroups, decode_cache
@@ -76,12 +77,13 @@ class SampledTokenLogprobs:
 
 class HFRolloutEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256, stop_token_ids: list[int] | None = None,
-                 decode: str = "lean", draw: str = "multinomial"):
+                 decode: str = "lean", draw: str = "multinomial", common_prefix="auto"):
         if decode not in DECODERS:
             raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
         if draw not in DRAWS:
             raise ValueError(f"draw must be one of {DRAWS}, got {draw!r}")
         self.draw = draw
+        self.common_prefix = common_prefix  # the lean decoder's prefill (``prompts_once``): auto | true | false
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size  # completions per call (the memory knob)
@@ -108,7 +110,8 @@ class HFRolloutEngine:
                 ids, attn = left_pad(chunk, self.tokenizer.pad_token_id, device)
                 if lean:
                     seqs, logprobs = sample(self.model, ids, attn, params, self.stop_token_ids,
-                                            self.tokenizer.pad_token_id, draw=self.draw)
+                                            self.tokenizer.pad_token_id, draw=self.draw,
+                                            common_prefix=self.common_prefix)
                 else:
                     seqs, logprobs = self._transformers_generate(ids, attn, params)
                 out.extend(self._completions(chunk, seqs.cpu(), logprobs, params))
@@ -197,23 +200,25 @@ def lean_decoding_applies(model) -> bool:
 
 @torch.no_grad()
 def sample(model, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams, stop_ids: list[int], pad_id: int,
-           compact_at: float = 0.25, draw: str = "multinomial") -> tuple[torch.Tensor, torch.Tensor | None]:
+           compact_at: float = 0.25, draw: str = "multinomial",
+           common_prefix="auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """``params.n`` completions of each left-padded prompt (U, P): (U·n, T) token ids (``pad_id`` after a row's stop
     token) and their log softmax(z / T) (U·n, T) float32 when ``params.logprobs``; prompt-major rows.
 
     ``compact_at``: the finished share of the computed rows at which they are dropped from the batch. ``draw``:
-    ``multinomial`` (``generate``'s random stream) or ``inverse_cdf`` (the same distribution, faster)."""
+    ``multinomial`` (``generate``'s random stream) or ``inverse_cdf`` (the same distribution, faster).
+    ``common_prefix``: whether the tokens every prompt starts with are prefilled once (``forward.prompts_once``)."""
     U, P = ids.shape
     n, T = params.n, params.max_new_tokens
     B, dev = U * n, ids.device
     body, (weight, bias) = decoder_body(model), output_layer(model)
     before, warpers = _processors(params)
     pos = position_ids_from_mask(attn)
-    pre = body(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)  # each prompt once
+    pre = prompts_once(model, ids, attn, pos, common_prefix)  # each prompt once (their common prefix once)
     expand = torch.arange(U, device=dev).repeat_interleave(n)  # prompt-major, as generate's num_return_sequences
     groups = RowGroups(expand, U)
-    cache = decode_cache(pre.past_key_values, attn, T, groups)
-    logits = _head(pre.last_hidden_state[:, -1], weight, bias).index_select(0, expand)  # (B, V) float32
+    cache = decode_cache(pre.keys_values, pre.mask, T, groups)
+    logits = _head(pre.hidden[-1][:, -1], weight, bias).index_select(0, expand)  # (B, V) float32
     del pre  # the prefill's own cache: the decode cache holds the prompts' keys and values (in float32)
     history = torch.cat([ids.index_select(0, expand), ids.new_full((B, T), pad_id)], 1)  # the repetition penalty's
     next_pos = pos[:, -1].index_select(0, expand) + 1

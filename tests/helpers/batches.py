@@ -76,17 +76,24 @@ INTERLEAVED_ROWS = [
 ]
 
 
-def interleaved_training_batch(tok):
+# A system turn every prompt starts with: with it the three prompts share a prefix of ~40 tokens (as a system prompt or
+# few-shot turns give real runs), which the forwards compute once (trainer.share_prompt_prefix).
+COMMON_SYSTEM = ("You are a careful arithmetic tutor. Work through the operations from left to right, one at a time, "
+                 "and put the final number in \\boxed{}.")
+
+
+def interleaved_training_batch(tok, system: str | None = None):
     """A TrainingBatch of ``INTERLEAVED_ROWS``: left-padded prompts of three lengths, groups interleaved and of
-    unequal size, advantages = reward minus the group mean."""
+    unequal size, advantages = reward minus the group mean. ``system``: a system turn before each question."""
     from grail_exp.forward import position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
     from grail_exp.training.batch import TrainingBatch
 
     comps = []
     for q, text, _ in INTERLEAVED_ROWS:
-        prompt = tok.apply_chat_template([{"role": "user", "content": INTERLEAVED_QUESTIONS[q][0]}], add_generation_prompt=True,
-                                         tokenize=False, enable_thinking=False)
+        turns = [{"role": "system", "content": system}] if system else []
+        prompt = tok.apply_chat_template([*turns, {"role": "user", "content": INTERLEAVED_QUESTIONS[q][0]}],
+                                         add_generation_prompt=True, tokenize=False, enable_thinking=False)
         p = tok(prompt, add_special_tokens=False)["input_ids"]
         comps.append(Completion(p, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], None, False))
     rb = pad_completions(comps, tok.pad_token_id)

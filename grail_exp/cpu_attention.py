@@ -137,13 +137,49 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return ExplicitAttention.apply(query, key, value, mask, float(scale))
 
 
+class SuffixPacking:
+    """A suffix pass run on its rows' own positions only: the (B, S) layout's padding (completion columns past a row's
+    last token) is left out of every position-wise product — projections, MLP, norms — by packing each row's positions
+    up to its last token into one row (1, N); the attention unpacks queries, keys and values to (B, S) and runs there
+    under ``mask``, the padded layout's (B, 1, S, L+S) boolean mask (the row's prompt columns, its own suffix causally,
+    masked columns masked). A masked column before a row's last token (a token masked out, as OAR-P's copies do) is
+    still computed: its output is the row's, as in the padded layout."""
+
+    def __init__(self, suffix_mask: torch.Tensor, prefix_mask: torch.Tensor):
+        """``suffix_mask`` (B, S): the suffix columns attended to; ``prefix_mask`` (B, L): each row's prompt columns."""
+        self.rows, self.width = suffix_mask.shape
+        keys = suffix_mask.bool()
+        computed = keys.flip(1).cumsum(1).flip(1) > 0  # up to each row's last attended column
+        self.index = computed.reshape(-1).nonzero().squeeze(1)  # (N,) row-major: row r's positions in order
+        causal = torch.ones(self.width, self.width, dtype=torch.bool, device=keys.device).tril()
+        self.mask = torch.cat([prefix_mask.bool()[:, None, :].expand(-1, self.width, -1),
+                               causal[None] & keys[:, None, :]], -1)[:, None]
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (1, N, ...)."""
+        return x.reshape(self.rows * self.width, *x.shape[2:]).index_select(0, self.index).unsqueeze(0)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, N, ...) -> (B, S, ...), zeros at padding."""
+        out = x.new_zeros(self.rows * self.width, *x.shape[2:]).index_copy(0, self.index, x[0])
+        return out.view(self.rows, self.width, *x.shape[2:])
+
+    def unpack_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, heads, N, D) -> (B, heads, S, D)."""
+        return self.unpack(x.transpose(1, 2)).transpose(1, 2)
+
+
 class PrefixSuffixKV:
     """One layer's keys and values in the suffix pass of a micro-batch whose distinct prompts were computed once
-    (``grail_exp/forward.py``): the prompts' (U rows, L positions) and the rows' own suffix (B rows, S positions)."""
+    (``grail_exp/forward.py``): the prompts' (U rows, L positions) and the rows' own suffix (B rows, S positions;
+    ``packing``: the pass ran on the real positions only and these are unpacked from them)."""
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, groups: RowGroups):
+                 values: torch.Tensor, groups: RowGroups, packing: SuffixPacking | None = None):
+        if packing is not None:
+            keys, values = packing.unpack_heads(keys), packing.unpack_heads(values)
         self.kp, self.vp, self.ks, self.vs, self.groups = prefix_keys, prefix_values, keys, values, groups
+        self.packing = packing
 
     def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's (prompt ⊕ suffix) keys and values, (B, kv_heads, L+S, D): what a plain cache would hold."""

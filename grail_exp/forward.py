@@ -44,6 +44,10 @@ zero past the computed columns (positions that only ever meet a zero loss mask).
 On CPU with the ``sdpa_gqa`` attention the suffix pass does not copy the prompt to each row: its cache hands the
 attention each prompt's keys and values once, and the rows of a prompt attend to them in one product
 (``grail_exp.cpu_attention.PrefixSuffixAttention``; the autograd sum over rows then happens inside that product).
+Its position-wise work — projections, MLP, norms — then runs on each row's own positions only (``suffix_pass``,
+``SuffixPacking``): the rows' suffixes up to their last token are packed into one sequence, and the attention unpacks
+queries, keys and values to the (B, S) layout under its mask. Completion lengths vary within a micro-batch (SmolLM2's
+average ~16 tokens, its micro-batches' longest ~20), so this leaves out the padding the column cut above cannot.
 
 This file sits below everything that runs a policy forward (the training phases, the update backends, the advantage
 schemes, the teacher of RLSD / SDPG, the weights and bench tools) and imports nothing of the project but
@@ -57,7 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.cpu_attention import SDPA_GQA, PrefixSuffixKV, RowGroups
+from grail_exp.cpu_attention import SDPA_GQA, PrefixSuffixKV, RowGroups, SuffixPacking
 from grail_exp.logprobs import linear_logprob
 
 SHARE_PROMPTS = ("auto", True, False)  # trainer.share_prompts
@@ -97,10 +101,12 @@ class SharedPrefix:
         inv = self.inverse if rows is None else self.inverse[rows]
         return torch.cat([self.mask.index_select(0, inv).to(suffix_mask.dtype), suffix_mask], 1)
 
-    def cache(self, rows: torch.Tensor | None = None, detach: bool = False, grouped: bool = False):
+    def cache(self, rows: torch.Tensor | None = None, detach: bool = False, grouped: bool = False,
+              packing: SuffixPacking | None = None):
         """A transformers ``DynamicCache`` holding each row's prompt (rows of the micro-batch; default all): a copy of
         the prompt's keys and values per row, or (``grouped``) layers whose ``update`` hands the attention the prompts
-        and the suffix apart (``PrefixSuffixKV``: only the model's ``sdpa_gqa`` attention reads it)."""
+        and the suffix apart (``PrefixSuffixKV``: only the model's ``sdpa_gqa`` attention reads it; ``packing``: the
+        suffix pass runs on its real positions only)."""
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
         inv = self.inverse if rows is None else self.inverse[rows]
@@ -114,7 +120,7 @@ class SharedPrefix:
             if grouped:
                 if used.numel() < k.shape[0]:
                     k, v = k.index_select(0, used), v.index_select(0, used)
-                cache.layers.append(_prefix_layer_class()(k, v, groups))
+                cache.layers.append(_prefix_layer_class()(k, v, groups, packing))
                 continue
             layer = DynamicLayer()
             layer.lazy_initialization(k, v)
@@ -131,13 +137,13 @@ def _prefix_layer_class():
     class PrefixLayer(DynamicLayer):
         """A cache layer holding the distinct prompts' keys and values: ``update`` returns them with the suffix's, apart."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, groups: RowGroups):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, groups: RowGroups, packing=None):
             super().__init__()
-            self.prefix_keys, self.prefix_values, self.groups = keys, values, groups
+            self.prefix_keys, self.prefix_values, self.groups, self.packing = keys, values, groups, packing
             self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
 
         def update(self, keys, values, *args, **kwargs):
-            return PrefixSuffixKV(self.prefix_keys, self.prefix_values, keys, values, self.groups), None
+            return PrefixSuffixKV(self.prefix_keys, self.prefix_values, keys, values, self.groups, self.packing), None
 
         def get_seq_length(self) -> int:
             return self.prefix_keys.shape[2]
@@ -343,6 +349,32 @@ def prompts_once(model, ids: torch.Tensor, attention_mask: torch.Tensor, positio
                       [head.last_hidden_state, tail.last_hidden_state], c + U * T)
 
 
+def suffix_pass(model, prefix: SharedPrefix, embeds: torch.Tensor, suffix_mask: torch.Tensor,
+                position_ids: torch.Tensor, rows: torch.Tensor | None = None, detach: bool = False,
+                hidden_states: bool = False):
+    """The decoder on the suffixes (b, S) of rows ``rows`` (default all) against their shared prompts: (last hidden
+    state (b, S, d), every layer's output or None, positions computed). Where the suffix pass hands the attention
+    the prompts apart (``grouped_prefix_attention``) and some suffix columns are padding, it runs on the real
+    positions only (``SuffixPacking``) and its output is unpacked with zeros at the padding — unless every layer's
+    output is asked for: a scheme differentiating with respect to one (GRAIL's middle-layer leaf) needs the tensor
+    the next layer read, not an unpacked copy of it."""
+    body = decoder_body(model)
+    grouped = grouped_prefix_attention(model)
+    mask = prefix.attention_mask(suffix_mask, rows)
+    real = suffix_mask.bool()
+    if not grouped or hidden_states or bool(real[:, -1].all()):  # no row ends before the last column: nothing to drop
+        out = body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                   past_key_values=prefix.cache(rows, detach=detach, grouped=grouped), use_cache=True,
+                   output_hidden_states=hidden_states)
+        return out.last_hidden_state, out.hidden_states if hidden_states else None, real.numel()
+    prompt_columns = mask.shape[1] - real.shape[1]
+    packing = SuffixPacking(suffix_mask, mask[:, :prompt_columns])
+    out = body(inputs_embeds=packing.pack(embeds), position_ids=packing.pack(position_ids),
+               attention_mask=mask.new_ones(1, prompt_columns + packing.index.numel()),  # the attention uses packing.mask
+               past_key_values=prefix.cache(rows, detach=detach, grouped=True, packing=packing), use_cache=True)
+    return packing.unpack(out.last_hidden_state), None, packing.index.numel()
+
+
 class _Anchor(torch.autograd.Function):
     """y = x in the forward; the ``anchors`` get zero gradients in the backward (they join the graph, nothing else)."""
 
@@ -384,12 +416,11 @@ def body_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     pre = prompts_once(model, ids[first, :L], attn[first, :L], pos[first, :L], common_prefix_mode(share_prompts))
     prefix = SharedPrefix(pre.keys_values, inverse, pre.mask)
     embeds = embed(ids[:, L:])
-    out = body(inputs_embeds=embeds, attention_mask=prefix.attention_mask(attn[:, L:]), position_ids=pos[:, L:],
-               past_key_values=prefix.cache(grouped=grouped_prefix_attention(model)), use_cache=True,
-               output_hidden_states=hidden_states)
-    hidden = _Anchor.apply(out.last_hidden_state, *pre.hidden) if anchor_prefix else out.last_hidden_state
-    return BodyOutput(embeds, hidden, out.hidden_states if hidden_states else None, P, C,
-                      start=lo + L, prefix=prefix, positions=pre.positions + embeds.shape[0] * embeds.shape[1])
+    last, layers, suffix_positions = suffix_pass(model, prefix, embeds, attn[:, L:], pos[:, L:],
+                                                 hidden_states=hidden_states)
+    hidden = _Anchor.apply(last, *pre.hidden) if anchor_prefix else last
+    return BodyOutput(embeds, hidden, layers, P, C, start=lo + L, prefix=prefix,
+                      positions=pre.positions + suffix_positions)
 
 
 def continue_forward(model, fwd: BodyOutput, inputs_embeds: torch.Tensor, rows: torch.Tensor,
@@ -399,14 +430,11 @@ def continue_forward(model, fwd: BodyOutput, inputs_embeds: torch.Tensor, rows: 
     so only the suffix is recomputed. ``attention_mask`` / ``position_ids``: those rows' full (B, P+C) tensors.
     Returns the last hidden state (b, S, d)."""
     hi = fwd.start + inputs_embeds.shape[1]
-    body = decoder_body(model)
     if fwd.prefix is None:
-        return body(inputs_embeds=inputs_embeds, attention_mask=attention_mask[:, fwd.start:hi],
-                    position_ids=position_ids[:, fwd.start:hi], use_cache=False).last_hidden_state
-    return body(inputs_embeds=inputs_embeds, attention_mask=fwd.prefix.attention_mask(attention_mask[:, fwd.start:hi], rows),
-                position_ids=position_ids[:, fwd.start:hi],
-                past_key_values=fwd.prefix.cache(rows, detach=True, grouped=grouped_prefix_attention(model)),
-                use_cache=True).last_hidden_state
+        return decoder_body(model)(inputs_embeds=inputs_embeds, attention_mask=attention_mask[:, fwd.start:hi],
+                                   position_ids=position_ids[:, fwd.start:hi], use_cache=False).last_hidden_state
+    return suffix_pass(model, fwd.prefix, inputs_embeds, attention_mask[:, fwd.start:hi], position_ids[:, fwd.start:hi],
+                       rows, detach=True)[0]
 
 
 def completion_logits(model, input_ids, attention_mask, position_ids, completion_len: int, temperature: float):

@@ -218,3 +218,35 @@ def test_config_key_reaches_every_attention_module(compose_cfg):
         model = load_causal_lm(resolve_model_path(cfg), cfg, trainable=True)
         attn = [mod for mod in model.modules() if hasattr(mod, "num_key_value_groups")]
         assert len(attn) == 2 and all(getattr(mod, EXPLICIT_ATTENTION_ATTR) == value for mod in attn)
+
+
+def test_suffix_packing_keeps_each_rows_positions_up_to_its_last_token():
+    """``SuffixPacking`` against a loop over rows and columns: the packed positions are each row's columns up to its
+    last attended one (a masked column before it, as in OAR-P's masked copies, included), in row order; the mask is the
+    padded layout's (the row's prompt columns, its own suffix causally, masked columns masked); unpack(pack(x)) is x
+    there and zero elsewhere."""
+    from grail_exp.cpu_attention import SuffixPacking
+
+    suffix = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    prefix = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [1, 1, 1]])
+    packing = SuffixPacking(suffix, prefix)
+    expected = [r * 5 + j for r in range(4) for j in range(5) if suffix[r, j:].any()]
+    assert packing.index.tolist() == expected == [0, 1, 2, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15]
+    B, S, L = 4, 5, 3
+    assert packing.mask.shape == (B, 1, S, L + S)
+    for b in range(B):
+        for i in range(S):
+            for j in range(L):
+                assert bool(packing.mask[b, 0, i, j]) == bool(prefix[b, j])
+            for j in range(S):
+                assert bool(packing.mask[b, 0, i, L + j]) == (j <= i and bool(suffix[b, j]))
+    x = torch.randn(B, S, 2, 3)
+    packed = packing.pack(x)
+    assert packed.shape == (1, len(expected), 2, 3)
+    back = packing.unpack(packed)
+    kept = torch.zeros(B * S, dtype=torch.bool)
+    kept[expected] = True
+    kept = kept.view(B, S)
+    assert torch.equal(back[kept], x[kept]) and not back[~kept].any()
+    heads = torch.randn(1, 2, len(expected), 3)  # (1, heads, N, D) as a layer's keys arrive
+    assert torch.equal(packing.unpack_heads(heads).transpose(1, 2)[kept], heads[0].transpose(0, 1))

@@ -20,8 +20,8 @@ import torch
 
 from grail_exp.data.prompting import encode_prompts
 from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
-from grail_exp.forward import (can_share_prompts, common_prefix_mode, position_ids_from_mask, prompt_pass_positions,
-                               share_prompts_of)
+from grail_exp.forward import (can_share_prompts, common_prefix_mode, grouped_prefix_attention, position_ids_from_mask,
+                               prompt_pass_positions, share_prompts_of)
 from grail_exp.host import return_freed_memory
 from grail_exp.logprobs import kept_log_mass
 from grail_exp.extraction import strip_think
@@ -167,8 +167,9 @@ class RolloutPhase:
                 # Probe rows first (the other micro-batches skip the probe) can split every prompt's group across
                 # micro-batches, so each computes more distinct prompts; whole groups keep the sharing. The cheaper.
                 share = share_prompts_of(self.cfg) if can_share_prompts(self.policy) else False
+                packed = grouped_prefix_attention(self.policy)
                 grouped = row_order(batch, mini, needs, by_length, whole_groups=True)
-                order = min((order, grouped), key=lambda o: update_work(batch, o, mini, micro, needs, share))
+                order = min((order, grouped), key=lambda o: update_work(batch, o, mini, micro, needs, share, packed))
             batch.permute(order)
 
     def rows_reorderable(self) -> bool:
@@ -425,12 +426,13 @@ def row_order(batch: TrainingBatch, size: int, probe: torch.Tensor | None, by_le
 
 
 def update_work(batch: TrainingBatch, order: torch.Tensor, mini: int, micro: int, probe: torch.Tensor,
-                share) -> int:
+                share, packed: bool = False) -> int:
     """The update's work under a row order, in decoder positions: per micro-batch (``micro`` rows, within mini-batches
     of ``mini``), 3 × the positions its forward computes (forward + backward; each distinct prompt once when ``share``
     — their common prefix once too, as its ``share_prompt_prefix`` says — as ``grail_exp/forward.py`` counts them, a
     group standing for a distinct prompt) and, when it holds a probe row, 1 × its suffix positions (a scheme's
-    input-gradient pass through that forward, which stops at the prompt's keys)."""
+    input-gradient pass through that forward, which stops at the prompt's keys). ``packed``: a shared suffix pass runs
+    each row's own positions only (``forward.suffix_pass``), not the micro-batch's longest."""
     P = batch.prompt_length
     ids, attn = batch.input_ids[order, :P], batch.attention_mask[order, :P]
     prompt, completion = attn.sum(1), batch.attention_mask[order, P:].sum(1)
@@ -440,11 +442,13 @@ def update_work(batch: TrainingBatch, order: torch.Tensor, mini: int, micro: int
         rows = slice(s, min(s + micro, n, (s // mini + 1) * mini))
         B, p, c = completion[rows].numel(), int(prompt[rows].max()), int(completion[rows].max())
         groups, first = torch.unique(group[rows], return_inverse=True)
+        suffix = B * (c + 1)
         if share and groups.numel() < B:
             one = torch.full((groups.numel(),), B).scatter_reduce(0, first, torch.arange(B), "amin") + s
             prompts = prompt_pass_positions(ids[one, P - p:P - 1], attn[one, P - p:P - 1], common_prefix_mode(share))
-            positions = prompts + B * (c + 1)
+            suffix = int(completion[rows].sum()) + B if packed else suffix
+            positions = prompts + suffix
         else:
             positions = B * (p + c)
-        work += 3 * positions + (B * (c + 1) if bool(needs[rows].any()) else 0)
+        work += 3 * positions + (suffix if bool(needs[rows].any()) else 0)
     return work

@@ -56,6 +56,7 @@ schemes, the teacher of RLSD / SDPG, the weights and bench tools) and imports no
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -447,6 +448,21 @@ def completion_logits(model, input_ids, attention_mask, position_ids, completion
                 logits_to_keep=completion_len + 1, use_cache=False)
     logits = out.logits[:, :-1, :]
     return logits / temperature if temperature != 1.0 else logits
+
+
+@contextlib.contextmanager
+def frozen_parameters(model):
+    """The model's parameters as constants for the block: a pass that differentiates with respect to its inputs only
+    (OAR-G's noisy pass) then records no layer input for a weight gradient. Graphs built before or after are
+    untouched (their parameters' ``requires_grad`` is restored on exit)."""
+    live = [p for p in model.parameters() if p.requires_grad]
+    for p in live:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in live:
+            p.requires_grad_(True)
 
 
 def output_layer(model) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -451,3 +451,32 @@ def test_grail_takes_the_cheaper_probe_order_and_the_step_is_the_same(monkeypatc
     assert chosen["order"] == forced[min(costs, key=costs.get)]["order"]
     if share:  # three distinct prompts in each row-level micro-batch against two
         assert costs[True] < costs[False]
+
+
+def test_frozen_parameters_keep_no_layer_inputs_and_leave_other_graphs_alone():
+    """``frozen_parameters``: inside it a pass differentiated with respect to its input saves no tensor but the
+    parameters themselves (a linear layer's input is kept only for its weight gradient) and gives the input gradient
+    written out by hand (1ᵀ W for the sum of x Wᵀ + b); a graph built before it still fills every parameter's
+    gradient afterwards; ``requires_grad`` is restored even when the block raises."""
+    from grail_exp.forward import frozen_parameters
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    before = model(torch.randn(2, 4)).sum()
+    saved = []
+    x = torch.randn(5, 4, requires_grad=True)
+    with frozen_parameters(model):
+        assert not any(p.requires_grad for p in model.parameters())
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = model(x).sum()
+        (g,) = torch.autograd.grad(out, x)
+    params = {id(p) for p in model.parameters()}
+    assert all(id(t) in params or t.data_ptr() == model.weight.data_ptr() for t in saved)
+    assert torch.allclose(g, model.weight.detach().sum(0).expand(5, 4))
+    assert all(p.requires_grad for p in model.parameters())
+    before.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with pytest.raises(RuntimeError, match="inside"):
+        with frozen_parameters(model):
+            raise RuntimeError("inside")
+    assert all(p.requires_grad for p in model.parameters())

@@ -46,7 +46,7 @@ from grail_exp.advantages.base import (
     register_scheme,
 )
 from grail_exp.advantages.probe import detached_head_logits, masked_mean_std
-from grail_exp.forward import body_forward, continue_forward, output_layer
+from grail_exp.forward import body_forward, continue_forward, frozen_parameters, output_layer
 from grail_exp.logprobs import linear_logprob
 
 SUPPRESS_FLOOR = 0.1  # both codebases floor suppressed tokens at 0.1
@@ -265,11 +265,12 @@ class OARGScheme(AdvantageScheme):
         noise = torch.randn(full, generator=batch.generator, dtype=torch.float32).to(emb) * cfg.noise_std
         cols = slice(clean.start, clean.start + emb.shape[1])
         noisy = emb + noise[:, cols] * where[:, cols].unsqueeze(-1)
-        # J is a sum over rows and a row's gradient is its own: the noisy pass runs G rows at a time (the graph of one
-        # group alive at once, not the micro-batch's), the same numbers.
+        # J is a sum over rows and a row's gradient is its own: the noisy pass may run the rows in any split, the same
+        # numbers. With the parameters held constant (``frozen_parameters``) its graph keeps no layer inputs for
+        # weight gradients — about half of what a training forward keeps — so the micro-batch's rows run at once.
         gathered = forward is not None
-        g = torch.cat([self._noisy_gradient(model, clean, noisy[c], sel[c], attn[c], pos[c], span_r[c], p0[c], gathered)
-                       for c in torch.arange(sel.numel(), device=sel.device).split(max(1, batch.num_generations or 8))])
+        with frozen_parameters(model):
+            g = self._noisy_gradient(model, clean, noisy, sel, attn, pos, span_r, p0, gathered)
         act = emb if original else noisy
         return (window(g).float() * window(act).float()).sum(-1).abs()
 

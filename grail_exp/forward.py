@@ -66,7 +66,6 @@ from grail_exp.cpu_attention import SDPA_GQA, PrefixSuffixKV, RowGroups, SuffixP
 from grail_exp.logprobs import linear_logprob
 
 SHARE_PROMPTS = ("auto", True, False)  # trainer.share_prompts
-SHARE_PROMPT_PREFIX = ("auto", True, False)  # trainer.share_prompt_prefix
 MIN_COMMON_PREFIX_SAVING = 64  # positions ((U - 1) · c) from which ``auto`` computes a common prefix once
 
 

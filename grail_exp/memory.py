@@ -523,7 +523,9 @@ VLLM_CPU_PAGE_FACTOR = 1.6
 def computed_positions(cfg, rows: int, P: int, C: int) -> int:
     """Positions one micro-batch of ``rows`` computes: with ``trainer.share_prompts`` each of its prompts once (rows
     come grouped: ceil(rows / G) prompts of P − 1 positions, every row's last prompt token and completion), else every
-    row's whole sequence (grail_exp/forward.py)."""
+    row's whole sequence (grail_exp/forward.py). An upper bound where the prompts share a prefix
+    (``trainer.share_prompt_prefix``) or completions end before C (the packed suffix pass): the planner does not
+    know the prompts' tokens nor the completions' lengths."""
     from grail_exp.forward import share_prompts_of
 
     if not share_prompts_of(cfg) or P < 2:

@@ -288,8 +288,11 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(key, PrefixSuffixKV):  # a suffix pass over shared prompts (grail_exp/forward.py)
         kv = key
-        if kv.packing is not None:  # run on its real positions only: attention in the padded layout, under its mask
-            return _packed_suffix_attention(module, query, kv, dropout, scale), None
+        if kv.packing is not None:  # a pass on its real positions only: this attention in the padded layout, repacked
+            padded = PrefixSuffixKV(kv.kp, kv.vp, kv.ks, kv.vs, kv.groups)
+            out, _ = sdpa_gqa_attention(module, kv.packing.unpack_heads(query), padded, None, kv.packing.mask, dropout,
+                                        scaling, is_causal, **kwargs)
+            return kv.packing.pack(out), None
         if (_explicit_applies(module, query, kv.kp.shape[2] + kv.ks.shape[2], attention_mask, dropout,
                               (query, kv.kp, kv.vp, kv.ks, kv.vs)) and attention_mask.dtype == torch.bool):
             return prefix_suffix_attention(query, kv, attention_mask, scale).transpose(1, 2).contiguous(), None
@@ -309,20 +312,6 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
 
 
 EXPLICIT_ATTENTION_ATTR = "cpu_explicit_attention_max_scores"
-
-
-def _packed_suffix_attention(module, query, kv: PrefixSuffixKV, dropout: float, scale: float) -> torch.Tensor:
-    """A packed suffix pass's attention (query (1, H, N, D)) -> (1, N, H, D): unpacked to the (B, S) layout, the
-    prefix / suffix attention where the explicit attention applies, else SDPA over each row's prompt ⊕ suffix."""
-    packing, mask = kv.packing, kv.packing.mask
-    q = packing.unpack_heads(query)
-    if _explicit_applies(module, q, kv.kp.shape[2] + kv.ks.shape[2], mask, dropout, (q, kv.kp, kv.vp, kv.ks, kv.vs)):
-        out = prefix_suffix_attention(q, kv, mask, scale)
-    else:
-        key, value = kv.expanded()
-        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout,
-                                                               scale=scale, enable_gqa=q.shape[1] != key.shape[1])
-    return packing.pack(out.transpose(1, 2))
 
 
 def _explicit_applies(module, query, keys: int, mask, dropout: float, inputs) -> bool:

@@ -441,10 +441,10 @@ def update_work(batch: TrainingBatch, order: torch.Tensor, mini: int, micro: int
     for s in (s for a in range(0, n, mini) for s in range(a, min(a + mini, n), micro)):
         rows = slice(s, min(s + micro, n, (s // mini + 1) * mini))
         B, p, c = completion[rows].numel(), int(prompt[rows].max()), int(completion[rows].max())
-        groups, first = torch.unique(group[rows], return_inverse=True)
+        groups, inverse = torch.unique(group[rows], return_inverse=True)
         suffix = B * (c + 1)
-        if share and groups.numel() < B:
-            one = torch.full((groups.numel(),), B).scatter_reduce(0, first, torch.arange(B), "amin") + s
+        if share and groups.numel() < B:  # one row of each group stands for its prompt
+            one = torch.full((groups.numel(),), B).scatter_reduce(0, inverse, torch.arange(B), "amin") + s
             prompts = prompt_pass_positions(ids[one, P - p:P - 1], attn[one, P - p:P - 1], common_prefix_mode(share))
             suffix = int(completion[rows].sum()) + B if packed else suffix
             positions = prompts + suffix

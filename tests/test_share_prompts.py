@@ -320,7 +320,12 @@ def test_two_ranks_sharing_prompts_equal_one_unshared_process(tmp_path, pinned_m
     w2 = step_weights(two, run_scripted(two, pinned_model_dir, [*extra, "trainer.share_prompts=true",
                                                             "trainer.share_prompt_prefix=true",
                                                             f"trainer={trainer}", "trainer.accelerator=cpu",
-                                                            "trainer.devices=2"]))
+                                                            "trainer.devices=2"], probe_dir=tmp_path / "probe"))
+    from helpers.card_probe import read
+
+    probe = read(tmp_path / "probe")  # each rank ran in the configured world, not alone
+    setups = [[x for x in probe.get(r, []) if x["point"] == "setup"] for r in (0, 1)]
+    assert [[(x["world_size"], x["rank"]) for x in s] for s in setups] == [[(2, 0)], [(2, 1)]], setups
     start = load_file(pinned_model_dir / "model.safetensors")
     moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
     assert moved > 1e-3

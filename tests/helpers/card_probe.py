@@ -95,3 +95,9 @@ def read(probe_dir: Path) -> dict[int, list[dict]]:
     for f in sorted(Path(probe_dir).glob("rank*.jsonl")):
         out[int(f.stem.removeprefix("rank"))] = [json.loads(line) for line in f.read_text().splitlines()]
     return out
+
+
+class WorldProbe(CardProbe):
+    """Only the ``setup`` point: the world each rank ran in (for runs whose engine gives no log-probs to compare)."""
+
+    synced = rollout = step = evaluated = None

@@ -198,6 +198,19 @@ def test_every_scheme_step_on_real_positions_only_equals_unshared(name):
     assert packed["metrics"]["tokens/computed_positions"] == c + len(prompts) * (L - c) + suffix
 
 
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_every_scheme_step_is_the_same_for_any_micro_batch_split(name):
+    """``trainer.micro_batch_size`` is a memory / speed knob: with the default normaliser (dr_grpo: a constant, not a
+    micro-batch's token count) the step of 8 rows in two micro-batches of 4 is the step of one micro-batch of 8, up
+    to summation order, for every scheme — their token weights are per row (OAR-G's noise is drawn for every position
+    of each row in row order, so the split does not move it). The SmolLM2 recipe's 32 rows per micro-batch rest on
+    this."""
+    overrides, weight_tol = SCHEMES[name]
+    split = one_step([*overrides, "trainer.micro_batch_size=4"], True, attn="sdpa_gqa", system=COMMON_SYSTEM)
+    whole = one_step([*overrides, "trainer.micro_batch_size=8"], True, attn="sdpa_gqa", system=COMMON_SYSTEM)
+    assert_same(split, whole, weight_tol)
+
+
 def _distinct_prompts(batch) -> list[list[int]]:
     P = batch.prompt_length
     seen = {}

@@ -39,7 +39,10 @@ outweighs it).
 
 **No padding columns.** Each micro-batch is cut to the columns it uses: left-padding columns that every row pads, and
 completion columns past its longest completion. ``PolicyForward.predicting`` / ``own`` give (B, C, …) windows back,
-zero past the computed columns (positions that only ever meet a zero loss mask).
+zero past the computed columns (positions that only ever meet a zero loss mask). The output layer and its
+log-softmax over the vocabulary — the largest product of a small model's step — run on the completion tokens only,
+not on the right padding of the shorter completions inside the window: ``policy_forward``'s log-probs and entropies
+are 0 there.
 
 On CPU with the ``sdpa_gqa`` attention the suffix pass does not copy the prompt to each row: its cache hands the
 attention each prompt's keys and values once, and the rows of a prompt attend to them in one product
@@ -489,8 +492,14 @@ def policy_forward(model, input_ids, attention_mask, position_ids, completion_id
     weight, bias = output_layer(model)
     C_used = min(completion_ids.shape[1], body.start + body.hidden.shape[1] - (P - 1))  # computed predicting columns
     h = predicting_window(body.hidden, P - body.start, C_used)
-    logp_u, ent_u = linear_logprob(h, weight, bias, completion_ids[:, :C_used], temperature, chunk_tokens,
-                                   logprob_dtype)
+    ids = completion_ids[:, :C_used]
+    real = attention_mask[:, P:P + C_used].bool()  # the completions' tokens; the rest is right padding
+    if bool(real.all()):
+        logp_u, ent_u = linear_logprob(h, weight, bias, ids, temperature, chunk_tokens, logprob_dtype)
+    else:  # the output layer on real tokens only: zeros at the padding, which only ever meets a zero loss mask
+        lp, en = linear_logprob(h[real], weight, bias, ids[real], temperature, chunk_tokens, logprob_dtype)
+        logp_u = lp.new_zeros(real.shape).index_put((real,), lp)
+        ent_u = en.new_zeros(real.shape).index_put((real,), en)
     logp, entropy = _pad_columns(logp_u, completion_ids.shape[1]), _pad_columns(ent_u, completion_ids.shape[1])
     fwd = PolicyForward(body.embeds, body.hidden, body.hidden_states, body.prompt_length, body.completion_length,
                         body.start, body.prefix, body.positions, weight, bias)

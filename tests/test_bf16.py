@@ -221,11 +221,14 @@ def test_logprob_dtype_model_is_the_references_bf16_log_softmax(temperature):
     want = torch.stack([torch.log_softmax(row, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # TRL's row loop
                         for row, ids in zip(scaled, batch.completion_ids)])
     assert want.dtype == torch.bfloat16 and model_lp.dtype == torch.float32
-    assert torch.equal(model_lp, want.float())
+    real = batch.attention_mask[:, batch.prompt_length:].bool()  # the completions' tokens (the padding reads 0)
+    assert not bool(real.all())
+    assert torch.equal(model_lp[real], want.float()[real])
+    assert bool((model_lp[~real] == 0).all()) and bool((f32_lp[~real] == 0).all())
     assert torch.equal(f32_lp, default_lp)  # the default path is the float32 one, untouched
     f32_want = torch.log_softmax(logits.float() / temperature, -1).gather(-1, batch.completion_ids.unsqueeze(-1))
-    assert torch.allclose(f32_lp, f32_want.squeeze(-1), atol=1e-5)  # fp32 softmax of the same bf16 logits
-    assert not torch.equal(f32_lp, model_lp)  # the float32 values are not bf16-rounded
+    assert torch.allclose(f32_lp[real], f32_want.squeeze(-1)[real], atol=1e-5)  # fp32 softmax of the same bf16 logits
+    assert not torch.equal(f32_lp[real], model_lp[real])  # the float32 values are not bf16-rounded
     assert torch.equal(f32_ent, model_ent)  # entropies stay float32 either way
 
 

@@ -129,6 +129,47 @@ def test_policy_forward_and_gradient_equal_unshared(attn):
     assert max((a - b).abs().max() for a, b in zip(gs, gu)) <= MODEL_REORDER * scale
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_output_layer_runs_on_the_completion_tokens_only(monkeypatch, share):
+    """The output layer (and its log-softmax over the vocabulary) runs on each row's completion tokens, not on the
+    right padding of the shorter completions: as many rows as the batch has completion tokens. At those tokens the
+    log-probs and entropies are the model's own (``model(...).logits``, log-softmax and entropy written out here); at
+    the padding they are 0; the gradient of a loss reading both is the full computation's."""
+    from helpers.pinned_step import build_model_and_tokenizer
+
+    import grail_exp.forward as forward_mod
+    from grail_exp.forward import policy_forward
+
+    model, tok = build_model_and_tokenizer()
+    model.config._attn_implementation = "eager"
+    batch = interleaved_training_batch(tok)
+    P, T = batch.prompt_length, 0.7
+    real = batch.attention_mask[:, P:].bool()
+    assert not bool(real.all()) and bool(real.any(1).all())  # completions of different lengths
+    rows_seen = []
+    inner = forward_mod.linear_logprob
+    monkeypatch.setattr(forward_mod, "linear_logprob", lambda h, *a: (rows_seen.append(h.shape[0]), inner(h, *a))[1])
+    model.zero_grad()
+    logp, ent, _ = policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                                  batch.completion_ids, T, chunk_tokens=5, share_prompts=share)
+    assert rows_seen == [int(real.sum())]
+    ((logp * real).sum() + 0.3 * (ent * real).sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad()
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids).logits[:, P - 1:-1].float() / T
+    z = logits - logits.logsumexp(-1, keepdim=True)
+    own_lp = z.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    own_ent = -(z.exp() * z).sum(-1)
+    ((own_lp * real).sum() + 0.3 * (own_ent * real).sum()).backward()
+    assert (logp[real] - own_lp[real]).abs().max() <= MODEL_REORDER * own_lp[real].abs().max()
+    assert (ent[real] - own_ent[real]).abs().max() <= MODEL_REORDER * own_ent[real].abs().max()
+    assert bool((logp[~real] == 0).all()) and bool((ent[~real] == 0).all())
+    scale = max(p.grad.abs().max() for p in model.parameters())
+    assert max((a - p.grad).abs().max() for a, p in zip(grads, model.parameters())) <= MODEL_REORDER * scale
+
+
 # Tolerance on the token weights beyond a reordered reduction, per scheme (zero: the weights are a reordered-reduction
 # function of the model's outputs). OAR-G's Bi-Level reshaping amplifies its importance scores' error: the same
 # derivation as tests/test_fast_path.py (V·eps of a row's range, ×2 min-max, slope ≤ 50, × 1.1): 4.2e-3.

@@ -84,7 +84,7 @@ def test_smollm2_recipe_values():
                 "optim.warmup_steps": 0, "optim.max_grad_norm": 1.0, "rollout.num_generations": 8,
                 "rollout.max_completion_length": 24, "rollout.temperature": 1.0, "rollout.top_p": 1.0,
                 "rollout.top_k": 0, "data.name": "arithmetic", "trainer.name": "cpu", "trainer.max_steps": 20,
-                "trainer.prompts_per_step": 4, "trainer.micro_batch_size": 16, "eval.n": 2, "eval.max_tokens": 24,
+                "trainer.prompts_per_step": 4, "trainer.micro_batch_size": 32, "eval.n": 2, "eval.max_tokens": 24,
                 "loss.num_iterations": 1}
     assert not _wrong(flat, expected)
     assert len(flat["model.few_shot"]) == 3

@@ -71,17 +71,18 @@ def test_probe_runs_only_on_rows_that_need_it():
     assert int(needs.sum()) == 3  # rows 1, 2 (A < 0, boxed) and 6; row 3 has no box
 
 
-def test_skip_zero_advantage_changes_neither_gradient_nor_diagnostics():
+def _step_with_a_zero_variance_group(overrides):
+    """The gradient and the scheme's logged diagnostics of one optimiser step on the pinned batch with its first group's
+    advantages set to 0, for ``skip_zero_advantage`` true and false: {skip: (gradient, diagnostics)}."""
     from grail_exp.advantages import build_scheme
+    from grail_exp.optim import build_optimizer
 
     results = {}
     for skip in (True, False):
-        module, batch = pinned_module(torch.float32, ["advantage=grail", f"advantage.skip_zero_advantage={skip}"])
+        module, batch = pinned_module(torch.float32, [*overrides, f"advantage.skip_zero_advantage={skip}"])
         module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
         batch.advantages[:4] = 0.0  # a zero-variance group
         module.rollout.prepare(batch, {})
-        from grail_exp.optim import build_optimizer
-
         opt = build_optimizer(module.policy, module.cfg.optim, master_weights=False)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         grads = {}
@@ -93,7 +94,13 @@ def test_skip_zero_advantage_changes_neither_gradient_nor_diagnostics():
 
         opt.step = capture
         metrics = module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, epoch=0)
-        results[skip] = (grads["g"], {k: v for k, v in metrics.items() if k.startswith("grail/")})
+        name = module.scheme.name
+        results[skip] = (grads["g"], {k: v for k, v in metrics.items() if k.startswith(f"{name}/")})
+    return results
+
+
+def test_skip_zero_advantage_changes_neither_gradient_nor_diagnostics():
+    results = _step_with_a_zero_variance_group(["advantage=grail"])
     # The probe runs on other rows (a smaller batch): fp32 sums in another order. The A != 0 rows' weights move by
     # <= 1.1e-4 (GRAIL's bound for this batch, test_pinned_step) and the backward by <= 5 x 320 eps = 1.9e-4 of the
     # gradient's scale (x2 for cancellation); the diagnostics by the weight bound (the clip fractions are exact:
@@ -101,6 +108,43 @@ def test_skip_zero_advantage_changes_neither_gradient_nor_diagnostics():
     g_scale = results[False][0].abs().max().item()
     assert torch.allclose(results[True][0], results[False][0], rtol=0, atol=2 * (1.1e-4 + 5 * 320 * 2**-23) * g_scale)
     assert results[True][1] == pytest.approx(results[False][1], rel=0, abs=2 * 1.1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["oar_g", "oar_p"])
+def test_oar_skip_zero_advantage_changes_neither_gradient_nor_diagnostics(scheme):
+    """The zero-variance group fills the first micro-batch (4 rows), and OAR keeps the row order: with the skip that
+    micro-batch scores nothing, the second runs exactly the computation it runs without it — OAR-G's noise included,
+    which is drawn for the skipped rows too — so the gradient and the diagnostics are equal bit for bit (the first
+    micro-batch's loss is 0 × its weights either way). Skipping the draw, or diagnostics over every row, breaks it."""
+    results = _step_with_a_zero_variance_group([f"advantage={scheme}"])
+    assert torch.equal(results[True][0], results[False][0])
+    assert results[True][1] == results[False][1] and results[True][1][f"{scheme}/weight_mean"] == \
+        results[True][1][f"{scheme}/weight_mean"]  # not NaN: the diagnostics saw rows
+
+
+@pytest.mark.parametrize("scheme", ["oar_g", "oar_p"])
+def test_oar_skipped_rows_leave_every_other_rows_weights(scheme):
+    """A = 0 on two rows, one in each group: with the skip they get w = 1 on their valid tokens and are not scored;
+    every other row's weights are those of the run that scores all rows, from the same noise draws (OAR-G)."""
+    from grail_exp.advantages import build_scheme
+
+    module, batch = pinned_module(torch.float32, [f"advantage={scheme}", "advantage.log_compression=log1p"])
+    batch.advantages[[0, 5]] = 0.0
+    out, state = {}, module.scheme_generator.get_state()
+    for skip in (True, False):
+        module.cfg.advantage.skip_zero_advantage = skip
+        module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
+        module.scheme_generator.set_state(state)
+        out[skip] = module.scheme.weights(module.policy, batch.scheme_view(module.scheme_ctx, 0, 8)).weights
+    live = batch.advantages != 0
+    assert torch.equal(out[True][~live], batch.loss_mask[~live].float())
+    assert not torch.equal(out[False][~live], batch.loss_mask[~live].float())  # scored without the skip
+    # OAR-P scores a row with forwards of that row alone: the same numbers. OAR-G's noisy pass runs on 5 boxed rows
+    # instead of 7 (row 3 has no box): fp32 sums in another order, bounded as in
+    # test_oar_g_shared_teacher_equals_separate_teacher (4.2e-3 on the weights); a row given another row's noise
+    # moves by O(1).
+    tol = 0.0 if scheme == "oar_p" else 2 * 320 * torch.finfo(torch.float32).eps * 50 * 1.1
+    assert torch.allclose(out[True][live], out[False][live], rtol=0, atol=tol)
 
 
 def test_per_rollout_reuses_the_first_iteration_weights():

@@ -85,7 +85,7 @@ def test_grail_clip_rates_count_weights_on_the_bounds():
     raw = torch.tensor([[0.5, 0.49, 1.0, 5.0, 5.1, 2.0]])  # w_min = 0.5, w_max = 5
     mask = torch.ones(1, 6)
     m = scheme._diagnostics(raw.clamp(0.5, 5.0), raw, mask, SimpleNamespace(has_box=torch.tensor([True])),
-                            torch.tensor([False]), torch.tensor([True]), torch.tensor([-1.0]))
+                            torch.tensor([False]), torch.tensor([True]), torch.tensor([-1.0]), torch.tensor([True]))
     assert m["clip_low_frac"] == pytest.approx(2 / 6) and m["clip_high_frac"] == pytest.approx(2 / 6)
 
 

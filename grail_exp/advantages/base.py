@@ -87,6 +87,14 @@ class SchemeBatch:
     def rollout_index(self) -> int:
         return self.rollout_step if self.rollout_step is not None else self.step + 1
 
+    def rows_with_advantage(self) -> torch.Tensor:
+        """(B,) bool: rows whose advantage is nonzero somewhere (the row's A, or any of its token advantages under a
+        token-level estimator, whose row summary can be 0 with nonzero tokens). Only these rows' weights reach the
+        gradient (Â = sg(w)·A): a scheme may skip the model work for the others."""
+        if self.token_advantages is not None:
+            return self.token_advantages.ne(0).any(1)
+        return self.advantages.ne(0)
+
     def rows(self, idx: torch.Tensor) -> "SchemeBatch":
         """The sub-batch of the given row indices (same P and C)."""
         out = {}

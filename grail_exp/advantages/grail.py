@@ -68,7 +68,7 @@ class GrailConfig(SchemeConfig):
     box: str = "first"  # first (reference: probe + overrides) | last (the box the reward grades)
     # Skip the probe for A = 0 rows (zero-variance groups): their weights multiply A = 0, so the gradient is
     # identical; they get w = 1 (+ overrides). Diagnostics are over rows with A != 0 either way, so logs match.
-    # false probes them too.
+    # false probes them too. (A row counts as A != 0 when any of its token advantages is, under token-level estimators.)
     skip_zero_advantage: bool = True
     # Take the probe's gradient from the trainer's policy forward (one forward fewer, same numbers: the forward is
     # the same function of the same parameters and inputs, and w is detached) instead of a separate forward from a
@@ -120,7 +120,7 @@ class GrailScheme(AdvantageScheme):
         fallback = ~spans.has_box | excluded  # (B,)
         probe_rows = ~fallback
         if cfg.skip_zero_advantage:
-            probe_rows = probe_rows & (A != 0)
+            probe_rows = probe_rows & batch.rows_with_advantage()
         return spans, A, fallback, probe_rows
 
     def rows_needing_model(self, batch: SchemeBatch) -> torch.Tensor:
@@ -145,12 +145,8 @@ class GrailScheme(AdvantageScheme):
         if probe_rows.any():
             cfg = self.cfg
             idx = probe_rows.nonzero().squeeze(1)
-            if cfg.leaf_source == "embeddings":
-                leaf = forward.embeds
-            else:
-                hs = forward.hidden_states
-                L = len(hs) - 1
-                leaf = hs[{"first": 1, "middle": L // 2, "last": L - 1}[cfg.leaf_source]]
+            leaf = forward.embeds if cfg.leaf_source == "embeddings" else \
+                hidden_leaf(forward.hidden_states, cfg.leaf_source)
             span = spans.span[idx]  # (b, C) answer slots of the probe rows
             rows, slots = span.nonzero(as_tuple=True)
             h = forward.predicting(forward.hidden)[idx][rows, slots]  # (n_answer, d)
@@ -191,7 +187,8 @@ class GrailScheme(AdvantageScheme):
             w = torch.where(spans.post & mask.bool(), torch.full_like(w, cfg.mean), w)
 
         self.last_pre_clip = raw.detach()  # w_mean + σ_w·z before clipping (1 on rows without a probe)
-        return SchemeOutput(w.detach(), self._diagnostics(w, raw, mask, spans, fallback, probe_rows, A))
+        return SchemeOutput(w.detach(), self._diagnostics(w, raw, mask, spans, fallback, probe_rows, A,
+                                                          batch.rows_with_advantage()))
 
     # -------------------------------------------------------------------------------------------
     def saliency(self, model, batch: SchemeBatch, span_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -204,11 +201,7 @@ class GrailScheme(AdvantageScheme):
         with torch.enable_grad():
             fwd = body_forward(model, ids, attn, pos, batch.prompt_length, share_prompts=self.share_prompts,
                                hidden_states=cfg.leaf_source != "embeddings")
-            leaf = fwd.embeds
-            if cfg.leaf_source != "embeddings":
-                hs = fwd.hidden_states  # (L+1) tensors: embeddings, then each layer's output
-                L = len(hs) - 1
-                leaf = hs[{"first": 1, "middle": L // 2, "last": L - 1}[cfg.leaf_source]]
+            leaf = fwd.embeds if cfg.leaf_source == "embeddings" else hidden_leaf(fwd.hidden_states, cfg.leaf_source)
             logits = detached_head_logits(model, fwd.predicting(fwd.hidden)) / temperature
             logp = selective_log_softmax(logits, batch.completion_ids[rows])  # in the logits' dtype, as the reference
             J = -(logp * span_mask[rows].float()).sum()  # answer NLL summed over the micro-batch
@@ -217,11 +210,11 @@ class GrailScheme(AdvantageScheme):
         a_w = fwd.predicting(leaf.detach()).float()
         return torch.linalg.vector_norm(g_w * a_w, dim=-1)  # (b, C)
 
-    def _diagnostics(self, w, raw, mask, spans, fallback, probe_rows, A) -> dict[str, float]:
+    def _diagnostics(self, w, raw, mask, spans, fallback, probe_rows, A, live) -> dict[str, float]:
         """Weight statistics over the valid tokens of rows with A != 0 (the weights that reach the loss), so they are
         the same whether or not A = 0 rows were probed (``skip_zero_advantage``)."""
         cfg = self.cfg
-        valid = mask.bool() & (A != 0).unsqueeze(1)
+        valid = mask.bool() & live.unsqueeze(1)
         w_mean, w_std = masked_mean_std(w, valid)
         rew = valid & probe_rows.unsqueeze(1)
         n_rew = rew.sum().clamp(min=1)
@@ -235,11 +228,18 @@ class GrailScheme(AdvantageScheme):
             "clip_high_frac": ((raw >= cfg.w_max) & rew).sum().item() / n_rew.item(),
             "fallback_rate": fallback.float().mean().item(),
             "answer_found_rate": spans.has_box.float().mean().item(),
-            "reweighted_rows": (probe_rows & (A != 0)).float().sum().item(),
+            "reweighted_rows": (probe_rows & live).float().sum().item(),
             # The reference's logged ratio (§11.12): token-weighted mean |w·A| over the row mean of |A|.
             "advantages_scale_ratio": ((w * A.abs().unsqueeze(1) * mask).sum() / denom / a_mean).item()
             if a_mean > 0 else 1.0,
         }
+
+
+def hidden_leaf(hidden_states: tuple, leaf_source: str) -> torch.Tensor:
+    """The hidden state ``leaf_source`` names among a forward's (L+1) ``hidden_states`` (the embeddings, then each
+    layer's output): ``first`` = hidden_states[1], ``middle`` = [L // 2], ``last`` = [L - 1]."""
+    L = len(hidden_states) - 1
+    return hidden_states[{"first": 1, "middle": L // 2, "last": L - 1}[leaf_source]]
 
 
 def _head(forward: PolicyForward, h: torch.Tensor) -> torch.Tensor:

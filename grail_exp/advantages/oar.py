@@ -67,6 +67,10 @@ class OARGConfig(SchemeConfig):
     # Take the clean teacher P0 from the trainer's policy forward (the same clean forward of the same parameters)
     # instead of a separate no-grad forward: one forward fewer, same numbers. false = the reference's separate pass.
     shared_forward: bool = True
+    # Skip the noisy pass for rows whose advantage is 0 (zero-variance groups): their weights multiply A = 0, so the
+    # gradient is identical; they get w = 1. Their noise is still drawn, so every other row's noise is the one it gets
+    # with false, and diagnostics are over rows with A != 0 either way, so logs match. false scores them too.
+    skip_zero_advantage: bool = True
 
 
 @dataclass
@@ -81,6 +85,9 @@ class OARPConfig(SchemeConfig):
     max_batch_tokens: int = 16384  # memory budget of one masked-copies forward: rows x sequence length
     span_mapping: str = "reference"
     box: str = "first"
+    # Skip the masked forwards for rows whose advantage is 0: identical gradient (their weights multiply A = 0), w = 1
+    # for them, diagnostics over rows with A != 0 either way. false scores them too.
+    skip_zero_advantage: bool = True
 
 
 def _check_common(cfg, e: list[str]) -> None:
@@ -217,20 +224,28 @@ class OARGScheme(AdvantageScheme):
         original = cfg.variant == "original"
         scored = _reasoning_mask(spans, mask) if original else mask.bool()
         scores = torch.zeros_like(mask)
+        live = batch.rows_with_advantage()  # the rows whose weights reach the gradient (diagnostics: these)
         rows = spans.has_box.nonzero().squeeze(1)
         if rows.numel():
-            scores[rows] = self.importance(model, batch, spans.span, scored, rows, forward)
+            # Drawn for every boxed row, skipped or not: the stream, and so each row's noise, is that of false.
+            width = (batch.input_ids.shape[1], model.get_input_embeddings().weight.shape[1])
+            noise = torch.randn(rows.numel(), *width, generator=batch.generator, dtype=torch.float32)
+            keep = live[rows] if cfg.skip_zero_advantage else torch.ones_like(rows, dtype=torch.bool)
+            if bool(keep.any()):
+                scores[rows[keep]] = self.importance(model, batch, spans.span, scored, rows[keep],
+                                                     noise[keep.to(noise.device)], forward)
         if original:
             w = bilevel_original(scores, scored, cfg.tau, cfg.beta, cfg.log_compression)
             w = torch.where(scored, w, torch.ones_like(w)) * mask
         else:
             w = bilevel_grail_repo(scores, mask, cfg.tau, cfg.beta, cfg.eps, cfg.log_compression)
             w = torch.where(spans.has_box.unsqueeze(1), w, torch.ones_like(w)) * mask
-        return SchemeOutput(w.detach(), _diagnostics(w, mask, scored, spans, scores))
+        return SchemeOutput(w.detach(), _diagnostics(w, mask, scored, spans, scores, live))
 
     def importance(self, model, batch: SchemeBatch, span: torch.Tensor, scored: torch.Tensor,
-                   rows: torch.Tensor, forward: PolicyForward | None = None) -> torch.Tensor:
-        """|⟨∂KL(P0‖P_noisy)/∂e, e⟩| per completion token for the given rows: (b, C).
+                   rows: torch.Tensor, noise: torch.Tensor, forward: PolicyForward | None = None) -> torch.Tensor:
+        """|⟨∂KL(P0‖P_noisy)/∂e, e⟩| per completion token for the given rows: (b, C). ``noise``: (b, P+C, d) standard
+        normal float32 draws, one per position of each row (scaled by ``noise_std`` here).
 
         The noise touches completion-window positions only (P-1 … P+C-1), so the noisy forward shares the clean
         forward's prompt: when that forward computed each distinct prompt once, its keys and values are reused and
@@ -256,13 +271,12 @@ class OARGScheme(AdvantageScheme):
                 p0 = torch.softmax(span_mean_logits(detached_head_logits(model, clean.predicting(h)), span_r), -1)
         # The noise is drawn for every position (P+C) as the reference does, so the stream does not depend on which
         # columns were computed; positions outside the window get none.
-        full = (emb.shape[0], P + C, emb.shape[-1])
-        where = torch.zeros(full[:2], dtype=emb.dtype, device=emb.device)
+        where = torch.zeros(emb.shape[0], P + C, dtype=emb.dtype, device=emb.device)
         if original:
             where[:, P:] = scored[rows].to(emb.dtype)
         else:
             where[:, P - 1:P + C - 1] = 1.0
-        noise = torch.randn(full, generator=batch.generator, dtype=torch.float32).to(emb) * cfg.noise_std
+        noise = noise.to(emb) * cfg.noise_std
         cols = slice(clean.start, clean.start + emb.shape[1])
         noisy = emb + noise[:, cols] * where[:, cols].unsqueeze(-1)
         # J is a sum over rows and a row's gradient is its own: the noisy pass may run the rows in any split, the same
@@ -308,10 +322,13 @@ class OARPScheme(AdvantageScheme):
         mask = batch.completion_mask.float()
         spans = self.spans(batch)
         scored = _reasoning_mask(spans, mask)
+        live = batch.rows_with_advantage()  # the rows whose weights reach the gradient (diagnostics: these)
+        if cfg.skip_zero_advantage:
+            scored = scored & live.unsqueeze(1)
         scores = self.importance(model, batch, spans, scored)
         w = bilevel_original(scores, scored, cfg.tau, cfg.beta, cfg.log_compression)
         w = torch.where(scored, w, torch.ones_like(w)) * mask
-        return SchemeOutput(w.detach(), _diagnostics(w, mask, scored, spans, scores))
+        return SchemeOutput(w.detach(), _diagnostics(w, mask, scored, spans, scores, live))
 
     def _outcome(self, model, ids, attn, pos, spans_row, P: int, C: int) -> torch.Tensor:
         """P_final of each row of a batch of (masked) copies of one sequence: (n, V) log-probs, or (n,) for answer_joint.
@@ -357,11 +374,13 @@ class OARPScheme(AdvantageScheme):
         return scores.clamp(min=0)
 
 
-def _diagnostics(w, mask, scored, spans, scores) -> dict[str, float]:
-    valid = mask.bool()
+def _diagnostics(w, mask, scored, spans, scores, live) -> dict[str, float]:
+    """Weight and score statistics over the rows with A != 0 (the weights that reach the loss), so they are the same
+    whether or not the others were scored (``skip_zero_advantage``); the answer rates over all rows."""
+    valid = mask.bool() & live.unsqueeze(1)
     w_mean, w_std = masked_mean_std(w, valid)
-    s_mean, _ = masked_mean_std(scores, scored.bool() & spans.has_box.unsqueeze(1))
-    sc = scored.bool()
+    sc = scored.bool() & live.unsqueeze(1)
+    s_mean, _ = masked_mean_std(scores, sc & spans.has_box.unsqueeze(1))
     return {
         "weight_mean": w_mean,
         "weight_std": w_std,

@@ -444,7 +444,9 @@ def update_work(batch: TrainingBatch, order: torch.Tensor, mini: int, micro: int
         groups, inverse = torch.unique(group[rows], return_inverse=True)
         suffix = B * (c + 1)
         if share and groups.numel() < B:  # one row of each group stands for its prompt
-            one = torch.full((groups.numel(),), B).scatter_reduce(0, inverse, torch.arange(B), "amin") + s
+            dev = inverse.device
+            one = torch.full((groups.numel(),), B, device=dev).scatter_reduce(0, inverse, torch.arange(B, device=dev),
+                                                                               "amin") + s
             prompts = prompt_pass_positions(ids[one, P - p:P - 1], attn[one, P - p:P - 1], common_prefix_mode(share))
             suffix = int(completion[rows].sum()) + B if packed else suffix
             positions = prompts + suffix

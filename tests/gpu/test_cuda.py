@@ -184,3 +184,27 @@ def test_sampling_memory_does_not_grow_with_length_times_vocab(tmp_path):
     kept_scores = 8 * (256 - 64) * 151_936 * 4 / 2**20  # what stacking float32 (N, V) scores would add
     print(f"generation peaks (MiB): {peaks}; kept scores would add {kept_scores:.0f} MiB")
     assert peaks[256] - peaks[64] < 0.1 * kept_scores
+
+
+def test_probe_row_order_on_cuda():
+    """GRAIL's probe rows first (``RolloutPhase.prepare``) on a batch held on the GPU: ``row_order`` and ``update_work``
+    give what they give on the CPU. ``update_work`` once built its row index on the CPU against the batch's CUDA
+    indices and stopped the first real GRAIL step on a GPU (results/gpu.md, 2026-11-27 second session)."""
+    from dataclasses import fields, replace
+
+    from helpers.batches import interleaved_training_batch
+    from helpers.pinned_step import build_model_and_tokenizer
+
+    from grail_exp.training.rollout import row_order, update_work
+
+    _, tok = build_model_and_tokenizer()
+    cpu = interleaved_training_batch(tok)
+    gpu = replace(cpu, **{f.name: getattr(cpu, f.name).cuda() for f in fields(cpu)
+                          if isinstance(getattr(cpu, f.name), torch.Tensor)})
+    probe = torch.tensor([False, False, True, False, True, True, False, False])
+    for whole_groups in (False, True):
+        order = row_order(cpu, 8, probe, False, whole_groups=whole_groups)
+        assert row_order(gpu, 8, probe.cuda(), False, whole_groups=whole_groups).cpu().tolist() == order.tolist()
+        for share, packed in ((True, False), (True, True), (False, False)):
+            assert update_work(gpu, order.cuda(), 8, 4, probe.cuda(), share, packed) == \
+                update_work(cpu, order, 8, 4, probe, share, packed)

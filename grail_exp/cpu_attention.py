@@ -233,7 +233,7 @@ class PrefixSuffixAttention(torch.autograd.Function):
         ps = torch.exp_(ss.sub_(lse))
         do = _grouped(grad_out, hk, dt)
         dog = rows_to_groups(do, groups)
-        need = ctx.needs_input_grad  # a detached prompt (a scheme's extra pass) needs no dK_p, dV_p
+        need = [_needed(t, n) for t, n in zip((q, kp, vp, ks, vs), ctx.needs_input_grad)]
         dvp = pp.transpose(-1, -2) @ dog if need[2] else None
         dvs = ps.transpose(-1, -2) @ do if need[4] else None
         dpp = dog @ vpf.transpose(-1, -2)
@@ -246,6 +246,14 @@ class PrefixSuffixAttention(torch.autograd.Function):
         dks = dss.transpose(-1, -2) @ qr if need[3] else None
         cast = [(g.to(t.dtype) if g is not None else None) for g, t in zip((dq, dkp, dvp, dks, dvs), (q, kp, vp, ks, vs))]
         return (*cast, None, None, None, None)
+
+
+def _needed(x: torch.Tensor, requires: bool) -> bool:
+    """Whether this backward needs the gradient of the input ``x``: not when it is detached (a scheme's extra pass
+    over a detached prompt), nor when the backward running now never reaches the node that made it — GRAIL's probe
+    differentiates the policy forward with respect to the suffix embeddings only, so the prompt's keys and values
+    need no dK_p, dV_p there (``torch.autograd.grad`` runs only the nodes on a path to its inputs)."""
+    return requires and (x.grad_fn is None or torch._C._will_engine_execute_node(x.grad_fn))
 
 
 def rows_to_groups(x: torch.Tensor, groups: RowGroups, fill: float = 0.0) -> torch.Tensor:

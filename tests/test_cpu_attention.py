@@ -250,3 +250,34 @@ def test_suffix_packing_keeps_each_rows_positions_up_to_its_last_token():
     assert torch.equal(back[kept], x[kept]) and not back[~kept].any()
     heads = torch.randn(1, 2, len(expected), 3)  # (1, heads, N, D) as a layer's keys arrive
     assert torch.equal(packing.unpack_heads(heads).transpose(1, 2)[kept], heads[0].transpose(0, 1))
+
+
+def test_a_gradient_with_respect_to_the_suffix_only_leaves_out_the_prompts_gradients(monkeypatch):
+    """``PrefixSuffixAttention`` computes dK_p, dV_p only when the backward running reaches the prompts' keys and
+    values: a gradient with respect to the suffix's inputs alone (GRAIL's probe through the policy forward: the
+    suffix embeddings) skips both products, and its dQ, dK_s, dV_s are those of the full backward, bit for bit."""
+    from grail_exp.cpu_attention import PrefixSuffixAttention, PrefixSuffixKV, RowGroups, prefix_suffix_attention
+
+    g = torch.Generator().manual_seed(5)
+    rows, prompts, L, S = 4, 2, 6, 3
+    group = torch.tensor([0, 0, 1, 1])
+    leaves = [torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+              for shape in ((rows, H, S, D), (prompts, HK, L, D), (prompts, HK, L, D), (rows, HK, S, D), (rows, HK, S, D))]
+    q, kp, vp, ks, vs = (x * 1.0 for x in leaves)  # nodes of a graph, as a layer's projections are
+    mask = torch.cat([torch.ones(rows, 1, S, L, dtype=torch.bool), torch.ones(rows, 1, S, S, dtype=torch.bool).tril()], -1)
+    out = prefix_suffix_attention(q, PrefixSuffixKV(kp, vp, ks, vs, RowGroups(group, prompts)), mask, D ** -0.5)
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    seen = []
+    real = PrefixSuffixAttention.backward
+
+    def spy(ctx, grad_out):
+        grads = real(ctx, grad_out)
+        seen.append([x is not None for x in grads[:5]])
+        return grads
+
+    monkeypatch.setattr(PrefixSuffixAttention, "backward", staticmethod(spy))
+    suffix_only = torch.autograd.grad(out, (leaves[0], leaves[3], leaves[4]), go, retain_graph=True)
+    everything = torch.autograd.grad(out, leaves, go)
+    assert seen == [[True, False, False, True, True], [True] * 5]
+    for a, b in zip(suffix_only, (everything[0], everything[3], everything[4])):
+        assert torch.equal(a, b)

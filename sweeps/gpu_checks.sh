@@ -5,7 +5,9 @@
 # e2e:     python -m grail_exp.run with trainer=gpu (real HF generation) and trainer=fsdp at world size 1
 #          on a 2-layer Qwen3 architecture with the real 151,936-token vocabulary and random weights
 # bench:   python -m grail_exp.bench on that 2-layer model, bf16
-# bench8b: python -m grail_exp.bench at Qwen3-8B width (hidden 4096, 8 of its 36 layers), 4,096-token completions
+# bench8b: python -m grail_exp.bench at Qwen3-8B width (hidden 4096, 8 of its 36 layers), 4,096-token completions;
+#          ~8 minutes on one H100 (4 schemes x 2 passes, ~1 minute each: 7 of its 8 in ~7 minutes on 2026-11-27), so
+#          give it a lease of its own or start it in its own process session (setsid) while other calls carry files
 # card1gpu: the card's command (model=qwen3_8b advantage=grail: trainer=fsdp_zero2, the final evaluation on the six
 #          benchmarks) shrunk to one H100: world size 1, rollout=hf (CUDA vLLM cannot be installed on the borrowed
 #          machines), 2 of Qwen3-8B's 36 layers at its real widths and 151,936-token vocabulary (random weights),

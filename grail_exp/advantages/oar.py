@@ -231,9 +231,9 @@ class OARGScheme(AdvantageScheme):
             width = (batch.input_ids.shape[1], model.get_input_embeddings().weight.shape[1])
             noise = torch.randn(rows.numel(), *width, generator=batch.generator, dtype=torch.float32)
             keep = live[rows] if cfg.skip_zero_advantage else torch.ones_like(rows, dtype=torch.bool)
-            if bool(keep.any()):
-                scores[rows[keep]] = self.importance(model, batch, spans.span, scored, rows[keep],
-                                                     noise[keep.to(noise.device)], forward)
+            if bool(keep.any()):  # all kept: the noise as drawn, not a copy (rows x (P+C) x d floats: ~1 GB at 4k)
+                kept_noise = noise if bool(keep.all()) else noise[keep.to(noise.device)]
+                scores[rows[keep]] = self.importance(model, batch, spans.span, scored, rows[keep], kept_noise, forward)
         if original:
             w = bilevel_original(scores, scored, cfg.tau, cfg.beta, cfg.log_compression)
             w = torch.where(scored, w, torch.ones_like(w)) * mask

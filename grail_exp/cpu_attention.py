@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from grail_exp.leading_rows import live_rows, pad_rows, will_run
+
 SDPA_GQA = "sdpa_gqa"  # transformers' SDPA attention, grouped-query heads left to the kernel on CPU (models.use_kernel_gqa)
 
 # The default of model.cpu_explicit_attention_max_scores (query x key positions per head): where the explicit path
@@ -80,18 +82,25 @@ class ExplicitAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, lse = ctx.saved_tensors
+        need = [will_run(ctx, i) for i in range(3)]
+        b = q.shape[0]
+        r = live_rows(b)  # a backward whose cotangent is zero past row r (``grail_exp.leading_rows``)
+        if r is not None:
+            q, k, v, lse, grad_out = q[:r], k[:r], v[:r], lse[:r], grad_out[:r]
+            mask = mask[:r] if mask.shape[0] == b else mask
         scale, groups = ctx.scale, ctx.groups
         hk = k.shape[1]
         dt = _compute_dtype(q.dtype)
         qg, kf, vf = _grouped(q, hk, dt), k.to(dt), v.to(dt)
         p = torch.exp_(_scores(qg, kf, mask, scale, groups).sub_(lse))
         dog = _grouped(grad_out, hk, dt)
-        dv = torch.matmul(p.transpose(-1, -2), dog)
+        dv = torch.matmul(p.transpose(-1, -2), dog) if need[2] else None
         dp = torch.matmul(dog, vf.transpose(-1, -2))
         ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p).mul_(scale)
-        dq = torch.matmul(ds, kf).reshape(q.shape)
-        dk = torch.matmul(ds.transpose(-1, -2), qg)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq = torch.matmul(ds, kf).reshape(q.shape) if need[0] else None
+        dk = torch.matmul(ds.transpose(-1, -2), qg) if need[1] else None
+        grads = [pad_rows(g.to(t.dtype), b) if g is not None else None for g, t in zip((dq, dk, dv), (q, k, v))]
+        return (*grads, None, None)
 
 
 class RowGroups:
@@ -120,6 +129,10 @@ class RowGroups:
         out = x.new_full((self.num_prompts * self.width, *x.shape[1:]), fill)
         out[self.slot] = x
         return out.view(self.num_prompts, self.width, *x.shape[1:])
+
+    def leading(self, r: int) -> "RowGroups":
+        """The layout of rows 0 … r−1 alone (the prompts keep their numbers; a prompt none of them has stays empty)."""
+        return RowGroups(self.group[:r], self.num_prompts)
 
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
         """(U, width, ...) -> (B, ...)."""
@@ -151,6 +164,7 @@ class SuffixPacking:
         keys = suffix_mask.bool()
         computed = keys.flip(1).cumsum(1).flip(1) > 0  # up to each row's last attended column
         self.index = computed.reshape(-1).nonzero().squeeze(1)  # (N,) row-major: row r's positions in order
+        self.row_offsets = torch.cat([computed.new_zeros(1, dtype=torch.long), computed.sum(1).cumsum(0)])  # (B+1,)
         causal = torch.ones(self.width, self.width, dtype=torch.bool, device=keys.device).tril()
         self.mask = torch.cat([prefix_mask.bool()[:, None, :].expand(-1, self.width, -1),
                                causal[None] & keys[:, None, :]], -1)[:, None]
@@ -222,38 +236,44 @@ class PrefixSuffixAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse = ctx.saved_tensors
-        scale, groups = ctx.scale, ctx.groups
-        hk = ks.shape[1]
-        dt = _compute_dtype(q.dtype)
-        qr = _grouped(q, hk, dt)
-        qg = rows_to_groups(qr, groups)
-        kpf, vpf, ksf, vsf = kp.to(dt), vp.to(dt), ks.to(dt), vs.to(dt)
-        sp, ss = _prefix_suffix_scores(qr, qg, kpf, ksf, prefix_mask, suffix_mask, scale, q.shape[1] // hk)
-        pp = torch.exp_(sp.sub_(rows_to_groups(lse, groups, fill=float("inf"))))  # a padding slot: exp(-inf) = 0
-        ps = torch.exp_(ss.sub_(lse))
-        do = _grouped(grad_out, hk, dt)
-        dog = rows_to_groups(do, groups)
-        need = [_needed(t, n) for t, n in zip((q, kp, vp, ks, vs), ctx.needs_input_grad)]
-        dvp = pp.transpose(-1, -2) @ dog if need[2] else None
-        dvs = ps.transpose(-1, -2) @ do if need[4] else None
-        dpp = dog @ vpf.transpose(-1, -2)
-        dps = do @ vsf.transpose(-1, -2)
-        delta = groups_to_rows((pp * dpp).sum(-1, keepdim=True), groups) + (ps * dps).sum(-1, keepdim=True)
-        dsp = dpp.sub_(rows_to_groups(delta, groups)).mul_(pp).mul_(scale)
-        dss = dps.sub_(delta).mul_(ps).mul_(scale)
-        dq = groups_to_rows(dsp @ kpf, groups).add_(dss @ ksf).reshape(q.shape) if need[0] else None
-        dkp = dsp.transpose(-1, -2) @ qg if need[1] else None
-        dks = dss.transpose(-1, -2) @ qr if need[3] else None
-        cast = [(g.to(t.dtype) if g is not None else None) for g, t in zip((dq, dkp, dvp, dks, dvs), (q, kp, vp, ks, vs))]
-        return (*cast, None, None, None, None)
+        need = [will_run(ctx, i) for i in range(5)]
+        r = live_rows(q.shape[0])  # a backward whose cotangent is zero past row r (``grail_exp.leading_rows``)
+        if r is None:
+            grads = _prefix_suffix_backward(q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse, grad_out, ctx.scale,
+                                            ctx.groups, need)
+        else:
+            dq, dkp, dvp, dks, dvs = _prefix_suffix_backward(
+                q[:r], kp, vp, ks[:r], vs[:r], prefix_mask, suffix_mask[:r], lse[:r], grad_out[:r], ctx.scale,
+                ctx.groups.leading(r), need)
+            grads = (pad_rows(dq, q.shape[0]), dkp, dvp, pad_rows(dks, q.shape[0]), pad_rows(dvs, q.shape[0]))
+        return (*grads, None, None, None, None)
 
 
-def _needed(x: torch.Tensor, requires: bool) -> bool:
-    """Whether this backward needs the gradient of the input ``x``: not when it is detached (a scheme's extra pass
-    over a detached prompt), nor when the backward running now never reaches the node that made it — GRAIL's probe
-    differentiates the policy forward with respect to the suffix embeddings only, so the prompt's keys and values
-    need no dK_p, dV_p there (``torch.autograd.grad`` runs only the nodes on a path to its inputs)."""
-    return requires and (x.grad_fn is None or torch._C._will_engine_execute_node(x.grad_fn))
+def _prefix_suffix_backward(q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse, grad_out, scale, groups, need):
+    """(dQ, dK_p, dV_p, dK_s, dV_s) of ``PrefixSuffixAttention``, each None where ``need`` says it is not wanted (a
+    detached prompt, or a backward that never reaches the node that made it: GRAIL's probe differentiates with respect
+    to the suffix embeddings only, so the prompt's keys and values need no dK_p, dV_p there)."""
+    hk = ks.shape[1]
+    dt = _compute_dtype(q.dtype)
+    qr = _grouped(q, hk, dt)
+    qg = rows_to_groups(qr, groups)
+    kpf, vpf, ksf, vsf = kp.to(dt), vp.to(dt), ks.to(dt), vs.to(dt)
+    sp, ss = _prefix_suffix_scores(qr, qg, kpf, ksf, prefix_mask, suffix_mask, scale, q.shape[1] // hk)
+    pp = torch.exp_(sp.sub_(rows_to_groups(lse, groups, fill=float("inf"))))  # a padding slot: exp(-inf) = 0
+    ps = torch.exp_(ss.sub_(lse))
+    do = _grouped(grad_out, hk, dt)
+    dog = rows_to_groups(do, groups)
+    dvp = pp.transpose(-1, -2) @ dog if need[2] else None
+    dvs = ps.transpose(-1, -2) @ do if need[4] else None
+    dpp = dog @ vpf.transpose(-1, -2)
+    dps = do @ vsf.transpose(-1, -2)
+    delta = groups_to_rows((pp * dpp).sum(-1, keepdim=True), groups) + (ps * dps).sum(-1, keepdim=True)
+    dsp = dpp.sub_(rows_to_groups(delta, groups)).mul_(pp).mul_(scale)
+    dss = dps.sub_(delta).mul_(ps).mul_(scale)
+    dq = groups_to_rows(dsp @ kpf, groups).add_(dss @ ksf).reshape(q.shape) if need[0] else None
+    dkp = dsp.transpose(-1, -2) @ qg if need[1] else None
+    dks = dss.transpose(-1, -2) @ qr if need[3] else None
+    return tuple((g.to(t.dtype) if g is not None else None) for g, t in zip((dq, dkp, dvp, dks, dvs), (q, kp, vp, ks, vs)))
 
 
 def rows_to_groups(x: torch.Tensor, groups: RowGroups, fill: float = 0.0) -> torch.Tensor:

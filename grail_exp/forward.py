@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from grail_exp.cpu_attention import SDPA_GQA, PrefixSuffixKV, RowGroups, SuffixPacking
+from grail_exp.leading_rows import LeadingRows
 from grail_exp.logprobs import linear_logprob
 
 SHARE_PROMPTS = ("auto", True, False)  # trainer.share_prompts
@@ -176,6 +177,17 @@ class BodyOutput:
     start: int = 0  # absolute position of column 0 (P-1 when the prompts were shared; > 0 after trimming padding)
     prefix: SharedPrefix | None = None  # the shared prompts' keys and values (None: every row computed its own)
     positions: int = 0  # positions the decoder computed (rows × columns, over both passes): token efficiency
+    # (B+1,) where each row's positions start in the flattened layout of the pass ``embeds`` feeds, when it ran packed
+    # (``SuffixPacking``); None: the (B, S) layout, row r at r·S
+    row_offsets: torch.Tensor | None = None
+
+    def leading_rows(self, rows: int) -> LeadingRows:
+        """The first ``rows`` rows of the pass ``embeds`` feeds, for a backward whose cotangent is zero past them
+        (``grail_exp.leading_rows``)."""
+        B, S = self.embeds.shape[:2]
+        if self.row_offsets is None:
+            return LeadingRows(rows, B, rows * S, B * S)
+        return LeadingRows(rows, B, int(self.row_offsets[rows]), int(self.row_offsets[-1]))
 
     def predicting(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, ...) -> (B, C, ...): the columns that predict completion tokens 0 … C-1 (zero past the computed)."""
@@ -356,7 +368,8 @@ def suffix_pass(model, prefix: SharedPrefix, embeds: torch.Tensor, suffix_mask: 
                 position_ids: torch.Tensor, rows: torch.Tensor | None = None, detach: bool = False,
                 hidden_states: bool = False):
     """The decoder on the suffixes (b, S) of rows ``rows`` (default all) against their shared prompts: (last hidden
-    state (b, S, d), every layer's output or None, positions computed). Where the suffix pass hands the attention
+    state (b, S, d), every layer's output or None, positions computed, and where each row's positions start in the
+    packed layout (b+1,) or None when it ran in the (b, S) layout). Where the suffix pass hands the attention
     the prompts apart (``grouped_prefix_attention``) and some suffix columns are padding, it runs on the real
     positions only (``SuffixPacking``) and its output is unpacked with zeros at the padding — unless every layer's
     output is asked for: a scheme differentiating with respect to one (GRAIL's middle-layer leaf) needs the tensor
@@ -369,13 +382,13 @@ def suffix_pass(model, prefix: SharedPrefix, embeds: torch.Tensor, suffix_mask: 
         out = body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
                    past_key_values=prefix.cache(rows, detach=detach, grouped=grouped), use_cache=True,
                    output_hidden_states=hidden_states)
-        return out.last_hidden_state, out.hidden_states if hidden_states else None, real.numel()
+        return out.last_hidden_state, out.hidden_states if hidden_states else None, real.numel(), None
     prompt_columns = mask.shape[1] - real.shape[1]
     packing = SuffixPacking(suffix_mask, mask[:, :prompt_columns])
     out = body(inputs_embeds=packing.pack(embeds), position_ids=packing.pack(position_ids),
                attention_mask=mask.new_ones(1, prompt_columns + packing.index.numel()),  # the attention uses packing.mask
                past_key_values=prefix.cache(rows, detach=detach, grouped=True, packing=packing), use_cache=True)
-    return packing.unpack(out.last_hidden_state), None, packing.index.numel()
+    return packing.unpack(out.last_hidden_state), None, packing.index.numel(), packing.row_offsets
 
 
 class _Anchor(torch.autograd.Function):
@@ -419,11 +432,11 @@ def body_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     pre = prompts_once(model, ids[first, :L], attn[first, :L], pos[first, :L], common_prefix_mode(share_prompts))
     prefix = SharedPrefix(pre.keys_values, inverse, pre.mask)
     embeds = embed(ids[:, L:])
-    last, layers, suffix_positions = suffix_pass(model, prefix, embeds, attn[:, L:], pos[:, L:],
-                                                 hidden_states=hidden_states)
+    last, layers, suffix_positions, row_offsets = suffix_pass(model, prefix, embeds, attn[:, L:], pos[:, L:],
+                                                              hidden_states=hidden_states)
     hidden = _Anchor.apply(last, *pre.hidden) if anchor_prefix else last
     return BodyOutput(embeds, hidden, layers, P, C, start=lo + L, prefix=prefix,
-                      positions=pre.positions + suffix_positions)
+                      positions=pre.positions + suffix_positions, row_offsets=row_offsets)
 
 
 def continue_forward(model, fwd: BodyOutput, inputs_embeds: torch.Tensor, rows: torch.Tensor,
@@ -502,7 +515,7 @@ def policy_forward(model, input_ids, attention_mask, position_ids, completion_id
         ent_u = en.new_zeros(real.shape).index_put((real,), en)
     logp, entropy = _pad_columns(logp_u, completion_ids.shape[1]), _pad_columns(ent_u, completion_ids.shape[1])
     fwd = PolicyForward(body.embeds, body.hidden, body.hidden_states, body.prompt_length, body.completion_length,
-                        body.start, body.prefix, body.positions, weight, bias)
+                        body.start, body.prefix, body.positions, body.row_offsets, weight, bias)
     return logp, entropy, fwd
 
 

@@ -177,6 +177,8 @@ OAR_G_TOL = 2 * 320 * torch.finfo(torch.float32).eps * 50 * 1.1
 SCHEMES = {
     "grpo": (["advantage=grpo"], 0.0),
     "grail": (["advantage=grail", "advantage.symmetry=both"], 0.0),
+    # the paper's symmetry: 4 probe rows of 8, put first, so the probe's backward runs on those rows only
+    "grail_wrong_rows": (["advantage=grail"], 0.0),
     "grail_separate_probe_middle_leaf": (["advantage=grail", "advantage.symmetry=both", "advantage.shared_forward=false",
                                           "advantage.leaf_source=middle"], 0.0),
     "oar_g": (["advantage=oar_g"], OAR_G_TOL),
@@ -344,6 +346,41 @@ def test_grail_with_split_groups_and_sdpa():
     assert_same(one_step(over, True, attn="sdpa"), one_step(over, False, attn="sdpa"))
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa_gqa"])
+def test_grail_probe_on_its_rows_only(attn, monkeypatch):
+    """``advantage.probe_rows_only``: the probe's backward computes the leading rows that hold the probe rows (the
+    trainer puts them first) — their positions in the packed suffix pass under ``sdpa_gqa``, rows × columns in the
+    padded layout — and the step equals the one whose probe backward runs on every row."""
+    import grail_exp.advantages.grail as grail_mod
+    from grail_exp.leading_rows import leading_rows
+
+    spans = []
+
+    def spy(span):
+        spans.append(span)
+        return leading_rows(span)
+
+    monkeypatch.setattr(grail_mod, "leading_rows", spy)
+    over = ["advantage=grail", "trainer.micro_batch_size=8"]
+    narrow = one_step([*over, "advantage.probe_rows_only=true"], True, attn=attn, system=COMMON_SYSTEM)
+    (span,) = spans
+    from helpers.pinned_step import build_model_and_tokenizer
+
+    batch = interleaved_training_batch(build_model_and_tokenizer()[1], COMMON_SYSTEM)
+    # rows 2, 4, 5, 6 of the rollout order are boxed with A < 0 (row 7 has no box): first, the others after them
+    assert narrow["order"][:4] == [2, 4, 5, 6] and (span.rows, span.of_rows) == (4, 8), (narrow["order"], span)
+    lengths = batch.attention_mask[:, batch.prompt_length:].sum(1)[narrow["order"]] + 1  # last prompt token + completion
+    if attn == "sdpa_gqa":  # packed: the leading rows' own positions, out of every row's
+        assert (span.positions, span.of_positions) == (int(lengths[:4].sum()), int(lengths.sum()))
+    else:  # padded suffix pass: whole rows of the longest suffix
+        width = int(lengths.max())
+        assert (span.positions, span.of_positions) == (4 * width, 8 * width)
+    spans.clear()
+    every = one_step([*over, "advantage.probe_rows_only=false"], True, attn=attn, system=COMMON_SYSTEM)
+    assert spans == [None]
+    assert_same(narrow, every)
+
+
 def test_share_prompts_key_is_validated():
     from helpers.pinned_step import pinned_config
 
@@ -449,13 +486,16 @@ def test_probe_rows_first_as_rows_or_as_whole_groups():
     assert row_order(batch, 4, probe, False, whole_groups=True).tolist() == [0, 2, 1, 3, 4, 5, 7, 6]  # per mini-batch
 
     for system in (None, COMMON_SYSTEM):  # with a system turn the prompts' common prefix is computed once too
-        _check_update_work(model, interleaved_training_batch(tok, system), probe, False)
+        for leading in (False, True):
+            _check_update_work(model, interleaved_training_batch(tok, system), probe, False, leading)
     set_attention(model, "sdpa_gqa")  # the shared suffix pass on each row's own positions
     for system in (None, COMMON_SYSTEM):
-        _check_update_work(model, interleaved_training_batch(tok, system), probe, True)
+        for leading in (False, True):
+            _check_update_work(model, interleaved_training_batch(tok, system), probe, True, leading)
 
 
-def _check_update_work(model, batch, probe, packed: bool):
+def _check_update_work(model, batch, probe, packed: bool, leading: bool):
+    """``leading``: the probe's backward computes the micro-batch's rows up to its last probe row only."""
     from grail_exp.forward import body_forward
     from grail_exp.training.rollout import update_work
 
@@ -470,12 +510,15 @@ def _check_update_work(model, batch, probe, packed: bool):
                                        batch.position_ids[rows], P, share_prompts=share)
                 suffix = fwd.embeds.shape[0] * fwd.embeds.shape[1]  # the suffix pass (all columns when unshared)
                 lengths = batch.attention_mask[rows, P:].sum(1) + 1  # each row's last prompt token and completion
+                probed = [i for i in range(4) if bool(probe[rows[i]])]
+                k = probed[-1] + 1 if leading and probed else 4
                 shared = fwd.prefix is not None
-                computed = int(lengths.sum()) if packed and shared else 4 * int(lengths.max())
+                computed = int(lengths[:k].sum()) if packed and shared else k * int(lengths.max())
                 assert not share or shared or len(set(batch.group_ids[rows].tolist())) == 4
-                expected += 3 * fwd.positions + (computed if bool(probe[rows].any()) else 0)
+                expected += 3 * fwd.positions + (computed if probed else 0)
                 assert share or suffix == fwd.positions
-            assert update_work(batch, order, 8, 4, probe, share, packed) == expected, (order, share, packed)
+            got = update_work(batch, order, 8, 4, probe, share, packed, leading)
+            assert got == expected, (order, share, packed, leading)
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -499,14 +542,19 @@ def test_grail_takes_the_cheaper_probe_order_and_the_step_is_the_same(monkeypatc
     assert forced[True]["order"] != forced[False]["order"]
     assert_same(forced[True], forced[False])
     # The measured cost of each order: 3 x the positions the step's forwards computed, + the suffix of each micro-batch
-    # holding a probe row: boxed rows with A < 0, i.e. rows 2, 5 (group 0), 4 (group 1), 6 (group 2); row 7 has no box.
+    # holding a probe row, up to its last probe row (the probe's backward computes those rows only): boxed rows with
+    # A < 0, i.e. rows 2, 5 (group 0), 4 (group 1), 6 (group 2); row 7 has no box.
     completion = chosen["mask"].sum(1).long()
     probe_rows = {2, 4, 5, 6}
 
     def cost(run):
-        order = run["order"]
-        probed = [order[s:s + 4] for s in (0, 4) if probe_rows & set(order[s:s + 4])]
-        return 3 * run["metrics"]["tokens/computed_positions"] + sum(4 * (int(completion[r].max()) + 1) for r in probed)
+        order, total = run["order"], 3 * run["metrics"]["tokens/computed_positions"]
+        for s in (0, 4):
+            rows = order[s:s + 4]
+            probed = [i for i, r in enumerate(rows) if r in probe_rows]
+            if probed:
+                total += (probed[-1] + 1) * (int(completion[rows].max()) + 1)
+        return total
 
     costs = {k: cost(v) for k, v in forced.items()}
     assert costs[True] != costs[False]

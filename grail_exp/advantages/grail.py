@@ -45,6 +45,7 @@ from grail_exp.advantages.base import (
 )
 from grail_exp.advantages.probe import detached_head_logits, masked_mean_std
 from grail_exp.forward import body_forward
+from grail_exp.leading_rows import leading_rows
 from grail_exp.logprobs import selective_log_softmax
 
 
@@ -74,6 +75,10 @@ class GrailConfig(SchemeConfig):
     # the same function of the same parameters and inputs, and w is detached) instead of a separate forward from a
     # detached embedding leaf as the reference does. false = the reference's separate probe (for comparison).
     shared_forward: bool = True
+    # The shared forward's probe backward computes the probe rows only: the trainer puts them first in the micro-batch,
+    # every other row's cotangent is zero, so the products (linear layers, CPU attention) run on the leading rows
+    # (grail_exp/leading_rows.py). false: on every row, zeros on the others. Same numbers up to the products' rounding.
+    probe_rows_only: bool = True
 
 
 @register_scheme("grail", GrailConfig)
@@ -101,6 +106,7 @@ class GrailScheme(AdvantageScheme):
         super().__init__(cfg, tokenizer, context)
         # The shared forward must return every layer's output when the leaf is a hidden state.
         self.forward_outputs = ("hidden_states",) if cfg.leaf_source != "embeddings" else ()
+        self.narrows_backward = bool(cfg.shared_forward and cfg.probe_rows_only)
 
     def prepare(self, model, batch: SchemeBatch):
         """The answer spans of the whole rollout batch: found once, reused by every micro-batch and iteration."""
@@ -154,7 +160,9 @@ class GrailScheme(AdvantageScheme):
             logits = _head(forward, h) / temperature
             logp = selective_log_softmax(logits, batch.completion_ids[idx][rows, slots])  # logits' dtype, as the reference
             J = -logp.sum()
-            (g,) = torch.autograd.grad(J, leaf, retain_graph=True)
+            span = forward.leading_rows(int(idx[-1]) + 1) if cfg.probe_rows_only else None
+            with leading_rows(span):  # J reads rows 0 … idx[-1] only: every later row's cotangent is zero
+                (g,) = torch.autograd.grad(J, leaf, retain_graph=True)
             g_w = forward.predicting(g[idx]).float()
             a_w = forward.predicting(leaf.detach()[idx]).float()
             sal = torch.linalg.vector_norm(g_w * a_w, dim=-1)  # (b, C)

@@ -169,7 +169,9 @@ class RolloutPhase:
                 share = share_prompts_of(self.cfg) if can_share_prompts(self.policy) else False
                 packed = grouped_prefix_attention(self.policy)
                 grouped = row_order(batch, mini, needs, by_length, whole_groups=True)
-                order = min((order, grouped), key=lambda o: update_work(batch, o, mini, micro, needs, share, packed))
+                leading = bool(getattr(self.scheme, "narrows_backward", False))
+                order = min((order, grouped),
+                            key=lambda o: update_work(batch, o, mini, micro, needs, share, packed, leading))
             batch.permute(order)
 
     def rows_reorderable(self) -> bool:
@@ -426,13 +428,15 @@ def row_order(batch: TrainingBatch, size: int, probe: torch.Tensor | None, by_le
 
 
 def update_work(batch: TrainingBatch, order: torch.Tensor, mini: int, micro: int, probe: torch.Tensor,
-                share, packed: bool = False) -> int:
+                share, packed: bool = False, leading: bool = False) -> int:
     """The update's work under a row order, in decoder positions: per micro-batch (``micro`` rows, within mini-batches
     of ``mini``), 3 × the positions its forward computes (forward + backward; each distinct prompt once when ``share``
     — their common prefix once too, as its ``share_prompt_prefix`` says — as ``grail_exp/forward.py`` counts them, a
     group standing for a distinct prompt) and, when it holds a probe row, 1 × its suffix positions (a scheme's
-    input-gradient pass through that forward, which stops at the prompt's keys). ``packed``: a shared suffix pass runs
-    each row's own positions only (``forward.suffix_pass``), not the micro-batch's longest."""
+    input-gradient pass through that forward, which stops at the prompt's keys) — with ``leading`` (the scheme's
+    backward computes the leading rows only, ``grail_exp.leading_rows``) those of its rows up to the last probe row.
+    ``packed``: a shared suffix pass runs each row's own positions only (``forward.suffix_pass``), not the micro-batch's
+    longest."""
     P = batch.prompt_length
     ids, attn = batch.input_ids[order, :P], batch.attention_mask[order, :P]
     prompt, completion = attn.sum(1), batch.attention_mask[order, P:].sum(1)
@@ -442,15 +446,18 @@ def update_work(batch: TrainingBatch, order: torch.Tensor, mini: int, micro: int
         rows = slice(s, min(s + micro, n, (s // mini + 1) * mini))
         B, p, c = completion[rows].numel(), int(prompt[rows].max()), int(completion[rows].max())
         groups, inverse = torch.unique(group[rows], return_inverse=True)
-        suffix = B * (c + 1)
+        probed = needs[rows].nonzero()
+        k = int(probed[-1]) + 1 if leading and probed.numel() else B  # the rows the probe's backward computes
+        suffix, probe_suffix = B * (c + 1), k * (c + 1)
         if share and groups.numel() < B:  # one row of each group stands for its prompt
             dev = inverse.device
             one = torch.full((groups.numel(),), B, device=dev).scatter_reduce(0, inverse, torch.arange(B, device=dev),
                                                                                "amin") + s
             prompts = prompt_pass_positions(ids[one, P - p:P - 1], attn[one, P - p:P - 1], common_prefix_mode(share))
-            suffix = int(completion[rows].sum()) + B if packed else suffix
+            if packed:
+                suffix, probe_suffix = int(completion[rows].sum()) + B, int(completion[rows][:k].sum()) + k
             positions = prompts + suffix
         else:
             positions = B * (p + c)
-        work += 3 * positions + (suffix if bool(needs[rows].any()) else 0)
+        work += 3 * positions + (probe_suffix if probed.numel() else 0)
     return work

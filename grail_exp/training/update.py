@@ -29,7 +29,8 @@ from typing import Callable, Iterator
 import torch
 
 from grail_exp.errors import UserError
-from grail_exp.forward import PolicyForward
+from grail_exp.forward import PolicyForward, decoder_body
+from grail_exp.leading_rows import narrow_linear_layers
 from grail_exp.host import return_freed_memory, return_freed_memory_after_gradients
 from grail_exp.loss import AggregationContext, TermContext, aggregator, compose_objective, is_weights
 from grail_exp.models import decoder_layers
@@ -53,6 +54,8 @@ class UpdatePhase:
         # Called with (batch, s, e, weights, entropy) for every micro-batch of the first epoch (the weight tables).
         self.on_weights: Callable | None = None
         self.trim_hooks = self._return_heap_in_backward(policy)
+        if policy is not None and getattr(scheme, "narrows_backward", False):
+            narrow_linear_layers(decoder_body(policy))  # the class of each nn.Linear only: same parameters, forward
 
     def _return_heap_in_backward(self, policy) -> list:
         """``trainer.backward_heap_returns`` points in each backward where freed heap goes back while the policy is on

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA device (results/gpu.md records what they printed on an H100).
 #   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|benchreal|study1gpu|all] [OUT_DIR]
-# tests:   pytest -m gpu tests/gpu (bf16 masters, bf16 vs fp32, probe equality, step and generation memory)
+# tests:   pytest -m gpu tests/gpu (bf16 masters, bf16 vs fp32, probe equality, the probe on its rows only, step and
+#          generation memory)
 # e2e:     python -m grail_exp.run with trainer=gpu (real HF generation) and trainer=fsdp at world size 1
 #          on a 2-layer Qwen3 architecture with the real 151,936-token vocabulary and random weights
 # bench:   python -m grail_exp.bench on that 2-layer model, bf16

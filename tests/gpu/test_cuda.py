@@ -5,8 +5,8 @@
 A Qwen3 architecture with its real 151,936-token vocabulary and random weights (two layers, so it fits next to
 fp32 master weights anywhere) trains through the trainer's own step code in bf16 on the GPU: the fp32 masters move
 at the paper's lr 1e-6 where in-place bf16 AdamW does not, bf16 tracks fp32, the shared-forward probe equals the
-separate probe, the CUDA peak memory of a GRAIL step stays within 1.15x of GRPO's, and sampling keeps no
-(N, V) score history.
+separate probe (and the probe on its rows only the probe over every row), the CUDA peak memory of a GRAIL step
+stays within 1.15x of GRPO's, and sampling keeps no (N, V) score history.
 """
 
 from __future__ import annotations
@@ -137,6 +137,39 @@ def test_grail_shared_forward_equals_separate_probe_on_cuda(tmp_path, dtype, ato
     assert err <= atol
 
 
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_grail_probe_on_its_rows_only_on_cuda(tmp_path, dtype, atol, monkeypatch):
+    """The probe's backward on the leading rows that hold the probe rows (``advantage.probe_rows_only``; the policy's
+    linear layers narrow, the attention is SDPA's here) gives the weights of the backward over every row."""
+    import grail_exp.advantages.grail as grail_mod
+    from grail_exp.forward import policy_forward
+    from grail_exp.leading_rows import RowNarrowingLinear, leading_rows
+
+    cfg, model, tok, batch = _setup(tmp_path, "grail", dtype)
+    module = _module(cfg, model, tok)  # the update phase gives the linear layers the narrowing backward
+    assert any(isinstance(m, RowNarrowingLinear) for m in model.modules())
+    module.rollout.prepare(batch, {})  # the probe rows (A < 0 with a box: half of them) first
+    spans = []
+
+    def spy(span):
+        spans.append(span)
+        return leading_rows(span)
+
+    monkeypatch.setattr(grail_mod, "leading_rows", spy)
+    weights = {}
+    for only in (True, False):
+        module.scheme.cfg.probe_rows_only = only
+        with torch.enable_grad():
+            _, _, fwd = policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                                       batch.completion_ids, 1.0)
+            out = module.scheme.weights_from_forward(model, batch.scheme_view(module.scheme_ctx, 0, 8), fwd)
+        weights[only] = out.weights.float()
+    assert spans[0] is not None and spans[0].rows < spans[0].of_rows and spans[1] is None, spans
+    err = (weights[True] - weights[False]).abs().max().item()
+    print(f"{dtype}: probe rows {spans[0].rows} of {spans[0].of_rows}; max |w_leading - w_every_row| = {err:.2e}")
+    assert err <= atol
+
+
 def test_grail_step_peak_memory_within_1_15x_of_grpo(tmp_path):
     from grail_exp.optim import build_optimizer
 
@@ -206,5 +239,6 @@ def test_probe_row_order_on_cuda():
         order = row_order(cpu, 8, probe, False, whole_groups=whole_groups)
         assert row_order(gpu, 8, probe.cuda(), False, whole_groups=whole_groups).cpu().tolist() == order.tolist()
         for share, packed in ((True, False), (True, True), (False, False)):
-            assert update_work(gpu, order.cuda(), 8, 4, probe.cuda(), share, packed) == \
-                update_work(cpu, order, 8, 4, probe, share, packed)
+            for leading in (False, True):
+                assert update_work(gpu, order.cuda(), 8, 4, probe.cuda(), share, packed, leading) == \
+                    update_work(cpu, order, 8, 4, probe, share, packed, leading)

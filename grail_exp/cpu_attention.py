@@ -245,16 +245,20 @@ class PrefixSuffixAttention(torch.autograd.Function):
             own = RowGroups(torch.arange(r, device=g.device), r)
             dq, dkp, dvp, dks, dvs = _prefix_suffix_backward(
                 q[:r], kp.index_select(0, g), vp.index_select(0, g), ks[:r], vs[:r], prefix_mask.index_select(0, g),
-                suffix_mask[:r], lse[:r], grad_out[:r], ctx.scale, own, need)
-            dkp, dvp = (None if d is None else d.new_zeros(p.shape).index_add_(0, g, d) for d, p in ((dkp, kp), (dvp, vp)))
+                suffix_mask[:r], lse[:r], grad_out[:r], ctx.scale, own, need, cast_prompt=False)
+            # a prompt's gradient: its rows' summed in the compute dtype, rounded once (as the stacked products do)
+            dkp, dvp = (None if d is None else d.new_zeros(p.shape).index_add_(0, g, d).to(p.dtype)
+                        for d, p in ((dkp, kp), (dvp, vp)))
             grads = (pad_rows(dq, q.shape[0]), dkp, dvp, pad_rows(dks, q.shape[0]), pad_rows(dvs, q.shape[0]))
         return (*grads, None, None, None, None)
 
 
-def _prefix_suffix_backward(q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse, grad_out, scale, groups, need):
+def _prefix_suffix_backward(q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse, grad_out, scale, groups, need,
+                            cast_prompt: bool = True):
     """(dQ, dK_p, dV_p, dK_s, dV_s) of ``PrefixSuffixAttention``, each None where ``need`` says it is not wanted (a
     detached prompt, or a backward that never reaches the node that made it: GRAIL's probe differentiates with respect
-    to the suffix embeddings only, so the prompt's keys and values need no dK_p, dV_p there)."""
+    to the suffix embeddings only, so the prompt's keys and values need no dK_p, dV_p there). ``cast_prompt=False``:
+    dK_p, dV_p stay in the compute dtype (float32 for half-precision inputs) for a caller that sums them further."""
     hk = ks.shape[1]
     dt = _compute_dtype(q.dtype)
     qr = _grouped(q, hk, dt)
@@ -275,7 +279,9 @@ def _prefix_suffix_backward(q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse, gr
     dq = groups_to_rows(dsp @ kpf, groups).add_(dss @ ksf).reshape(q.shape) if need[0] else None
     dkp = dsp.transpose(-1, -2) @ qg if need[1] else None
     dks = dss.transpose(-1, -2) @ qr if need[3] else None
-    return tuple((g.to(t.dtype) if g is not None else None) for g, t in zip((dq, dkp, dvp, dks, dvs), (q, kp, vp, ks, vs)))
+    keep = (False, not cast_prompt, not cast_prompt, False, False)
+    return tuple(None if g is None else g if k else g.to(t.dtype)
+                 for g, t, k in zip((dq, dkp, dvp, dks, dvs), (q, kp, vp, ks, vs), keep))
 
 
 def rows_to_groups(x: torch.Tensor, groups: RowGroups, fill: float = 0.0) -> torch.Tensor:

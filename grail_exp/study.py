@@ -18,6 +18,12 @@ training job
    ``history.csv``            the training curves (one row per optimiser step), from the run's MLflow metrics
                               (with ``logger=none``: the metrics the run logged, kept in memory)
    ``weights/step_*.parquet`` the per-token weight tables the loss used (positional profile, heatmaps)
+   ``segments/<i>.diff``      the uncommitted change of a training segment that ran on a dirty tree
+
+Provenance per training segment: each start or resume of the arm's training appends a line to
+``<run dir>/study_segments.jsonl`` *when the segment starts* (the step it starts from, the time, the git commit and
+whether the tree was dirty, and ``git diff HEAD`` when it was), and ``arm.json`` lists them under ``segments``: an arm
+trained across several sessions names every commit that trained it.
 
 The arm's name is ``study.arm`` or ``<model>-<scheme>-s<seed>``. Keys that cannot change what an arm computes
 (paths, logging, thread count, resume) may differ between the first start and a restart (``NOT_IDENTITY``).
@@ -157,6 +163,11 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
     history = _history(tracker)
     if history is not None:
         history.to_csv(tmp / "history.csv")
+    segments = read_segments(run_dir)
+    for i, seg in enumerate(segments):
+        if seg.get("diff"):
+            (tmp / "segments").mkdir(exist_ok=True)
+            shutil.copy2(run_dir / f"segment_{i}.diff", tmp / seg["diff"])
     weights = sorted((run_dir / "weights").glob("step_*.parquet"))
     if weights:
         (tmp / "weights").mkdir()
@@ -167,7 +178,7 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
         "status": "FINISHED", "run_id": getattr(tracker, "run_id", None),
         "parent_run_id": _parent_of(tracker), "run_dir": str(run_dir),
         "start_weights_sha256": start_sha256, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "code": code_tags(), "metrics": metrics, "config": identity(cfg),
+        "code": code_tags(), "segments": segments, "metrics": metrics, "config": identity(cfg),
         "files": {f.relative_to(tmp).as_posix(): _file_sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()},
     }
     (tmp / ARM_FILE).write_text(json.dumps(record, indent=1, default=float))
@@ -176,6 +187,39 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
     os.replace(tmp, folder)
     log.info("study: arm %s recorded in %s", folder.name, folder)
     return folder
+
+
+SEGMENTS_FILE = "study_segments.jsonl"
+
+
+def record_segment(cfg, run_dir: Path, start_step: int) -> dict:
+    """Append this training segment's provenance to ``<run dir>/study_segments.jsonl`` (rank 0, at the segment's
+    start, before any training): the step it starts from, the time, the commit and dirty flag of the code that runs
+    it, and the uncommitted diff when the tree is dirty (so a recorded arm never depends on a commit nobody has)."""
+    from grail_exp.tracking import code_tags, uncommitted_diff
+
+    tags = code_tags()
+    seg = {"start_step": int(start_step), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "git_commit": tags.get("git.commit", "unknown"), "git_dirty": tags.get("git.dirty", "unknown")}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / SEGMENTS_FILE
+    index = len(read_segments(run_dir))
+    if seg["git_dirty"] == "true":
+        diff_name = f"segment_{index}.diff"
+        (run_dir / diff_name).write_text(uncommitted_diff())
+        seg["diff"] = f"segments/{index}.diff"
+    with open(path, "a") as fh:
+        fh.write(json.dumps(seg) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return seg
+
+
+def read_segments(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / SEGMENTS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _parent_of(tracker) -> str | None:

@@ -270,6 +270,16 @@ def code_tags() -> dict[str, str]:
     return tags
 
 
+def uncommitted_diff() -> str:
+    """``git diff HEAD`` of the grail_exp checkout (tracked files): what a dirty tree ran beyond its commit."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return subprocess.run(["git", "-C", str(root), "diff", "HEAD"], capture_output=True, text=True, timeout=60,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"(git diff HEAD failed: {exc})\n"
+
+
 # ---------------------------------------------------------------------------------------------- parent runs
 PARENT_FILE = "mlflow_parent_run.json"  # in the sweep directory: the multirun's parent run, for every job
 

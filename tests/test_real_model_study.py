@@ -301,6 +301,15 @@ def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_o
     grpo, grail = (json.loads((res / f"smollm2_135m-{s}-s1" / "arm.json").read_text()) for s in ("grpo", "grail"))
     assert grail["metrics"]["train/steps"] == 2 and "eval_before/arithmetic/acc" in grail["metrics"]
     assert grpo["start_weights_sha256"] == grail["start_weights_sha256"]
+    # provenance per training segment: grpo trained in one, grail in two (killed after step 1, resumed from it),
+    # each naming the code that ran it
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert [s["start_step"] for s in grpo["segments"]] == [0]
+    assert [s["start_step"] for s in grail["segments"]] == [0, 1]
+    for seg in grpo["segments"] + grail["segments"]:
+        assert seg["git_commit"] == head and seg["git_dirty"] in ("true", "false")
+        if seg["git_dirty"] == "true":  # a dirty tree's segment carries its diff, hashed with the arm's files
+            assert seg["diff"] in grail["files"] or seg["diff"] in grpo["files"]
     # common random numbers: one "before" evaluation, sampled once, shared by both arms
     before = [pd.read_parquet(res / f"smollm2_135m-{s}-s1" / "samples_before.parquet") for s in ("grpo", "grail")]
     pd.testing.assert_frame_equal(before[0], before[1])

@@ -96,6 +96,8 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
         if rank == 0 else NullTracker()
     status, parts = "FAILED", None
+    if cfg.study.dir and rank == 0:  # this segment's code, recorded before it trains (grail_exp/study.py)
+        study.record_segment(cfg, Path(cfg.paths.output_dir), int(state["step"]) if state else 0)
     try:
         _log_start(cfg, tracker, state, ckpt)
         parts = build_parts(cfg, ckpt, state, tracker, phases, t0)

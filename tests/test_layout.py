@@ -206,3 +206,56 @@ def test_every_module_has_a_room_in_the_developer_guide():
             if f"`{top}/`" not in section:  # a package's files may be described together
                 missing.append(leaf)
     assert not missing, f"not in docs/developer.md's layout section: {missing}"
+
+
+# Collectives of torch.distributed: every one the package issues goes through grail_exp/training/world.py, which puts
+# its tensor on the process group's device (NCCL refuses CPU tensors; gloo, what CPU runs use, takes them).
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "gather", "gather_object",
+               "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "send",
+               "recv", "isend", "irecv"}
+# Files allowed to call them directly: none today. (The update backends' libraries — FSDP2, DeepSpeed, DCP — and the
+# rollout engine's own process groups run collectives inside their own code, which this scan does not see.)
+COLLECTIVE_EXCEPTIONS: dict[str, str] = {}
+
+
+def _collective_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every call ``<something>.<collective>(...)`` whose receiver is torch.distributed, ``dist`` or a
+    name bound to it (``import torch.distributed as d``; ``from torch import distributed``)."""
+    aliases = {"dist"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [(node.lineno, a.name) for a in node.names if a.name in COLLECTIVES]
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in COLLECTIVES:
+            continue
+        recv = ast.unparse(node.func.value)
+        if recv == "torch.distributed" or recv in aliases:
+            found.append((node.lineno, node.func.attr))
+    return found
+
+
+def test_every_collective_goes_through_the_world_module():
+    offenders = []
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if rel == "grail_exp/training/world.py" or rel in COLLECTIVE_EXCEPTIONS:
+            continue
+        offenders += [f"{rel}:{line}: torch.distributed.{name}" for line, name in _collective_calls(ast.parse(f.read_text()))]
+    assert not offenders, ("collectives outside grail_exp/training/world.py (use its helpers: they put the tensor on "
+                           "the process group's device):\n" + "\n".join(offenders))
+
+
+def test_the_collective_scan_sees_the_spellings_it_must_refuse():
+    src = ("import torch\nimport torch.distributed as d\nfrom torch import distributed\n"
+           "torch.distributed.all_reduce(x)\nd.broadcast(x, 0)\ndistributed.barrier()\ndist.gather_object(o, l)\n"
+           "from torch.distributed import all_gather_object\nworld.all_reduce_sum(x)\n")
+    assert sorted(_collective_calls(ast.parse(src))) == [
+        (4, "all_reduce"), (5, "broadcast"), (6, "barrier"), (7, "gather_object"), (8, "all_gather_object")]

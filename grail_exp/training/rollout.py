@@ -227,7 +227,7 @@ class RolloutPhase:
         m = mask.float()
         per_seq = (log_mass.float() * m).sum(1)
         rows = m.sum(1) > 0
-        sums = torch.stack([per_seq[rows].sum(), rows.sum(), m.sum()]).double().cpu()
+        sums = torch.stack([per_seq[rows].sum(), rows.sum(), m.sum()]).double()
         seq_sum, n_seq, n_tok = world.all_reduce_sum(sums).tolist()
         return {"sampling/seq_log_kept_mass": seq_sum / max(n_seq, 1),
                 "sampling/token_log_kept_mass": seq_sum / max(n_tok, 1)}
@@ -244,7 +244,7 @@ class RolloutPhase:
         mass = batch.sampler_log_mass
         sampler = batch.sampler_logp if mass is None else batch.sampler_logp + mass
         diff = ((batch.old_logp - sampler).abs() * m).sum() / m.sum().clamp(min=1)
-        value = float(world.all_reduce_sum(diff.detach().double().cpu()) / world.world_size())
+        value = float(world.all_reduce_sum(diff.detach().double()) / world.world_size())
         chk = self.cfg.rollout.sampler_check
         history = self.logp_diff_history
         if chk.max_abs_diff is not None and value > chk.max_abs_diff:

@@ -1,12 +1,28 @@
-"""The data-parallel world as the training phases see it: rank, size, and the few collectives they use.
+"""The data-parallel world as the training phases see it: rank, size, and every collective the project issues.
 
-Every helper is the identity on one process (no process group), so the phases read the same either way. Gradients are
-not reduced here: that is the update backend's business (``grail_exp.training.backends``).
+Every collective of the package goes through this module (a layout test refuses ``torch.distributed`` collectives
+anywhere else, the update backends' library internals and the rollout engine's own groups excepted), for two reasons:
+
+- **The process group's device.** NCCL, the default group on GPUs, has no backend for CPU tensors ("No backend type
+  associated with device type cpu"), while gloo takes them: a CPU run never shows the difference. Each helper here
+  moves its tensor to the device the group communicates on (``collective_device``) and the result back to where the
+  caller's tensor lives, so a caller may hand over a CPU scalar on any backend.
+- **No shortcut at world size 1.** When a process group exists the helpers always call it, so a 1-GPU DDP / FSDP run
+  sends every collective through NCCL, as the full layout will; only without any group (one plain process) is each
+  helper the identity. Each call is counted by (operation, device type) in ``collective_devices()``, which the
+  preflight prints.
+
+Gradients are not reduced here: that is the update backend's business (``grail_exp.training.backends``); the local
+backend's flat gradient all-reduce still goes through ``all_reduce_sum``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
+
+_CALLS: Counter = Counter()  # (operation, device type) -> calls made through a process group
 
 
 def _initialized() -> bool:
@@ -22,35 +38,123 @@ def rank() -> int:
     return torch.distributed.get_rank() if _initialized() else 0
 
 
+def collective_device(backend: str | None = None) -> torch.device:
+    """The device the default process group communicates tensors on: CPU when the group has a CPU backend (gloo, mpi,
+    or a device map naming ``cpu:``, e.g. ``cpu:gloo,cuda:nccl``), else the current CUDA device (NCCL alone).
+    ``backend``: the group's backend string (default: the live group's)."""
+    backend = (backend if backend is not None else backend_name()).lower()
+    entries = [e.strip() for e in backend.split(",") if e.strip()]
+    mapped = {e.split(":", 1)[0]: e.split(":", 1)[1] for e in entries if ":" in e}
+    plain = [e for e in entries if ":" not in e]
+    if "cpu" in mapped or any(b in ("gloo", "mpi", "none") for b in plain):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def collective_devices() -> dict[str, int]:
+    """``"<operation>@<device type>"`` -> how many times this process issued it through the process group."""
+    return {f"{op}@{dev}": n for (op, dev), n in sorted(_CALLS.items())}
+
+
+def _record(op: str, device: torch.device) -> None:
+    _CALLS[(op, device.type)] += 1
+
+
+def _on_group_device(op: str, x: torch.Tensor) -> torch.Tensor:
+    dev = collective_device()
+    _record(op, dev)
+    return _to_device(x, dev)
+
+
+def _to_device(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``x`` on ``dev`` (itself when already there): what a collective is handed."""
+    return x if x.device == dev else x.to(dev)
+
+
 def barrier() -> None:
-    if world_size() > 1:
+    if _initialized():
+        _record("barrier", collective_device())
         torch.distributed.barrier()
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """``x`` summed over ranks, in place."""
-    if world_size() > 1:
-        torch.distributed.all_reduce(x)
+    """``x`` summed over ranks, in place (on any device: it travels on the group's device and is copied back)."""
+    return _all_reduce(x, torch.distributed.ReduceOp.SUM, "all_reduce_sum") if _initialized() else x
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """``x`` maximised elementwise over ranks, in place."""
+    return _all_reduce(x, torch.distributed.ReduceOp.MAX, "all_reduce_max") if _initialized() else x
+
+
+def _all_reduce(x: torch.Tensor, op, name: str) -> torch.Tensor:
+    y = _on_group_device(name, x)
+    torch.distributed.all_reduce(y, op=op)
+    if y is not x:
+        x.copy_(y)
     return x
+
+
+def any_true(flag: bool) -> bool:
+    """True on every rank when any rank passes True (a MAX all-reduce of a 0/1 tensor on the group's device); the
+    identity without a process group. Every rank must call it at the same point."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    return bool(all_reduce_max(t).item())
+
+
+def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """``x`` from rank ``src`` on every rank, in place (travelling on the group's device)."""
+    if not _initialized():
+        return x
+    y = _on_group_device("broadcast", x)
+    torch.distributed.broadcast(y, src=src)
+    if y is not x:
+        x.copy_(y)
+    return x
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s picklable ``obj`` on every rank."""
+    if not _initialized():
+        return obj
+    _record("broadcast_object", collective_device())
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src, device=_object_device())
+    return box[0]
+
+
+def gather_object_to(obj, dst: int = 0) -> list | None:
+    """Every rank's picklable ``obj`` in a list on rank ``dst`` (None elsewhere). Objects travel pickled: move tensors
+    to the host first (a gathered CUDA tensor would be rebuilt on ``dst``'s GPU)."""
+    if not _initialized():
+        return [obj]
+    _record("gather_object", collective_device())
+    out: list | None = [None] * world_size() if rank() == dst else None
+    torch.distributed.gather_object(obj, out, dst=dst)
+    return out
+
+
+def _object_device() -> torch.device | None:
+    """Where pickled objects travel: the group's device (NCCL needs CUDA buffers; gloo CPU)."""
+    dev = collective_device()
+    return dev if dev.type == "cuda" else None
 
 
 def average_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Every metric averaged over the ranks that report it (rank 0 logs them)."""
-    n = world_size()
-    if n == 1:
+    if not _initialized():
         return metrics
-    gathered: list = [None] * n
-    torch.distributed.all_gather_object(gathered, metrics)
+    gathered = gather_to_all(metrics)
     keys = set().union(*(g.keys() for g in gathered))
     return {k: sum(g[k] for g in gathered if k in g) / sum(k in g for g in gathered) for k in keys}
 
 
 def gather_to_all(obj) -> list:
     """Every rank's ``obj``, on every rank (a list of world-size entries)."""
-    n = world_size()
-    if n == 1:
+    if not _initialized():
         return [obj]
-    out: list = [None] * n
+    _record("all_gather_object", collective_device())
+    out: list = [None] * world_size()
     torch.distributed.all_gather_object(out, obj)
     return out
 

@@ -107,9 +107,7 @@ def optimizer_state(engine, world_size: int, rank: int) -> list[dict] | None:
     mine = _plain(engine.optimizer.state_dict())
     if world_size == 1:
         return [mine]
-    gathered: list | None = [None] * world_size if rank == 0 else None
-    torch.distributed.gather_object(mine, gathered, dst=0)
-    return gathered
+    return world.gather_object_to(mine, dst=0)
 
 
 def load_optimizer_state(engine, states: list[dict]) -> None:

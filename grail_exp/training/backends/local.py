@@ -101,7 +101,7 @@ class LocalBackend(UpdateBackend):
         if n > 1:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1).float() for g in grads])
-            torch.distributed.all_reduce(flat)
+            world.all_reduce_sum(flat)
             flat /= n  # DDP's convention: the mean over ranks (the normalisers include R)
             offset = 0
             for p, g in zip(params, grads):

@@ -30,9 +30,17 @@ def _row_html(row: dict, index: int) -> str:
             f'<div class="text">{"".join(spans)}</div></div>')
 
 
+def _is_correct(row: dict) -> bool:
+    """A row's grade: its ``correct`` entry; rows without one fall back to the sign of A (A > 0: correct), which
+    misfiles the rollouts of all-correct groups (A = 0)."""
+    return bool(row["correct"]) if "correct" in row else row.get("advantage", 0) > 0
+
+
 def weights_html(rows: list[dict], title: str = "token weights") -> str:
-    correct = [(i, r) for i, r in enumerate(rows) if r.get("advantage", 0) > 0]
-    wrong = [(i, r) for i, r in enumerate(rows) if r.get("advantage", 0) <= 0]
+    """An HTML page of ``rows`` (dicts with ``tokens``, ``weights``, ``advantage`` and ``correct``), each token
+    coloured by its weight, in two columns: correct and wrong rollouts."""
+    correct = [(i, r) for i, r in enumerate(rows) if _is_correct(r)]
+    wrong = [(i, r) for i, r in enumerate(rows) if not _is_correct(r)]
     legend = " ".join(f'<span class="t key" style="background:{_color(w)}">{w:g}</span>' for w in (0.25, 0.5, 1, 2, 4))
     col = lambda name, items: (f'<div class="col"><h2>{name} ({len(items)})</h2>'
                                + "".join(_row_html(r, i) for i, r in items) + "</div>")
@@ -49,5 +57,5 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
 <p>Token colour = weight w (Â = w·A): {legend} &nbsp; hover a token for its value.</p>
-<div class="cols">{col("correct rollouts (A &gt; 0)", correct)}{col("wrong rollouts (A &le; 0)", wrong)}</div>
+<div class="cols">{col("correct rollouts", correct)}{col("wrong rollouts", wrong)}</div>
 </body></html>"""

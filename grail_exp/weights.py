@@ -137,6 +137,8 @@ def compute(cfg: DictConfig) -> list[dict]:
             "weights": [round(float(x), 7) for x in w[i, : len(ids)]],
             "advantage": float(r["advantage"]),
         })
+        if isinstance(r.get("reward"), (int, float)):  # the heatmap's columns split by grade, not by the sign of A
+            out[-1]["correct"] = r["reward"] > 0
     return out
 
 

@@ -1,17 +1,20 @@
 """GRAIL's token weights on SmolLM2's own completions, from weight tables (``weights/step_*.parquet`` of a run
-directory or of a study arm's folder): a heatmap (one line per rollout, token position across, colour = weight), the
-positional profile of the tokens before the first box (the GRAIL paper's U-shape analysis) and, where the tables
-carry the token ids, an HTML heatmap of a few completions with their text.
+directory or of a study arm's folder): a page of tables (``grail_weights_profile.md``), a heatmap (one line per
+rollout, token position across, colour = weight), the positional profile with its bootstrap band and, where the
+tables carry the token ids, an HTML heatmap of a few completions with their text, in two columns by correctness.
 
     python sweeps/real_model_weights.py outputs/real_model/run_grail_weights --out results/real_model
     python sweeps/real_model_weights.py results/real_model_study/<study>/*-grail-s* --out <dir> \
-        --min-length 40 --max-length 150          # the study's GRAIL arms, rollouts of 40-150 tokens
+        --min-length 40 --max-length 150          # the study's GRAIL arms (whichever exist), 40-150 tokens
 
-With several folders the rollouts of all of them are pooled. ``--min-length`` / ``--max-length`` keep the rollouts
-of that many completion tokens. The profile uses every boxed rollout the tables hold, A = 0 included; the study's
-arms (skip_zero_advantage: true, symmetry: wrong) leave correct and A = 0 rollouts at weight 1 (their boxed content
-at w_max by the overrides, which multiplies A = 0), so ``--wrong-only`` (the default for study folders) profiles and
-shows the rollouts GRAIL actually reweighted: wrong, A != 0.
+With several folders the rollouts of all of them are pooled (non-folders among the arguments are skipped).
+``--min-length`` / ``--max-length`` keep the rollouts of that many completion tokens. The population profiled is
+stated on the page: the boxed rollouts, and with ``--wrong-only`` (the default for study folders) only the wrong ones
+with A != 0 — the rows the study's GRAIL (skip_zero_advantage: true, symmetry: wrong) reweighted; every other row
+keeps w = 1 but for the answer-span overrides. With the arm's tokenizer the page adds (``weight_analysis.py``): the
+mean weight by token class, the mean weight with and without the w_max override tokens (and what they are), one
+rollout's last tokens as evidence, and each wrong chain's first arithmetic slip against position-matched controls.
+Bands: 95 % percentile intervals from resampling rollouts (``--boot`` resamples).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from real_model_report import markdown  # sweeps/ is on sys.path when run as `python sweeps/...`
+import weight_analysis as wa  # sweeps/ is on sys.path when run as `python sweeps/...`
+from real_model_report import markdown
 
 
 def load(folders: list[Path], min_length: int, max_length: int):
@@ -60,7 +64,8 @@ def tokenizer_for(folder: Path):
 
 def text_heatmap(df, tokenizer, path: Path, per_outcome: int = 3) -> None:
     """``per_outcome`` wrong and correct rollouts of the last table that has rollouts with A != 0 (a table of
-    zero-variance groups only shows weights that multiply nothing), their tokens coloured by weight (HTML)."""
+    zero-variance groups only shows weights that multiply nothing), their tokens coloured by weight (HTML), in two
+    columns by correctness (a correct rollout of an all-correct group has A = 0 and is still correct)."""
     from grail_exp.viz import weights_html
 
     live = df[df["advantage"] != 0]
@@ -71,9 +76,99 @@ def text_heatmap(df, tokenizer, path: Path, per_outcome: int = 3) -> None:
         keys = last.loc[last["correct"] == correct, "row"].drop_duplicates().head(per_outcome)
         for r in keys:
             g = last[last["row"] == r].sort_values("position")
-            rows.append({"tokens": [tokenizer.decode([int(t)]) for t in g["token_id"]],
+            rows.append({"tokens": [tokenizer.decode([int(t)]) for t in g["token_id"]], "correct": correct,
                          "weights": g["weight"].tolist(), "advantage": float(g["advantage"].iloc[0])})
     path.write_text(weights_html(rows, title=f"GRAIL token weights, step {int(last['step'].iloc[0])}"))
+
+
+def annotated(df, tokenizer):
+    """Token and rollout tables (``weight_analysis.annotate``); without a tokenizer or token ids, tokens have the
+    class "unknown" and "before the box" is the tables' own ``region == "pre"``."""
+    if tokenizer is not None and "token_id" in df:
+        return wa.annotate(wa.decode_tokens(df, tokenizer))
+    tokens = df.sort_values(wa.ROLLOUT + ["position"]).reset_index(drop=True)
+    tokens = tokens.assign(cls="unknown", pre=tokens["region"] == "pre", text="")
+    g = tokens.groupby(wa.ROLLOUT)
+    rollouts = g.agg(correct=("correct", "first"), advantage=("advantage", "first"), length=("length", "first"),
+                     n_pre=("pre", "sum"), boxed=("region", lambda r: bool((r == "answer").any()))).reset_index()
+    rollouts["first_error"], rollouts["results"] = None, [[] for _ in range(len(rollouts))]
+    return tokens, rollouts
+
+
+def draw_heatmap(tokens, pop, path: Path, w_min: float, w_max: float) -> None:
+    """The population's rollouts (the 60 longest), token position across, colour = weight, box start ticked."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    t = tokens.merge(pop[wa.ROLLOUT + ["n_pre"]], on=wa.ROLLOUT)
+    rows = sorted((g for _, g in t.groupby(wa.ROLLOUT)), key=len)[-60:]
+    grid = np.full((len(rows), max(len(g) for g in rows)), np.nan)
+    for i, g in enumerate(rows):
+        grid[i, g.position.to_numpy()] = g.weight.to_numpy()
+    fig, ax = plt.subplots(figsize=(10, 0.22 * len(rows) + 1.2))
+    im = ax.imshow(grid, aspect="auto", cmap="coolwarm", norm=LogNorm(vmin=w_min, vmax=w_max),
+                   interpolation="nearest")
+    for i, g in enumerate(rows):
+        ax.plot([g["n_pre"].iloc[0] - 0.5] * 2, [i - 0.5, i + 0.5], color="k", lw=1)
+    ax.set_xlabel("token position in the completion (black tick: the token holding the box's \\)")
+    ax.set_ylabel("rollout (by length)")
+    fig.colorbar(im, ax=ax, label="GRAIL weight w")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_profile(prof, path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    x = [float(i) for i in prof.index]
+    ax.fill_between(x, prof["lo"], prof["hi"], alpha=0.25, label="95 % band (rollouts resampled)")
+    ax.plot(x, prof["mean_w"], marker="o")
+    ax.axhline(1.0, color="grey", ls=":")
+    ax.set_xlabel("relative position before the first \\boxed{")
+    ax.set_ylabel("mean GRAIL weight")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(tokens, rollouts, pop, args, summary: str) -> tuple[str, object]:
+    """The Markdown page of the analysis and the positional profile table."""
+    t = tokens.merge(pop[wa.ROLLOUT], on=wa.ROLLOUT)
+    lengths = pop["length"]
+    who = "wrong, A != 0, boxed" if args.wrong_only else "boxed"
+    lines = [f"# GRAIL's token weights: {', '.join(sorted(rollouts['source'].unique()))}", "", summary, "",
+             f"**Population**: the {len(pop)} rollouts ({who}) of {args.min_length}-{args.max_length} completion "
+             f"tokens in the weight tables (lengths {lengths.min()}-{lengths.max()}, mean {lengths.mean():.1f}), "
+             f"{len(t)} tokens. Bands: 95 % percentile intervals from {args.boot} resamples of these rollouts.", ""]
+    prof = wa.bootstrap_means(wa.profile_bins(t, pop, args.bins), "bin", args.boot)
+    prof.index = [f"{(b + 0.5) / args.bins:.2f}" for b in prof.index]
+    prof.index.name = "position"
+    lines += ["## Mean weight by relative position before the first box", "", markdown(prof), ""]
+    if (t["cls"] != "unknown").any():
+        classes = wa.bootstrap_means(t, "cls", args.boot)
+        classes["at w_max"] = t.groupby("cls")["weight"].apply(lambda w: (w >= args.w_max).mean())
+        classes["at w_min"] = t.groupby("cls")["weight"].apply(lambda w: (w <= args.w_min).mean())
+        classes = classes.loc[[c for c in wa.CLASS_ORDER if c in classes.index]]
+        lines += ["## Mean weight by token class", "", markdown(classes), ""]
+        effect = wa.override_effect(tokens, rollouts, args.w_max)
+        where = wa.override_classes(tokens, args.w_max)
+        lines += [f"## The w_max override (answer span, reference mapping) and the mean weight", "",
+                  markdown(effect), "", "Override tokens by class (all rollouts in the tables): "
+                  + ", ".join(f"{k} {v}" for k, v in where.items()) + ".", "",
+                  "One reweighted rollout's last tokens (`text:weight`, override tokens in bold): "
+                  + wa.override_line(tokens, rollouts, args.w_max), ""]
+        table, slips = wa.error_vs_control(t, pop, args.boot)
+        n_slip = int(pop["first_error"].notna().sum())
+        lines += ["## First arithmetic slip against position-matched controls", "",
+                  f"{n_slip} of the {len(pop)} rollouts have an arithmetic slip before the box (a step whose written "
+                  "result differs from its own operands' sum or difference; the slip token is the first wrong digit "
+                  "of that result); the rest went wrong elsewhere (copied a wrong operand, boxed another number). "
+                  "Paired per slip; the band resamples slips.", "", markdown(table), ""]
+    return "\n".join(lines), prof
 
 
 def main() -> None:
@@ -81,76 +176,42 @@ def main() -> None:
     ap.add_argument("folders", type=Path, nargs="+", help="run directories or study arm folders")
     ap.add_argument("--out", type=Path, default=Path("results/real_model"))
     ap.add_argument("--bins", type=int, default=10)
+    ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples for the bands")
     ap.add_argument("--min-length", type=int, default=0)
     ap.add_argument("--max-length", type=int, default=10**9)
+    ap.add_argument("--w-min", type=float, default=0.5, help="the arms' advantage.w_min (the clip, colour scale)")
+    ap.add_argument("--w-max", type=float, default=5.0, help="the arms' advantage.w_max (the override weight)")
     ap.add_argument("--wrong-only", action=argparse.BooleanOptionalAction, default=None,
-                    help="profile the wrong rollouts only (default: on for study arm folders)")
+                    help="profile the wrong rollouts with A != 0 only (default: on for study arm folders)")
     args = ap.parse_args()
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
-
-    from grail_exp.plots import positional_profile
-
+    args.folders = [f for f in args.folders if f.is_dir()]
     df = load(args.folders, args.min_length, args.max_length)
-    wrong_only = args.wrong_only if args.wrong_only is not None else (args.folders[0] / "arm.json").is_file()
+    if args.wrong_only is None:
+        args.wrong_only = (args.folders[0] / "arm.json").is_file()
     args.out.mkdir(parents=True, exist_ok=True)
-    key = ["step", "row"]
-    boxed = df.loc[df.region == "answer", key].drop_duplicates()
-    probed = df.merge(boxed, on=key)
-    if wrong_only:
-        probed = probed[~probed["correct"] & (probed["advantage"] != 0)]
-    lengths = df.groupby(key)["length"].first()
-    summary = (f"rollouts {len(lengths)}, boxed {len(boxed)}, profiled {probed.groupby(key).ngroups}; completion "
-               f"length mean {lengths.mean():.0f}, median {lengths.median():.0f}, range {lengths.min()}-"
-               f"{lengths.max()} tokens")
-    print(summary)
-    if probed.empty:  # nothing to draw: say so in the table's place
-        (args.out / "grail_weights_profile.md").write_text(
-            f"No boxed rollout of {args.min_length}-{args.max_length} tokens to profile ({summary}).\n")
-        return
-
-    # heatmap: the profiled rollouts, sorted by length
-    rows = sorted((g for _, g in probed.groupby(key)), key=len)[-60:]
-    width = max(len(g) for g in rows)
-    grid = np.full((len(rows), width), np.nan)
-    for i, g in enumerate(rows):
-        grid[i, g.position.to_numpy()] = g.weight.to_numpy()
-    fig, ax = plt.subplots(figsize=(10, 0.22 * len(rows) + 1.2))
-    im = ax.imshow(grid, aspect="auto", cmap="coolwarm", norm=LogNorm(vmin=0.5, vmax=5.0), interpolation="nearest")
-    for i, g in enumerate(rows):  # mark where the answer span starts
-        a = g.loc[g.region == "answer", "position"]
-        if len(a):
-            ax.plot([a.min() - 0.5] * 2, [i - 0.5, i + 0.5], color="k", lw=1)
-    ax.set_xlabel("token position in the completion (black tick: start of the \\boxed{} span)")
-    ax.set_ylabel("rollout (boxed, by length)")
-    fig.colorbar(im, ax=ax, label="GRAIL weight w")
-    fig.tight_layout()
-    fig.savefig(args.out / "grail_weights_heatmap.png", dpi=110)
-
-    # positional profile over the profiled rollouts
-    prof = positional_profile(probed, bins=args.bins, require_answer=True, skip_zero_advantage=False)
-    allrows = prof.groupby("bin").apply(lambda p: np.average(p.mean_weight, weights=p.n_tokens)).rename("mean_weight")
-    counts = prof.groupby("bin")["n_tokens"].sum()
-    table = allrows.to_frame().join(counts)
-    table.index = [f"{(b + 0.5) / args.bins:.2f}" for b in table.index]
-    print(markdown(table))
-    (args.out / "grail_weights_profile.md").write_text(markdown(table) + "\n")
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([(b + 0.5) / args.bins for b in allrows.index], allrows.values, marker="o")
-    ax.axhline(1.0, color="grey", ls=":")
-    ax.set_xlabel("relative position before the first \\boxed{")
-    ax.set_ylabel("mean GRAIL weight (pre-answer tokens)")
-    ax.set_title(f"SmolLM2-135M, {probed.groupby(key).ngroups} {'wrong ' if wrong_only else ''}boxed rollouts, "
-                 f"median {lengths.median():.0f} tokens", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(args.out / "grail_weights_profile.png", dpi=110)
-
     tokenizer = tokenizer_for(args.folders[0])
+    tokens, rollouts = annotated(df, tokenizer)
+    pop = wa.population(rollouts, args.wrong_only)
+    summary = (f"Weight tables: {len(rollouts)} rollouts of {args.min_length}-{args.max_length} tokens, "
+               f"{int(rollouts['boxed'].sum())} boxed, {len(pop)} profiled; completion length mean "
+               f"{rollouts['length'].mean():.1f}, median {rollouts['length'].median():.0f}, range "
+               f"{rollouts['length'].min()}-{rollouts['length'].max()} tokens.")
+    print(summary)
+    if pop.empty:  # nothing to draw: say so in the table's place
+        (args.out / "grail_weights_profile.md").write_text(f"No rollout to profile. {summary}\n")
+        return
+    page, prof = report(tokens, rollouts, pop, args, summary)
+    (args.out / "grail_weights_profile.md").write_text(page + "\n")
+    print(page)
+    draw_heatmap(tokens, pop, args.out / "grail_weights_heatmap.png", args.w_min, args.w_max)
+    draw_profile(prof, args.out / "grail_weights_profile.png",
+                 f"SmolLM2-135M, {len(pop)} {'wrong ' if args.wrong_only else ''}boxed rollouts, "
+                 f"median {pop['length'].median():.0f} tokens")
     if tokenizer is not None and "token_id" in df:
-        text_heatmap(df.merge(boxed, on=key), tokenizer, args.out / "grail_weights_text.html")
+        text_heatmap(df, tokenizer, args.out / "grail_weights_text.html")
         print(f"heatmap with the tokens' text: {args.out / 'grail_weights_text.html'}")
 
 

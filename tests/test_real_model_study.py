@@ -451,12 +451,18 @@ def test_cold_start_needs_the_arithmetic_task(tmp_path):
         _cold_cfg(tmp_path, "data=deepmath")
 
 
+# "1+2=4. \\boxed{4}" in the shipped tiny model's tokens: 6 before the box, then " \\", "boxed", "{", "4", "}"
+TINY_CHAIN = [21, 15, 22, 33, 24, 18, 269, 270, 95, 24, 97]
+
+
 def _weight_rows(step: int, row: int, correct: bool, advantage: float, pre: list[float]) -> list[dict]:
-    """One rollout's weight-table rows: the given pre-answer weights, then a two-token box at w_max (the overrides)."""
-    n = len(pre) + 2
+    """One rollout's weight-table rows: TINY_CHAIN with the given 6 pre-box weights, the box at 1 but its content
+    at w_max (the overrides; the table's answer region from the box's "boxed" on, as the reference maps it)."""
+    weights = list(pre) + [1.0, 1.0, 1.0, 5.0, 1.0]
+    n = len(TINY_CHAIN)
     return [{"step": step, "row": row, "correct": correct, "advantage": advantage, "position": p, "length": n,
-             "region": "pre" if p < len(pre) else "answer", "weight": pre[p] if p < len(pre) else 5.0,
-             "entropy": 0.1, "token_id": 100 + p} for p in range(n)]
+             "region": "pre" if p < 7 else "answer", "weight": weights[p], "entropy": 0.1,
+             "token_id": TINY_CHAIN[p]} for p in range(n)]
 
 
 @pytest.mark.e2e
@@ -464,7 +470,8 @@ def test_the_weight_profile_of_a_study_arm_is_over_the_rollouts_grail_reweighted
     """sweeps/real_model_weights.py on a study arm: the profile averages the wrong rollouts with A != 0 only — a
     zero-variance group's rollouts keep weight 1 by construction and would pull every bin toward it — and the text
     heatmap shows the last table that has such rollouts, not a last table of A = 0 groups. Numbers by hand: the one
-    reweighted rollout's pre-answer weights [2, 2, 1, 1, 1, 1, 3, 3] in two bins give 1.5 and 2.0."""
+    reweighted rollout's pre-box weights [1, 2, 3, 3, 3, 3] in two bins give 2 and 3 (one rollout: the band is the
+    point); the mean weight with and without the w_max override tokens, over every rollout of the tables."""
     sys.path.insert(0, str(ROOT / "sweeps"))
     try:
         import real_model_weights
@@ -474,17 +481,20 @@ def test_the_weight_profile_of_a_study_arm_is_over_the_rollouts_grail_reweighted
     (arm / "weights").mkdir(parents=True)
     tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"  # an arm folder: --wrong-only by default
     (arm / "arm.json").write_text(json.dumps({"config": {"model.name_or_path": str(tiny)}}))
-    step1 = (_weight_rows(1, 0, False, -0.5, [2, 2, 1, 1, 1, 1, 3, 3]) + _weight_rows(1, 1, False, 0.0, [1.0] * 8)
-             + _weight_rows(1, 2, True, 0.5, [1.0] * 8))
-    step2 = _weight_rows(2, 0, False, 0.0, [1.0] * 8) + _weight_rows(2, 1, True, 0.0, [1.0] * 8)
+    step1 = (_weight_rows(1, 0, False, -0.5, [1, 2, 3, 3, 3, 3]) + _weight_rows(1, 1, False, 0.0, [1.0] * 6)
+             + _weight_rows(1, 2, True, 0.5, [1.0] * 6))
+    step2 = _weight_rows(2, 0, False, 0.0, [1.0] * 6) + _weight_rows(2, 1, True, 0.0, [1.0] * 6)
     pd.DataFrame(step1).to_parquet(arm / "weights" / "step_000001.parquet")
     pd.DataFrame(step2).to_parquet(arm / "weights" / "step_000002.parquet")
     done = subprocess.run([sys.executable, str(ROOT / "sweeps" / "real_model_weights.py"), str(arm), "--out",
-                           str(tmp_path / "out"), "--bins", "2"], capture_output=True, text=True,
+                           str(tmp_path / "out"), "--bins", "2", "--boot", "50"], capture_output=True, text=True,
                           timeout=HANG_TIMEOUT_S, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    table = (tmp_path / "out" / "grail_weights_profile.md").read_text()
-    assert "| 0.25 | 1.5 | 4 |" in table and "| 0.75 | 2 | 4 |" in table, table
+    page = (tmp_path / "out" / "grail_weights_profile.md").read_text()
+    assert "| 0.25 | 2 | 2 | 2 | 3 | 1 |" in page and "| 0.75 | 3 | 3 | 3 | 3 | 1 |" in page, page
+    # 5 rollouts of 11 tokens, each with one w_max override: mean (5·(10 + 5) + 15 - 6) / 55 with the reweighted
+    # rollout's pre-box weights summing to 15 instead of 6; without the 5 override tokens: (5·10 + 9) / 50
+    assert f"| all rollouts in the tables | 5 | 55 | 5 | {(75 + 9) / 55:.4g} | {(50 + 9) / 50:.4g} |" in page, page
 
     class Digits:
         def decode(self, ids):
@@ -493,3 +503,112 @@ def test_the_weight_profile_of_a_study_arm_is_over_the_rollouts_grail_reweighted
     frames = pd.concat([pd.DataFrame(step1), pd.DataFrame(step2)])
     real_model_weights.text_heatmap(frames, Digits(), tmp_path / "heat.html")
     assert "step 1" in (tmp_path / "heat.html").read_text()
+
+
+# ------------------------------------------------------------------------------- GRAIL's weights, by token class
+@pytest.fixture(scope="module")
+def wa():
+    sys.path.insert(0, str(ROOT / "sweeps"))
+    try:
+        import weight_analysis
+    finally:
+        sys.path.remove(str(ROOT / "sweeps"))
+    return weight_analysis
+
+
+def _rollout(row, texts, weights, correct=False, advantage=-0.5, region=None, step=1, source="arm"):
+    """Weight-table rows of one rollout given its token texts and weights (``region`` defaults to "pre")."""
+    return [{"source": source, "step": step, "row": row, "correct": correct, "advantage": advantage, "position": p,
+             "length": len(texts), "region": (region or ["pre"] * len(texts))[p], "weight": w, "text": t,
+             "token_id": p} for p, (t, w) in enumerate(zip(texts, weights))]
+
+
+BOX13 = [" \\", "box", "ed", "{", "1", "3", "}.", ""]  # SmolLM2's pieces of " \boxed{13}." and the end of turn
+
+
+def test_token_classes_box_and_first_slip_of_a_chain_by_hand(wa):
+    """A SmolLM2-tokenised wrong chain ("6+7=14", the box holding 13): classes, the 14 tokens before the box's
+    ``\\`` and the slip at the written result's first wrong digit ("4" of 14 against 13: token 11, step 0, digit 1)."""
+    texts = ["We", " go", ".", " First", ",", " ", "6", "+", "7", "=", "1", "4", "."] + [" So"] + BOX13
+    a = wa.annotate_rollout(texts)
+    assert a["cls"] == (["word", "word", "punctuation", "word", "punctuation", "space", "operand digit", "operator",
+                         "operand digit", "=", "result digit", "result digit", "punctuation", "word",
+                         "box marker \\boxed{", "box marker \\boxed{", "box marker \\boxed{", "box marker \\boxed{",
+                         "answer digit, not the last", "answer digit, last", "closing brace }.", "end of turn"])
+    assert a["n_pre"] == 14 and a["boxed"] and a["first_error"] == (11, 0, 1) and a["results"] == [[10, 11]]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("First, 8-2=6. Finally, 6+7=12. So", ("12", 1, 1)),  # 13 written 12: step 1, its digit 1 ("2")
+    ("3+4=7. 7+5=1.", ("1", 1, 0)),  # 12 written 1: a prefix of the truth, so its last digit
+    ("9-4=5. 5+10=105.", ("105", 1, 1)),  # 15 written 105: "1" agrees, "0" is the first wrong digit
+    ("3+4=7. 7+5=12. 12-2=10.", None),  # every step adds up
+])
+def test_first_arithmetic_error_is_the_first_wrong_digit_of_the_first_wrong_result(wa, text, expected):
+    got = wa.first_arithmetic_error(text)
+    if expected is None:
+        assert got is None
+        return
+    written, step, digit = expected
+    start = text.index(f"={written}.") + 1  # the written result, found by hand
+    assert got == (start + digit, step)
+
+
+def test_bootstrap_means_resample_rollouts_and_weight_tokens(wa):
+    """Rollout a: weights 1 and 3, rollout b: 5, one category. Token-weighted mean (1+3+5)/3 = 3. A resample is aa
+    (mean 2), bb (5) or ab / ba (3), with chances 1/4, 1/4, 1/2: the 2.5 and 97.5 percentiles are 2 and 5."""
+    t = pd.DataFrame(_rollout(0, ["x", "y"], [1.0, 3.0]) + _rollout(1, ["z"], [5.0])).assign(bin=0)
+    out = wa.bootstrap_means(t, "bin", n_boot=4000)
+    assert out.loc[0, "mean_w"] == 3.0 and (out.loc[0, "lo"], out.loc[0, "hi"]) == (2.0, 5.0)
+    assert out.loc[0, "n_tokens"] == 3 and out.loc[0, "n_rollouts"] == 2
+
+
+def test_override_effect_removes_the_w_max_tokens_of_the_answer_span(wa):
+    """Pre-box weights 0.5 and 1.5, the recorded answer span 1, 5, 5 (its w_max override on two tokens): mean
+    (0.5+1.5+1+5+5)/5 = 2.6 with them, (0.5+1.5+1)/3 = 1 without; the same rollout is the reweighted population."""
+    rows = _rollout(0, ["a", "b", "{", "3", "}."], [0.5, 1.5, 1.0, 5.0, 5.0],
+                    region=["pre", "pre", "answer", "answer", "answer"])
+    tokens, rollouts = wa.annotate(pd.DataFrame(rows).assign(text=["a", "b", "\\boxed{", "3", "}."]))
+    effect = wa.override_effect(tokens, rollouts, w_max=5.0)
+    for name in effect.index:
+        assert effect.loc[name, "override tokens"] == 2
+        assert effect.loc[name, "mean w"] == pytest.approx(2.6)
+        assert effect.loc[name, "mean w without them"] == pytest.approx(1.0)
+
+
+def test_first_slip_weights_against_position_and_result_digit_controls(wa):
+    """Four wrong rollouts; r1 (1+2=4, w 0.6 at position 4) and r3 (2+2=5, w 0.9) slip at position 4, r2 (1+1=2,
+    w 1.2 there) and r4 (10+1=11: "=" at position 4 with w 0.5, its result's first digit at 5 with w 2.0) do not.
+    Position control: the other rollouts' tokens at position 4 that are not slips, r2 and r4: (1.2+0.5)/2 = 0.85;
+    differences -0.25 and +0.05, mean -0.1. Result-digit control (step 0, digit 0 of the others' right steps): r2's
+    1.2 and r4's 2.0, 1.6; differences -1.0 and -0.7, mean -0.85."""
+    def chain(row, texts, w_pos):
+        ws = [1.0] * len(texts)
+        for p, w in w_pos.items():
+            ws[p] = w
+        return _rollout(row, texts + ["."] + BOX13, ws + [1.0] * (1 + len(BOX13)))
+
+    rows = (chain(1, ["1", "+", "2", "=", "4"], {4: 0.6}) + chain(2, ["1", "+", "1", "=", "2"], {4: 1.2})
+            + chain(3, ["2", "+", "2", "=", "5"], {4: 0.9})
+            + chain(4, ["1", "0", "+", "1", "=", "1", "1"], {4: 0.5, 5: 2.0}))
+    tokens, rollouts = wa.annotate(pd.DataFrame(rows))
+    assert rollouts.set_index("row")["first_error"].to_dict() == {1: (4, 0, 0), 2: None, 3: (4, 0, 0), 4: None}
+    table, slips = wa.error_vs_control(tokens, rollouts, n_boot=200)
+    assert slips["position control"].tolist() == pytest.approx([0.85, 0.85])
+    assert slips["result-digit control"].tolist() == pytest.approx([1.6, 1.6])
+    assert table.loc["position control", "slips"] == 2
+    assert table.loc["position control", "difference"] == pytest.approx(-0.1)
+    assert table.loc["result-digit control", "difference"] == pytest.approx(-0.85)
+    assert table.loc["result-digit control", "slip mean w"] == pytest.approx(0.75)
+
+
+def test_heatmap_columns_split_by_correctness_not_by_the_sign_of_the_advantage():
+    """A correct rollout of an all-correct group has A = 0 and a wrong one of an all-wrong group too: each goes to
+    its grade's column."""
+    from grail_exp.viz import weights_html
+
+    page = weights_html([{"tokens": ["right"], "weights": [1.0], "advantage": 0.0, "correct": True},
+                         {"tokens": ["wrong"], "weights": [1.0], "advantage": 0.0, "correct": False}])
+    correct_col, wrong_col = page.split("<h2>")[1:3]
+    assert correct_col.startswith("correct rollouts (1)") and ">right<" in correct_col
+    assert wrong_col.startswith("wrong rollouts (1)") and ">wrong<" in wrong_col

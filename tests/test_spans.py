@@ -507,3 +507,67 @@ def test_marker_length_is_counted_in_context():
     pick = lambda m: [words[i] for i in m[0].nonzero().flatten().tolist()]  # noqa: E731
     assert pick(spans.marker) == ["\\", "boxed", "{"]
     assert pick(spans.content) == ["9"] and pick(spans.closing) == ["}"]
+
+
+# ------------------------------------------------------------- SmolLM2's layout of the study's box: " \boxed{13}."
+@pytest.fixture(scope="module")
+def smol():
+    """Byte-level BPE with GPT-2's pre-tokenizer and the five merges that give SmolLM2-135M's pieces of the study's
+    answers (checked on the real tokenizer: `` is \\boxed{13}.`` -> `` is`` `` \\`` ``box`` ``ed`` ``{`` ``1`` ``3``
+    ``}.``): the space fused into `` \\``, ``box``, ``ed`` and the closing brace fused with the full stop."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<pad>": 1}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    merges = [("Ġ", "\\"), ("b", "o"), ("bo", "x"), ("e", "d"), ("}", ".")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    t.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=t, eos_token="<eos>", pad_token="<pad>", clean_up_tokenization_spaces=False
+    )
+
+
+SMOL_TOKENS = ["9", "+", "4", "=", "1", "3", " \\", "box", "ed", "{", "1", "3", "}.", "<eos>"]
+#               0    1    2    3    4    5    6      7      8     9    10   11   12    13
+
+
+def test_smollm2_layout_reference_span_is_one_token_right_and_exact_is_the_box(smol):
+    """The study's ``... 9+4=13 \\boxed{13}.``. By hand: the reference re-encodes ``"a" + "9+4=13 "`` with a bare
+    space token (8 - 1 = 7 tokens: start 7, one right of the `` \\`` at 6), its span is 7 tokens long
+    (``\\ box ed { 1 3 }``) and its marker 4 (``\\ box ed {``): marker 7-10 (``box ed { 1``), content 11-12 (``3``
+    and ``}.``), closing 13 (the EOS). ``span_mapping="exact"``: marker 6-9 (`` \\ box ed {``), content 10-11 (the
+    answer ``1 3``), closing 12 (``}.`` holds the brace), post 13 (the EOS)."""
+    ids = completion(smol, "9+4=13 \\boxed{13}.")
+    assert [smol.decode([i]) for i in ids] == SMOL_TOKENS
+    assert masks(spans_of(smol, [ids], span_mapping="reference")) == {
+        "has_box": True, "marker": [7, 8, 9, 10], "content": [11, 12], "closing": [13], "post": []}
+    assert masks(spans_of(smol, [ids], span_mapping="exact")) == {
+        "has_box": True, "marker": [6, 7, 8, 9], "content": [10, 11], "closing": [12], "post": [13]}
+
+
+def test_grail_overrides_follow_advantage_span_mapping_on_the_smollm2_layout(smol):
+    """GRAIL's w_max override lands where ``advantage.span_mapping`` puts the content: on ``3`` and ``}.`` with the
+    reference's offset (the study's default), on the answer ``1 3`` with ``exact``; marker, closing and the EOS get
+    w_mean. The row has A > 0, so ``symmetry: wrong`` leaves it unprobed: every other token keeps w = 1 (no model
+    needed)."""
+    from omegaconf import OmegaConf
+
+    from grail_exp.advantages import SchemeBatch, build_scheme, scheme_config_class
+
+    ids = torch.tensor([completion(smol, "9+4=13 \\boxed{13}.")])
+    C = ids.shape[1]
+    prompt = torch.tensor([[smol.encode("x")[0]]])
+    batch = SchemeBatch(torch.cat([prompt, ids], 1), torch.ones(1, C + 1), torch.arange(C + 1).unsqueeze(0), 1, ids,
+                        torch.ones(1, C), torch.tensor([0.5]), torch.tensor([1.0]))
+    weights = {}
+    for mode in MODES:
+        cfg = OmegaConf.merge(OmegaConf.structured(scheme_config_class("grail")), {"span_mapping": mode})
+        weights[mode] = build_scheme(cfg, smol).weights(None, batch).weights[0].tolist()
+    at_max = lambda w: [i for i, x in enumerate(w) if x == 5.0]  # noqa: E731
+    assert at_max(weights["reference"]) == [11, 12] and at_max(weights["exact"]) == [10, 11]
+    assert all(x == 1.0 for i, x in enumerate(weights["exact"]) if i not in (10, 11))

@@ -42,7 +42,9 @@ def load(folders: list[Path], min_length: int, max_length: int):
     if not frames:
         raise SystemExit(f"no weight tables (weights/step_*.parquet) under {', '.join(map(str, folders))}")
     df = pd.concat(frames, ignore_index=True)
-    return df[(df["length"] >= min_length) & (df["length"] <= max_length)]
+    kept = df[(df["length"] >= min_length) & (df["length"] <= max_length)]
+    kept.attrs["rollouts_total"] = len(df[["source", "step", "row"]].drop_duplicates())  # before the length filter
+    return kept
 
 
 def tokenizer_for(folder: Path):
@@ -143,7 +145,10 @@ def report(tokens, rollouts, pop, args, summary: str) -> tuple[str, object]:
     lines = [f"# GRAIL's token weights: {', '.join(sorted(rollouts['source'].unique()))}", "", summary, "",
              f"**Population**: the {len(pop)} rollouts ({who}) of {args.min_length}-{args.max_length} completion "
              f"tokens in the weight tables (lengths {lengths.min()}-{lengths.max()}, mean {lengths.mean():.1f}), "
-             f"{len(t)} tokens. Bands: 95 % percentile intervals from {args.boot} resamples of these rollouts.", ""]
+             f"{len(t)} tokens. Bands: 95 % percentile intervals from {args.boot} resamples of these rollouts. They "
+             f"treat the rollouts as independent, which they are not (a group's rollouts are often the same text with "
+             f"the same weights: {t.groupby(wa.ROLLOUT)['text'].apply(''.join).nunique()} distinct texts here; an "
+             f"arm's share its policy), so a band describes these rollouts, not another training run.", ""]
     prof = wa.bootstrap_means(wa.profile_bins(t, pop, args.bins), "bin", args.boot)
     prof.index = [f"{(b + 0.5) / args.bins:.2f}" for b in prof.index]
     prof.index.name = "position"
@@ -157,7 +162,7 @@ def report(tokens, rollouts, pop, args, summary: str) -> tuple[str, object]:
         effect = wa.override_effect(tokens, rollouts, args.w_max)
         where = wa.override_classes(tokens, args.w_max)
         lines += [f"## The w_max override (answer span, reference mapping) and the mean weight", "",
-                  markdown(effect), "", "Override tokens by class (all rollouts in the tables): "
+                  markdown(effect), "", "Override tokens by class (every rollout in the length range): "
                   + ", ".join(f"{k} {v}" for k, v in where.items()) + ".", "",
                   "One reweighted rollout's last tokens (`text:weight`, override tokens in bold): "
                   + wa.override_line(tokens, rollouts, args.w_max), ""]
@@ -166,8 +171,11 @@ def report(tokens, rollouts, pop, args, summary: str) -> tuple[str, object]:
         lines += ["## First arithmetic slip against position-matched controls", "",
                   f"{n_slip} of the {len(pop)} rollouts have an arithmetic slip before the box (a step whose written "
                   "result differs from its own operands' sum or difference; the slip token is the first wrong digit "
-                  "of that result); the rest went wrong elsewhere (copied a wrong operand, boxed another number). "
-                  "Paired per slip; the band resamples slips.", "", markdown(table), ""]
+                  "of that result). In the others every written step adds up: the error lies in the operands they "
+                  "copied (the tables do not hold the problem to tell) or in the number they boxed. Controls: the "
+                  "tokens at the same position in the other rollouts of the population (their own slips left out), "
+                  "and the same digit of the same step's result in the other rollouts whose chain is right up to "
+                  "that step. Paired per slip; the band resamples slips.", "", markdown(table), ""]
     return "\n".join(lines), prof
 
 
@@ -195,7 +203,8 @@ def main() -> None:
     tokenizer = tokenizer_for(args.folders[0])
     tokens, rollouts = annotated(df, tokenizer)
     pop = wa.population(rollouts, args.wrong_only)
-    summary = (f"Weight tables: {len(rollouts)} rollouts of {args.min_length}-{args.max_length} tokens, "
+    summary = (f"Weight tables: {df.attrs['rollouts_total']} rollouts, {len(rollouts)} of them of "
+               f"{args.min_length}-{args.max_length} tokens, "
                f"{int(rollouts['boxed'].sum())} boxed, {len(pop)} profiled; completion length mean "
                f"{rollouts['length'].mean():.1f}, median {rollouts['length'].median():.0f}, range "
                f"{rollouts['length'].min()}-{rollouts['length'].max()} tokens.")

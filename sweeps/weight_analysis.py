@@ -198,13 +198,15 @@ def override_effect(tokens: pd.DataFrame, rollouts: pd.DataFrame, w_max: float) 
     training log's ``weights/mean`` averages) and over the reweighted population; and what the override tokens
     are (their share per token class)."""
     rows = {}
-    for name, keys in (("all rollouts in the tables", rollouts), ("reweighted (wrong, A != 0, boxed)",
+    for name, keys in (("every rollout in the length range", rollouts), ("reweighted (wrong, A != 0, boxed)",
                                                                   population(rollouts))):
         t = tokens.merge(keys[ROLLOUT], on=ROLLOUT)
         o = override_tokens(t, w_max)
         rows[name] = {"rollouts": len(keys), "tokens": len(t), "override tokens": int(o.sum()),
                       "mean w": t["weight"].mean(), "mean w without them": t.loc[~o, "weight"].mean()}
-    return pd.DataFrame(rows).T
+    out = pd.DataFrame(rows).T
+    counts = {"rollouts": int, "tokens": int, "override tokens": int}
+    return out.astype(counts).astype(object)  # object: a row keeps its counts as integers
 
 
 def override_classes(tokens: pd.DataFrame, w_max: float) -> pd.Series:

@@ -494,7 +494,8 @@ def test_the_weight_profile_of_a_study_arm_is_over_the_rollouts_grail_reweighted
     assert "| 0.25 | 2 | 2 | 2 | 3 | 1 |" in page and "| 0.75 | 3 | 3 | 3 | 3 | 1 |" in page, page
     # 5 rollouts of 11 tokens, each with one w_max override: mean (5·(10 + 5) + 15 - 6) / 55 with the reweighted
     # rollout's pre-box weights summing to 15 instead of 6; without the 5 override tokens: (5·10 + 9) / 50
-    assert f"| every rollout in the length range | 5 | 55 | 5 | {(75 + 9) / 55:.4g} | {(50 + 9) / 50:.4g} |" in page, page
+    with_them, without = f"{(75 + 9) / 55:.4g}", f"{(50 + 9) / 50:.4g}"
+    assert f"| every rollout in the length range | 5 | 55 | 5 | {with_them} | {without} |" in page, page
 
     class Digits:
         def decode(self, ids):

@@ -74,6 +74,26 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
         assert torch.allclose(torch.tensor(r["weights"]), w_train[i][:n].float(), atol=1e-5), i
 
 
+def test_weights_cli_rows_carry_their_grade_for_the_heatmap(tiny_model_dir, tmp_path):
+    """A row's ``reward`` gives its grade (``correct``), which files it in the heatmap's column: a correct rollout of an
+    all-correct group (A = 0) under "correct rollouts"; a row without a reward has no grade (the page uses A)."""
+    from helpers.compose import compose_weights
+
+    from grail_exp.viz import weights_html
+    from grail_exp.weights import compute
+
+    prompt = "<|im_start|>user\nCompute 2+2.<|im_end|>\n<|im_start|>assistant\n"
+    rows = [{"prompt": prompt, "completion": "2+2=4. \\boxed{4}<|im_end|>", "advantage": 0.0, "reward": 1.0},
+            {"prompt": prompt, "completion": "2+2=5. \\boxed{5}<|im_end|>", "advantage": 0.0}]
+    inp = tmp_path / "rows.jsonl"
+    inp.write_text("\n".join(json.dumps(r) for r in rows))
+    result = compute(compose_weights(tmp_path, [f"model.name_or_path={tiny_model_dir}", f"input={inp}",
+                                                f"output={tmp_path / 'w.json'}", "advantage=grail"]))
+    assert result[0]["correct"] is True and "correct" not in result[1]
+    correct_col, wrong_col = weights_html(result).split("<h2>")[1:3]
+    assert correct_col.startswith("correct rollouts (1)") and wrong_col.startswith("wrong rollouts (1)")
+
+
 @pytest.mark.e2e
 def test_weights_cli_end_to_end_with_text_rows_and_html(tiny_model_dir, tmp_path):
     inp = tmp_path / "rows.jsonl"

@@ -47,6 +47,12 @@ def load(folders: list[Path], min_length: int, max_length: int):
     return kept
 
 
+def arm_config(folder: Path) -> dict:
+    """A study arm's flat resolved configuration (its arm.json), or {} when the folder is not an arm."""
+    record = folder / "arm.json"
+    return json.loads(record.read_text()).get("config", {}) if record.is_file() else {}
+
+
 def tokenizer_for(folder: Path):
     """The tokenizer of a study arm (its arm.json's model.name_or_path) or None when the folder is not an arm."""
     record = folder / "arm.json"
@@ -187,8 +193,10 @@ def main() -> None:
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples for the bands")
     ap.add_argument("--min-length", type=int, default=0)
     ap.add_argument("--max-length", type=int, default=10**9)
-    ap.add_argument("--w-min", type=float, default=0.5, help="the arms' advantage.w_min (the clip, colour scale)")
-    ap.add_argument("--w-max", type=float, default=5.0, help="the arms' advantage.w_max (the override weight)")
+    ap.add_argument("--w-min", type=float, default=None,
+                    help="the clip's lower bound (default: the first arm's advantage.w_min, else 0.5)")
+    ap.add_argument("--w-max", type=float, default=None,
+                    help="the override weight (default: the first arm's advantage.w_max, else 5)")
     ap.add_argument("--wrong-only", action=argparse.BooleanOptionalAction, default=None,
                     help="profile the wrong rollouts with A != 0 only (default: on for study arm folders)")
     args = ap.parse_args()
@@ -199,6 +207,9 @@ def main() -> None:
     df = load(args.folders, args.min_length, args.max_length)
     if args.wrong_only is None:
         args.wrong_only = (args.folders[0] / "arm.json").is_file()
+    recorded = arm_config(args.folders[0])
+    args.w_min = args.w_min if args.w_min is not None else float(recorded.get("advantage.w_min", 0.5))
+    args.w_max = args.w_max if args.w_max is not None else float(recorded.get("advantage.w_max", 5.0))
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer_for(args.folders[0])
     tokens, rollouts = annotated(df, tokenizer)

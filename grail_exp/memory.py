@@ -31,6 +31,9 @@ planned in RAM against the host's memory and refused like GPU runs when they do 
 where no CUDA device is visible is refused only with ``trainer.device_memory_gb`` set (planning offline); otherwise
 its plan is printed by ``python -m grail_exp.plan`` without a verdict. Measured peaks against the plan: results/memory_plan.md
 (``python sweeps/memory_plan.py``).
+
+The plan also states the process-group timeout the run needs (``needed_dist_timeout``: the planned checkpoint written
+at a conservative bandwidth; ``trainer.dist_timeout_s``).
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class MemoryPlan:
     problems: list[str] = field(default_factory=list)  # impossible independently of the sum (vLLM too small, ...)
     facts: dict = field(default_factory=dict)  # the inputs, for the table's header
     notes: list[str] = field(default_factory=list)  # what the totals leave out, said under the table
+    timeouts: list[str] = field(default_factory=list)  # timeout_lines(): the process-group timeout the run needs
 
     @property
     def peak(self) -> float:
@@ -322,7 +326,9 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
     lines += reserve_lines + rollout_lines(cfg, z) + eval_lines(cfg, z)
     if z.cpu:
         lines += host_lines(cfg)
-    return assemble(cfg, z, lines, reserve, problems, notes)
+    p = assemble(cfg, z, lines, reserve, problems, notes)
+    p.timeouts = timeout_lines(cfg)
+    return p
 
 
 def model_state_lines(cfg, z: Sizes) -> list[Line]:
@@ -696,6 +702,49 @@ def _same_hardware(option: list[str]) -> bool:
     return not any(o.startswith("trainer.devices=") for o in option)
 
 
+# ---------------------------------------------------------------------------------------------- timeouts
+# The process-group timeout (trainer.dist_timeout_s) must outlast the longest time one rank waits for another inside a
+# collective. The longest a run plans is a checkpoint: its state is gathered and written while the other ranks wait in
+# the next collective. Never shorter than torch's and Lightning's default of 30 minutes (NCCL's own is 10).
+DIST_TIMEOUT_FLOOR_S = 1800
+# A conservative write bandwidth for a checkpoint: NFS over 1 Gb/s Ethernet (~110 MB/s), the slowest shared storage a
+# cluster commonly has; parallel filesystems (Lustre, GPFS) and local NVMe write one to two orders of magnitude faster.
+CHECKPOINT_WRITE_BYTES_PER_S = 100e6
+CHECKPOINT_WRITE_MARGIN = 2  # serialising, fsync, the gather before the write, a filesystem shared with other jobs
+
+
+def planned_checkpoint_bytes(cfg) -> tuple[float, str]:
+    """(bytes, how) of one checkpoint, bounded from the parameter count N alone: the policy's weights as if fp32 (4N;
+    bf16 weights are half of it), the fp32 master weights (4N; none for an fp32 model) and Adam's two fp32 moments
+    (8N) of the training state. Raises ``PlanError`` for an architecture the planner does not know."""
+    n = model_shape(cfg.model).params
+    return 16.0 * n, f"16 B x N {n:,} (weights <= 4 B + fp32 masters 4 B + Adam moments 8 B per parameter)"
+
+
+def needed_dist_timeout(cfg) -> tuple[int, str]:
+    """(seconds, how) the process-group timeout needs for this run's planned checkpoint write:
+    max(DIST_TIMEOUT_FLOOR_S, CHECKPOINT_WRITE_MARGIN x checkpoint bytes / CHECKPOINT_WRITE_BYTES_PER_S), rounded up to
+    a whole minute. An architecture the planner does not know gets the floor."""
+    try:
+        size, how = planned_checkpoint_bytes(cfg)
+    except PlanError as exc:
+        return DIST_TIMEOUT_FLOOR_S, f"the floor {DIST_TIMEOUT_FLOOR_S} s (no checkpoint plan: {exc})"
+    write = CHECKPOINT_WRITE_MARGIN * size / CHECKPOINT_WRITE_BYTES_PER_S
+    seconds = max(DIST_TIMEOUT_FLOOR_S, 60 * math.ceil(write / 60))
+    bandwidth = f"{CHECKPOINT_WRITE_BYTES_PER_S / 1e6:g} MB/s"
+    return seconds, (f"max({DIST_TIMEOUT_FLOOR_S} s, {CHECKPOINT_WRITE_MARGIN} x the checkpoint's {size / 1e9:.1f} GB"
+                     f" / {bandwidth} = {write:.0f} s) in whole minutes; checkpoint: {how}")
+
+
+def timeout_lines(cfg) -> list[str]:
+    """The plan's "timeouts needed" line: what the planned checkpoint needs against what the run sets."""
+    need, how = needed_dist_timeout(cfg)
+    configured = cfg.trainer.get("dist_timeout_s")
+    now = f"null (= {need} s)" if configured is None else f"{configured} s" + (
+        ", BELOW the need" if configured < need else "")
+    return [f"timeouts needed: trainer.dist_timeout_s >= {need} s (set: {now}) = {how}"]
+
+
 # ---------------------------------------------------------------------------------------------- output
 def render(p: MemoryPlan) -> str:
     out = ["memory plan per device (GiB = 2^30 bytes)"]
@@ -717,6 +766,7 @@ def render(p: MemoryPlan) -> str:
         out.append(f"device: {p.capacity / GiB:.1f} GiB usable ({p.capacity_source}), headroom {p.headroom / GiB:.1f} GiB: "
                    f"peak {p.peak / GiB:.1f} GiB ({p.peak_phase}) {'fits' if p.fits else 'DOES NOT FIT'}")
     out += [f"problem: {x}" for x in p.problems]
+    out += p.timeouts
     out += [f"note: {x}" for x in p.notes]
     return "\n".join(out)
 

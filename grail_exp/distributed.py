@@ -59,7 +59,7 @@ class GradSyncDDPStrategy(DDPStrategy):
 
 def dist_timeout(cfg) -> timedelta:
     """The timeout of every process group the run creates: ``trainer.dist_timeout_s``, or (null) what the planned
-    checkpoint write needs (``memory.needed_dist_timeout``)."""
+    checkpoint write needs (``memory.needed_dist_timeout``, the rule of grail_exp/timeouts.py)."""
     seconds = cfg.trainer.get("dist_timeout_s")
     if seconds is None:
         from grail_exp.memory import needed_dist_timeout

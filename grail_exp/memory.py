@@ -33,7 +33,7 @@ its plan is printed by ``python -m grail_exp.plan`` without a verdict. Measured 
 (``python sweeps/memory_plan.py``).
 
 The plan also states the process-group timeout the run needs (``needed_dist_timeout``: the planned checkpoint written
-at a conservative bandwidth; ``trainer.dist_timeout_s``).
+at a conservative bandwidth, grail_exp/timeouts.py; ``trainer.dist_timeout_s``).
 """
 
 from __future__ import annotations
@@ -703,37 +703,16 @@ def _same_hardware(option: list[str]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- timeouts
-# The process-group timeout (trainer.dist_timeout_s) must outlast the longest time one rank waits for another inside a
-# collective. The longest a run plans is a checkpoint: its state is gathered and written while the other ranks wait in
-# the next collective. Never shorter than torch's and Lightning's default of 30 minutes (NCCL's own is 10).
-DIST_TIMEOUT_FLOOR_S = 1800
-# A conservative write bandwidth for a checkpoint: NFS over 1 Gb/s Ethernet (~110 MB/s), the slowest shared storage a
-# cluster commonly has; parallel filesystems (Lustre, GPFS) and local NVMe write one to two orders of magnitude faster.
-CHECKPOINT_WRITE_BYTES_PER_S = 100e6
-CHECKPOINT_WRITE_MARGIN = 2  # serialising, fsync, the gather before the write, a filesystem shared with other jobs
-
-
-def planned_checkpoint_bytes(cfg) -> tuple[float, str]:
-    """(bytes, how) of one checkpoint, bounded from the parameter count N alone: the policy's weights as if fp32 (4N;
-    bf16 weights are half of it), the fp32 master weights (4N; none for an fp32 model) and Adam's two fp32 moments
-    (8N) of the training state. Raises ``PlanError`` for an architecture the planner does not know."""
-    n = model_shape(cfg.model).params
-    return 16.0 * n, f"16 B x N {n:,} (weights <= 4 B + fp32 masters 4 B + Adam moments 8 B per parameter)"
-
-
 def needed_dist_timeout(cfg) -> tuple[int, str]:
-    """(seconds, how) the process-group timeout needs for this run's planned checkpoint write:
-    max(DIST_TIMEOUT_FLOOR_S, CHECKPOINT_WRITE_MARGIN x checkpoint bytes / CHECKPOINT_WRITE_BYTES_PER_S), rounded up to
-    a whole minute. An architecture the planner does not know gets the floor."""
+    """(seconds, how): the process-group timeout this run's planned checkpoint write needs (grail_exp/timeouts.py:
+    max(1800 s, 2 x 16 B x N / 100 MB/s)); an architecture the planner does not know gets the 1800 s floor."""
+    from grail_exp.timeouts import needed_dist_timeout as rule
+
     try:
-        size, how = planned_checkpoint_bytes(cfg)
-    except PlanError as exc:
-        return DIST_TIMEOUT_FLOOR_S, f"the floor {DIST_TIMEOUT_FLOOR_S} s (no checkpoint plan: {exc})"
-    write = CHECKPOINT_WRITE_MARGIN * size / CHECKPOINT_WRITE_BYTES_PER_S
-    seconds = max(DIST_TIMEOUT_FLOOR_S, 60 * math.ceil(write / 60))
-    bandwidth = f"{CHECKPOINT_WRITE_BYTES_PER_S / 1e6:g} MB/s"
-    return seconds, (f"max({DIST_TIMEOUT_FLOOR_S} s, {CHECKPOINT_WRITE_MARGIN} x the checkpoint's {size / 1e9:.1f} GB"
-                     f" / {bandwidth} = {write:.0f} s) in whole minutes; checkpoint: {how}")
+        params = model_shape(cfg.model).params
+    except PlanError:
+        params = None
+    return rule(params)
 
 
 def timeout_lines(cfg) -> list[str]:

@@ -437,11 +437,12 @@ def required_settings(cfg: DictConfig) -> list[str]:
 def dist_timeout(cfg) -> list[str]:
     """An explicit ``trainer.dist_timeout_s`` below what the planned checkpoint write needs is warned about, not
     refused: the need assumes a slow shared filesystem (memory.needed_dist_timeout), and storage several times faster
-    makes a shorter timeout right. Runs without a process group (``trainer.strategy=auto``) need none."""
+    makes a shorter timeout right. A single rank never waits for another: no timeout to judge."""
     from grail_exp.memory import needed_dist_timeout
+    from grail_exp.training.world import configured_world_size
 
     t = cfg.trainer
-    if t.get("dist_timeout_s") is None or str(t.strategy) == "auto":
+    if t.get("dist_timeout_s") is None or configured_world_size(t) < 2:
         return []
     need, how = needed_dist_timeout(cfg)
     if t.dist_timeout_s < need:

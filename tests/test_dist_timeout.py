@@ -61,12 +61,15 @@ def test_lightnings_process_group_is_created_with_the_timeout(compose_cfg, monke
     assert calls[0]["timeout"] == timedelta(seconds=seconds)
 
 
-def test_deepspeeds_own_process_group_is_created_with_the_timeout(compose_cfg, monkeypatch):
+@pytest.mark.parametrize("overrides, seconds", [
+    (["trainer.dist_timeout_s=4321"], 4321),
+    ([], 1800),  # null: what a 6-parameter policy's checkpoint needs, the floor (NCCL's own default is 600 s)
+])
+def test_deepspeeds_own_process_group_is_created_with_the_timeout(compose_cfg, monkeypatch, overrides, seconds):
     deepspeed = pytest.importorskip("deepspeed")
     from grail_exp.training.backends import deepspeed as backend
 
-    cfg = compose_cfg(["trainer=deepspeed_zero2", "trainer.accelerator=cpu", "trainer.devices=1",
-                       "trainer.dist_timeout_s=4321"])
+    cfg = compose_cfg(["trainer=deepspeed_zero2", "trainer.accelerator=cpu", "trainer.devices=1", *overrides])
     calls = _record_init(monkeypatch)
 
     def initialize(**kwargs):  # the group is what is tested; no engine is built
@@ -75,11 +78,12 @@ def test_deepspeeds_own_process_group_is_created_with_the_timeout(compose_cfg, m
     monkeypatch.setattr(deepspeed, "initialize", initialize)
     with pytest.raises(_Recorded):
         backend.initialize(torch.nn.Linear(2, 2), None, cfg)
-    assert len(calls) == 1 and calls[0]["timeout"] == timedelta(seconds=4321)
+    assert len(calls) == 1 and calls[0].get("timeout") == timedelta(seconds=seconds)
 
 
 def test_the_planner_prints_the_timeout_the_checkpoint_needs(compose_cfg):
     from grail_exp.memory import needed_dist_timeout, plan, render
+    from grail_exp.timeouts import needed_dist_timeout as rule
 
     cfg = compose_cfg(["model=qwen3_8b", "trainer.device_memory_gb=141"])
     seconds, how = needed_dist_timeout(cfg)
@@ -88,6 +92,8 @@ def test_the_planner_prints_the_timeout_the_checkpoint_needs(compose_cfg):
     lines = [x for x in render(plan(cfg)).splitlines() if x.startswith("timeouts needed:")]
     assert lines == [f"timeouts needed: trainer.dist_timeout_s >= 2640 s (set: null (= 2640 s)) = {how}"]
     assert needed_dist_timeout(compose_cfg())[0] == 1800  # the tiny model's checkpoint is 7 MB: the floor
+    assert rule(5_625_000_000)[0] == 1800 and rule(5_625_000_001)[0] == 1860  # 2 x 16 B x N / 100 MB/s crosses 1800 s
+    assert rule(None)[0] == 1800  # an architecture the planner does not know
 
 
 def test_a_timeout_below_the_planned_checkpoint_write_is_warned_about_and_a_non_positive_one_refused(

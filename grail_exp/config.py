@@ -390,6 +390,9 @@ class TrainerConfig:
     deterministic: bool = False
     num_nodes: int = 1  # data-parallel nodes (world size = devices x num_nodes)
     process_group_backend: Optional[str] = None  # null = nccl on GPU, gloo on CPU
+    # Seconds a rank waits in a collective before the process group aborts the run (every group the run creates);
+    # null = what the planned checkpoint write needs: max(1800, 2 x its bytes / 100 MB/s) (memory.needed_dist_timeout)
+    dist_timeout_s: Optional[int] = None
     sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
     # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/training/backends/deepspeed.py), e.g. zero_optimization
     deepspeed: Optional[Any] = None

@@ -22,6 +22,7 @@ DeepSpeedStrategy owns backward, accumulation and the step in a way this trainer
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -56,11 +57,23 @@ class GradSyncDDPStrategy(DDPStrategy):
             _sync_module_states(self.model)
 
 
+def dist_timeout(cfg) -> timedelta:
+    """The timeout of every process group the run creates: ``trainer.dist_timeout_s``, or (null) what the planned
+    checkpoint write needs (``memory.needed_dist_timeout``, the rule of grail_exp/timeouts.py)."""
+    seconds = cfg.trainer.get("dist_timeout_s")
+    if seconds is None:
+        from grail_exp.memory import needed_dist_timeout
+
+        seconds, _ = needed_dist_timeout(cfg)
+    return timedelta(seconds=int(seconds))
+
+
 def build_strategy(cfg):
     """The Lightning strategy for ``trainer.strategy``: ``auto`` (one process) as Lightning's own; every other
-    update backend's name launches its ranks as DDP does (the backend then shards, wraps or reduces by itself)."""
+    update backend's name launches its ranks as DDP does (the backend then shards, wraps or reduces by itself), its
+    process group created with ``dist_timeout``."""
     t = cfg.trainer
     name = str(t.strategy)
     if name == "auto":
         return name
-    return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"))
+    return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"), timeout=dist_timeout(cfg))

@@ -26,11 +26,14 @@ import hashlib
 import json
 import logging
 import os
+import random
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -190,14 +193,59 @@ def chunk_seed(seed: int, benchmark: str, chunk: int) -> int:
     return int(_sha([seed, benchmark, chunk]), 16) % (2**31)
 
 
+def chunk_owners(benchmarks: list[_Benchmark], world: int) -> dict[tuple[str, int], int]:
+    """The rank that generates each chunk, {(benchmark, chunk): rank}: chunks by descending work (completions to
+    sample: problems x ``eval.n``, the same n for all, so problems), ties in benchmark and chunk order, each to the rank
+    with the least work so far (the lowest among equals): Graham's longest-processing-time rule. A function of the
+    chunk sizes and the world size alone, so every rank computes the same owners without communicating; the busiest
+    rank's work exceeds the idlest's by at most one chunk (its last chunk went to the then idlest rank). A chunk's
+    samples depend on its own seed only (``chunk_seed``), never on its owner."""
+    chunks = [(b.name, c, len(b.prompts[b.span(c)])) for b in benchmarks for c in b.chunks]
+    order = sorted(range(len(chunks)), key=lambda i: (-chunks[i][2], i))
+    load, owners = [0] * world, {}
+    for i in order:
+        name, c, size = chunks[i]
+        r = min(range(world), key=lambda k: (load[k], k))
+        owners[(name, c)] = r
+        load[r] += size
+    return owners
+
+
+@contextmanager
+def _rng_streams_kept():
+    """Run the block, then put back every random stream it may move: torch's CPU generator, the generator of every
+    CUDA device (when CUDA is initialized in this process), Python's and NumPy's global ones. An evaluation between
+    two training steps then leaves the training stream drawing exactly what it would have drawn without it."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+def _seed_chunk(seed: int) -> None:
+    """Seed the streams a chunk's sampling draws from: torch's CPU generator and, once CUDA is initialized, every CUDA
+    device's (``torch.manual_seed``). Before CUDA is initialized nothing can sample on it, and seeding it would only
+    queue a seed that CUDA's initialization applies later, outside ``_rng_streams_kept``."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+
+
 def _my_share(benchmarks: list[_Benchmark], engine, params, tokenizer, verifier, cfg, rule, rank: int, world: int,
               desc: str) -> dict:
-    """This rank's chunks (the g-th chunk over all benchmarks, g % world == rank): generated (or read from the
-    cache), decoded and graded here. {(benchmark, chunk): (completions, decoded, graded, newly generated)}."""
+    """This rank's chunks (``chunk_owners``), in benchmark and chunk order: generated (or read from the cache), decoded
+    and graded here. {(benchmark, chunk): (completions, decoded, graded, newly generated)}."""
     from tqdm.auto import tqdm
 
     ev, out = cfg.eval, {}
-    mine = [(b, c) for g, (b, c) in enumerate((b, c) for b in benchmarks for c in b.chunks) if g % world == rank]
+    owners = chunk_owners(benchmarks, world)
+    mine = [(b, c) for b in benchmarks for c in b.chunks if owners[(b.name, c)] == rank]
     with tqdm(total=sum(len(b.prompts[b.span(c)]) for b, c in mine), desc=desc, unit="problem", dynamic_ncols=True,
               leave=False, disable=rank != 0) as bar:
         for b, c in mine:
@@ -205,9 +253,10 @@ def _my_share(benchmarks: list[_Benchmark], engine, params, tokenizer, verifier,
             got = b.cache.get(c, shas)
             fresh = got is None
             if fresh:
-                # Each chunk has its own seed: the training RNG stream is left untouched.
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(chunk_seed(ev.seed, b.name, c))
+                # Each chunk has its own seed (common random numbers across world sizes and resumes); every stream it
+                # moves is put back, so the training stream is left untouched.
+                with _rng_streams_kept():
+                    _seed_chunk(chunk_seed(ev.seed, b.name, c))
                     got = engine.generate(b.prompts[b.span(c)], params)
                 b.cache.put(c, shas, got)
             out[(b.name, c)] = [got, fresh]
@@ -235,8 +284,9 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
     """Evaluate ``model`` on ``cfg.benchmark.names`` with ``cfg.eval`` sampling (optionally resumable).
 
     Data parallel when a process group exists (a collective: every rank calls it): each rank generates and grades
-    its share of the chunks, every rank receives them all and returns the same result, which equals a one-process
-    evaluation with the same seeds (each chunk is seeded on its own: ``chunk_seed``).
+    its share of the chunks (``chunk_owners``: about the same number of problems on every rank), every rank receives
+    them all and returns the same result, which equals a one-process evaluation with the same seeds (each chunk is
+    seeded on its own: ``chunk_seed``). Every random stream the sampling moves is restored afterwards.
 
     ``benchmark.extraction`` picks the graded answer (``grail_exp.extraction``); with ``paper`` the samples
     whose text is empty leave their problem's denominator and tokens are averaged over the samples with an

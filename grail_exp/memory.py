@@ -31,6 +31,9 @@ planned in RAM against the host's memory and refused like GPU runs when they do 
 where no CUDA device is visible is refused only with ``trainer.device_memory_gb`` set (planning offline); otherwise
 its plan is printed by ``python -m grail_exp.plan`` without a verdict. Measured peaks against the plan: results/memory_plan.md
 (``python sweeps/memory_plan.py``).
+
+The plan also states the process-group timeout the run needs (``needed_dist_timeout``: the planned checkpoint written
+at a conservative bandwidth, grail_exp/timeouts.py; ``trainer.dist_timeout_s``).
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class MemoryPlan:
     problems: list[str] = field(default_factory=list)  # impossible independently of the sum (vLLM too small, ...)
     facts: dict = field(default_factory=dict)  # the inputs, for the table's header
     notes: list[str] = field(default_factory=list)  # what the totals leave out, said under the table
+    timeouts: list[str] = field(default_factory=list)  # timeout_lines(): the process-group timeout the run needs
 
     @property
     def peak(self) -> float:
@@ -322,7 +326,9 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
     lines += reserve_lines + rollout_lines(cfg, z) + eval_lines(cfg, z)
     if z.cpu:
         lines += host_lines(cfg)
-    return assemble(cfg, z, lines, reserve, problems, notes)
+    p = assemble(cfg, z, lines, reserve, problems, notes)
+    p.timeouts = timeout_lines(cfg)
+    return p
 
 
 def model_state_lines(cfg, z: Sizes) -> list[Line]:
@@ -696,6 +702,28 @@ def _same_hardware(option: list[str]) -> bool:
     return not any(o.startswith("trainer.devices=") for o in option)
 
 
+# ---------------------------------------------------------------------------------------------- timeouts
+def needed_dist_timeout(cfg) -> tuple[int, str]:
+    """(seconds, how): the process-group timeout this run's planned checkpoint write needs (grail_exp/timeouts.py:
+    max(1800 s, 2 x 16 B x N / 100 MB/s)); an architecture the planner does not know gets the 1800 s floor."""
+    from grail_exp.timeouts import needed_dist_timeout as rule
+
+    try:
+        params = model_shape(cfg.model).params
+    except PlanError:
+        params = None
+    return rule(params)
+
+
+def timeout_lines(cfg) -> list[str]:
+    """The plan's "timeouts needed" line: what the planned checkpoint needs against what the run sets."""
+    need, how = needed_dist_timeout(cfg)
+    configured = cfg.trainer.get("dist_timeout_s")
+    now = f"null (= {need} s)" if configured is None else f"{configured} s" + (
+        ", BELOW the need" if configured < need else "")
+    return [f"timeouts needed: trainer.dist_timeout_s >= {need} s (set: {now}) = {how}"]
+
+
 # ---------------------------------------------------------------------------------------------- output
 def render(p: MemoryPlan) -> str:
     out = ["memory plan per device (GiB = 2^30 bytes)"]
@@ -717,6 +745,7 @@ def render(p: MemoryPlan) -> str:
         out.append(f"device: {p.capacity / GiB:.1f} GiB usable ({p.capacity_source}), headroom {p.headroom / GiB:.1f} GiB: "
                    f"peak {p.peak / GiB:.1f} GiB ({p.peak_phase}) {'fits' if p.fits else 'DOES NOT FIT'}")
     out += [f"problem: {x}" for x in p.problems]
+    out += p.timeouts
     out += [f"note: {x}" for x in p.notes]
     return "\n".join(out)
 

@@ -1,12 +1,12 @@
 """Validation of a composed configuration, by config group, before anything loads.
 
 ``validate`` is the table of contents: one function per group (rollout, loss, precision, trainer, optim, reward and
-data, model and evaluation, files, batch tiling, estimator, scheme, memory plan), each returning its problems as
-lines that name the key (and, for a file, the file and the line), so every problem is reported at once, as verl's
-per-component ``validate`` does. The schemas themselves (types, defaults) are in ``grail_exp/config.py``; this
-module checks what types cannot say: ranges, choices from the registries, keys that must agree, files that must
-exist and parse. ``validate_eval`` and ``validate_weights`` are the same checks for the other entry points that load
-a model (``grail_exp.evaluate``, ``grail_exp.weights``).
+data, model and evaluation, files, batch tiling, estimator, scheme, process-group timeout, memory plan), each
+returning its problems as lines that name the key (and, for a file, the file and the line), so every problem is
+reported at once, as verl's per-component ``validate`` does. The schemas themselves (types, defaults) are in
+``grail_exp/config.py``; this module checks what types cannot say: ranges, choices from the registries, keys that
+must agree, files that must exist and parse. ``validate_eval`` and ``validate_weights`` are the same checks for the
+other entry points that load a model (``grail_exp.evaluate``, ``grail_exp.weights``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     if not e:  # what needs a well-formed config: the methods' required settings, then the memory plan
         e += required_settings(cfg)
     if not e:
-        e += memory_plan(cfg)
+        e += dist_timeout(cfg) + memory_plan(cfg)
     _raise(e)
     return cfg
 
@@ -199,6 +199,9 @@ def trainer(cfg) -> list[str]:
     _check(e, not (share is True and cfg.model.gradient_checkpointing), "trainer.share_prompts", share,
            "cannot be true with model.gradient_checkpointing=true (a layer replayed in the backward has no cache of "
            "the shared prompt); set it to auto or false")
+    timeout = t.get("dist_timeout_s")
+    _check(e, timeout is None or timeout > 0, "trainer.dist_timeout_s", timeout,
+           "must be > 0 seconds, or null for what the planned checkpoint write needs (python -m grail_exp.plan)")
     _check(e, not cfg.study.dir or t.eval_at_end, "trainer.eval_at_end", t.eval_at_end,
            f"must be true in a study (study.dir={cfg.study.dir}): each arm is recorded with its final evaluation")
     return e
@@ -429,6 +432,27 @@ def required_settings(cfg: DictConfig) -> list[str]:
                 e.append(f"{key} = {got!r}: {method} requires {key}={want} (the method's definition); a recipe, "
                          "experiment file or override set another value. Remove that setting or choose another method")
     return e
+
+
+def dist_timeout(cfg) -> list[str]:
+    """An explicit ``trainer.dist_timeout_s`` below what the planned checkpoint write needs is warned about, not
+    refused: the need assumes a slow shared filesystem (memory.needed_dist_timeout), and storage several times faster
+    makes a shorter timeout right. A single rank never waits for another: no timeout to judge."""
+    from grail_exp.memory import needed_dist_timeout
+    from grail_exp.training.world import configured_world_size
+
+    t = cfg.trainer
+    if t.get("dist_timeout_s") is None or configured_world_size(t) < 2:
+        return []
+    need, how = needed_dist_timeout(cfg)
+    if t.dist_timeout_s < need:
+        import logging
+
+        logging.getLogger("grail_exp").warning(
+            "trainer.dist_timeout_s = %s is below the %d s the planned checkpoint write needs (%s): a rank waiting "
+            "that long in a collective aborts the run; raise it unless the checkpoint storage is faster",
+            t.dist_timeout_s, need, how)
+    return []
 
 
 def memory_plan(cfg) -> list[str]:

@@ -70,8 +70,11 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def initialize(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg):
     """Wrap ``policy`` and its AdamW in a ZeRO engine (collective: every rank calls it). Joins the process group that
-    Lightning's launcher created; a single process without one (tests, tools) gets a one-rank gloo group."""
+    Lightning's launcher created; a single process without one (tests, tools) gets a one-rank group (gloo on CPU),
+    with the run's ``trainer.dist_timeout_s`` (NCCL's own default would be 10 minutes)."""
     import torch.distributed as dist
+
+    from grail_exp.timeouts import dist_timeout
 
     if not torch.cuda.is_available():
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce for inference (~1 min, once); training
@@ -85,7 +88,9 @@ def initialize(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg):
         for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0",
                      "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
             os.environ.setdefault(k, v)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        params = sum(p.numel() for p in policy.parameters())  # the planner's N: the same rule as Lightning's group
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=dist_timeout(cfg.trainer.get("dist_timeout_s"), params))
     engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=deepspeed_config(cfg),
                                            dist_init_required=False)
     return engine

@@ -422,6 +422,11 @@ class TrainerConfig:
     # nothing measurable; each further point re-faults what it returned (SmolLM2-135M, GRPO: peak 4.21 -> 4.00 GB at
     # 1, 3.9 GB at 2 for ~2 % of the update; results/bench_real_model.md). 0 = none. No effect on GPU runs.
     backward_heap_returns: int = 1
+    # A backward whose cotangent lives on a micro-batch's leading rows (GRAIL's probe: the trainer puts its rows first)
+    # computes those rows only: the policy's linear layers become RowNarrowingLinear (same parameters, same forward,
+    # the same gradients outside such a backward) and the CPU attention narrows too (grail_exp/leading_rows.py). Same
+    # numbers up to the products' rounding. null = on for CPU runs, off on CUDA until a GPU measures it; true | false.
+    narrow_backward: Optional[bool] = None
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
     # Evaluations through the completion cache (grail_exp/evaluate.py): the one before training is keyed by the

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from grail_exp.cpu_attention import SDPA_GQA, PrefixSuffixKV, RowGroups, SuffixPacking
-from grail_exp.leading_rows import LeadingRows
+from grail_exp.leading_rows import LeadingRows, leading_rows, narrows
 from grail_exp.logprobs import linear_logprob
 
 SHARE_PROMPTS = ("auto", True, False)  # trainer.share_prompts
@@ -213,6 +213,16 @@ class PolicyForward(BodyOutput):
 
     head_weight: torch.Tensor | None = None  # (V, d) output layer weight (live: detach it for probes)
     head_bias: torch.Tensor | None = None
+    narrows: bool = False  # the model's leading-rows backward computes those rows only (``trainer.narrow_backward``)
+
+    def input_gradient(self, J: torch.Tensor, leaf: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """∂J/∂leaf through this forward's graph, which is kept for the loss's backward. ``rows``: J reads the first
+        ``rows`` rows of the micro-batch only, so every cotangent past them is zero; a forward whose model narrows
+        computes those rows only (``grail_exp.leading_rows``), any other computes every row (zeros past them)."""
+        span = self.leading_rows(rows) if rows is not None and self.narrows else None
+        with leading_rows(span):
+            (g,) = torch.autograd.grad(J, leaf, retain_graph=True)
+        return g
 
 
 def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
@@ -515,7 +525,7 @@ def policy_forward(model, input_ids, attention_mask, position_ids, completion_id
         ent_u = en.new_zeros(real.shape).index_put((real,), en)
     logp, entropy = _pad_columns(logp_u, completion_ids.shape[1]), _pad_columns(ent_u, completion_ids.shape[1])
     fwd = PolicyForward(body.embeds, body.hidden, body.hidden_states, body.prompt_length, body.completion_length,
-                        body.start, body.prefix, body.positions, body.row_offsets, weight, bias)
+                        body.start, body.prefix, body.positions, body.row_offsets, weight, bias, narrows(model))
     return logp, entropy, fwd
 
 

@@ -2,7 +2,7 @@
 
 GRAIL's probe differentiates J — the answer log-probs of its probe rows — with respect to the policy forward's
 embeddings, through the graph the loss backpropagates through afterwards (``GrailScheme.weights_from_forward``). The
-trainer puts a micro-batch's probe rows first (``training/rollout.py: row_order``), and the decoder mixes positions only
+trainer puts a micro-batch's probe rows first (``training/row_order.py``), and the decoder mixes positions only
 within a row and from the row's prompt, which that backward never reaches (the gradient with respect to the suffix's
 embeddings does not pass through the prompt's keys and values). So every cotangent of that backward is exactly zero
 past the first r rows — yet a matrix product computes all of them. ``leading_rows(span)`` says so to the products that
@@ -20,7 +20,11 @@ The spans are checked against the shapes they meet: a product narrows only when 
 positions (linear layers) are exactly the pass's, so a node of another pass that this backward might run is computed
 whole. A process-wide setting, not a thread-local one: autograd runs a CUDA backward on its own device thread.
 
-This file imports nothing of the project; ``cpu_attention`` and the update phase use it.
+Model building (``grail_exp/models.py``, ``trainer.narrow_backward``) swaps the policy's linear layers and marks the
+model (``narrow_backward``); a forward of a marked model narrows the input gradients a scheme asks of its leading rows
+(``PolicyForward.input_gradient``). Schemes and the training phases never import this file.
+
+This file imports nothing of the project; ``cpu_attention``, ``forward`` and ``models`` use it.
 """
 
 from __future__ import annotations
@@ -132,6 +136,21 @@ class RowNarrowingLinear(torch.nn.Linear):
         if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
         return _NarrowingLinear.apply(x, self.weight, self.bias)
+
+
+NARROWS = "_grail_exp_narrows_backward"  # the attribute that marks a model whose leading-rows backward narrows
+
+
+def narrow_backward(model: torch.nn.Module, body: torch.nn.Module) -> int:
+    """Make ``model``'s leading-rows backwards compute their rows only: every plain linear layer of its decoder
+    ``body`` narrows, and the model is marked (``narrows``); returns how many layers were swapped."""
+    setattr(model, NARROWS, True)
+    return narrow_linear_layers(body)
+
+
+def narrows(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was given ``narrow_backward``."""
+    return bool(getattr(model, NARROWS, False))
 
 
 def narrow_linear_layers(module: torch.nn.Module) -> int:

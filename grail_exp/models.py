@@ -21,6 +21,8 @@ import torch
 from grail_exp.cpu_attention import (DEFAULT_MAX_SCORES, SDPA_GQA, PrefixSuffixKV, explicit_attention,
                                      prefix_suffix_attention)
 from grail_exp.errors import UserError
+from grail_exp.forward import decoder_body
+from grail_exp.leading_rows import narrow_backward
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +259,8 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
         except (OSError, ValueError) as exc:
             raise _hub_error(path, exc) from exc
     use_kernel_gqa(model, m.get("cpu_explicit_attention_max_scores", DEFAULT_MAX_SCORES))
+    if trainable:
+        narrow_if_configured(model, cfg)
     # Dropout makes log-prob ratios noisy and is off in the paper's recipe.
     for mod in model.modules():
         if isinstance(mod, torch.nn.Dropout):
@@ -337,6 +341,24 @@ def use_kernel_gqa(model, explicit_max_scores: int = 0) -> None:
     for mod in model.modules():
         if hasattr(mod, "num_key_value_groups"):
             setattr(mod, EXPLICIT_ATTENTION_ATTR, int(explicit_max_scores))
+
+
+def narrows_backward(cfg) -> bool:
+    """``trainer.narrow_backward`` resolved: null = on when the run trains on the CPU (``trainer.accelerator: cpu``,
+    or ``auto`` without CUDA), off on a GPU until one measures it."""
+    trainer = cfg.get("trainer") or {}
+    value = trainer.get("narrow_backward")
+    if value is not None:
+        return bool(value)
+    accelerator = str(trainer.get("accelerator", "auto"))
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+
+
+def narrow_if_configured(model, cfg) -> None:
+    """A trainable policy's leading-rows backward computes those rows only when ``trainer.narrow_backward`` says so
+    (``grail_exp.leading_rows``: the decoder's linear layers swapped, the model marked)."""
+    if narrows_backward(cfg):
+        narrow_backward(model, decoder_body(model))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

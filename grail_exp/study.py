@@ -47,11 +47,13 @@ log = logging.getLogger("grail_exp.study")
 ARM_FILE = "arm.json"
 # Flat config keys (prefixes) that may change between a study's start and its restart: where files go, how runs are
 # logged, how many threads compute, whether to resume, which recipe files stated the values (recipe.*: the resolved
-# values themselves are the identity, wherever they were stated), where freed heap is returned, whether the prompts'
-# common prefix is computed once (the same numbers up to summation order, as any change of the code between a start
+# values themselves are the identity, wherever they were stated), where freed heap is returned, whether a
+# leading-rows backward computes its rows only (advantage.probe_rows_only before trainer.narrow_backward), whether the
+# prompts' common prefix is computed once (the same numbers up to summation order, as any change of the code between a start
 # and its restart). Everything else is the arm's identity.
 NOT_IDENTITY = ("paths.", "hydra.", "logger.", "study.", "recipe.", "resume", "trainer.num_threads",
-                "trainer.progress_log_every", "trainer.backward_heap_returns", "trainer.share_prompt_prefix", "reward.num_workers",
+                "trainer.progress_log_every", "trainer.backward_heap_returns", "trainer.narrow_backward",
+                "advantage.probe_rows_only", "trainer.share_prompt_prefix", "reward.num_workers",
                 "optimized_metric")
 HISTORY_KEYS = ("reward/mean", "accuracy", "completions/mean_length", "completions/truncated_rate", "entropy",
                 "loss", "grad_norm", "frac_reward_zero_std", "weights/mean", "clip_ratio/region_mean",

@@ -237,12 +237,14 @@ def test_per_rollout_weights_are_those_of_the_rollout_parameters():
 def test_freed_heap_goes_back_after_the_probe_and_before_the_backward(monkeypatch, scheme, probes):
     """On CPU a scheme that calls the model inside the update (GRAIL's probe, OAR-G's teacher) frees that work's
     memory before the micro-batch's own backward; otherwise glibc keeps it and the backward's peak comes on top
-    (SmolLM2's GRAIL step: 4.35 -> 4.21 GB peak RSS, results/bench_real_model.md). GRPO has no such call."""
-    import grail_exp.training.update as update_mod
+    (SmolLM2's GRAIL step: 4.35 -> 4.21 GB peak RSS, results/bench_real_model.md). GRPO has no such call. The update
+    phase asks its backend (``after_probe_backward`` / ``after_backward`` / ``after_step``); the local backend trims
+    while the policy is on the CPU."""
+    import grail_exp.training.backends.local as local_mod
 
     module, batch = pinned_module(torch.float32, [f"advantage={scheme}", "trainer.micro_batch_size=4"])
     events = []
-    monkeypatch.setattr(update_mod, "return_freed_memory", lambda: events.append("trim"))
+    monkeypatch.setattr(local_mod, "return_freed_memory", lambda: events.append("trim"))
     backward = module.update.backend.backward
     monkeypatch.setattr(module.update.backend, "backward", lambda loss: (events.append("backward"), backward(loss)))
     opt = torch.optim.SGD(module.policy.parameters(), lr=0.0)
@@ -264,6 +266,7 @@ def test_freed_heap_goes_back_inside_the_backward_after_the_decoder_layers(monke
 
     module, batch = pinned_module(torch.float32, [f"advantage={scheme}", "trainer.micro_batch_size=8",
                                                   f"trainer.backward_heap_returns={returns}"])
+    module.backend.placed()  # what on_train_start does once the policy is on its device (and sharded, wrapped)
     named = dict(module.policy.named_parameters())
     with_grad = []
     monkeypatch.setattr(host, "return_freed_memory",
@@ -282,4 +285,23 @@ def test_freed_heap_goes_back_inside_the_backward_after_the_decoder_layers(monke
         for j in (0, 1):
             assert (layer(j) <= arrived) == (j >= i) and (layer(j) & arrived == set()) == (j < i), (i, j, arrived)
         assert "model.embed_tokens.weight" not in arrived
-    assert len(module.update.trim_hooks) == sum(len(layer(i)) for i in points)
+    assert len(getattr(module.backend, "heap_hooks", [])) == sum(len(layer(i)) for i in points)
+
+
+def test_the_heap_is_left_alone_once_the_policy_is_off_the_cpu(monkeypatch):
+    """The local backend's heap returns are for a policy on the CPU: placed on another device, ``placed`` sets no
+    hook and the phase-boundary hooks return nothing (a GPU run's host heap is not the update's)."""
+    import grail_exp.host as host
+    import grail_exp.training.backends.local as local_mod
+
+    module, batch = pinned_module(torch.float32, ["advantage=grail", "trainer.micro_batch_size=4"])
+    calls = []
+    monkeypatch.setattr(host, "return_freed_memory", lambda: calls.append("in-backward"))
+    monkeypatch.setattr(local_mod, "return_freed_memory", lambda: calls.append("boundary"))
+    monkeypatch.setattr(type(module.backend), "_on_cpu", lambda self: False)
+    module.backend.placed()
+    assert not getattr(module.backend, "heap_hooks", None)
+    opt = torch.optim.SGD(module.policy.parameters(), lr=0.0)
+    module.update.step(batch, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), batch.loss_mask.sum().item(),
+                       {}, 0)
+    assert calls == []

@@ -259,3 +259,19 @@ def test_the_collective_scan_sees_the_spellings_it_must_refuse():
            "from torch.distributed import all_gather_object\nworld.all_reduce_sum(x)\n")
     assert sorted(_collective_calls(ast.parse(src))) == [
         (4, "all_reduce"), (5, "broadcast"), (6, "barrier"), (7, "gather_object"), (8, "all_gather_object")]
+
+
+# The CPU fast paths (the host heap, the leading-rows backward, the CPU attention kernels) stay behind two seams: the
+# policy forward (input gradients, attention) and the update backend (heap returns). The algorithm's rooms and the
+# two training phases never reach for them.
+CPU_MACHINERY = ("grail_exp.host", "grail_exp.leading_rows", "grail_exp.cpu_attention")
+ALGORITHM_ROOMS = ("grail_exp.advantages", "grail_exp.loss", "grail_exp.estimators", "grail_exp.training.update",
+                   "grail_exp.training.rollout")
+
+
+def test_the_algorithm_and_the_training_phases_import_no_cpu_machinery():
+    graph = import_graph()
+    offenders = [f"{m} imports {t}" for m, targets in sorted(graph.items())
+                 if m.startswith(ALGORITHM_ROOMS) for t in sorted(targets) if t.startswith(CPU_MACHINERY)]
+    assert not offenders, "CPU machinery imported by the algorithm or a training phase (ask the forward or the " \
+                          "update backend instead):\n" + "\n".join(offenders)

@@ -180,3 +180,41 @@ def test_explicit_attention_on_leading_rows_equals_the_full_backward():
     for a, b in zip(narrow, full):
         assert (a - b).abs().max() <= 20 * torch.finfo(torch.float32).eps * float(b.abs().max())
         assert torch.equal(a[r:], torch.zeros_like(a[r:]))
+
+
+@pytest.mark.parametrize("trainer, cuda, expected", [
+    ({"accelerator": "cpu"}, True, True), ({"accelerator": "gpu"}, True, False), ({"accelerator": "cuda"}, False, False),
+    ({"accelerator": "auto"}, False, True), ({"accelerator": "auto"}, True, False),
+    ({"accelerator": "gpu", "narrow_backward": True}, True, True),
+    ({"accelerator": "cpu", "narrow_backward": False}, False, False), ({}, False, True)])
+def test_the_narrowing_key_is_on_for_cpu_runs_and_off_on_cuda_unless_set(monkeypatch, trainer, cuda, expected):
+    from omegaconf import OmegaConf
+
+    from grail_exp.models import narrows_backward
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert narrows_backward(OmegaConf.create({"trainer": trainer})) is expected
+
+
+@pytest.mark.parametrize("narrow", [True, False])
+def test_model_building_swaps_the_policys_linear_layers_and_marks_it(tmp_path, narrow):
+    """Where the attention is chosen (``load_causal_lm``), a trainable policy gets the narrowing backward when
+    ``trainer.narrow_backward`` says so; a frozen model (the reference) never. The policy forward then narrows the
+    input gradients a scheme asks of its leading rows (``PolicyForward.narrows``)."""
+    from helpers.compose import compose
+
+    from grail_exp.forward import decoder_body, policy_forward
+    from grail_exp.leading_rows import narrows
+    from grail_exp.models import load_causal_lm
+
+    tiny = str(__import__("pathlib").Path(__file__).parents[1] / "grail_exp" / "data" / "embedded" / "tiny")
+    cfg = compose([f"model.name_or_path={tiny}", f"trainer.narrow_backward={str(narrow).lower()}"], tmp_path)
+    policy = load_causal_lm(tiny, cfg, trainable=True)
+    ref = load_causal_lm(tiny, cfg, trainable=False)
+    linears = [m for m in decoder_body(policy).modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, RowNarrowingLinear) == narrow for m in linears)
+    assert narrows(policy) is narrow and not narrows(ref)
+    assert not any(isinstance(m, RowNarrowingLinear) for m in ref.modules())
+    ids = torch.tensor([[1, 2, 3, 4]])
+    _, _, fwd = policy_forward(policy, ids, torch.ones_like(ids), torch.arange(4)[None], ids[:, 2:], 1.0)
+    assert fwd.narrows is narrow

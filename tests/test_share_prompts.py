@@ -44,12 +44,15 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
     from grail_exp.advantages import build_scheme
     from grail_exp.forward import share_prompts_of
     from grail_exp.loss import build_terms
+    from grail_exp.models import narrow_if_configured
+    from grail_exp.training import row_order as row_order_mod
     from grail_exp.training.module import GRPOModule
 
     cfg = pinned_config([*overrides, f"trainer.share_prompts={str(share).lower()}"])
     torch.manual_seed(0)
     model, tok = build_model_and_tokenizer()
     set_attention(model, attn)
+    narrow_if_configured(model, cfg)  # what model building does (trainer.narrow_backward)
     ref = None
     if reference:  # another set of weights, so the KL terms are not zero
         ref = build_model_and_tokenizer()[0]
@@ -61,10 +64,14 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
     module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok, ctx), None, None, None, None, ref_model=ref,
                         terms=build_terms(cfg.loss.get("terms"), tok, cfg.model))
     module.manual_backward = lambda loss: loss.backward()
-    if not reorder:
-        module.rollout.rows_reorderable = lambda: False
     batch = interleaved_training_batch(tok, system)
-    module.rollout.prepare(batch, {})
+    real = row_order_mod.rows_reorderable
+    if not reorder:
+        row_order_mod.rows_reorderable = lambda cfg, scheme: False
+    try:
+        module.rollout.prepare(batch, {})
+    finally:
+        row_order_mod.rows_reorderable = real
     batch.old_logp = module.rollout.logps(model, batch)
     if ref is not None:
         batch.ref_logp = module.rollout.logps(ref, batch)
@@ -348,10 +355,11 @@ def test_grail_with_split_groups_and_sdpa():
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa_gqa"])
 def test_grail_probe_on_its_rows_only(attn, monkeypatch):
-    """``advantage.probe_rows_only``: the probe's backward computes the leading rows that hold the probe rows (the
-    trainer puts them first) — their positions in the packed suffix pass under ``sdpa_gqa``, rows × columns in the
-    padded layout — and the step equals the one whose probe backward runs on every row."""
-    import grail_exp.advantages.grail as grail_mod
+    """``trainer.narrow_backward``: GRAIL asks the forward for the input gradient of its probe rows, which the trainer
+    puts first, and a narrowing forward computes the leading rows that hold them — their positions in the packed
+    suffix pass under ``sdpa_gqa``, rows × columns in the padded layout — and the step equals the one whose probe
+    backward runs on every row."""
+    import grail_exp.forward as forward_mod
     from grail_exp.leading_rows import leading_rows
 
     spans = []
@@ -360,9 +368,9 @@ def test_grail_probe_on_its_rows_only(attn, monkeypatch):
         spans.append(span)
         return leading_rows(span)
 
-    monkeypatch.setattr(grail_mod, "leading_rows", spy)
+    monkeypatch.setattr(forward_mod, "leading_rows", spy)
     over = ["advantage=grail", "trainer.micro_batch_size=8"]
-    narrow = one_step([*over, "advantage.probe_rows_only=true"], True, attn=attn, system=COMMON_SYSTEM)
+    narrow = one_step([*over, "trainer.narrow_backward=true"], True, attn=attn, system=COMMON_SYSTEM)
     (span,) = spans
     from helpers.pinned_step import build_model_and_tokenizer
 
@@ -376,7 +384,7 @@ def test_grail_probe_on_its_rows_only(attn, monkeypatch):
         width = int(lengths.max())
         assert (span.positions, span.of_positions) == (4 * width, 8 * width)
     spans.clear()
-    every = one_step([*over, "advantage.probe_rows_only=false"], True, attn=attn, system=COMMON_SYSTEM)
+    every = one_step([*over, "trainer.narrow_backward=false"], True, attn=attn, system=COMMON_SYSTEM)
     assert spans == [None]
     assert_same(narrow, every)
 
@@ -452,7 +460,7 @@ def test_rows_are_grouped_by_length_only_where_order_changes_nothing():
     Where order matters (OAR-G's row-by-row noise, a per-micro-batch top-entropy quantile) the order is kept."""
     from helpers.pinned_step import build_model_and_tokenizer
 
-    from grail_exp.training.rollout import row_order
+    from grail_exp.training.row_order import row_order
 
     _, tok = build_model_and_tokenizer()
     batch = interleaved_training_batch(tok)
@@ -475,7 +483,7 @@ def test_probe_rows_first_as_rows_or_as_whole_groups():
     each micro-batch, with and without a common prefix the prompts start with) plus each probed micro-batch's suffix."""
     from helpers.pinned_step import build_model_and_tokenizer
 
-    from grail_exp.training.rollout import row_order
+    from grail_exp.training.row_order import row_order
 
     model, tok = build_model_and_tokenizer()
     batch = interleaved_training_batch(tok)  # groups 0: rows 0 2 5 7, 1: rows 1 4, 2: rows 3 6
@@ -497,7 +505,7 @@ def test_probe_rows_first_as_rows_or_as_whole_groups():
 def _check_update_work(model, batch, probe, packed: bool, leading: bool):
     """``leading``: the probe's backward computes the micro-batch's rows up to its last probe row only."""
     from grail_exp.forward import body_forward
-    from grail_exp.training.rollout import update_work
+    from grail_exp.training.row_order import update_work
 
     P = batch.prompt_length
     for order in (torch.tensor([2, 4, 5, 0, 1, 3, 6, 7]), torch.tensor([0, 2, 5, 7, 1, 4, 3, 6])):
@@ -526,7 +534,7 @@ def test_grail_takes_the_cheaper_probe_order_and_the_step_is_the_same(monkeypatc
     """GRAIL's probe rows first, as rows or as whole groups: ``prepare`` takes the order ``update_work`` finds cheaper
     — the one whose measured cost (the step's computed positions, the probed micro-batches' suffixes) is lower; with
     shared prompts here the groups kept whole — and either order gives the step of the other up to reduction order."""
-    import grail_exp.training.rollout as rollout_mod
+    import grail_exp.training.row_order as rollout_mod
 
     over = ["advantage=grail", "trainer.micro_batch_size=4"]
     chosen = one_step(over, share, metrics=True)

@@ -131,10 +131,10 @@ class AdvantageScheme:
     # False for schemes whose weights depend on the order of the rows in the micro-batches (OAR-G draws its noise row
     # by row from a seeded stream): the trainer then never reorders rows for speed (``RolloutPhase.prepare``).
     row_order_invariant: ClassVar[bool] = True
-    # True when ``weights_from_forward`` runs a backward through the policy forward whose cotangent lives on a
-    # micro-batch's leading rows (``grail_exp.leading_rows``): the update phase then gives the policy's linear layers
-    # the backward that computes those rows only.
-    narrows_backward: bool = False
+    # True when ``weights_from_forward`` asks the policy forward for the input gradient of the micro-batch's leading rows
+    # (``PolicyForward.input_gradient(..., rows=)``: the probe rows, which the trainer puts first); the row-order cost
+    # model then counts that backward on those rows only where the forward narrows (``training/row_order.py``).
+    probes_leading_rows: bool = False
 
     def __init__(self, cfg, tokenizer=None, context: dict | None = None):
         self.cfg = cfg

@@ -45,7 +45,6 @@ from grail_exp.advantages.base import (
 )
 from grail_exp.advantages.probe import detached_head_logits, masked_mean_std
 from grail_exp.forward import body_forward
-from grail_exp.leading_rows import leading_rows
 from grail_exp.logprobs import selective_log_softmax
 
 
@@ -75,10 +74,6 @@ class GrailConfig(SchemeConfig):
     # the same function of the same parameters and inputs, and w is detached) instead of a separate forward from a
     # detached embedding leaf as the reference does. false = the reference's separate probe (for comparison).
     shared_forward: bool = True
-    # The shared forward's probe backward computes the probe rows only: the trainer puts them first in the micro-batch,
-    # every other row's cotangent is zero, so the products (linear layers, CPU attention) run on the leading rows
-    # (grail_exp/leading_rows.py). false: on every row, zeros on the others. Same numbers up to the products' rounding.
-    probe_rows_only: bool = True
 
 
 @register_scheme("grail", GrailConfig)
@@ -106,7 +101,7 @@ class GrailScheme(AdvantageScheme):
         super().__init__(cfg, tokenizer, context)
         # The shared forward must return every layer's output when the leaf is a hidden state.
         self.forward_outputs = ("hidden_states",) if cfg.leaf_source != "embeddings" else ()
-        self.narrows_backward = bool(cfg.shared_forward and cfg.probe_rows_only)
+        self.probes_leading_rows = bool(cfg.shared_forward)
 
     def prepare(self, model, batch: SchemeBatch):
         """The answer spans of the whole rollout batch: found once, reused by every micro-batch and iteration."""
@@ -160,12 +155,8 @@ class GrailScheme(AdvantageScheme):
             logits = _head(forward, h) / temperature
             logp = selective_log_softmax(logits, batch.completion_ids[idx][rows, slots])  # logits' dtype, as the reference
             J = -logp.sum()
-            span = forward.leading_rows(int(idx[-1]) + 1) if cfg.probe_rows_only else None
-            with leading_rows(span):  # J reads rows 0 … idx[-1] only: every later row's cotangent is zero
-                (g,) = torch.autograd.grad(J, leaf, retain_graph=True)
-            g_w = forward.predicting(g[idx]).float()
-            a_w = forward.predicting(leaf.detach()[idx]).float()
-            sal = torch.linalg.vector_norm(g_w * a_w, dim=-1)  # (b, C)
+            g = forward.input_gradient(J, leaf, rows=int(idx[-1]) + 1)  # J reads rows 0 … idx[-1]: the trainer's order
+            sal = gradient_times_input(forward, g[idx], leaf.detach()[idx])
         return self._finish(batch, spans, A, fallback, probe_rows, sal)
 
     def _finish(self, batch, spans, A, fallback, probe_rows, sal) -> SchemeOutput:
@@ -214,9 +205,7 @@ class GrailScheme(AdvantageScheme):
             logp = selective_log_softmax(logits, batch.completion_ids[rows])  # in the logits' dtype, as the reference
             J = -(logp * span_mask[rows].float()).sum()  # answer NLL summed over the micro-batch
             (g,) = torch.autograd.grad(J, leaf)
-        g_w = fwd.predicting(g).float()
-        a_w = fwd.predicting(leaf.detach()).float()
-        return torch.linalg.vector_norm(g_w * a_w, dim=-1)  # (b, C)
+        return gradient_times_input(fwd, g, leaf.detach())
 
     def _diagnostics(self, w, raw, mask, spans, fallback, probe_rows, A, live) -> dict[str, float]:
         """Weight statistics over the valid tokens of rows with A != 0 (the weights that reach the loss), so they are
@@ -241,6 +230,15 @@ class GrailScheme(AdvantageScheme):
             "advantages_scale_ratio": ((w * A.abs().unsqueeze(1) * mask).sum() / denom / a_mean).item()
             if a_mean > 0 else 1.0,
         }
+
+
+def gradient_times_input(forward, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """GRAIL's saliency s = ‖∂J/∂leaf ⊙ leaf‖₂ over the hidden dimension at each completion token's predicting position
+    (spec §4.1): ``g`` = ∂J/∂leaf and ``a`` = the leaf, both (b, S, d) on ``forward``'s columns; returns (b, C) in
+    float32. Both paths call it: the probe inside the trainer's forward and the reference's separate probe."""
+    g_w = forward.predicting(g).float()
+    a_w = forward.predicting(a).float()
+    return torch.linalg.vector_norm(g_w * a_w, dim=-1)
 
 
 def hidden_leaf(hidden_states: tuple, leaf_source: str) -> torch.Tensor:

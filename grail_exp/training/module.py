@@ -131,6 +131,7 @@ class GRPOModule(L.LightningModule):
         return [opt], [{"scheduler": sched, "interval": "step"}]
 
     def on_train_start(self) -> None:
+        self.backend.placed()  # the policy is on its device, sharded or wrapped: hooks on its parameters hold now
         if self.resume_state is not None:
             run_state.restore(self, self.resume_state)
         if self.start_fn is not None:

@@ -20,20 +20,18 @@ import torch
 
 from grail_exp.data.prompting import encode_prompts
 from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
-from grail_exp.forward import (can_share_prompts, common_prefix_mode, grouped_prefix_attention, position_ids_from_mask,
-                               prompt_pass_positions, share_prompts_of)
-from grail_exp.host import return_freed_memory
+from grail_exp.forward import position_ids_from_mask
 from grail_exp.logprobs import kept_log_mass
 from grail_exp.extraction import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
 from grail_exp.rollout.base import release
 from grail_exp.rollout.variants import sample_variants
 from grail_exp.training import world
-from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows, needs_old_logprobs
+from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, needs_old_logprobs
+from grail_exp.training.row_order import update_order
 from grail_exp.training.timing import timed
 
-# Aggregations whose value does not depend on how rows are split into micro-batches: rows may be reordered.
-SPLIT_INVARIANT = ("grpo", "dr_grpo", "dapo", "token_sum", "seq_mean_token_sum")
+
 
 
 class SamplerMismatchError(RuntimeError):
@@ -59,7 +57,7 @@ class RolloutPhase:
         batch, stats = self.make_batch(round_index, timings)
         with timed(timings, "engine_sleep"):
             release(self.engine)  # every generation of the round is done: free the engine's memory for the update
-            return_freed_memory()  # and the host heap generation freed (grail_exp/host.py)
+            self.backend.after_generation()
         self.prepare(batch, timings)
         with timed(timings, "old_logp"):
             if self.needs_old_logp() and batch.old_logp is None:
@@ -144,43 +142,13 @@ class RolloutPhase:
         return batch, stats
 
     def prepare(self, batch: TrainingBatch, timings: dict) -> None:
-        """Once per rollout batch: the scheme's ``prepare`` on the whole batch, then (when the loss allows it) reorder
-        the rows within each mini-batch: the rows whose weights need the model first (the other micro-batches skip the
-        probe; as rows, or as the whole groups holding them, whichever ``update_work`` finds cheaper), and, where rows
-        may be reordered freely (``rows_reorderable``), groups of similar completion length next to each other with
-        each group's rows together, so a micro-batch shares its prompts and pads little."""
+        """Once per rollout batch: the scheme's ``prepare`` on the whole batch, then the order in which the update
+        runs its rows (``training/row_order.py``: probe rows first, groups of similar length together)."""
         with timed(timings, "scheme_prepare"), self.backend.full_parameters():
             batch.prepared = self.scheme.prepare(self.policy, batch.scheme_view(self.scheme_ctx))
-            if self.cfg.loss.loss_type not in SPLIT_INVARIANT:
-                return
-            whole = batch.scheme_view(self.scheme_ctx)
-            whole.prepared = batch.prepared
-            needs = self.scheme.rows_needing_model(whole)
-            probe_first = needs is not None and 0 < int(needs.sum()) < needs.numel()
-            by_length = (self.rows_reorderable() and batch.group_ids is not None
-                         and micro_batch_rows(self.cfg) < mini_batch_rows(self.cfg))
-            if not (probe_first or by_length):
-                return
-            mini, micro = mini_batch_rows(self.cfg), micro_batch_rows(self.cfg)
-            order = row_order(batch, mini, needs if probe_first else None, by_length)
-            if probe_first and batch.group_ids is not None:
-                # Probe rows first (the other micro-batches skip the probe) can split every prompt's group across
-                # micro-batches, so each computes more distinct prompts; whole groups keep the sharing. The cheaper.
-                share = share_prompts_of(self.cfg) if can_share_prompts(self.policy) else False
-                packed = grouped_prefix_attention(self.policy)
-                grouped = row_order(batch, mini, needs, by_length, whole_groups=True)
-                leading = bool(getattr(self.scheme, "narrows_backward", False))
-                order = min((order, grouped),
-                            key=lambda o: update_work(batch, o, mini, micro, needs, share, packed, leading))
-            batch.permute(order)
-
-    def rows_reorderable(self) -> bool:
-        """Whether the order of a mini-batch's rows changes nothing but float summation order: a split-invariant loss,
-        no per-micro-batch statistic (the top-entropy quantile), a scheme that draws no per-row randomness in row
-        order (OAR-G's noise)."""
-        loss = self.cfg.loss
-        return (loss.loss_type in SPLIT_INVARIANT and float(loss.get("top_entropy_quantile", 1.0) or 1.0) >= 1.0
-                and self.scheme.row_order_invariant)
+            order = update_order(batch, self.scheme, self.scheme_ctx, self.cfg, self.policy)
+            if order is not None:
+                batch.permute(order)
 
     @torch.no_grad()
     def logps(self, model, batch: TrainingBatch) -> torch.Tensor:
@@ -393,71 +361,3 @@ def informative_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
     0 < #correct < G)."""
     r = rewards.view(-1, G)
     return (r.max(1).values - r.min(1).values) > 1e-6
-
-
-def row_order(batch: TrainingBatch, size: int, probe: torch.Tensor | None, by_length: bool,
-              whole_groups: bool = False) -> torch.Tensor:
-    """The permutation ``prepare`` applies, within each mini-batch of ``size`` rows (a mini-batch keeps its rows):
-    probe rows first when ``probe`` is given (``whole_groups``: the groups holding a probe row first, each group's rows
-    kept together), then (``by_length``) groups by their longest completion, each group's rows together and by length;
-    otherwise the existing order (stable). A rollout batch holds each group's rows together, and every step here
-    keeps them so except row-level probe ordering."""
-    lengths = batch.attention_mask[:, batch.prompt_length:].sum(1)
-    group = batch.group_ids
-    parts = []
-    for a in range(0, batch.num_rows, size):
-        idx = torch.arange(a, min(a + size, batch.num_rows), device=lengths.device)
-        if by_length:  # stable sorts from the least significant key: length, group, the group's longest
-            g = group[idx]
-            longest = torch.zeros(int(g.max()) + 1, dtype=lengths.dtype, device=g.device).scatter_reduce(
-                0, g, lengths[idx], "amax")
-            idx = idx[torch.argsort(lengths[idx], stable=True)]
-            idx = idx[torch.argsort(group[idx], stable=True)]
-            idx = idx[torch.argsort(longest[group[idx]], stable=True)]
-        if probe is not None and whole_groups and group is not None:
-            g = group[idx]  # each group's rows together, groups in order of first appearance, then probed groups first
-            first = torch.full((int(g.max()) + 1,), idx.numel(), dtype=torch.long, device=g.device).scatter_reduce(
-                0, g, torch.arange(idx.numel(), device=g.device), "amin")
-            probed = torch.zeros_like(first).index_add_(0, g, probe[idx].long()) > 0
-            idx = idx[torch.argsort(first[g], stable=True)]
-            idx = idx[torch.argsort((~probed[group[idx]]).long(), stable=True)]
-        elif probe is not None:
-            idx = idx[torch.argsort((~probe[idx]).long(), stable=True)]
-        parts.append(idx)
-    return torch.cat(parts)
-
-
-def update_work(batch: TrainingBatch, order: torch.Tensor, mini: int, micro: int, probe: torch.Tensor,
-                share, packed: bool = False, leading: bool = False) -> int:
-    """The update's work under a row order, in decoder positions: per micro-batch (``micro`` rows, within mini-batches
-    of ``mini``), 3 × the positions its forward computes (forward + backward; each distinct prompt once when ``share``
-    — their common prefix once too, as its ``share_prompt_prefix`` says — as ``grail_exp/forward.py`` counts them, a
-    group standing for a distinct prompt) and, when it holds a probe row, 1 × its suffix positions (a scheme's
-    input-gradient pass through that forward, which stops at the prompt's keys) — with ``leading`` (the scheme's
-    backward computes the leading rows only, ``grail_exp.leading_rows``) those of its rows up to the last probe row.
-    ``packed``: a shared suffix pass runs each row's own positions only (``forward.suffix_pass``), not the micro-batch's
-    longest."""
-    P = batch.prompt_length
-    ids, attn = batch.input_ids[order, :P], batch.attention_mask[order, :P]
-    prompt, completion = attn.sum(1), batch.attention_mask[order, P:].sum(1)
-    group, needs = batch.group_ids[order], probe[order]
-    work, n = 0, order.numel()
-    for s in (s for a in range(0, n, mini) for s in range(a, min(a + mini, n), micro)):
-        rows = slice(s, min(s + micro, n, (s // mini + 1) * mini))
-        B, p, c = completion[rows].numel(), int(prompt[rows].max()), int(completion[rows].max())
-        groups, inverse = torch.unique(group[rows], return_inverse=True)
-        probed = needs[rows].nonzero()
-        k = int(probed[-1]) + 1 if leading and probed.numel() else B  # the rows the probe's backward computes
-        suffix, probe_suffix = B * (c + 1), k * (c + 1)
-        if share and groups.numel() < B:  # one row of each group stands for its prompt
-            dev = inverse.device
-            one = torch.full((groups.numel(),), B, device=dev).scatter_reduce(0, inverse, torch.arange(B, device=dev),
-                                                                               "amin") + s
-            prompts = prompt_pass_positions(ids[one, P - p:P - 1], attn[one, P - p:P - 1], common_prefix_mode(share))
-            if packed:
-                suffix, probe_suffix = int(completion[rows].sum()) + B, int(completion[rows][:k].sum()) + k
-            positions = prompts + suffix
-        else:
-            positions = B * (p + c)
-        work += 3 * positions + (probe_suffix if probed.numel() else 0)
-    return work

@@ -29,11 +29,8 @@ from typing import Callable, Iterator
 import torch
 
 from grail_exp.errors import UserError
-from grail_exp.forward import PolicyForward, decoder_body
-from grail_exp.leading_rows import narrow_linear_layers
-from grail_exp.host import return_freed_memory, return_freed_memory_after_gradients
+from grail_exp.forward import PolicyForward
 from grail_exp.loss import AggregationContext, TermContext, aggregator, compose_objective, is_weights
-from grail_exp.models import decoder_layers
 from grail_exp.training import world
 from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
 
@@ -53,20 +50,6 @@ class UpdatePhase:
         self.early_metrics: dict[tuple[int, int], dict] = {}  # per_rollout: scheme diagnostics of rows weighed early
         # Called with (batch, s, e, weights, entropy) for every micro-batch of the first epoch (the weight tables).
         self.on_weights: Callable | None = None
-        self.trim_hooks = self._return_heap_in_backward(policy)
-        if policy is not None and getattr(scheme, "narrows_backward", False):
-            narrow_linear_layers(decoder_body(policy))  # the class of each nn.Linear only: same parameters, forward
-
-    def _return_heap_in_backward(self, policy) -> list:
-        """``trainer.backward_heap_returns`` points in each backward where freed heap goes back while the policy is on
-        the CPU (the hooks check at each call: Lightning moves it to a GPU after this): after layers L·(n-1)/n, ..., L/n,
-        0 of its L decoder layers (grail_exp/host.py); the hooks' handles."""
-        n = int(self.cfg.trainer.get("backward_heap_returns", 1))
-        layers = decoder_layers(policy, self.cfg) if policy is not None else []
-        if n <= 0 or not layers:
-            return []
-        points = sorted({len(layers) * k // n for k in range(n)})
-        return [h for i in points for h in return_freed_memory_after_gradients(layers[i].parameters())]
 
     @property
     def mini_batches(self) -> int:
@@ -141,7 +124,7 @@ class UpdatePhase:
             ts = time.perf_counter()
             w, scheme_metrics, computed_now = self.weights(batch, s, e, epoch, fwd)
             if computed_now and self.scheme.needs_model:
-                return_freed_memory()  # the probe's own backward, before this micro-batch's (else their peaks add up)
+                self.backend.after_probe_backward()  # before this micro-batch's backward: their peaks must not add up
             t_scheme += time.perf_counter() - ts
             adv = batch.token_advantages[s:e] if batch.token_advantages is not None \
                 else batch.advantages[s:e].unsqueeze(1)
@@ -164,7 +147,7 @@ class UpdatePhase:
                                                     agg_ctx, fam.top_entropy)
                 metrics.update(term_metrics)
             self.backend.backward(loss)
-            return_freed_memory()  # this micro-batch's activations, before the next one's forward
+            self.backend.after_backward()  # this micro-batch's activations, before the next one's forward
             loss_total += loss.item()
             with torch.no_grad():
                 m = term_mask.float()
@@ -205,7 +188,7 @@ class UpdatePhase:
         if schedule:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        return_freed_memory()  # the step's activations and gradients (grail_exp/host.py)
+        self.backend.after_step()
         timings["scheme"] = timings.get("scheme", 0.0) + t_scheme
         timings["update"] = timings.get("update", 0.0) + (time.perf_counter() - t0 - t_scheme)
         avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": lr,

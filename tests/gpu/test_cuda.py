@@ -139,14 +139,16 @@ def test_grail_shared_forward_equals_separate_probe_on_cuda(tmp_path, dtype, ato
 
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 2e-2)])
 def test_grail_probe_on_its_rows_only_on_cuda(tmp_path, dtype, atol, monkeypatch):
-    """The probe's backward on the leading rows that hold the probe rows (``advantage.probe_rows_only``; the policy's
-    linear layers narrow, the attention is SDPA's here) gives the weights of the backward over every row."""
-    import grail_exp.advantages.grail as grail_mod
-    from grail_exp.forward import policy_forward
-    from grail_exp.leading_rows import RowNarrowingLinear, leading_rows
+    """The probe's backward on the leading rows that hold the probe rows (``trainer.narrow_backward=true``, off by
+    default on CUDA until this measures it: the policy's linear layers narrow, the attention is SDPA's here) gives the
+    weights of the backward over every row."""
+    import grail_exp.forward as forward_mod
+    from grail_exp.forward import decoder_body, policy_forward
+    from grail_exp.leading_rows import RowNarrowingLinear, leading_rows, narrow_backward
 
     cfg, model, tok, batch = _setup(tmp_path, "grail", dtype)
-    module = _module(cfg, model, tok)  # the update phase gives the linear layers the narrowing backward
+    narrow_backward(model, decoder_body(model))  # what model building does with trainer.narrow_backward=true
+    module = _module(cfg, model, tok)
     assert any(isinstance(m, RowNarrowingLinear) for m in model.modules())
     module.rollout.prepare(batch, {})  # the probe rows (A < 0 with a box: half of them) first
     spans = []
@@ -155,13 +157,13 @@ def test_grail_probe_on_its_rows_only_on_cuda(tmp_path, dtype, atol, monkeypatch
         spans.append(span)
         return leading_rows(span)
 
-    monkeypatch.setattr(grail_mod, "leading_rows", spy)
+    monkeypatch.setattr(forward_mod, "leading_rows", spy)
     weights = {}
     for only in (True, False):
-        module.scheme.cfg.probe_rows_only = only
         with torch.enable_grad():
             _, _, fwd = policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids,
                                        batch.completion_ids, 1.0)
+            fwd.narrows = only  # False: the input gradient over every row
             out = module.scheme.weights_from_forward(model, batch.scheme_view(module.scheme_ctx, 0, 8), fwd)
         weights[only] = out.weights.float()
     assert spans[0] is not None and spans[0].rows < spans[0].of_rows and spans[1] is None, spans
@@ -228,7 +230,7 @@ def test_probe_row_order_on_cuda():
     from helpers.batches import interleaved_training_batch
     from helpers.pinned_step import build_model_and_tokenizer
 
-    from grail_exp.training.rollout import row_order, update_work
+    from grail_exp.training.row_order import row_order, update_work
 
     _, tok = build_model_and_tokenizer()
     cpu = interleaved_training_batch(tok)

@@ -15,6 +15,10 @@ probe gradient inside the policy forward), so the operations that differ between
   skip when the loss or the norm is not finite).
 - ``optimizer_state`` / ``load_optimizer_state`` / ``full_state_dict``: what a checkpoint stores and restores
   (collectives on every rank).
+- ``placed`` and the ``after_*`` hooks: memory hygiene at the phases' boundaries (after a probe backward, a backward,
+  an optimiser step, a generation), no-ops here; the local backend hands freed host heap back to the OS when the
+  policy is on the CPU (``grail_exp/host.py``). ``placed`` runs once the policy sits on its device, sharded or wrapped,
+  so hooks on its parameters are set on the parameters that train.
 - ``planned_*``, ``memory_layout``, ``shards_parameters``, ``shard_options``: the memory planner's questions
   (``grail_exp/memory.py``), answered by the class from the config alone, before any model exists: the model state
   per rank, the gradients and gathered parameters of the update, the gradient sync, and which strategy changes put
@@ -232,6 +236,22 @@ class UpdateBackend:
         optimizer.zero_grad(set_to_none=True)
         optimizer.step()
         return StepResult(norm, False)
+
+    # ---- memory hygiene between the phases (the training phases call these; no-ops unless a backend needs them)
+    def placed(self) -> None:
+        """The policy is on its device and sharded / wrapped (``GRPOModule.on_train_start``, before any training)."""
+
+    def after_probe_backward(self) -> None:
+        """A scheme's probe backward (an input gradient inside the policy forward) has finished."""
+
+    def after_backward(self) -> None:
+        """A micro-batch's backward has finished (its activations are free)."""
+
+    def after_step(self) -> None:
+        """An optimiser step has finished (the step's activations and gradients are free)."""
+
+    def after_generation(self) -> None:
+        """Every generation of a round has finished (the engine's caches are free)."""
 
     # ---- checkpoints (collectives: every rank calls them)
     def optimizer_state(self, optimizer):

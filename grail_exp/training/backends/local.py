@@ -8,12 +8,18 @@ prompts and the gradients are summed across ranks by **one flat all-reduce per o
 does not expect several backwards (micro-batches, GRAIL's probe gradient) inside one ``training_step``. The loss
 normalisers count every rank's rows (``world_size`` in the aggregation), so after the mean over ranks the gradient is
 that of one process on the whole batch.
+
+On the CPU this backend also hands freed heap back to the OS at the phases' boundaries and, inside each backward, at
+``trainer.backward_heap_returns`` points down the decoder (``grail_exp/host.py``): a CPU run's tensors live in the
+process heap, which glibc otherwise keeps at the last phase's high-water mark (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import torch
 
+from grail_exp.host import return_freed_memory, return_freed_memory_after_gradients
+from grail_exp.models import decoder_layers
 from grail_exp.optim import GRAD_ACCUM_DTYPES, build_optimizer, grad_params
 from grail_exp.training import world
 from grail_exp.training.backends.base import PlanItem, UpdateBackend, more_ranks, raw_optimizer, register_backend
@@ -93,6 +99,26 @@ class LocalBackend(UpdateBackend):
 
     def backward(self, loss):
         self.module.manual_backward(loss)
+
+    # ---- the host heap (CPU policies only)
+    def _on_cpu(self) -> bool:
+        return next(self.module.policy.parameters()).device.type == "cpu"
+
+    def placed(self) -> None:
+        """On the CPU: ``trainer.backward_heap_returns`` points in each backward where freed heap goes back, after
+        layers L·(n-1)/n, ..., L/n, 0 of the policy's L decoder layers (the hooks' handles: ``heap_hooks``)."""
+        n = int(self.cfg.trainer.get("backward_heap_returns", 1))
+        layers = decoder_layers(self.module.policy, self.cfg)
+        if getattr(self, "heap_hooks", None) or n <= 0 or not layers or not self._on_cpu():
+            return
+        points = sorted({len(layers) * k // n for k in range(n)})
+        self.heap_hooks = [h for i in points for h in return_freed_memory_after_gradients(layers[i].parameters())]
+
+    def _return_heap(self) -> None:
+        if self._on_cpu():
+            return_freed_memory()
+
+    after_probe_backward = after_backward = after_step = after_generation = _return_heap
 
     def gradients(self, optimizer) -> list[torch.Tensor]:
         """The step's gradient tensors (fp32 masters or parameters), summed across ranks first under DDP."""

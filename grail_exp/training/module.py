@@ -202,11 +202,11 @@ class GRPOModule(L.LightningModule):
         done_round = index == self.update.steps_per_rollout - 1
         self.position = {"round": round_index + 1 if done_round else round_index,
                          "buffer": None if done_round else run_state.pack_buffer(batch, stats, round_index, index + 1)}
-        faults.term_at_step(step, cfg.advantage.name)  # test-only (GRAIL_EXP_FAULT)
+        faults.term_at_step(step, cfg.advantage.name, self.rank)  # test-only (GRAIL_EXP_FAULT)
         every = cfg.trainer.checkpoint_every
         if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
             self.checkpoint_fn(self.position)
-        faults.kill_after_step(step, cfg.advantage.name)
+        faults.kill_after_step(step, cfg.advantage.name, self.rank)
         every = cfg.trainer.save_weights_only_every
         if self.weights_fn and every and step % every == 0:
             self.weights_fn(step)

@@ -11,6 +11,9 @@ hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls th
     GRAIL_EXP_FAULT=tune_kill:<point>[:<trial|state>]  tune: SIGKILL at a point of a trial's life (tune.CRASH_POINTS)
     answers "__sleep__:<s>" / "__crash__"              rewards.py's grading worker: hang <s> seconds / die
 
+The two step faults take a further ``:rank<R>`` (e.g. ``term_at_step:1:rank1``): only data-parallel rank R fires,
+as when a signal reaches one rank of a job.
+
 Each fault logs one ``GRAIL_EXP_FAULT: ...`` warning first (tests look for it). Standard library only: the grading
 workers import this module.
 """
@@ -61,25 +64,37 @@ def kill_eval_after_chunks() -> None:
         _sigkill()
 
 
-def _at_step(point: str, step: int, scheme: str) -> bool:
-    fault = _fault().split(":")
-    return fault[0] == point and len(fault) >= 2 and int(fault[1]) == step and (len(fault) == 2 or fault[2] == scheme)
+def _at_step(point: str, step: int, scheme: str, rank: int) -> bool:
+    """Whether the fault names ``point`` at optimiser ``step``, and, where it says so, this ``scheme`` and this
+    data-parallel ``rank`` (``rank<R>``; without it every rank fires)."""
+    name, *fields = _fault().split(":")
+    if name != point or not fields or int(fields[0]) != step:
+        return False
+    for field in fields[1:]:
+        if field.startswith("rank") and field[4:].isdigit():
+            if int(field[4:]) != rank:
+                return False
+        elif field != scheme:
+            return False
+    return True
 
 
-def term_at_step(step: int, scheme: str) -> None:
-    """``term_at_step:<N>[:<scheme>]``: at the end of optimiser step N (of any job, or only of jobs training
-    ``scheme``), send this process SIGTERM before the step's checkpoint decision, as if the signal had arrived during
-    step N: the run checkpoints step N and stops."""
-    if _at_step("term_at_step", step, scheme):
-        log.warning("GRAIL_EXP_FAULT: term_at_step at step %d of %s", step, scheme)
+def term_at_step(step: int, scheme: str, rank: int = 0) -> None:
+    """``term_at_step:<N>[:<scheme>][:rank<R>]``: at the end of optimiser step N (of any job, or only of jobs
+    training ``scheme``; on every rank, or only on rank R), send this process SIGTERM before the step's checkpoint
+    decision, as if the signal had arrived during step N: the run checkpoints step N and stops (all ranks, when one
+    got it)."""
+    if _at_step("term_at_step", step, scheme, rank):
+        log.warning("GRAIL_EXP_FAULT: term_at_step at step %d of %s on rank %d", step, scheme, rank)
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def kill_after_step(step: int, scheme: str) -> None:
-    """``kill_after_step:<N>[:<scheme>]``: SIGKILL this process after optimiser step N's checkpoint decision (of
-    any job, or only of jobs training ``scheme``): a study is stopped mid-arm at a known point."""
-    if _at_step("kill_after_step", step, scheme):
-        log.warning("GRAIL_EXP_FAULT: kill_after_step at step %d of %s", step, scheme)
+def kill_after_step(step: int, scheme: str, rank: int = 0) -> None:
+    """``kill_after_step:<N>[:<scheme>][:rank<R>]``: SIGKILL this process after optimiser step N's checkpoint
+    decision (of any job, or only of jobs training ``scheme``; on every rank, or only on rank R): a study is stopped
+    mid-arm at a known point."""
+    if _at_step("kill_after_step", step, scheme, rank):
+        log.warning("GRAIL_EXP_FAULT: kill_after_step at step %d of %s on rank %d", step, scheme, rank)
         _sigkill()
 
 

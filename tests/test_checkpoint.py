@@ -152,24 +152,6 @@ def test_killed_in_the_final_evaluation_then_resume_auto_evaluates_and_finishes(
     assert len(pd.read_parquet(run_dir / "eval" / "final" / "samples.parquet")) == 4 * 2  # benchmark.limit x eval.n
 
 
-def test_the_stop_signal_is_left_to_the_run_not_to_lightning():
-    """SIGTERM under ``stop_on_signal`` asks the module to stop after its step (checkpoint, exit 143) and clears the
-    flag Lightning's own notifier set just before (its handler runs first, then this one): left set, Lightning
-    raises SystemExit(0) at the batch's end when the signal lands after the step's stop check — a run ended with
-    code 0 and no checkpoint. The signal is sent to this process, the notifier's flag set by hand beforehand."""
-    import os
-    from types import SimpleNamespace
-
-    from grail_exp.training.job import stop_on_signal
-
-    connector = SimpleNamespace(received_sigterm=True)  # as Lightning's notifier leaves it
-    module = SimpleNamespace(stop_requested=False, _trainer=SimpleNamespace(_signal_connector=connector))
-    with stop_on_signal(module):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)  # the handler runs between bytecodes of this thread, at the latest here
-        assert module.stop_requested and connector.received_sigterm is False
-
-
 @pytest.mark.e2e
 def test_sigterm_writes_a_checkpoint_before_exit(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"

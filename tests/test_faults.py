@@ -46,6 +46,21 @@ def test_step_faults_fire_at_their_step_and_scheme_only(monkeypatch, fired):
     assert fired == ["SIGTERM", "KILL"]
 
 
+def test_step_faults_can_name_one_rank(monkeypatch, fired):
+    """``:rank<R>`` fires on data-parallel rank R only, with or without a scheme before it."""
+    monkeypatch.setenv(faults.ENV, "term_at_step:1:rank1")
+    faults.term_at_step(1, "grpo", 0)
+    faults.term_at_step(2, "grpo", 1)
+    assert fired == []
+    faults.term_at_step(1, "grpo", 1)
+    assert fired == ["SIGTERM"]
+    monkeypatch.setenv(faults.ENV, "kill_after_step:2:grail:rank0")
+    faults.kill_after_step(2, "grpo", 0)  # another scheme
+    faults.kill_after_step(2, "grail", 1)  # another rank
+    faults.kill_after_step(2, "grail", 0)
+    assert fired == ["SIGTERM", "KILL"]
+
+
 def test_the_evaluation_fault_counts_cached_chunks(monkeypatch, fired):
     monkeypatch.setenv(faults.ENV, "kill_eval_after_chunks:3")
     monkeypatch.setattr(faults, "_chunks_put", 0)

@@ -368,7 +368,7 @@ def fit(cfg: DictConfig, module, state: dict | None) -> None:
     # would skip a fit over nothing, and with it the closing. It gets one round in which the module does nothing, so
     # the closing runs inside the fit as in any run (the final evaluation from the completion cache where it got to).
     to_run = range(start_round, max(rounds, start_round + 1))
-    with stop_on_signal(module):
+    with stop_on_signal(module, trainer):
         trainer.fit(module, train_dataloaders=DataLoader(to_run, batch_size=None, shuffle=False))
 
 
@@ -431,9 +431,11 @@ def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: di
 
 
 @contextmanager
-def stop_on_signal(module):
-    """SIGTERM (what SLURM sends before preemption), and submitit's USR2 in its jobs, finish the current step,
-    checkpoint and stop (grail_exp/preemption.py)."""
+def stop_on_signal(module, trainer):
+    """During ``trainer``'s fit, SIGTERM (what SLURM sends before preemption) and submitit's USR2 in its jobs only
+    record a stop request on ``module``; at the end of each optimiser step the ranks agree on it
+    (``GRPOModule._after_step``): when any rank got one, every rank checkpoints that step and stops
+    (grail_exp/preemption.py). Lightning installs no signal handlers of its own in this fit."""
     from grail_exp.preemption import stop_signals
 
     if threading.current_thread() is not threading.main_thread():
@@ -441,16 +443,17 @@ def stop_on_signal(module):
         return
 
     def handler(signum, frame):
-        log.warning("%s received: finishing the current optimiser step, then checkpointing",
+        # Record, never act: a handler runs wherever this rank's main thread happens to be, and the other ranks may
+        # have got no signal at all, so anything that communicates must wait for the step's agreement point.
+        log.warning("%s received: finishing the current optimiser step, then checkpointing (every rank)",
                     signal.Signals(signum).name)
         module.stop_requested = True
-        # Lightning's own SIGTERM notifier runs just before this (its handler calls the one it found after its own).
-        # Left set, its flag raises SystemExit(0) at the end of the batch when the signal lands after this step's
-        # stop check, and the run ends without a checkpoint (seen in CI under load). The stop is this module's.
-        connector = getattr(getattr(module, "_trainer", None), "_signal_connector", None)
-        if connector is not None:
-            connector.received_sigterm = False
 
+    # Lightning's handlers would each break that agreement: its SIGTERM handler broadcasts from inside the handler (a
+    # collective on the signalled rank alone, wherever it happens to be: the ranks hang) and leaves a flag that ends
+    # the fit with exit 0 and no checkpoint; under SLURM its USR1 handler saves and requeues a Lightning checkpoint
+    # that this project never resumes from. The stop is this module's.
+    trainer._signal_connector.register_signal_handlers = lambda: None
     previous = {sig: signal.signal(sig, handler) for sig in stop_signals()}
     try:
         yield

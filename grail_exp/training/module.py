@@ -203,16 +203,21 @@ class GRPOModule(L.LightningModule):
         done_round = index == self.update.steps_per_rollout - 1
         self.position = {"round": round_index + 1 if done_round else round_index,
                          "buffer": None if done_round else run_state.pack_buffer(batch, stats, round_index, index + 1)}
-        faults.term_at_step(step, cfg.advantage.name)  # test-only (GRAIL_EXP_FAULT)
+        faults.term_at_step(step, cfg.advantage.name, self.rank)  # test-only (GRAIL_EXP_FAULT)
+        # The one point where a stop request counts, the same on every rank: a signal may reach one rank only, or the
+        # ranks at different moments, and ranks that decided apart would run different collectives and hang. All stop
+        # when any asked; a signal landing after this point is acted on at the next step's.
+        stop = world.any_true(self.stop_requested)
         every = cfg.trainer.checkpoint_every
-        if self.checkpoint_fn and (self.stop_requested or (every and step % every == 0)):
+        if self.checkpoint_fn and (stop or (every and step % every == 0)):
             self.checkpoint_fn(self.position)
-        faults.kill_after_step(step, cfg.advantage.name)
+        faults.kill_after_step(step, cfg.advantage.name, self.rank)
         every = cfg.trainer.save_weights_only_every
         if self.weights_fn and every and step % every == 0:
             self.weights_fn(step)
-        if self.stop_requested:
-            raise Preempted(f"stopped by signal after step {step}; checkpoint written")
+        if stop:
+            where = "" if self.stop_requested else " on another rank"
+            raise Preempted(f"stopped by signal{where} after step {step}; checkpoint written")
 
     # ------------------------------------------------------------------ checkpoints
     def state_for_checkpoint(self, position: dict) -> dict:

@@ -133,6 +133,7 @@ class GRPOModule(L.LightningModule):
     def on_train_start(self) -> None:
         if self.resume_state is not None:
             run_state.restore(self, self.resume_state)
+        probe.emit("started", module=self)
         if self.start_fn is not None:
             self.start_fn()
 

@@ -211,7 +211,7 @@ PENDING = {"stop_signal"}
 RUN = ["trainer.accelerator=cpu", "trainer.devices=2", f"model.name_or_path={MODEL}", "preflight.layers=1",
        "loss.num_iterations=1", "trainer.prompts_per_step=4", "rollout.num_generations=4", "trainer.micro_batch_size=8",
        "rollout.max_completion_length=32", "eval.n=2", "eval.batch_size=4", "eval.max_tokens=32", "reward.num_workers=0",
-       "trainer.sample_table_every=0", "logger=none", "preflight.stop_timeout_s=90"]
+       "trainer.sample_table_every=0", "logger=none", "preflight.stop_timeout_s=60"]
 VLLM = ["rollout.vllm.max_model_len=256", "rollout.top_k=5", "rollout.vllm.sync_chunk_mb=1"]
 
 
@@ -245,3 +245,32 @@ def test_the_preflight_rehearses_two_gloo_ranks_with_hf_generation(tmp_path):
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 def test_the_preflight_rehearses_the_cards_layout_with_vllm(tmp_path):
     _check_rehearsal(*run_preflight(tmp_path, ["trainer=fsdp_zero2", "rollout=vllm_paper", *VLLM]))
+
+
+def test_one_process_without_a_group_has_no_collectives_to_judge():
+    ev = healthy()
+    for run in (ev.train, ev.resume):
+        for recs in run.records.values():
+            for x in recs:
+                x["collectives"] = {}
+                if x["point"] == "setup":
+                    x["backend"] = "none"
+    assert _verdicts(ev)["collective_devices"].ok is None
+
+
+@pytest.mark.e2e
+def test_the_gpu_checks_preflight_mode_composes(tmp_path):
+    """`bash sweeps/gpu_checks.sh preflight` (on one GPU) runs the card's command through the preflight under
+    trainer=fsdp_zero2 and trainer=ddp at one device with HF generation; here only its compositions
+    (PREFLIGHT_DRY=1)."""
+    from omegaconf import OmegaConf
+
+    env = dict(os.environ, PREFLIGHT_DRY="1", PY=sys.executable,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(["bash", str(REPO / "sweeps" / "gpu_checks.sh"), "preflight", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for trainer, strategy in (("fsdp_zero2", "fsdp"), ("ddp", "ddp")):
+        job = OmegaConf.load(tmp_path / f"preflight_{trainer}_job.yaml")
+        assert (job.trainer.strategy, job.trainer.devices, job.trainer.accelerator) == (strategy, 1, "gpu")
+        assert job.rollout.engine == "hf" and job.model.name == "qwen3_8b" and job.advantage.name == "grail"

@@ -150,6 +150,9 @@ def collective_devices(ev: Evidence) -> Result:
                 where.add(op)
                 if dev not in allowed:
                     bad.append(f"rank {r}: {n} x {op} on a {backend} group")
+    backends = {s["backend"] for run in (ev.train, ev.resume) if run for r in _ranks(run) for s in run.at(r, "setup")}
+    if backends == {"none"}:
+        return Result("collective_devices", None, "no process group (one plain process)", "")
     measured = f"{total} calls: " + ", ".join(sorted(where)) if where else "none recorded"
     expected = "every call on the group's device (nccl: cuda, gloo: cpu)"
     if bad:

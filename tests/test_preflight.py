@@ -199,6 +199,7 @@ def test_the_preflight_options_and_the_shrunk_command(compose_cfg):
     assert shrink_overrides(compose_cfg(["model=qwen3_8b"]), 3) == [
         "model.random_init=true", "model.random_init_overrides={num_hidden_layers: 3}"]
     assert shrink_overrides(compose_cfg(["model=qwen3_8b"]), None) == []
+    assert shrink_overrides(compose_cfg([]), 1) == []  # the embedded model (model.build) runs as configured
     tiny = shrink_overrides(compose_cfg([f"model.name_or_path={MODEL}"]), 1)  # per-layer lists keep one per layer
     assert tiny == ["model.random_init=true", 'model.random_init_overrides={num_hidden_layers: 1, layer_types: '
                     '["full_attention"]}', f"model.tokenizer_name_or_path={MODEL}"]

@@ -58,6 +58,7 @@ class Evidence:
     planned_peak_phase: str = ""
     device_usable_bytes: Optional[float] = None  # capacity less headroom, where known
     planned_host_node_bytes: Optional[float] = None
+    planned_host_how: str = "no host row in the plan"
     launcher_mem_gb: Optional[float] = None
     dist_timeout_s: float = 1800.0
     dist_timeout_key: str = "trainer.dist_timeout_s"
@@ -351,7 +352,7 @@ def host_memory(ev: Evidence) -> Result:
     full = base + max(0.0, per_node - base) * ev.scale
     measured = f"{_gib(per_node)} per node ({n} ranks) -> {_gib(full)} at full depth"
     limit = ev.launcher_mem_gb * 1e9 if ev.launcher_mem_gb else None
-    expected = (f"planned {_gib(ev.planned_host_node_bytes)}; launcher mem_gb "
+    expected = (f"planned {_gib(ev.planned_host_node_bytes)} ({ev.planned_host_how}); launcher mem_gb "
                 f"{ev.launcher_mem_gb if ev.launcher_mem_gb else 'unset'}")
     if limit is not None and full > limit:
         return Result("host_memory", False, measured, expected, "hydra.launcher.mem_gb",

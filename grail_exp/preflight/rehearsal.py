@@ -57,15 +57,19 @@ def shrink_overrides(cfg, layers: Optional[int]) -> list[str]:
     ``layers`` is null or not below the model's depth)."""
     from grail_exp.memory import model_shape
 
+    from grail_exp.architectures import ArchitectureError, architecture_of
+
+    m = cfg.model
+    try:
+        architecture_of(m)
+    except ArchitectureError:  # the embedded model (built from model.build): small already, run as configured
+        return []
     full = model_shape(cfg.model).layers
     if layers is None or layers >= full:
         return []
-    m = cfg.model
     extra = m.get("random_init_overrides") if m.get("random_init") else None
     keys = dict(OmegaConf.to_container(extra, resolve=True) if OmegaConf.is_config(extra) else (extra or {}))
     keys["num_hidden_layers"] = int(layers)
-    from grail_exp.architectures import architecture_of
-
     per_layer = architecture_of(m)[1].get("layer_types")
     if per_layer and "layer_types" not in keys:  # a per-layer list must keep one entry per layer
         keys["layer_types"] = list(per_layer)[:int(layers)]
@@ -111,8 +115,9 @@ class Rehearsal:
 
     def __init__(self, overrides: list[str], opts, dir_: Path):
         self.opts, self.dir = opts, dir_
-        self.dropped = [o for o in overrides if override_key(o) in FORCED]
-        self.user = [o for o in overrides if override_key(o) not in FORCED]
+        forced = set(FORCED) - ({"benchmark.limit"} if opts.eval_limit is None else set())
+        self.dropped = [o for o in overrides if override_key(o) in forced]
+        self.user = [o for o in overrides if override_key(o) not in forced]
         self.full = compose(overrides)
         self.shrink = shrink_overrides(self.full, opts.layers)
         self.small = compose([*self.user, *self.shrink])
@@ -237,11 +242,14 @@ class Rehearsal:
         ev.planned_device_bytes, ev.planned_peak_phase = p.peak, p.peak_phase
         if p.capacity is not None:
             ev.device_usable_bytes = p.capacity - p.headroom
-        if str(self.full.trainer.accelerator) == "cpu":
+        if str(self.full.trainer.accelerator) == "cpu":  # a CPU run is planned in host memory per rank
             ev.planned_host_node_bytes = p.peak * self.ranks_per_node
-        else:
-            host = [x.bytes for x in p.lines if "host" in x.what.lower()]
-            ev.planned_host_node_bytes = sum(host) * self.ranks_per_node if host else None
+            ev.planned_host_how = f"{self.ranks_per_node} x the plan's peak per rank"
+        else:  # the planner's host rows, where it has them: the largest
+            host = [x for x in p.lines if "host" in f"{x.phase} {x.what}".lower()]
+            if host:
+                top = max(host, key=lambda x: x.bytes)
+                ev.planned_host_node_bytes, ev.planned_host_how = top.bytes, f"the planner's largest host row: {top.what}"
 
     def dist_timeout_s(self) -> float:
         """``trainer.dist_timeout_s`` when the config has it, else torch's default process-group timeout."""

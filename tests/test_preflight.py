@@ -275,3 +275,14 @@ def test_the_gpu_checks_preflight_mode_composes(tmp_path):
         job = OmegaConf.load(tmp_path / f"preflight_{trainer}_job.yaml")
         assert (job.trainer.strategy, job.trainer.devices, job.trainer.accelerator) == (strategy, 1, "gpu")
         assert job.rollout.engine == "hf" and job.model.name == "qwen3_8b" and job.advantage.name == "grail"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("args, key", [(["preflight.rounds=0"], "preflight.rounds"),
+                                       (["trainer.micro_batch_size=0"], "trainer.micro_batch_size")])
+def test_a_wrong_option_or_run_config_is_refused_before_anything_runs(tmp_path, args, key):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "grail_exp.preflight", *args, f"preflight.dir={tmp_path}/pf"],
+                         env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and key in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "pf").exists()

@@ -12,6 +12,7 @@ probe files, the checkpoints and the exit codes into ``checks.Evidence``.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -121,6 +122,9 @@ class Rehearsal:
         self.full = compose(overrides)
         self.shrink = shrink_overrides(self.full, opts.layers)
         self.small = compose([*self.user, *self.shrink])
+        from grail_exp.validate import validate
+
+        validate(copy.deepcopy(self.small))  # a config the run would refuse is refused here, before anything starts
         self.per_round = steps_per_round(self.small)
         self.steps_train = int(opts.rounds) * self.per_round
         from grail_exp.training.world import configured_world_size, devices_per_node

@@ -2,7 +2,7 @@
 
 1. **training run**: ``python -m grail_exp.run <the overrides> <shrunk depth>`` for ``preflight.rounds`` rollout
    batches, its final checkpoint and its final evaluation (every sync, step, evaluation and collective recorded);
-2. **resumed run**: the same command with ``resume=auto`` and two more rollout batches; once rank
+2. **resumed run**: the same command with ``resume=auto`` and three more rollout batches; once rank
    ``preflight.stop_rank`` reports the first resumed step, the preflight sends that process SIGTERM (the pid its probe
    recorded) and waits at most ``preflight.stop_timeout_s`` for the whole job to end.
 
@@ -149,8 +149,9 @@ class Rehearsal:
         resume = None
         if train.checkpoints.get(self.steps_train):
             stop = {"rank": self.stop_rank, "step": self.steps_train + 1, "bound_s": float(self.opts.stop_timeout_s)}
-            # two more rounds: the signal's step is not the last one (the job must stop, not finish)
-            resume = self.launch("resume", [f"trainer.max_steps={self.steps_train + 2 * self.per_round}", "resume=auto"],
+            # three more rounds: neither the signal's step nor the next is the last one (the job must stop, not
+            # finish), whichever fixed point of the step the ranks agree to stop at
+            resume = self.launch("resume", [f"trainer.max_steps={self.steps_train + 3 * self.per_round}", "resume=auto"],
                                  ckpt_root, stop)
         return self.evidence(train, resume, stop)
 

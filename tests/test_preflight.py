@@ -83,6 +83,9 @@ def test_the_extrapolation_to_full_depth_by_hand():
     assert "6.00 GiB per node (2 ranks) -> 21.00 GiB at full depth" == v["host_memory"].measured
     assert v["checkpoint_time"].measured == "1.00 GiB in 30.0 s -> 4.00 GiB in 120 s at full depth"
     assert ">= 240 s" in v["checkpoint_time"].expected
+    cpu = healthy()
+    cpu.cuda = False  # a CPU rank: its resident set, the libraries' 0.5 GiB as is: 0.5 + 2.5 x 4 = 10.5 GiB
+    assert "3.00 GiB at 2 layers -> 10.50 GiB at 8" in _verdicts(cpu)["device_memory"].measured
 
 
 def _fault(name: str):

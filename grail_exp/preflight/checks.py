@@ -107,7 +107,9 @@ def _count(n: int) -> str:
 
 
 def _gib(x: Optional[float]) -> str:
-    return "n/a" if x is None else f"{x / GiB:.2f} GiB"
+    if x is None:
+        return "n/a"
+    return f"{x / GiB:.2f} GiB" if x >= 0.1 * GiB else f"{x / 2**20:.1f} MiB"
 
 
 def _ranks(run: RunOutcome) -> list[int]:
@@ -319,13 +321,15 @@ def _peak(ev: Evidence, field_: str) -> dict[int, float]:
 
 @check("device_memory")
 def device_memory(ev: Evidence) -> Result:
-    """The peak memory per device (the CUDA allocator's; a CPU rank's resident set), extrapolated to the full depth,
-    next to the planner's peak, against the device's usable memory."""
+    """The peak memory per device (the CUDA allocator's; a CPU rank's resident set, the libraries' part kept as
+    measured), extrapolated to the full depth, next to the planner's peak, against the device's usable memory."""
     peaks = _peak(ev, "peak_cuda_bytes" if ev.cuda else "peak_rss_bytes")
     if not peaks:
         return Result("device_memory", None, "no memory recorded", "")
     measured_b = max(peaks.values())
-    full = measured_b * ev.scale
+    # a CPU rank's resident set holds the libraries too, which do not grow with the model
+    base = 0.0 if ev.cuda else min(ev.host_baseline_bytes, measured_b)
+    full = base + (measured_b - base) * ev.scale
     measured = f"{_gib(measured_b)} at {ev.layers_run} layers -> {_gib(full)} at {ev.layers_full} ({ev.formula})"
     expected = f"planned {_gib(ev.planned_device_bytes)} ({ev.planned_peak_phase}); usable {_gib(ev.device_usable_bytes)}"
     if ev.device_usable_bytes is not None and full > ev.device_usable_bytes:

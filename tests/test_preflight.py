@@ -192,7 +192,7 @@ def test_the_weights_fingerprint_sees_one_changed_value():
 # ---------------------------------------------------------------------------------------------- options and shrinking
 def test_the_preflight_options_and_the_shrunk_command(compose_cfg):
     from grail_exp.errors import ConfigError
-    from grail_exp.preflight import options, split_argv
+    from grail_exp.preflight.cli import options, split_argv
     from grail_exp.preflight.rehearsal import shrink_overrides
 
     run, mine = split_argv(["model=qwen3_8b", "preflight.layers=3", "advantage=grail"])
@@ -291,7 +291,7 @@ def test_a_wrong_option_is_refused_before_anything_runs(tmp_path):
 
 def test_a_run_config_the_run_would_refuse_is_refused_before_anything_runs(tmp_path):
     from grail_exp.errors import ConfigError
-    from grail_exp.preflight import main
+    from grail_exp.preflight.cli import main
 
     with pytest.raises(ConfigError, match=r"trainer\.micro_batch_size"):
         main(["trainer.micro_batch_size=0", f"preflight.dir={tmp_path}/pf"])

@@ -3,7 +3,7 @@
 import sys
 
 from grail_exp.errors import exit_on_user_error
-from grail_exp.preflight import main
+from grail_exp.preflight.cli import main
 
 if __name__ == "__main__":  # pragma: no cover
     with exit_on_user_error():

@@ -24,7 +24,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from grail_exp.preflight import probe as probe_mod
+from grail_exp.preflight.probe import SIGNAL_FILE, STOP_RANK, STOP_STEP
 from grail_exp.preflight.checks import Evidence, RunOutcome
 
 PROBE = "grail_exp.preflight.probe:PreflightProbe"
@@ -161,7 +161,7 @@ class Rehearsal:
         probe_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, GRAIL_EXP_PROBE=PROBE, GRAIL_EXP_PROBE_DIR=str(probe_dir))
         if stop:
-            env.update({probe_mod.STOP_RANK: str(stop["rank"]), probe_mod.STOP_STEP: str(stop["step"])})
+            env.update({STOP_RANK: str(stop["rank"]), STOP_STEP: str(stop["step"])})
         before = checkpoints(ckpt_root)
         cmd = self.command(extra)
         (self.dir / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
@@ -200,7 +200,7 @@ class Rehearsal:
         pid = next(r["pid"] for r in recs if r["point"] == "setup")
         os.kill(pid, signal.SIGTERM)
         stop.update(pid=pid, sent_at=time.time(), started_at=t0)
-        (probe_dir / probe_mod.SIGNAL_FILE).write_text(str(stop["sent_at"]))  # releases the rank's probe
+        (probe_dir / SIGNAL_FILE).write_text(str(stop["sent_at"]))  # releases the rank's probe
 
     @staticmethod
     def _end_group(proc: subprocess.Popen) -> None:

@@ -561,6 +561,21 @@ class EvaluateConfig:
     optimized_metric: Optional[str] = "eval/avg/acc"  # with one benchmark: eval/<benchmark>/acc
 
 
+@dataclass
+class PreflightConfig:
+    """``preflight.*`` keys of ``python -m grail_exp.preflight <the run's overrides> [preflight.<key>=<value>]``
+    (grail_exp/preflight/): the dress rehearsal of a run, shrunk in depth, in its real layout."""
+
+    layers: Optional[int] = 2  # decoder layers of the rehearsal (random weights, real widths and vocabulary); null = the model as configured
+    rounds: int = 2  # rollout batches of the training run (x loss.num_iterations x trainer.mini_batches_per_rollout steps)
+    stop_rank: int = 1  # the rank the stop signal (SIGTERM) is sent to, during the resumed run's first step (clamped to the world)
+    stop_timeout_s: float = 600.0  # bound from the signal to the job's end; past it the job is killed and the check fails
+    run_timeout_s: float = 7200.0  # bound on each rehearsal run (a hang before the signal)
+    eval_limit: Optional[int] = 4  # problems per benchmark in the final evaluation; null = the run's benchmark.limit
+    logprob_tolerance: Optional[float] = None  # engine vs trainer: |d| <= tol x (1 + |log p|); null = 1e-3 in float32, 2^-6 in 16-bit
+    dir: Optional[str] = None  # the rehearsal's runs, probes and logs; null = ./preflight-<date>-<time>
+
+
 def rollout_batches(max_steps, num_iterations, mini_batches) -> int:
     """``${rollout_batches:max_steps,mu,k}``: rollout batches a run of ``max_steps`` optimiser steps draws (each gives
     k mini-batches x mu epochs of steps); schedules that count rollout batches (SDPG's T) use it."""

@@ -493,3 +493,18 @@ def validate_weights(cfg: DictConfig) -> DictConfig:
             e.append(f"input = {str(cfg.input)!r}: {exc}")
     _raise(e)
     return cfg
+
+
+def validate_preflight(opts) -> None:
+    """The ``preflight.*`` keys of ``python -m grail_exp.preflight`` (grail_exp/config.py ``PreflightConfig``)."""
+    e: list[str] = []
+    _check(e, opts.layers is None or opts.layers >= 1, "preflight.layers", opts.layers, "must be >= 1 or null")
+    _check(e, opts.rounds >= 1, "preflight.rounds", opts.rounds, "must be >= 1")
+    _check(e, opts.stop_rank >= 0, "preflight.stop_rank", opts.stop_rank, "must be >= 0")
+    _check(e, opts.stop_timeout_s > 0, "preflight.stop_timeout_s", opts.stop_timeout_s, "must be > 0")
+    _check(e, opts.run_timeout_s > 0, "preflight.run_timeout_s", opts.run_timeout_s, "must be > 0")
+    _check(e, opts.eval_limit is None or opts.eval_limit >= 1, "preflight.eval_limit", opts.eval_limit,
+           "must be >= 1 or null")
+    _check(e, opts.logprob_tolerance is None or opts.logprob_tolerance > 0, "preflight.logprob_tolerance",
+           opts.logprob_tolerance, "must be > 0 or null")
+    _raise(e, "preflight options")

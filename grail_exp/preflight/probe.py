@@ -1,0 +1,134 @@
+"""The preflight's probe (``GRAIL_EXP_PROBE=grail_exp.preflight.probe:PreflightProbe``): every rank of a rehearsal
+run writes what it did, one JSON line per probe point (grail_exp/training/probe.py), to
+``$GRAIL_EXP_PROBE_DIR/rank<r>.jsonl``; the preflight's checks judge the run by these files.
+
+Every record carries the rank, the time, the peak memory so far (this device's CUDA allocator; the process's
+resident set) and this process's collectives by device (``world.collective_devices``). Besides:
+
+- ``setup``: the world (size, rank, backend), this process's pid and host, the rank's device, the engine;
+- ``started``: a fingerprint of the full weights once they are placed (restored, when resuming);
+- ``synced``: the engine's log-probs of a fixed completion against the trainer's forward on the same tokens;
+- ``step``: the step and a fingerprint of the full weights;
+- ``evaluated``: which rank generated each chunk, how many problems each rank graded, a digest of the gathered result.
+
+A stop signal delivered by the preflight: at step ``$GRAIL_EXP_PREFLIGHT_STOP_STEP`` the rank
+``$GRAIL_EXP_PREFLIGHT_STOP_RANK`` writes its record, then waits until the preflight has sent it SIGTERM (the file
+``signal_sent`` appears in the probe directory), so the signal lands during that step on every machine, however busy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+QUESTION = "Compute 12+7."  # the fixed prompt whose continuation the engine and the trainer both score
+SIGNAL_FILE = "signal_sent"
+STOP_RANK, STOP_STEP = "GRAIL_EXP_PREFLIGHT_STOP_RANK", "GRAIL_EXP_PREFLIGHT_STOP_STEP"
+SIGNAL_WAIT_S = 600  # the preflight sends the signal within a poll interval; this only guards a dead preflight
+FINGERPRINT_CHUNK = 1 << 24  # elements summed at a time: the fingerprint needs no copy of a whole tensor
+
+
+def fingerprint(tensors) -> str:
+    """A digest of ``(name, tensor)`` pairs computed where the tensors live: per tensor, float64 sums of its values,
+    their squares and their products with their positions, in chunks. Equal weights give equal digests on the same
+    device type; a checkpoint that loses or reorders a value changes it."""
+    h = hashlib.sha256()
+    for name, t in tensors:
+        flat = t.detach().reshape(-1)
+        sums = torch.zeros(3, dtype=torch.float64, device=flat.device)
+        for start in range(0, flat.numel(), FINGERPRINT_CHUNK):
+            x = flat[start:start + FINGERPRINT_CHUNK].to(torch.float64)
+            pos = torch.arange(start + 1, start + 1 + x.numel(), dtype=torch.float64, device=x.device)
+            sums += torch.stack([x.sum(), (x * x).sum(), (x * pos).sum()])
+        h.update(f"{name}:{tuple(t.shape)}:{str(t.dtype)}:".encode())
+        h.update(sums.cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class PreflightProbe:
+    def __init__(self):
+        self.dir = Path(os.environ["GRAIL_EXP_PROBE_DIR"])
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _write(self, point: str, **data) -> None:
+        from grail_exp.training import world
+
+        rec = {"point": point, "rank": world.rank(), "time": time.time(),
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+               "collectives": world.collective_devices(), **data}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rec["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+        with open(self.dir / f"rank{world.rank()}.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def setup(self, module):
+        from grail_exp.training import world
+
+        engine = module.rollout.engine
+        device = str(module.policy.device)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = f"cuda:{torch.cuda.current_device()}"
+        self._write("setup", world_size=world.world_size(), backend=world.backend_name(), pid=os.getpid(),
+                    host=socket.gethostname(), device=device, local_rank=os.environ.get("LOCAL_RANK"),
+                    engine=type(engine).__name__)
+
+    def started(self, module):
+        self._write("started", step=module.step, weights=fingerprint(module.backend.full_tensors()))
+
+    def synced(self, backend, engine):
+        from grail_exp.data.prompting import encode_prompts
+        from grail_exp.forward import position_ids_from_mask
+        from grail_exp.rollout import SamplingParams, pad_completions
+
+        module = backend.module
+        cfg = module.cfg
+        # Greedy tokens are scored by the engine at T = 1; other temperatures sample at T (both sides divide by it).
+        temperature = float(cfg.rollout.temperature)
+        params = SamplingParams(n=1, temperature=0.0 if temperature == 1.0 else temperature, max_new_tokens=12,
+                                logprobs=True)
+        prompt = encode_prompts([QUESTION], module.tokenizer, cfg.model, cfg.data.instruction)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices), backend.generation(engine):  # the run's streams stay untouched
+            out = engine.generate(prompt, params)
+        rb = pad_completions(out, module.tokenizer.pad_token_id)
+        dev = module.policy.device
+        mask = rb.attention_mask.to(dev)
+        with torch.no_grad():
+            trainer, _, _ = backend.forward(module.policy, rb.input_ids.to(dev), mask, position_ids_from_mask(mask),
+                                            rb.completion_ids.to(dev))
+        m = rb.completion_mask.bool()
+        self._write("synced", tokens=out[0].token_ids, engine=rb.sampling_logprobs[m].tolist(),
+                    trainer=trainer.float().cpu()[m].tolist())
+
+    def step(self, module, step):
+        self._write("step", step=step, weights=fingerprint(module.backend.full_tensors()))
+        from grail_exp.training import world
+
+        if os.environ.get(STOP_RANK) == str(world.rank()) and os.environ.get(STOP_STEP) == str(step):
+            end = time.monotonic() + SIGNAL_WAIT_S
+            while not (self.dir / SIGNAL_FILE).exists() and time.monotonic() < end:
+                time.sleep(0.05)
+
+    def evaluated(self, module, tag, result):
+        chunks = {str(k): int(v) for k, v in result.generated_by.items()}
+        digest = hashlib.sha256(json.dumps([s.get("completion") for s in result.samples]).encode()).hexdigest()
+        per_call = max(1, int(module.cfg.eval.batch_size) // int(module.cfg.eval.n))
+        self._write("evaluated", tag=tag, generated_by=chunks, samples=len(result.samples), digest=digest,
+                    problems_by_rank=problems_by_rank(result.samples, chunks, per_call))
+
+
+def problems_by_rank(samples: list[dict], generated_by: dict[str, int], per_call: int) -> dict[str, int]:
+    """rank -> distinct problems whose completions that rank generated: a problem's chunk is its index // the
+    problems per generate call, and ``generated_by`` names each ``<benchmark>/<chunk>``'s rank ("?" when unnamed)."""
+    out: dict[str, int] = {}
+    for b, i in sorted({(s["benchmark"], int(s["problem_index"])) for s in samples}):
+        r = str(generated_by.get(f"{b}/{i // per_call}", "?"))
+        out[r] = out.get(r, 0) + 1
+    return out

@@ -63,7 +63,7 @@ class WarmStartConfig:
 @dataclass
 class ColdStartConfig:
     """A supervised cold start on the arithmetic task's own chain solutions, built once and cached
-    (grail_exp/cold_start.py); the real-model study's starting weights (conf/recipe/smollm2_chain/base.yaml)."""
+    (grail_exp/models/cold_start.py); the real-model study's starting weights (conf/recipe/smollm2_chain/base.yaml)."""
 
     enabled: bool = False
     steps: int = 40  # AdamW steps
@@ -82,7 +82,7 @@ class ModelConfig:
     revision: Optional[str] = None  # hub revision (commit sha or tag); pin it for reproductions
     dtype: str = "float32"  # float32 | bfloat16 | float16
     attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2; null = transformers default
-    cpu_explicit_attention_max_scores: int = 20_000  # sdpa on CPU under autograd: up to this many query x key positions per head, two products and a float32 softmax instead of the fused kernel (grail_exp/cpu_attention.py, whose DEFAULT_MAX_SCORES says why this value); 0 = always the fused kernel
+    cpu_explicit_attention_max_scores: int = 20_000  # sdpa on CPU under autograd: up to this many query x key positions per head, two products and a float32 softmax instead of the fused kernel (grail_exp/compute/attention.py, whose DEFAULT_MAX_SCORES says why this value); 0 = always the fused kernel
     trust_remote_code: bool = False  # never execute code from a model repo unless you say so
     gradient_checkpointing: bool = False
     # Prompting (how a problem becomes the model's input; recorded with every table)
@@ -93,7 +93,7 @@ class ModelConfig:
     system_prompt: Optional[str] = None  # null = no system turn of ours (as in the GRAIL paper); a template may add its own default (SmolLM2 does)
     few_shot: list = field(default_factory=list)  # worked examples [{question, answer}] before the problem (chat: earlier turns); [] = zero-shot (paper)
     strip_think: bool = False  # grade only the text after the last </think> (thinking models, e.g. R1-Distill)
-    # Random weights with the real architecture, offline (benchmarks, GPU smoke tests; grail_exp/architectures.py)
+    # Random weights with the real architecture, offline (benchmarks, GPU smoke tests; grail_exp/models/architectures.py)
     random_init: bool = False  # true: build the architecture with seeded random weights; never touches the hub
     architecture: Optional[str] = None  # shipped name (grail_exp/data/architectures/<name>.json) or a config.json path; null = the shipped one whose hub id is name_or_path
     random_init_overrides: Any = None  # config.json keys to change, e.g. {num_hidden_layers: 2}; null = none
@@ -103,7 +103,7 @@ class ModelConfig:
     shipped_weights: bool = True  # load the packaged warm-started model when model.build/warm_start/data match its build exactly (docs/embedded-model.md); false = always build locally
     build: Optional[BuildConfig] = None
     warm_start: Optional[WarmStartConfig] = None
-    # Any model: a supervised cold start on the task's solutions before RL (cached; grail_exp/cold_start.py)
+    # Any model: a supervised cold start on the task's solutions before RL (cached; grail_exp/models/cold_start.py)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
 
 
@@ -254,7 +254,7 @@ class BenchmarkConfig:
     limit: Optional[int] = None  # take the first N problems of each benchmark (smoke tests)
     instruction: str = ""  # appended to each problem except arithmetic's (data.instruction); paper: spec §7.1
     olympiad_gold: str = "first"  # OlympiadBench gold: first = final_answer[0] | str = str(list), paper eval (§11.14)
-    # Which answer is graded (grail_exp/extraction.py). last_balanced: the balanced \boxed{} that starts last
+    # Which answer is graded (grail_exp/grading/extraction.py). last_balanced: the balanced \boxed{} that starts last
     # (default) | paper: the reference evaluation's extract_boxed_inner, empty samples out of the denominator,
     # tokens averaged over extracted samples | math_verify: math-verify's own extraction over the whole completion.
     extraction: str = "last_balanced"
@@ -396,27 +396,27 @@ class TrainerConfig:
     sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
     # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/training/backends/deepspeed.py), e.g. zero_optimization
     deepspeed: Optional[Any] = None
-    # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/logprobs.py):
+    # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/compute/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
     # GiB of one device for the memory plan (grail_exp/memory.py) when planning offline; null = torch.cuda.mem_get_info
     # of this rank's device (no CUDA device: no verdict; CPU runs are never refused). docs/memory-planner.md
     device_memory_gb: Optional[float] = None
-    # Precision of the policy's token log-probs (grail_exp/logprobs.py): float32 = the softmax in float32 (default);
+    # Precision of the policy's token log-probs (grail_exp/compute/logprobs.py): float32 = the softmax in float32 (default);
     # model = logits / T and log_softmax in the model's dtype, as the GRAIL reference (TRL) rounds them (bf16: most
     # ratios are exactly 1 after a small update). The ratio arithmetic, entropies and the backward stay float32.
     logprob_dtype: str = "float32"
     # Each distinct prompt of a micro-batch computed once in every forward of the update (policy, old / reference
     # log-probs, probes, teachers): the G completions of a prompt reuse its keys and values, and its gradient is
-    # accumulated once (grail_exp/forward.py). Same numbers up to floating-point reduction order. auto = on unless
+    # accumulated once (grail_exp/compute/forward.py). Same numbers up to floating-point reduction order. auto = on unless
     # model.gradient_checkpointing (a replayed layer has no cache); true | false. docs/performance.md
     share_prompts: Any = "auto"
     # The tokens every distinct prompt of a micro-batch starts with (system prompt, few-shot turns) computed once too,
     # in the update's forwards and in the HF engine's prefill: one pass over them, then each prompt's tail attends to
-    # their keys and values (grail_exp/forward.py: prompts_once). Same numbers up to reduction order. auto = when it
+    # their keys and values (grail_exp/compute/forward.py: prompts_once). Same numbers up to reduction order. auto = when it
     # saves >= 64 positions ((distinct prompts - 1) x prefix length); true = whenever there is one; false.
     share_prompt_prefix: Any = "auto"
-    # CPU runs: points in each backward where freed heap goes back to the OS (glibc malloc_trim; grail_exp/host.py),
+    # CPU runs: points in each backward where freed heap goes back to the OS (glibc malloc_trim; grail_exp/compute/host.py),
     # evenly spaced down the decoder layers, the last after the first layer, before the embedding's gradient. The heap
     # the backward frees is otherwise kept and its high-water mark, not the live tensors, makes the peak RSS. 1 costs
     # nothing measurable; each further point re-faults what it returned (SmolLM2-135M, GRPO: peak 4.21 -> 4.00 GB at
@@ -424,7 +424,7 @@ class TrainerConfig:
     backward_heap_returns: int = 1
     # A backward whose cotangent lives on a micro-batch's leading rows (GRAIL's probe: the trainer puts its rows first)
     # computes those rows only: the policy's linear layers become RowNarrowingLinear (same parameters, same forward,
-    # the same gradients outside such a backward) and the CPU attention narrows too (grail_exp/leading_rows.py). Same
+    # the same gradients outside such a backward) and the CPU attention narrows too (grail_exp/compute/leading_rows.py). Same
     # numbers up to the products' rounding. null = on for CPU runs, off on CUDA until a GPU measures it; true | false.
     narrow_backward: Optional[bool] = None
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
@@ -453,7 +453,7 @@ class RewardConfig:
     hard_timeout_s: float = 15.0  # wall-clock limit per answer; the worker is killed past it (counted)
     parse_timeout: int = 5  # math-verify's own parse timeout (seconds), as in the reference
     verify_timeout: int = 5  # math-verify's own verify timeout (seconds)
-    # Which answer the reward grades (grail_exp/extraction.py). last_balanced: the balanced \boxed{} that starts
+    # Which answer the reward grades (grail_exp/grading/extraction.py). last_balanced: the balanced \boxed{} that starts
     # last (default) | paper: the reference reward's regex (last non-nested box, stripped) | math_verify:
     # math-verify's own extraction over the whole completion (TRL accuracy_reward's settings).
     extraction: str = "last_balanced"
@@ -488,7 +488,7 @@ class PathsConfig:
 
 @dataclass
 class StudyConfig:
-    """A study on disk (grail_exp/study.py): each finished arm's evaluation summary goes to ``<dir>/<arm>/``, and a
+    """A study on disk (grail_exp/analysis/study.py): each finished arm's evaluation summary goes to ``<dir>/<arm>/``, and a
     job whose arm is already there (same configuration) is skipped, so a restarted study continues."""
 
     dir: Optional[str] = None  # null = not part of a study; e.g. results/real_model_study/<study>
@@ -599,7 +599,7 @@ def floordiv(a, b) -> int:
 def slurm_tasks(devices) -> int:
     """``${slurm_tasks:${trainer.devices}}``: SLURM tasks per node = ranks per node (Lightning under SLURM runs one
     task per device and refuses any other count when the job starts)."""
-    from grail_exp.training.world import devices_per_node
+    from grail_exp.world import devices_per_node
 
     return devices_per_node(devices)
 

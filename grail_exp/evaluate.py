@@ -38,12 +38,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grail_exp import faults
-from grail_exp import metrics as M
+from grail_exp.analysis import metrics as M
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
 from grail_exp.data import load_benchmark
 from grail_exp.data.prompting import bos_prefix, encode_prompt_texts, prompt_bos, render_prompt
-from grail_exp.extraction import strip_think
+from grail_exp.grading.extraction import strip_think
 from grail_exp.rollout import Completion, SamplingParams
 
 log = logging.getLogger("grail_exp.evaluate")
@@ -288,12 +288,12 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
     them all and returns the same result, which equals a one-process evaluation with the same seeds (each chunk is
     seeded on its own: ``chunk_seed``). Every random stream the sampling moves is restored afterwards.
 
-    ``benchmark.extraction`` picks the graded answer (``grail_exp.extraction``); with ``paper`` the samples
+    ``benchmark.extraction`` picks the graded answer (``grail_exp.grading.extraction``); with ``paper`` the samples
     whose text is empty leave their problem's denominator and tokens are averaged over the samples with an
     extracted answer, as the reference evaluation does (``metrics.summarize_benchmark(protocol="paper")``).
     """
-    from grail_exp.extraction import benchmark_rule
-    from grail_exp.training import world
+    from grail_exp.grading.extraction import benchmark_rule
+    from grail_exp import world
 
     ev = cfg.eval
     extraction = cfg.benchmark.get("extraction", "last_balanced")
@@ -343,7 +343,7 @@ def _summarize(b: _Benchmark, completions: list, decoded: list, graded: list, ev
 
 def evaluation_params(cfg, tokenizer) -> dict:
     """What a table depends on, recorded with every table: prompt template, chat kwargs, sampling, grading."""
-    from grail_exp.extraction import DESCRIPTIONS
+    from grail_exp.grading.extraction import DESCRIPTIONS
 
     example = render_prompt("{problem}", tokenizer, cfg.model, cfg.benchmark.get("instruction", "") or "")
     extraction = cfg.benchmark.get("extraction", "last_balanced")
@@ -438,8 +438,8 @@ def write_run_files(result: EvalResult, out_dir: str | Path) -> None:
 # ----------------------------------------------------------------------------------------------- CLI
 def evaluate_job(cfg: DictConfig) -> EvalResult:
     from grail_exp.validate import validate_eval
-    from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from grail_exp.rewards import MathVerifier
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.grading.rewards import MathVerifier
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import build_tracker
 

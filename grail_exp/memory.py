@@ -57,7 +57,7 @@ PLAN_ERROR = 0.10
 PROMPT_TOKENS = {"arithmetic": 64, "arithmetic_val": 64, "deepmath": 512, "scrl_jsonl": 512, "math500": 800,
                  "aime24": 400, "amc23": 256, "minerva_math": 416, "college_math_200": 384, "olympiadbench_200": 1280}
 DEFAULT_PROMPT_TOKENS = 512
-# Output layer (grail_exp/logprobs.py), in fp32 (chunk, V) tensors alive at once, measured on CPU with the real
+# Output layer (grail_exp/compute/logprobs.py), in fp32 (chunk, V) tensors alive at once, measured on CPU with the real
 # function (tests/test_plan.py::test_logprob_peak_matches_the_function; z and log p share one buffer): several chunks:
 # forward 4.1 (bf16 and fp32 weights alike); one chunk: 2.2 (its probabilities kept for the backward). Backward with
 # bf16 weights: 3.3 (several chunks) / 3.1 (one chunk, its kept probabilities included), plus the fp32 output-layer
@@ -103,7 +103,7 @@ def model_shape(model_cfg) -> Shape:
     """The policy's shape: a shipped architecture (``model.architecture`` or the one whose hub id is
     ``model.name_or_path``, with ``model.random_init_overrides``), a local directory's config.json, or the embedded
     ``model.build``."""
-    from grail_exp.architectures import _by_hub_id, hf_config, load_architecture, parameter_counts
+    from grail_exp.models.architectures import _by_hub_id, hf_config, load_architecture, parameter_counts
 
     name_or_path = model_cfg.get("name_or_path")
     arch = model_cfg.get("architecture")
@@ -175,7 +175,7 @@ class MemoryPlan:
 
 
 def _world(t) -> int:
-    from grail_exp.training.world import configured_world_size
+    from grail_exp.world import configured_world_size
 
     return configured_world_size(t)
 
@@ -529,10 +529,10 @@ VLLM_CPU_PAGE_FACTOR = 1.6
 def computed_positions(cfg, rows: int, P: int, C: int) -> int:
     """Positions one micro-batch of ``rows`` computes: with ``trainer.share_prompts`` each of its prompts once (rows
     come grouped: ceil(rows / G) prompts of P − 1 positions, every row's last prompt token and completion), else every
-    row's whole sequence (grail_exp/forward.py). An upper bound where the prompts share a prefix
+    row's whole sequence (grail_exp/compute/forward.py). An upper bound where the prompts share a prefix
     (``trainer.share_prompt_prefix``) or completions end before C (the packed suffix pass): the planner does not
     know the prompts' tokens nor the completions' lengths."""
-    from grail_exp.forward import share_prompts_of
+    from grail_exp.compute.forward import share_prompts_of
 
     if not share_prompts_of(cfg) or P < 2:
         return rows * (P + C)
@@ -541,7 +541,7 @@ def computed_positions(cfg, rows: int, P: int, C: int) -> int:
 
 
 def _positions_how(cfg, rows: int, P: int, C: int) -> str:
-    from grail_exp.forward import share_prompts_of
+    from grail_exp.compute.forward import share_prompts_of
 
     if not share_prompts_of(cfg) or P < 2:
         return f"{rows} rows x {P + C} tokens"
@@ -568,12 +568,12 @@ def hf_engine_kv_bytes(s: Shape, b: int, prompts: int, n: int, P: int, C: int, c
 # worker process (math-verify and sympy, ~0.15 GiB).
 HOST_BASELINE = 0.6 * GiB
 GRADER_WORKER = 0.15 * GiB
-HOST_HEADROOM_FIXED = 0.5 * GiB  # heap fragmentation between phases (grail_exp/host.py returns what it can)
+HOST_HEADROOM_FIXED = 0.5 * GiB  # heap fragmentation between phases (grail_exp/compute/host.py returns what it can)
 
 
 def host_capacity() -> tuple[Optional[float], Optional[float], str]:
     """(available, total, where from) of this machine's memory for a CPU run (``host.memory_bytes``)."""
-    from grail_exp.host import memory_bytes
+    from grail_exp.compute.host import memory_bytes
 
     available, total = memory_bytes()
     if available is None:

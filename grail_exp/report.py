@@ -8,7 +8,7 @@
 Rows are model × scheme, columns the benchmarks and their average (unweighted over benchmarks, as the GRAIL paper
 reports), one table per metric (acc@n, pass@k, maj@n). Every non-baseline cell carries its Δ against the
 baseline scheme trained on the same model and seeds; a second table gives each Δ with its paired 95 % interval,
-the spread of the per-seed Δ and a p-value (statistics: grail_exp/stats.py).
+the spread of the per-seed Δ and a p-value (statistics: grail_exp/analysis/stats.py).
 
 **Where the numbers come from.** Each training run's final evaluation logs its per-sample results
 (``eval/final/samples.parquet``: benchmark, problem_index, sample_index, correct, extracted, ...). The report reads
@@ -17,7 +17,7 @@ baseline by (seed, benchmark, problem_index): both arms of a seed answered the s
 per-chunk seeds (common random numbers, grail_exp/evaluate.py), so per-problem differences cancel most of the
 sampling noise.
 
-**A study folder** (``runs.dir``, written by training jobs with ``study.dir`` set, grail_exp/study.py) stands in for
+**A study folder** (``runs.dir``, written by training jobs with ``study.dir`` set, grail_exp/analysis/study.py) stands in for
 MLflow: each finished arm's ``arm.json`` (model, scheme, seed, flat configuration, starting weights' sha256),
 ``samples_final.parquet``, ``history.csv`` and ``weights/`` give the same table and plots, from files that can be
 committed with the results.
@@ -50,8 +50,8 @@ import numpy as np
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from grail_exp import metrics as M
-from grail_exp import stats
+from grail_exp.analysis import metrics as M
+from grail_exp.analysis import stats
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, LoggerConfig, PathsConfig, register_configs
 from grail_exp.errors import DataError
@@ -89,7 +89,7 @@ class RunSelection:
     parent_run_id: Optional[str] = None  # children of this run (tag mlflow.parentRunId): one sweep or study
     tags: dict = field(default_factory=dict)  # tag filters, e.g. {task_name: paper_table}
     filter: Optional[str] = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
-    # A study folder instead of MLflow (grail_exp/study.py: one <arm>/arm.json + samples per finished arm); when
+    # A study folder instead of MLflow (grail_exp/analysis/study.py: one <arm>/arm.json + samples per finished arm); when
     # set, the filters above are not used
     dir: Optional[str] = None
 
@@ -105,7 +105,7 @@ class RunFields:
 
 @dataclass
 class StatsConfig:
-    """Paired statistics (grail_exp/stats.py)."""
+    """Paired statistics (grail_exp/analysis/stats.py)."""
 
     n_boot: int = 10_000  # bootstrap replicates of the two-level (seeds × problems) paired bootstrap
     alpha: float = 0.05  # 1 − confidence level of the interval; also the significance level marked with *
@@ -124,7 +124,7 @@ class OutputConfig:
 
 @dataclass
 class PlotsConfig:
-    enabled: bool = True  # training curves, pass@k vs k and token-weight plots per model (grail_exp/plots.py)
+    enabled: bool = True  # training curves, pass@k vs k and token-weight plots per model (grail_exp/analysis/plots.py)
     curves: list[str] = field(default_factory=lambda: ["reward/mean", "accuracy", "completions/mean_length",
                                                        "entropy", "kl", "clip_ratio/region_mean"])
     weights: bool = True  # positional profile and weight-vs-entropy from the runs' weights/step_*.parquet
@@ -213,7 +213,7 @@ def validate_report(cfg: DictConfig) -> None:
         if cfg.models is not None and model not in cfg.models:
             errors.append(f"design.{model}: not one of models = {list(cfg.models)}")
     if cfg.runs.dir is not None and not Path(str(cfg.runs.dir)).expanduser().is_dir():
-        errors.append(f"runs.dir = {str(cfg.runs.dir)!r}: no such directory (a study folder, grail_exp/study.py)")
+        errors.append(f"runs.dir = {str(cfg.runs.dir)!r}: no such directory (a study folder, grail_exp/analysis/study.py)")
     for key, v in dict(cfg.runs.tags).items():
         if "'" in str(v) or "`" in str(key):
             errors.append(f"runs.tags.{key}: quotes are not supported in tag filters")
@@ -370,10 +370,10 @@ def _check_samples(rec: RunRecord) -> None:
 
 def select_study_arms(cfg: DictConfig, notes: Notes):
     """Like ``select_runs``, from a study folder (``runs.dir``): every arm recorded there is finished by
-    construction (grail_exp/study.py writes an arm only after its final evaluation)."""
+    construction (grail_exp/analysis/study.py writes an arm only after its final evaluation)."""
     import pandas as pd
 
-    from grail_exp.study import read_study
+    from grail_exp.analysis.study import read_study
 
     arms: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
     for folder, arm in read_study(cfg.runs.dir):
@@ -781,7 +781,7 @@ def _legend(cfg: DictConfig) -> str:
             f"benchmark; {s.n_boot} replicates). p: two-sided paired sign-flip test on the seed-averaged "
             f"per-problem differences, stratified by benchmark (exact up to {s.exact_max} non-zero problems, "
             f"else {s.n_perm} random flips). per-seed Δ: mean ± sd over the paired seeds "
-            f"(grail_exp/stats.py)." + _design_text(cfg))
+            f"(grail_exp/analysis/stats.py)." + _design_text(cfg))
 
 
 def _design_text(cfg: DictConfig) -> str:
@@ -894,7 +894,7 @@ def to_json(tables: list[MetricTable], notes: Notes, runs: dict, cfg: DictConfig
 def report_plots(client, arms: dict, tables: list[MetricTable], cfg: DictConfig, out_dir: Path) -> list[Path]:
     """Per model: training curves by scheme, pass@k vs k by scheme (avg over benchmarks), and the token-weight
     profile and weight-vs-entropy by scheme (from the runs' weights/ tables, when they logged any)."""
-    from grail_exp import plots as P
+    from grail_exp.analysis import plots as P
 
     made: list[Path] = []
     rows = tables[0].rows  # the table's order: models, then baseline first
@@ -942,7 +942,7 @@ def report_plots(client, arms: dict, tables: list[MetricTable], cfg: DictConfig,
 def _histories(client, recs: list, keys: list[str]) -> list[dict]:
     """Per run ``{key: (steps, values)}``: a study folder's history.csv (an arm recorded without one has no curves),
     else the MLflow metric histories."""
-    from grail_exp import plots as P
+    from grail_exp.analysis import plots as P
 
     out = []
     for rec in recs:

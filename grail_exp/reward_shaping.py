@@ -7,7 +7,7 @@
 
 Both are off by default; ``grail_exp/training/rollout.py`` applies them (the KL per token from the loss's KL
 estimators, ``grail_exp.loss.KL_ESTIMATORS``, between the rollout policy and the reference). Grading itself is
-``grail_exp/rewards.py``, which stays free of torch for its worker processes; these transforms are tensor work.
+``grail_exp/grading/rewards.py``, which stays free of torch for its worker processes; these transforms are tensor work.
 """
 
 from __future__ import annotations

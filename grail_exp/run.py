@@ -5,7 +5,7 @@
     python -m grail_exp.run model=qwen3_8b advantage=grail    # a paper model: its paper recipe, on a GPU node
 
 The return value is ``optimized_metric`` of the final evaluation (e.g. ``eval/arithmetic/acc``), so
-Hydra sweepers and Optuna can optimise it. The job itself is ``grail_exp.training.job``.
+Hydra sweepers and Optuna can optimise it. The job itself is ``grail_exp.job``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
-from grail_exp.training.job import default_run_name, run, train  # noqa: F401  (the library API, re-exported)
+from grail_exp.job import default_run_name, run, train  # noqa: F401  (the library API, re-exported)
 
 log = logging.getLogger("grail_exp")
 register_configs()

@@ -23,7 +23,7 @@ Per row:
    other special token disappear from the text).
 2. ``lead`` = number of *leading* pad ids of the row (0 for right-padded completions).
 3. ``(s, e)`` = char span of the first complete ``\\boxed{...}`` in ``text`` (marker and closing
-   brace included; ``grail_exp.boxed.find_first_boxed_span``). None -> no box.
+   brace included; ``grail_exp.grading.boxed.find_first_boxed_span``). None -> no box.
 4. Token positions are *counts from re-encoding* (``add_special_tokens=False``), never matched
    against the live tokens::
 
@@ -87,7 +87,7 @@ much slower than the reference mode but fine for diagnostics and moderate widths
 Switch ``box`` (``advantage.box``)
 ---------------------------------
 ``"first"`` (reference): the first complete box drives the probe and the overrides. ``"last"``:
-the last balanced box, i.e. the box the reward grades (``grail_exp.boxed.extract_last_boxed``;
+the last balanced box, i.e. the box the reward grades (``grail_exp.grading.boxed.extract_last_boxed``;
 with ``model.strip_think`` the reward grades the last box after ``</think>``, which is this box
 whenever the answer part contains one).
 """
@@ -101,7 +101,7 @@ from typing import Callable
 import torch
 
 from grail_exp.checkpoint import checkpointable
-from grail_exp.boxed import BOX_LEN, BOX_OPEN, find_first_boxed_span, find_last_boxed_span
+from grail_exp.grading.boxed import BOX_LEN, BOX_OPEN, find_first_boxed_span, find_last_boxed_span
 from grail_exp.errors import ConfigError
 
 __all__ = ["AnswerSpans", "answer_spans", "find_last_boxed_span", "SPAN_MAPPINGS", "BOX_MODES"]

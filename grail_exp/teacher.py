@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from grail_exp.errors import ConfigError
-from grail_exp.forward import body_forward, output_layer
+from grail_exp.compute.forward import body_forward, output_layer
 
 TEMPLATES = {
     "rlsd": ("{problem}\n\nHere is a reference solution:\n{answer}\n\nAfter understanding the reference solution, "
@@ -122,7 +122,7 @@ def teacher_hidden(model, tb: TeacherBatch, share_prompts: bool = False) -> torc
 def teacher_logprobs(model, tb: TeacherBatch, temperature: float = 1.0, chunk_tokens: int = 4096,
                      share_prompts: bool = False) -> torch.Tensor:
     """(B, C) float32 log P_T(o_t) of the sampled tokens, with (chunk, V) logits alive at a time."""
-    from grail_exp.logprobs import linear_logprob
+    from grail_exp.compute.logprobs import linear_logprob
 
     weight, bias = output_layer(model)
     logp, _ = linear_logprob(teacher_hidden(model, tb, share_prompts), weight, bias, tb.completion_ids, temperature,

@@ -66,7 +66,7 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 class NullTracker:
     """``logger=none``: nothing is stored anywhere, so callers never branch on tracking. The run's scalar metrics are
     kept in memory per step (``history``: a few dozen floats a step), so that a study arm records its training
-    curves without MLflow (grail_exp/study.py)."""
+    curves without MLflow (grail_exp/analysis/study.py)."""
 
     run_id: str | None = None
 

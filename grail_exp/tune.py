@@ -62,7 +62,7 @@ from grail_exp import faults
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, register_configs
 from grail_exp.errors import RunStopped
-from grail_exp.training.world import configured_world_size
+from grail_exp.world import configured_world_size
 from grail_exp.validate import validate
 
 log = logging.getLogger("grail_exp.tune")
@@ -510,7 +510,7 @@ def optimize(cfg: DictConfig) -> dict:
 
     from grail_exp.errors import Preempted
     from grail_exp.preemption import hand_back_to_submitit
-    from grail_exp.training.job import run
+    from grail_exp.job import run
 
     # The heartbeat / retry API and multivariate TPE are "experimental" in Optuna 5: stable enough for us, and
     # the warnings would repeat for every trial.

@@ -155,7 +155,7 @@ def loss_terms(cfg) -> list[str]:
 def precision(cfg) -> list[str]:
     """Half precision needs fp32 master weights (or a strategy that keeps them): an Adam step of ~lr vanishes in
     bf16 rounding, so the model would silently not train. fp16 needs loss scaling, which is not implemented."""
-    from grail_exp.logprobs import LOGPROB_DTYPES
+    from grail_exp.compute.logprobs import LOGPROB_DTYPES
     from grail_exp.training.backends import BACKENDS
 
     m, o, t, e = cfg.model, cfg.optim, cfg.trainer, []
@@ -230,7 +230,7 @@ def is_hub_model(model_cfg) -> bool:
     name = model_cfg.get("name_or_path")
     if name is None or model_cfg.get("random_init"):
         return False
-    from grail_exp.models import _looks_local
+    from grail_exp.models.loading import _looks_local
 
     return ":" not in str(name) and not _looks_local(str(name))
 
@@ -267,7 +267,7 @@ def reward_and_data(cfg) -> list[str]:
 
 
 def extraction(node, key: str) -> list[str]:
-    from grail_exp.extraction import MODES
+    from grail_exp.grading.extraction import MODES
 
     mode, e = node.get("extraction", "last_balanced"), []
     _check(e, mode in MODES, key, mode, f"must be one of: {', '.join(MODES)}")
@@ -276,9 +276,9 @@ def extraction(node, key: str) -> list[str]:
 
 def model_and_evaluation(cfg) -> list[str]:
     """The model's keys and the evaluation (``eval.*``, ``benchmark.*``): shared by training and evaluate."""
-    from grail_exp.architectures import check_model_config
+    from grail_exp.models.architectures import check_model_config
     from grail_exp.data import BENCHMARKS
-    from grail_exp.packaged_models import check_spec as check_packaged_model
+    from grail_exp.models.packaged import check_spec as check_packaged_model
 
     ev, m, b, e = cfg.eval, cfg.model, cfg.benchmark, []
     _check(e, ev.n >= 1, "eval.n", ev.n, "must be >= 1")
@@ -339,7 +339,7 @@ def files(cfg) -> list[str]:
 
 def model_and_benchmark_files(cfg) -> list[str]:
     from grail_exp.data.benchmarks import check_benchmark_files
-    from grail_exp.models import check_local_files
+    from grail_exp.models.loading import check_local_files
 
     return check_local_files(cfg.model) + check_benchmark_files(cfg)
 
@@ -347,7 +347,7 @@ def model_and_benchmark_files(cfg) -> list[str]:
 def batch_tiling(cfg) -> list[str]:
     """Every rank samples whole groups, mini-batches hold whole groups, and micro-batches tile a mini-batch exactly
     (otherwise gradient accumulation is ill-defined)."""
-    from grail_exp.training.world import configured_world_size
+    from grail_exp.world import configured_world_size
 
     t, e = cfg.trainer, []
     world, k = configured_world_size(t), t.mini_batches_per_rollout
@@ -439,7 +439,7 @@ def dist_timeout(cfg) -> list[str]:
     refused: the need assumes a slow shared filesystem (memory.needed_dist_timeout), and storage several times faster
     makes a shorter timeout right. A single rank never waits for another: no timeout to judge."""
     from grail_exp.memory import needed_dist_timeout
-    from grail_exp.training.world import configured_world_size
+    from grail_exp.world import configured_world_size
 
     t = cfg.trainer
     if t.get("dist_timeout_s") is None or configured_world_size(t) < 2:
@@ -480,7 +480,7 @@ def validate_weights(cfg: DictConfig) -> DictConfig:
     from pathlib import Path
 
     from grail_exp.data.jsonl import iter_jsonl_objects
-    from grail_exp.models import check_local_files
+    from grail_exp.models.loading import check_local_files
 
     e, path = check_local_files(cfg.model), Path(str(cfg.input)).expanduser()
     if not path.is_file():

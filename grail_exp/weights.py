@@ -62,7 +62,7 @@ def scheme_batch(rows: list[dict], pad_id: int, device, sampling_temperature: fl
     groups (``group`` field, else rows with the same prompt), problems / gold answers (``problem`` / ``answer``
     fields, for schemes that build teacher prompts) and rewards (``reward`` field, else A > 0)."""
     from grail_exp.advantages import SchemeBatch
-    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
 
     rb = pad_completions([Completion(r["prompt_ids"], r["completion_ids"], None, False) for r in rows], pad_id)
@@ -106,8 +106,8 @@ def scheme_weights(scheme, model, batch, micro_batch_size: int) -> torch.Tensor:
 
 def compute(cfg: DictConfig) -> list[dict]:
     from grail_exp.advantages import build_scheme, scheme_config_class, SCHEMES
-    from grail_exp.forward import share_prompts_of
-    from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.compute.forward import share_prompts_of
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.validate import validate_weights
 
     validate_weights(cfg)  # the rollouts file and the model's files, before a model (or its warm start) loads
@@ -152,7 +152,7 @@ def main(cfg: DictConfig) -> None:
         Path(cfg.output).write_text(json.dumps(result))
         print(f"wrote {len(result)} rows of {cfg.advantage.name} weights to {cfg.output}")
         if cfg.html:
-            from grail_exp.viz import weights_html
+            from grail_exp.analysis.viz import weights_html
 
             Path(cfg.html).write_text(weights_html(result, title=f"{cfg.advantage.name} token weights"))
             print(f"heatmap: {cfg.html}")

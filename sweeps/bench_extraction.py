@@ -6,7 +6,7 @@
 For every vendored MATH-500 gold ``g`` a few completions are crafted that state ``g`` in a different way
 (``\\boxed {g}`` with a space, ``\\fbox{g}``, one box per element of a list answer, an earlier box with another
 value, an unterminated box before or after the answer, no box at all), and each is graded against ``g`` with
-every concrete extraction rule of ``grail_exp.extraction.RULES`` through ``MathVerifier`` (one worker, the hard
+every concrete extraction rule of ``grail_exp.grading.extraction.RULES`` through ``MathVerifier`` (one worker, the hard
 timeout of ``conf/config.yaml``). The table counts the completions graded correct.
 Keep this module light: grading workers (spawn) import the parent's ``__main__``.
 """
@@ -55,8 +55,8 @@ def _top_level_split(gold: str) -> list[str]:
 
 def measure(limit: int | None = None, workers: int = 1) -> tuple[dict, dict, float]:
     from grail_exp.data.benchmarks import PAPER_BENCHMARKS
-    from grail_exp.extraction import RULES
-    from grail_exp.rewards import MathVerifier
+    from grail_exp.grading.extraction import RULES
+    from grail_exp.grading.rewards import MathVerifier
 
     golds = [p.answer for p in PAPER_BENCHMARKS["math500"].load()][:limit]
     counts: dict[str, dict[str, int]] = {}
@@ -77,7 +77,7 @@ def measure(limit: int | None = None, workers: int = 1) -> tuple[dict, dict, flo
 def to_markdown(counts: dict, totals: dict, seconds: float, limit: int | None) -> str:
     from importlib.metadata import version
 
-    from grail_exp.extraction import RULES
+    from grail_exp.grading.extraction import RULES
 
     rules = list(RULES)
     lines = [

@@ -71,7 +71,7 @@ def run(workers: list[int], n_arithmetic: int = 512, repeats: int = 3, hard_time
     """
     from sympy.core.cache import clear_cache
 
-    from grail_exp.rewards import MathVerifier
+    from grail_exp.grading.rewards import MathVerifier
 
     workloads = _workloads(n_arithmetic)
     warmup = _warmup()
@@ -107,7 +107,7 @@ def to_markdown(rows: list[dict], machine: str, command: str, repeats: int, load
     lines = [
         "# Grading throughput",
         "",
-        "Answers per second of the reward path (`grail_exp.rewards.MathVerifier.score`: last `\\boxed{}`, then",
+        "Answers per second of the reward path (`grail_exp.grading.rewards.MathVerifier.score`: last `\\boxed{}`, then",
         "math-verify in worker processes; workers 0 = in the calling process, no hard timeout).",
         f"Seconds: median of {repeats} passes, each with a fresh pool (cold sympy cache) warmed up on 100 OlympiadBench",
         "gold answers first (parser caches warm, as in a long-lived training pool). Worker start-up is excluded.",

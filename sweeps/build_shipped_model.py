@@ -2,7 +2,7 @@
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python sweeps/build_shipped_model.py [hydra overrides, default: model=tiny]
 
-Builds from scratch with the project's own builder (``grail_exp.embedded.ensure_embedded_model``, shipped weights
+Builds from scratch with the project's own builder (``grail_exp.models.embedded.ensure_embedded_model``, shipped weights
 off, an empty temporary cache), so the result is exactly what a run with the same config would build on this
 machine. Then it copies the model directory into the package next to a manifest (``grail_exp_manifest.json``) that
 records the build's cache key and spec, the sha256 of every file, the git commit and ``BUILD_VERSION`` of the code
@@ -61,9 +61,9 @@ def build(overrides: list[str], dest_root: Path, allow_dirty: bool = False) -> P
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grail_exp.embedded import (BUILD_VERSION, MANIFEST, cache_key, embedded_spec, ensure_embedded_model,
+    from grail_exp.models.embedded import (BUILD_VERSION, MANIFEST, cache_key, embedded_spec, ensure_embedded_model,
                                     file_sha256, greedy_accuracy, read_build_report)
-    from grail_exp.models import embedded_build_args
+    from grail_exp.models.loading import embedded_build_args
 
     cfg = compose(overrides)
     if cfg.model.name_or_path is not None:
@@ -125,7 +125,7 @@ def build(overrides: list[str], dest_root: Path, allow_dirty: bool = False) -> P
 
 
 def main(argv: list[str] | None = None) -> None:
-    from grail_exp.embedded import SHIPPED_DIR
+    from grail_exp.models.embedded import SHIPPED_DIR
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", default=["model=tiny"], help="Hydra overrides selecting the build")

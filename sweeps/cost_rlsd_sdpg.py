@@ -32,8 +32,8 @@ def main(rows: int = 64, completion_len: int = 48, reps: int = 5) -> None:
     from grail_exp.config import LossConfig
     from grail_exp.loss import AggregationContext, TermContext, compose_objective
     from grail_exp.loss.sdpg import SdpgOpdConfig, SdpgOpdTerm, SdpgRefKlConfig, SdpgRefKlTerm
-    from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from grail_exp.forward import policy_forward, position_ids_from_mask
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.compute.forward import policy_forward, position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
 
     torch.manual_seed(0)

@@ -91,7 +91,7 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == benchreal ]]; then
   if [[ -n "${SMOLLM2_PATH:-}" && "$SMOLLM2_PATH" == *.gguf ]]; then
-    $PY -c "import sys; from pathlib import Path; from grail_exp.packaged_models import convert_gguf
+    $PY -c "import sys; from pathlib import Path; from grail_exp.models.packaged import convert_gguf
 convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2_PATH" /tmp/smollm2_hf
     SMOL=(model.name_or_path=/tmp/smollm2_hf)
   elif [[ -n "${SMOLLM2_PATH:-}" ]]; then
@@ -138,9 +138,9 @@ if [[ $what == study1gpu ]]; then
   start=$(date +%s)
   src=${SMOLLM2_PATH:?set SMOLLM2_PATH to SmolLM2-135M-Instruct.Q4_1.gguf (or a converted model directory)}
   model=$src
-  if [[ -f $src ]]; then  # the GGUF file: de-quantise it once, as pkg:smollm2 does (grail_exp/packaged_models.py)
+  if [[ -f $src ]]; then  # the GGUF file: de-quantise it once, as pkg:smollm2 does (grail_exp/models/packaged.py)
     model=/tmp/study1gpu/smollm2
-    [[ -f $model/config.json ]] || $PY -c "import sys; from pathlib import Path; from grail_exp.packaged_models import convert_gguf; print(convert_gguf(Path(sys.argv[1]), Path(sys.argv[2])), 'parameters')" "$src" "$model"
+    [[ -f $model/config.json ]] || $PY -c "import sys; from pathlib import Path; from grail_exp.models.packaged import convert_gguf; print(convert_gguf(Path(sys.argv[1]), Path(sys.argv[2])), 'parameters')" "$src" "$model"
   fi
   lr=${LR:-$($PY -c "import json, glob; f = sorted(glob.glob('results/real_model_study/*/lr.json')); print(json.load(open(f[-1]))['lr'] if f else '')")}
   logger=""; $PY -c "import mlflow" 2>/dev/null || logger=logger=none  # a bare GPU image: the arms' curves still recorded

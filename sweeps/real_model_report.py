@@ -8,7 +8,7 @@ final evaluation, the evaluation of its last checkpoint with the run's own proto
 - held-out accuracy before vs after, paired over problems: acc@n per problem (the run's evaluation: benchmark
   arithmetic = data.num_test fixed problems, eval.n samples at eval.temperature, the same sampling seed), the
   paired mean difference with its bootstrap interval and the exact / Monte-Carlo sign-flip p-value
-  (grail_exp/stats.py compare_paired);
+  (grail_exp/analysis/stats.py compare_paired);
 - the machine's 1-minute load average during the run (other jobs share the cores).
 """
 
@@ -40,9 +40,9 @@ def _compose(out: Path, scheme: str, overrides: list[str]):
 def evaluate_checkpoint(out: Path, scheme: str, checkpoint: Path) -> pd.DataFrame:
     """The run's end-of-training evaluation (same function, config and sampling seed) on a saved checkpoint."""
     from grail_exp.evaluate import evaluate_benchmarks, write_run_files
-    from grail_exp.extraction import reward_rule
-    from grail_exp.models import load_causal_lm, load_tokenizer
-    from grail_exp.rewards import MathVerifier
+    from grail_exp.grading.extraction import reward_rule
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer
+    from grail_exp.grading.rewards import MathVerifier
     from grail_exp.rollout import build_engine
 
     cfg = _compose(out, scheme, [f"model.name_or_path={checkpoint}"])
@@ -81,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     from mlflow.tracking import MlflowClient
 
-    from grail_exp.stats import compare_paired
+    from grail_exp.analysis.stats import compare_paired
 
     scheme = args.tag.split("_s")[0]
     client = MlflowClient(f"sqlite:///{args.out}/results/mlflow.db")

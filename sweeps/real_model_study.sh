@@ -50,7 +50,7 @@ if has lr && [[ ! -f "$RES/lr.json" ]]; then
         optimized_metric=eval/arithmetic_val/acc "study.dir=$RES/lr_sweep" 'study.arm=grpo-lr${optim.lr}' \
         hydra.sweep.dir="$OUT/lr_sweep" 'hydra.sweep.subdir=lr${optim.lr}' "+logger.tags.study=${STUDY}_lr" \
         "${threads[@]}" "$@"
-    $PY -c "import sys; from grail_exp.study import choose_lr; choose_lr(sys.argv[1], sys.argv[2], sys.argv[3].split())" \
+    $PY -c "import sys; from grail_exp.analysis.study import choose_lr; choose_lr(sys.argv[1], sys.argv[2], sys.argv[3].split())" \
         "$RES/lr_sweep" "$RES/lr.json" "$LRS"
     note "phase lr: end (lr $($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['lr'])" "$RES/lr.json"))"
 fi

@@ -62,8 +62,8 @@ def cold_start(path: str, cfg, task, spec: dict):
     returns (bf16 model, seconds, CPU seconds)."""
     import torch
 
-    from grail_exp.embedded import _encode_sft_batch
-    from grail_exp.models import load_causal_lm, load_tokenizer
+    from grail_exp.models.embedded import _encode_sft_batch
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer
 
     t, c = time.perf_counter(), time.process_time()
     torch.manual_seed(0)
@@ -190,9 +190,9 @@ def main() -> None:
     key = lambda r: (r["candidate"], r["problems"], r["n"], r["max_tokens"])  # noqa: E731
     have = {key(r) for r in done}
 
-    from grail_exp.extraction import reward_rule
-    from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from grail_exp.rewards import MathVerifier
+    from grail_exp.grading.extraction import reward_rule
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.grading.rewards import MathVerifier
     from grail_exp.rollout import build_engine
 
     cfg0 = candidate_config(names[0], args.problems, args.n, args.max_tokens, args.overrides)

@@ -32,7 +32,7 @@ from real_model_report import markdown
 def load(folders: list[Path], min_length: int, max_length: int):
     import pandas as pd
 
-    from grail_exp.plots import load_weight_frames
+    from grail_exp.analysis.plots import load_weight_frames
 
     frames = []
     for i, folder in enumerate(folders):
@@ -60,7 +60,7 @@ def tokenizer_for(folder: Path):
         return None
     from transformers import AutoTokenizer
 
-    from grail_exp.packaged_models import is_packaged_model, resolve
+    from grail_exp.models.packaged import is_packaged_model, resolve
 
     name = json.loads(record.read_text())["config"]["model.name_or_path"]
     if is_packaged_model(name):
@@ -74,7 +74,7 @@ def text_heatmap(df, tokenizer, path: Path, per_outcome: int = 3) -> None:
     """``per_outcome`` wrong and correct rollouts of the last table that has rollouts with A != 0 (a table of
     zero-variance groups only shows weights that multiply nothing), their tokens coloured by weight (HTML), in two
     columns by correctness (a correct rollout of an all-correct group has A = 0 and is still correct)."""
-    from grail_exp.viz import weights_html
+    from grail_exp.analysis.viz import weights_html
 
     live = df[df["advantage"] != 0]
     source = live if not live.empty else df

@@ -1,5 +1,5 @@
 """Where GRAIL's token weights go on the study's arithmetic chains: the computations behind
-``sweeps/real_model_weights.py``, on weight tables (``grail_exp.plots.load_weight_frames``) whose tokens carry their
+``sweeps/real_model_weights.py``, on weight tables (``grail_exp.analysis.plots.load_weight_frames``) whose tokens carry their
 text (``decode_tokens``).
 
 - ``annotate``: each token's class (words, operand / result digits, operators, ``=``, the box's parts) by character
@@ -21,7 +21,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from grail_exp.boxed import BOX_LEN, find_first_boxed_span
+from grail_exp.grading.boxed import BOX_LEN, find_first_boxed_span
 
 ROLLOUT = ["source", "step", "row"]  # one rollout: a row of one step's table of one arm
 STEP = re.compile(r"(\d+)\s*([+\-])\s*(\d+)\s*=\s*(\d+)")  # one written chain step: "a+b=c" or "a-b=c"

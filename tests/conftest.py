@@ -22,7 +22,7 @@ def compose_cfg(tmp_path):
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.embedded import build_tokenizer
+    from grail_exp.models.embedded import build_tokenizer
 
     return build_tokenizer("qwen", ArithmeticTask())
 
@@ -30,7 +30,7 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     """A randomly initialised (not warm-started) tiny Qwen3 saved as a Hugging Face directory."""
-    from grail_exp.embedded import build_model
+    from grail_exp.models.embedded import build_model
 
     d = tmp_path_factory.mktemp("tiny_model")
     model = build_model(TINY_BUILD, tiny_tokenizer, seed=0)
@@ -64,7 +64,7 @@ def pinned_model_dir(tmp_path_factory):
 def formatted_model_dir(tmp_path_factory):
     """The embedded tiny model after a 100-step warm start: it writes '\\boxed{}' answers (mostly wrong)."""
     from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.embedded import ensure_embedded_model
+    from grail_exp.models.embedded import ensure_embedded_model
 
     build = dict(TINY_BUILD, hidden_size=128, intermediate_size=384, head_dim=32, seed=0)
     warm = dict(enabled=True, lr=3e-3, batch_size=32, warmup_steps=10, max_steps=100, eval_every=1000,

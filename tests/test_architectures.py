@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grail_exp.architectures import (ARCH_DIR, BYTES, MARKER, available, hf_config, load_architecture,
+from grail_exp.models.architectures import (ARCH_DIR, BYTES, MARKER, available, hf_config, load_architecture,
                                      meta_parameter_count, parameter_counts, training_memory)
 from grail_exp.config import ConfigError, validate
 
@@ -31,7 +31,7 @@ def random_cfg(compose_cfg, model: str, *extra: str):
 
 
 def build(cfg):
-    from grail_exp.models import load_causal_lm, resolve_model_path
+    from grail_exp.models.loading import load_causal_lm, resolve_model_path
 
     return load_causal_lm(resolve_model_path(cfg), cfg, trainable=True)
 
@@ -136,7 +136,7 @@ def test_every_paper_model_composes_and_builds_with_random_init(name, compose_cf
 
 
 def test_random_init_writes_the_built_config_and_a_marker(compose_cfg):
-    from grail_exp.models import resolve_model_path
+    from grail_exp.models.loading import resolve_model_path
 
     cfg = random_cfg(compose_cfg, "qwen3_8b", "model.init_seed=7")
     d = Path(resolve_model_path(cfg))
@@ -174,7 +174,7 @@ def test_init_is_seeded_and_leaves_the_run_rng_alone(compose_cfg):
 def test_random_init_never_touches_the_network(compose_cfg, monkeypatch):
     import transformers
 
-    from grail_exp.models import load_tokenizer, resolve_model_path
+    from grail_exp.models.loading import load_tokenizer, resolve_model_path
 
     def no_network(*args, **kwargs):
         raise AssertionError("random_init opened a network connection")
@@ -192,7 +192,7 @@ def test_random_init_never_touches_the_network(compose_cfg, monkeypatch):
 
 
 def test_a_checkpoint_of_a_random_model_loads_back(compose_cfg, tmp_path):
-    from grail_exp.models import load_causal_lm
+    from grail_exp.models.loading import load_causal_lm
 
     cfg = random_cfg(compose_cfg, "octothinker_3b")
     model = build(cfg)
@@ -219,7 +219,7 @@ def test_random_init_needs_an_architecture_for_an_unknown_model(compose_cfg):
 
 
 def test_hub_id_selects_the_shipped_architecture(compose_cfg):
-    from grail_exp.architectures import architecture_of
+    from grail_exp.models.architectures import architecture_of
 
     cfg = compose_cfg(["model=qwen3_8b", "model.architecture=null", "advantage=grpo"])
     assert architecture_of(cfg.model)[0] == "qwen3_8b"

@@ -82,7 +82,7 @@ def test_real_mode_runs_training_steps_per_scheme(tmp_path, tiny_model_dir):
 def test_paired_mode_takes_the_schemes_steps_in_turn_in_one_process(tmp_path, tiny_model_dir, monkeypatch):
     """bench.paired: one process builds every scheme and takes their steps round by round in a rotating order; the
     ratio column is the median of the per-round ratios to GRPO, with their range."""
-    import grail_exp.bench_real as real
+    import grail_exp.bench.real as real
     from grail_exp.bench import main
 
     import tempfile
@@ -115,7 +115,7 @@ def test_paired_mode_takes_the_schemes_steps_in_turn_in_one_process(tmp_path, ti
 
 
 def test_matmul_flops_by_hand():
-    from grail_exp.bench_real import matmul_flops
+    from grail_exp.bench.real import matmul_flops
 
     assert matmul_flops("aten::mm", [[64, 32], [32, 16]]) == 2 * 64 * 32 * 16
     assert matmul_flops("aten::addmm", [[16], [64, 32], [32, 16]]) == 2 * 64 * 32 * 16
@@ -129,7 +129,7 @@ def test_step_flops_counts_each_prompt_once():
     column), completions of 2, 1 and 2 tokens; a 1-layer model, h 4, i 6, 2 heads of 2, 1 KV head, V 10."""
     import torch
 
-    from grail_exp.bench_real import step_flops
+    from grail_exp.bench.real import step_flops
     from grail_exp.training.batch import TrainingBatch
 
     s = dict(layers=1, hidden=4, intermediate=6, heads=2, kv_heads=1, head_dim=2, vocab=10)
@@ -158,7 +158,7 @@ def _start_a_grandchild() -> int:
 
 def test_real_mode_scheme_process_may_start_processes():
     """Each scheme's process may start processes (the grading pool): a daemonic pool worker could not."""
-    from grail_exp.bench_real import in_own_process
+    from grail_exp.bench.real import in_own_process
 
     assert in_own_process(_start_a_grandchild) == 0
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
@@ -190,7 +190,7 @@ def test_attention_mode_times_both_paths_and_marks_the_default_pick(tmp_path):
 def test_attention_mode_times_the_runs_policy_both_ways(tmp_path, tiny_model_dir, monkeypatch):
     """With run overrides, bench.mode=attention also times the policy's forward + backward with the fused kernel and
     with the run's setting — and the explicit path really runs in the second."""
-    from grail_exp import cpu_attention
+    from grail_exp.compute import attention as cpu_attention
     from grail_exp.bench import main
 
     calls = []  # the explicit attention of an unshared or prefix pass, and of a suffix pass over shared prompts

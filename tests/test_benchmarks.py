@@ -27,8 +27,8 @@ from grail_exp.data.benchmarks import (
     BenchmarkDataError,
     read_jsonl,
 )
-from grail_exp.boxed import extract_last_boxed
-from grail_exp.rewards import MathVerifier
+from grail_exp.grading.boxed import extract_last_boxed
+from grail_exp.grading.rewards import MathVerifier
 
 PAPER = ["math500", "aime24", "amc23", "minerva_math", "college_math_200", "olympiadbench_200"]
 INSTRUCTION = " Please reason step by step, and put your final answer within \\boxed{}."

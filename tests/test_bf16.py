@@ -180,7 +180,7 @@ def test_scheme_weights_multiply_the_advantage_in_float32(monkeypatch):
 def test_grail_probe_in_bf16_shared_forward_equals_separate_probe():
     """In bf16 the probe keeps the reference's dtypes (log-softmax in the logits' dtype) on both paths."""
     from grail_exp.advantages import build_scheme
-    from grail_exp.forward import policy_forward
+    from grail_exp.compute.forward import policy_forward
 
     module, batch = pinned_module(torch.bfloat16, ["advantage=grail", "advantage.symmetry=both"])
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
@@ -204,7 +204,7 @@ def test_logprob_dtype_model_is_the_references_bf16_log_softmax(temperature):
     """``trainer.logprob_dtype: model`` on a bf16 policy = TRL's computation, written independently: the model's own
     bf16 logits (its forward, lm_head included), ``/ T`` in bf16, ``log_softmax`` in bf16, the sampled token's value —
     bit for bit. ``float32`` (the default) is the float32 softmax of the same bf16 logits, unchanged by the option."""
-    from grail_exp.forward import completion_logits, policy_forward
+    from grail_exp.compute.forward import completion_logits, policy_forward
 
     module, batch = pinned_module(torch.bfloat16)
     model, C = module.policy, batch.completion_ids.shape[1]
@@ -235,7 +235,7 @@ def test_logprob_dtype_model_is_the_references_bf16_log_softmax(temperature):
 def test_logprob_dtype_model_gives_exact_ratio_one_after_a_small_update():
     """What the reference's bf16 log-probs do to the PPO ratio: after a tiny change of the weights most tokens' bf16
     log-probs are unchanged, so ρ = exp(logp − logp_old) is exactly 1 for them; in float32 almost none are."""
-    from grail_exp.forward import policy_forward
+    from grail_exp.compute.forward import policy_forward
 
     module, batch = pinned_module(torch.bfloat16)
     model = module.policy

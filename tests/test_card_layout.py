@@ -224,7 +224,7 @@ def test_a_world_other_than_the_configured_one_stops_the_run(compose_cfg, monkey
     """What an engine that made its own one-rank process group did: every rank ran alone. The module's setup checks
     torch.distributed's world against trainer.devices x trainer.num_nodes first."""
     from grail_exp.errors import LayoutError
-    from grail_exp.training import world
+    from grail_exp import world
 
     cfg = compose_cfg(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"])
     monkeypatch.setattr(world, "world_size", lambda: 1)
@@ -239,7 +239,7 @@ def test_a_world_other_than_the_configured_one_stops_the_run(compose_cfg, monkey
 
 def test_ranks_that_sample_the_same_prompt_stop_the_run(monkeypatch):
     from grail_exp.errors import LayoutError
-    from grail_exp.training import world
+    from grail_exp import world
 
     monkeypatch.setattr(world, "gather_to_all", lambda mine: [[0, 1], [2, 3]])
     world.check_disjoint_prompts([0, 1])

@@ -47,11 +47,11 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir
     mu=2, 3, k=2) in the second epoch's second mini-batch; the rollout-batch lr schedule mid-batch (its warmup factor
     1/3 held over the batch's second step); per_rollout weights of the second mini-batch, computed before the first
     step, carried by the buffer."""
-    import grail_exp.rewards
+    import grail_exp.grading.rewards
 
     from grail_exp.run import run
 
-    monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
+    monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
     common = [f"advantage={scheme}", f"loss.num_iterations={mu}", "logger=none", f"trainer.mini_batches_per_rollout={k}",
               *extra]
     if scheme == "grail":

@@ -116,7 +116,7 @@ def test_kept_mass_stats_and_sampler_check_on_processed_logprobs(compose_cfg, ti
     logs Σ_t log M_t per sequence, and the sampler check adds it back: no false alarm from the renormalisation."""
     from helpers.module import build_module, small_config
 
-    from grail_exp.logprobs import kept_log_mass
+    from grail_exp.compute.logprobs import kept_log_mass
 
     cfg = small_config(compose_cfg, tiny_model_dir, ["loss.num_iterations=2", "rollout.top_k=3"])
     module = build_module(cfg, tiny_model_dir)
@@ -129,7 +129,7 @@ def test_kept_mass_stats_and_sampler_check_on_processed_logprobs(compose_cfg, ti
     log_mass = batch.sampler_log_mass
     assert log_mass.shape == raw.shape and (log_mass <= 1e-6).all() and (log_mass < -1e-3).any()
     # the same quantity from an independent forward: the model's own logits, the 3 largest per position
-    from grail_exp.forward import completion_logits
+    from grail_exp.compute.forward import completion_logits
 
     with torch.no_grad():
         z = completion_logits(module.policy, batch.input_ids, batch.attention_mask, batch.position_ids,

@@ -1,4 +1,4 @@
-"""The explicit CPU attention (grail_exp/cpu_attention.py) against attention written out by hand, and its use in models.
+"""The explicit CPU attention (grail_exp/compute/attention.py) against attention written out by hand, and its use in models.
 
 The reference is the textbook formula evaluated in float64 one query row at a time: for query head h (key/value head
 h // G), row i: p_j = exp(s_j) / Σ_allowed exp(s), s_j = scale · q_i · k_j over the keys the mask allows, o_i = Σ p_j v_j;
@@ -68,7 +68,7 @@ def grads(fn, q, k, v, go):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_output_and_gradients_equal_attention_written_out(dtype):
-    from grail_exp.cpu_attention import explicit_attention
+    from grail_exp.compute.attention import explicit_attention
 
     q, k, v, mask = inputs(dtype)
     scale = D ** -0.5
@@ -92,7 +92,7 @@ def test_prompts_apart_equal_attention_written_out_over_each_rows_whole_sequence
     2 keys, row 4's suffix right-padded by 2 (its keys masked), against the reference on each row's own copy of its
     prompt ⊕ its suffix; gradients of the prompts' keys and values against the reference's, summed over each
     prompt's rows by hand. Tolerances as above (reductions of ≤ 64 terms)."""
-    from grail_exp.cpu_attention import PrefixSuffixKV, RowGroups, prefix_suffix_attention
+    from grail_exp.compute.attention import PrefixSuffixKV, RowGroups, prefix_suffix_attention
 
     g = torch.Generator().manual_seed(3)
     rows, prompts, L, S = 5, 2, 6, 4
@@ -126,7 +126,7 @@ def test_prompts_apart_equal_attention_written_out_over_each_rows_whole_sequence
 
 def test_backward_equals_numerical_derivatives():
     """The hand-written backward against finite differences (float64), fully masked row included."""
-    from grail_exp.cpu_attention import explicit_attention
+    from grail_exp.compute.attention import explicit_attention
 
     q, k, v, mask = inputs(torch.float64, lq=3, lk=5)
     mask[2, :, :, :4] = False  # row 2's first two queries see nothing
@@ -134,7 +134,7 @@ def test_backward_equals_numerical_derivatives():
 
 
 def test_additive_mask_equals_boolean_mask():
-    from grail_exp.cpu_attention import explicit_attention
+    from grail_exp.compute.attention import explicit_attention
 
     q, k, v, mask = inputs(torch.float64)
     additive = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
@@ -145,7 +145,7 @@ def test_additive_mask_equals_boolean_mask():
 
 
 def test_same_as_the_fused_kernel_and_bad_shapes_refused():
-    from grail_exp.cpu_attention import explicit_attention
+    from grail_exp.compute.attention import explicit_attention
 
     q, k, v, mask = inputs(torch.float32)
     fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
@@ -159,7 +159,7 @@ def test_same_as_the_fused_kernel_and_bad_shapes_refused():
 
 
 def _policy_pass(model, batch, share):
-    from grail_exp.forward import policy_forward
+    from grail_exp.compute.forward import policy_forward
 
     model.zero_grad()
     m = batch.loss_mask
@@ -177,9 +177,9 @@ def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
     from helpers.batches import interleaved_training_batch
     from helpers.pinned_step import build_model_and_tokenizer
 
-    from grail_exp import cpu_attention
-    from grail_exp.forward import policy_forward
-    from grail_exp.models import use_kernel_gqa
+    from grail_exp.compute import attention as cpu_attention
+    from grail_exp.compute.forward import policy_forward
+    from grail_exp.models.loading import use_kernel_gqa
 
     calls = []
     real_apply = cpu_attention.ExplicitAttention.apply
@@ -205,11 +205,11 @@ def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
 
 def test_config_key_reaches_every_attention_module(compose_cfg):
     from grail_exp.config import validate
-    from grail_exp.models import EXPLICIT_ATTENTION_ATTR, load_causal_lm, resolve_model_path
+    from grail_exp.models.loading import EXPLICIT_ATTENTION_ATTR, load_causal_lm, resolve_model_path
 
     tiny = "model.random_init_overrides={num_hidden_layers: 2, hidden_size: 72, intermediate_size: 96}"
     from grail_exp.config import ModelConfig
-    from grail_exp.cpu_attention import DEFAULT_MAX_SCORES
+    from grail_exp.compute.attention import DEFAULT_MAX_SCORES
 
     assert ModelConfig.cpu_explicit_attention_max_scores == DEFAULT_MAX_SCORES
     for value in (DEFAULT_MAX_SCORES, 0):
@@ -225,7 +225,7 @@ def test_suffix_packing_keeps_each_rows_positions_up_to_its_last_token():
     last attended one (a masked column before it, as in OAR-P's masked copies, included), in row order; the mask is the
     padded layout's (the row's prompt columns, its own suffix causally, masked columns masked); unpack(pack(x)) is x
     there and zero elsewhere."""
-    from grail_exp.cpu_attention import SuffixPacking
+    from grail_exp.compute.attention import SuffixPacking
 
     suffix = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     prefix = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [1, 1, 1]])
@@ -256,7 +256,7 @@ def test_a_gradient_with_respect_to_the_suffix_only_leaves_out_the_prompts_gradi
     """``PrefixSuffixAttention`` computes dK_p, dV_p only when the backward running reaches the prompts' keys and
     values: a gradient with respect to the suffix's inputs alone (GRAIL's probe through the policy forward: the
     suffix embeddings) skips both products, and its dQ, dK_s, dV_s are those of the full backward, bit for bit."""
-    from grail_exp.cpu_attention import PrefixSuffixAttention, PrefixSuffixKV, RowGroups, prefix_suffix_attention
+    from grail_exp.compute.attention import PrefixSuffixAttention, PrefixSuffixKV, RowGroups, prefix_suffix_attention
 
     g = torch.Generator().manual_seed(5)
     rows, prompts, L, S = 4, 2, 6, 3

@@ -51,7 +51,7 @@ def test_bad_knobs_name_the_key():
 
 
 def test_qwen_tokenizer_is_deterministic_with_chat_template(tiny_tokenizer):
-    from grail_exp.embedded import build_tokenizer
+    from grail_exp.models.embedded import build_tokenizer
 
     again = build_tokenizer("qwen", ArithmeticTask())
     assert again.get_vocab() == tiny_tokenizer.get_vocab()
@@ -66,7 +66,7 @@ def test_qwen_tokenizer_is_deterministic_with_chat_template(tiny_tokenizer):
 
 
 def test_llama_tokenizer_byte_fallback_and_template():
-    from grail_exp.embedded import build_tokenizer
+    from grail_exp.models.embedded import build_tokenizer
 
     tok = build_tokenizer("llama", ArithmeticTask())
     s = "héllo 日本 \\frac{1}{2} \\boxed{42}."

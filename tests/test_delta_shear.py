@@ -176,7 +176,7 @@ def test_delta_weights_do_not_depend_on_the_micro_batch_split():
 def test_delta_features_on_a_real_model(tiny_model, tiny_tokenizer):
     """p and h from the chunked no-grad forward equal the trainer's log-prob path, for any chunk size."""
     from grail_exp.loss import selective_log_softmax
-    from grail_exp.forward import completion_logits
+    from grail_exp.compute.forward import completion_logits
 
     rows = rows_of(tiny_tokenizer, [("Compute 1+2.", "1+2=3. \\boxed{3}", 0.5), ("Compute 4-1.", "4-1=2 \\boxed{2}", -0.5),
                                     ("Compute 2+2.", "2+2=4, so \\boxed{4}", 0.0)])

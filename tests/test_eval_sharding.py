@@ -84,7 +84,7 @@ class _Share(Exception):
 def evaluate_on_ranks(cfg, world_size: int, monkeypatch) -> tuple[object, list[int]]:
     """``evaluate_benchmarks`` as rank 0 of ``world_size`` ranks sees it, and the problems each rank generated."""
     from grail_exp.evaluate import evaluate_benchmarks
-    from grail_exp.training import world
+    from grail_exp import world
 
     shares, problems = {}, []
     for r in [*range(1, world_size), 0]:

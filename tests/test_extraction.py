@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from grail_exp.extraction import RULES, benchmark_rule, eval_reference, reward_reference, reward_rule
-from grail_exp.boxed import extract_last_boxed
-from grail_exp.rewards import MathVerifier
+from grail_exp.grading.extraction import RULES, benchmark_rule, eval_reference, reward_reference, reward_rule
+from grail_exp.grading.boxed import extract_last_boxed
+from grail_exp.grading.rewards import MathVerifier
 
 # text -> (last_balanced, paper reward, paper evaluation), worked out by hand
 CASES = [

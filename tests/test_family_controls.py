@@ -120,7 +120,7 @@ class TextParityVerifier:
         self.counters = {"timeout": 0}
 
     def score(self, completions, golds):
-        from grail_exp.rewards import GradeResult
+        from grail_exp.grading.rewards import GradeResult
 
         return [GradeResult(sum(map(ord, c)) % 3 == 0, "x", "ok") for c in completions]
 
@@ -130,14 +130,14 @@ class TextParityVerifier:
 
 @pytest.mark.slow
 def test_dynamic_sampling_and_controllers_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir, monkeypatch):
-    import grail_exp.rewards
+    import grail_exp.grading.rewards
     from safetensors.torch import load_file
 
     from helpers.compose import compose
     from grail_exp.checkpoint import load_training_state
     from grail_exp.run import run
 
-    monkeypatch.setattr(grail_exp.rewards, "MathVerifier", TextParityVerifier)
+    monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", TextParityVerifier)
 
     def cfg(run_dir: Path, steps, extra=()):
         return compose([f"model.name_or_path={formatted_model_dir}", f"paths.output_dir={run_dir}",

@@ -9,7 +9,7 @@ from helpers.pinned_step import pinned_module
 
 def _shared_vs_separate(overrides):
     from grail_exp.advantages import build_scheme
-    from grail_exp.forward import policy_forward
+    from grail_exp.compute.forward import policy_forward
 
     module, batch = pinned_module(torch.float32, overrides)
     module.scheme = build_scheme(module.cfg.advantage, module.tokenizer)
@@ -262,7 +262,7 @@ def test_freed_heap_goes_back_inside_the_backward_after_the_decoder_layers(monke
     """``trainer.backward_heap_returns`` = n: n times per backward, once the gradients of every parameter of one decoder
     layer (and all above it) have arrived and before the embedding's: the pinned model's 2 layers give the points
     layer 0 (n = 1) and layers 1, 0 (n = 2). GRAIL's probe (a gradient to the inputs only) adds none."""
-    import grail_exp.host as host
+    import grail_exp.compute.host as host
 
     module, batch = pinned_module(torch.float32, [f"advantage={scheme}", "trainer.micro_batch_size=8",
                                                   f"trainer.backward_heap_returns={returns}"])
@@ -291,7 +291,7 @@ def test_freed_heap_goes_back_inside_the_backward_after_the_decoder_layers(monke
 def test_the_heap_is_left_alone_once_the_policy_is_off_the_cpu(monkeypatch):
     """The local backend's heap returns are for a policy on the CPU: placed on another device, ``placed`` sets no
     hook and the phase-boundary hooks return nothing (a GPU run's host heap is not the update's)."""
-    import grail_exp.host as host
+    import grail_exp.compute.host as host
     import grail_exp.training.backends.local as local_mod
 
     module, batch = pinned_module(torch.float32, ["advantage=grail", "trainer.micro_batch_size=4"])

@@ -1,10 +1,10 @@
-"""The killable process pool on its own (grail_exp/grading_pool.py), with a job that is not grading: the pool must
+"""The killable process pool on its own (grail_exp/grading/pool.py), with a job that is not grading: the pool must
 return each job's reply in input order and fail only the job that overran its deadline or killed its worker.
 (tests/test_rewards.py checks it under the grader: queued answers, pipelining, counters.)"""
 
 from __future__ import annotations
 
-from grail_exp.grading_pool import Failed, WorkerPool
+from grail_exp.grading.pool import Failed, WorkerPool
 
 # A real job here needs microseconds; 5 s of wall time leaves room on a machine loaded many times over. The sleeping
 # job never ends on its own during the test: it comes back "timeout" only because the pool killed its worker.

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from grail_exp.grading_pool import WorkerPool
-from grail_exp.rewards import STATUSES, MathVerifier
+from grail_exp.grading.pool import WorkerPool
+from grail_exp.grading.rewards import STATUSES, MathVerifier
 
 HARD_TIMEOUT_S = 3.0
 GOLD = "42"

@@ -208,7 +208,7 @@ def test_every_module_has_a_room_in_the_developer_guide():
     assert not missing, f"not in docs/developer.md's layout section: {missing}"
 
 
-# Collectives of torch.distributed: every one the package issues goes through grail_exp/training/world.py, which puts
+# Collectives of torch.distributed: every one the package issues goes through grail_exp/world.py, which puts
 # its tensor on the process group's device (NCCL refuses CPU tensors; gloo, what CPU runs use, takes them).
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "gather", "gather_object",
                "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
@@ -246,10 +246,10 @@ def test_every_collective_goes_through_the_world_module():
     offenders = []
     for f in sorted(PKG.rglob("*.py")):
         rel = f.relative_to(ROOT).as_posix()
-        if rel == "grail_exp/training/world.py" or rel in COLLECTIVE_EXCEPTIONS:
+        if rel == "grail_exp/world.py" or rel in COLLECTIVE_EXCEPTIONS:
             continue
         offenders += [f"{rel}:{line}: torch.distributed.{name}" for line, name in _collective_calls(ast.parse(f.read_text()))]
-    assert not offenders, ("collectives outside grail_exp/training/world.py (use its helpers: they put the tensor on "
+    assert not offenders, ("collectives outside grail_exp/world.py (use its helpers: they put the tensor on "
                            "the process group's device):\n" + "\n".join(offenders))
 
 
@@ -264,7 +264,7 @@ def test_the_collective_scan_sees_the_spellings_it_must_refuse():
 # The CPU fast paths (the host heap, the leading-rows backward, the CPU attention kernels) stay behind two seams: the
 # policy forward (input gradients, attention) and the update backend (heap returns). The algorithm's rooms and the
 # two training phases never reach for them.
-CPU_MACHINERY = ("grail_exp.host", "grail_exp.leading_rows", "grail_exp.cpu_attention")
+CPU_MACHINERY = ("grail_exp.compute.host", "grail_exp.compute.leading_rows", "grail_exp.compute.attention")
 ALGORITHM_ROOMS = ("grail_exp.advantages", "grail_exp.loss", "grail_exp.estimators", "grail_exp.training.update",
                    "grail_exp.training.rollout")
 

@@ -1,4 +1,4 @@
-"""A backward whose cotangent lives on a pass's leading rows computes those rows only (grail_exp/leading_rows.py) and
+"""A backward whose cotangent lives on a pass's leading rows computes those rows only (grail_exp/compute/leading_rows.py) and
 gives the full backward's numbers: linear layers and the CPU attention, against float64 products written out here and
 against the full backward of the same functions. The end-to-end check — GRAIL's probe on its rows only, through the
 trainer's step — is in tests/test_share_prompts.py (``grail_wrong_rows``, ``test_grail_probe_on_its_rows_only``)."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grail_exp.leading_rows import LeadingRows, RowNarrowingLinear, leading_rows, narrow_linear_layers
+from grail_exp.compute.leading_rows import LeadingRows, RowNarrowingLinear, leading_rows, narrow_linear_layers
 
 
 class MatrixProducts(TorchDispatchMode):
@@ -120,7 +120,7 @@ def test_narrowing_turns_plain_linear_layers_only():
 def _attention_inputs(seed: int):
     """A suffix pass's attention over shared prompts: 7 rows of 3 prompts, rows of a prompt not adjacent, prompt
     padding and suffix padding (causal), grouped-query heads (6 query heads on 2 key/value heads)."""
-    from grail_exp.cpu_attention import RowGroups
+    from grail_exp.compute.attention import RowGroups
 
     g = torch.Generator().manual_seed(seed)
     B, U, H, hk, S, L, D = 7, 3, 6, 2, 5, 9, 8
@@ -142,7 +142,7 @@ def test_prefix_suffix_attention_on_leading_rows_equals_the_full_backward(r):
     """Rows r … B−1 with a zero cotangent: the leading rows' dQ, dK_s, dV_s and the prompts' dK_p, dV_p (summed over
     the rows that have each prompt) equal the full backward's to float32 rounding of the same products (each entry is
     the same sum of the same terms; only the products' batching differs); the other rows' gradients are exact zeros."""
-    from grail_exp.cpu_attention import PrefixSuffixAttention
+    from grail_exp.compute.attention import PrefixSuffixAttention
 
     q, kp, vp, ks, vs, pm, sm, groups = _attention_inputs(r)
     out = PrefixSuffixAttention.apply(q, kp, vp, ks, vs, pm, sm, 0.35, groups)
@@ -162,7 +162,7 @@ def test_prefix_suffix_attention_on_leading_rows_equals_the_full_backward(r):
 
 
 def test_explicit_attention_on_leading_rows_equals_the_full_backward():
-    from grail_exp.cpu_attention import ExplicitAttention
+    from grail_exp.compute.attention import ExplicitAttention
 
     g = torch.Generator().manual_seed(3)
     B, r = 5, 2
@@ -190,7 +190,7 @@ def test_explicit_attention_on_leading_rows_equals_the_full_backward():
 def test_the_narrowing_key_is_on_for_cpu_runs_and_off_on_cuda_unless_set(monkeypatch, trainer, cuda, expected):
     from omegaconf import OmegaConf
 
-    from grail_exp.models import narrows_backward
+    from grail_exp.models.loading import narrows_backward
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert narrows_backward(OmegaConf.create({"trainer": trainer})) is expected
@@ -203,9 +203,9 @@ def test_model_building_swaps_the_policys_linear_layers_and_marks_it(tmp_path, n
     input gradients a scheme asks of its leading rows (``PolicyForward.narrows``)."""
     from helpers.compose import compose
 
-    from grail_exp.forward import decoder_body, policy_forward
-    from grail_exp.leading_rows import narrows
-    from grail_exp.models import load_causal_lm
+    from grail_exp.compute.forward import decoder_body, policy_forward
+    from grail_exp.compute.leading_rows import narrows
+    from grail_exp.models.loading import load_causal_lm
 
     tiny = str(__import__("pathlib").Path(__file__).parents[1] / "grail_exp" / "data" / "embedded" / "tiny")
     cfg = compose([f"model.name_or_path={tiny}", f"trainer.narrow_backward={str(narrow).lower()}"], tmp_path)

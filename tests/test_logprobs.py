@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grail_exp.loss import linear_logprob, selective_log_softmax
-from grail_exp.logprobs import entropy_from_logits
+from grail_exp.compute.logprobs import entropy_from_logits
 
 
 def _reference(h, W, b, ids, T):
@@ -62,7 +62,7 @@ def test_bf16_matches_float32_reference_within_bf16_precision():
 
 def test_chunking_bounds_the_live_logits():
     """With chunk_tokens = n the forward never builds more than (n, V) logits at once (counted via a matmul spy)."""
-    import grail_exp.logprobs as lpmod
+    import grail_exp.compute.logprobs as lpmod
 
     shapes = []
     real = lpmod._chunk_logits
@@ -87,7 +87,7 @@ def test_kept_log_mass_by_enumeration(top_k, top_p, T):
     the fewest largest tokens whose renormalised mass reaches p, written as a loop)."""
     import math
 
-    from grail_exp.logprobs import kept_log_mass
+    from grail_exp.compute.logprobs import kept_log_mass
 
     g = torch.Generator().manual_seed(0)
     h, W, b = torch.randn(2, 7, 8, generator=g), torch.randn(60, 8, generator=g), torch.randn(60, generator=g)

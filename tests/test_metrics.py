@@ -1,4 +1,4 @@
-"""Tests for grail_exp.metrics (pure numpy; fast)."""
+"""Tests for grail_exp.analysis.metrics (pure numpy; fast)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from grail_exp.metrics import (
+from grail_exp.analysis.metrics import (
     MetricWithCI,
     acc_at_n,
     average_over_benchmarks,

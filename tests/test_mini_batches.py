@@ -96,14 +96,14 @@ def test_counters_over_mini_batches_and_epochs(tmp_path, formatted_model_dir, mo
     every step of a rollout batch sees the same rollout counter (RLSD's / SDPG's schedules), and the run stops at 6.
     dapo's normaliser for a step is the number of tokens the engine generated for that mini-batch's 8 rollouts
     (rollout rows 0-7 or 8-15 of its round, counted from the engine's completions, not from the batch's mask)."""
-    import grail_exp.rewards
+    import grail_exp.grading.rewards
     import grail_exp.training.rollout as rollout_module
     from helpers.compose import compose
     from helpers.fakes import AlternatingVerifier
     from grail_exp.run import run
     from grail_exp.training.update import UpdatePhase
 
-    monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
+    monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
     generated = []  # per round: the token count of each completion, in rollout order
     real_pad = rollout_module.pad_completions
 
@@ -164,13 +164,13 @@ def test_the_run_draws_and_announces_its_rollout_batches(tmp_path, tiny_model_di
     the start of the run says so in both units."""
     import logging
 
-    import grail_exp.rewards
+    import grail_exp.grading.rewards
     from helpers.compose import compose
     from helpers.fakes import AlternatingVerifier
     from grail_exp.run import run
     from grail_exp.training.rollout import RolloutPhase
 
-    monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
+    monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
     rounds, real = [], RolloutPhase.make_batch
     monkeypatch.setattr(RolloutPhase, "make_batch", lambda self, i, t: rounds.append(i) or real(self, i, t))
     cfg = compose([f"model.name_or_path={tiny_model_dir}", "logger=none", "trainer.prompts_per_step=4",

@@ -92,10 +92,10 @@ def test_run_composes_from_an_installed_wheel(tmp_path):
 _LOAD_SHIPPED = """
 import sys
 from hydra import compose, initialize_config_dir
-import grail_exp.embedded as embedded
+import grail_exp.models.embedded as embedded
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import register_configs
-from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
 embedded.build_model = embedded.warm_start = None  # a build would fail at once instead of running for minutes
 register_configs()

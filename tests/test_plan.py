@@ -127,7 +127,7 @@ def test_vllm_reserve_and_the_engine_minimum():
 PEAK = r"""
 import sys, torch
 torch.set_num_threads(1)
-from grail_exp.logprobs import linear_logprob
+from grail_exp.compute.logprobs import linear_logprob
 
 def hwm():
     return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
@@ -154,7 +154,7 @@ print(fwd, hwm() - base)
 @pytest.mark.parametrize("hidden, rows", [(64, 1536), (64, 512), (1024, 1536),
                                           pytest.param(2048, 1536, marks=pytest.mark.slow)])
 def test_logprob_peak_matches_the_function(hidden, rows):
-    """The output layer's forward / backward peak of grail_exp/logprobs.py, measured as peak RSS on CPU (every
+    """The output layer's forward / backward peak of grail_exp/compute/logprobs.py, measured as peak RSS on CPU (every
     (chunk, V) tensor is 128 MiB, so glibc maps it on its own and returns it on free), against the plan's figures."""
     from grail_exp.memory import Shape, logits_bytes
 
@@ -334,7 +334,7 @@ def test_every_gpu_command_of_the_docs_passes_on_its_hardware():
 
 # ---------------------------------------------------------------------------------------------- validate / the CLI
 def test_validate_refuses_before_loading_and_names_what_fits(monkeypatch):
-    import grail_exp.models as models
+    import grail_exp.models.loading as models
     from grail_exp.run import run
 
     def no_loading(*a, **k):

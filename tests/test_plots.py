@@ -1,4 +1,4 @@
-"""grail_exp.plots: binning against hand-computed values, figures on synthetic weight tables.
+"""grail_exp.analysis.plots: binning against hand-computed values, figures on synthetic weight tables.
 
 The MLflow parts (end-of-run logging, the report's plots) are in tests/test_report.py, which has a store."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from grail_exp import plots as P
+from grail_exp.analysis import plots as P
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

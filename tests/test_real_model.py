@@ -28,7 +28,7 @@ def smollm2_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_cache) -> Path:
-    from grail_exp.packaged_models import resolve
+    from grail_exp.models.packaged import resolve
 
     return Path(resolve("pkg:smollm2", smollm2_cache))
 
@@ -42,8 +42,8 @@ def _cfg(cache: Path, tmp: Path, overrides=(), scheme: str = "grpo"):
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir, smollm2_cache, tmp_path_factory):
-    """(config, tokenizer, float32 model) loaded through grail_exp.models from ``model=smollm2_135m``."""
-    from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+    """(config, tokenizer, float32 model) loaded through grail_exp.models.loading from ``model=smollm2_135m``."""
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
     cfg = _cfg(smollm2_cache, tmp_path_factory.mktemp("smollm2_cfg"), ["model.dtype=float32"])
     path = resolve_model_path(cfg)
@@ -52,7 +52,7 @@ def smollm2(smollm2_dir, smollm2_cache, tmp_path_factory):
 
 
 def test_converted_once_into_a_plain_safetensors_directory(smollm2_dir, smollm2_cache):
-    from grail_exp.packaged_models import PACKAGED_MODELS, file_sha256, read_source, resolve, source_file
+    from grail_exp.models.packaged import PACKAGED_MODELS, file_sha256, read_source, resolve, source_file
 
     src = read_source(smollm2_dir)
     gguf = source_file("pkg:smollm2")
@@ -127,7 +127,7 @@ def _generate(smollm2, questions, n, temperature, max_new_tokens, seed=0):
 
 
 def test_greedy_answers_in_the_worked_examples_form_and_stops_at_eos(smollm2):
-    from grail_exp.boxed import extract_last_boxed
+    from grail_exp.grading.boxed import extract_last_boxed
 
     comps, texts = _generate(smollm2, ["Compute 4+3.", "Compute 12-5."], n=1, temperature=0, max_new_tokens=20)
     for c, text in zip(comps, texts):
@@ -166,7 +166,7 @@ def test_answer_spans_cover_the_boxed_answer_of_real_completions(smollm2, sample
     SmolLM2's own completions: 'Ġ\\' is one live token, but "a" + text[:s] re-encodes with a bare 'Ġ')."""
     from omegaconf import OmegaConf
 
-    from grail_exp.boxed import find_first_boxed_span
+    from grail_exp.grading.boxed import find_first_boxed_span
 
     _, tok, _ = smollm2
     b = sampled_batch
@@ -260,7 +260,7 @@ def test_hub_id_at_the_pinned_revision_loads_through_the_hub_path(smollm2_dir, t
     import subprocess
     import sys
 
-    from grail_exp.packaged_models import PACKAGED_MODELS
+    from grail_exp.models.packaged import PACKAGED_MODELS
 
     entry = PACKAGED_MODELS["smollm2"]
     repo = tmp_path / "hub" / ("models--" + entry.hub_id.replace("/", "--"))
@@ -272,7 +272,7 @@ def test_hub_id_at_the_pinned_revision_loads_through_the_hub_path(smollm2_dir, t
     (repo / "refs" / "main").write_text("0" * 40)  # "main" points elsewhere: only the pinned revision can resolve
     code = (
         "import sys; from tests.helpers.compose import compose; from grail_exp.config import validate\n"
-        "from grail_exp.models import resolve_model_path, load_tokenizer, load_causal_lm\n"
+        "from grail_exp.models.loading import resolve_model_path, load_tokenizer, load_causal_lm\n"
         f"cfg = validate(compose(['model=smollm2_135m', 'model.name_or_path={entry.hub_id}'], __import__('pathlib')"
         f".Path(sys.argv[1])))\n"
         "path = resolve_model_path(cfg); tok = load_tokenizer(path, cfg)\n"

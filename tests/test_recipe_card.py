@@ -155,7 +155,7 @@ import json, sys, time
 from omegaconf import OmegaConf
 import transformers  # imports are not what is timed
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from grail_exp.models import ModelLoadError, load_causal_lm, load_tokenizer, _hub_probes
+from grail_exp.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, _hub_probes
 cfg = OmegaConf.create({"model": {"revision": "main", "trust_remote_code": False, "tokenizer_name_or_path": None,
                                   "strip_think": False, "chat_template": None, "dtype": "float32",
                                   "attn_implementation": None, "gradient_checkpointing": False},

@@ -275,10 +275,10 @@ def test_bad_inputs_are_one_clear_error_each(tmp_path):
 def test_training_writes_the_trajectory_and_relex_reads_it(tmp_path, tiny_model_dir, monkeypatch):
     """trainer.save_weights_only_every=2 over 5 steps: step-0 (= the start), 2, 4 and the last (5); weights
     only; never pruned by keep_last_checkpoints. RELEX then extrapolates steps 1..4 (every=1 run) to step 5."""
-    import grail_exp.rewards
+    import grail_exp.grading.rewards
     from grail_exp.run import run
 
-    monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
+    monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
     run_dir = tmp_path / "r" / "run"
     common = [f"model.name_or_path={tiny_model_dir}", f"paths.output_dir={run_dir}", "trainer.prompts_per_step=2",
               "trainer.micro_batch_size=8", "rollout.num_generations=4", "rollout.max_completion_length=16",
@@ -303,7 +303,7 @@ def test_training_writes_the_trajectory_and_relex_reads_it(tmp_path, tiny_model_
 def relex_of_a_real_model(tmp_path_factory):
     """A tiny Qwen3 (hidden 128, ~1.7 MB) on a synthetic linear trajectory, extrapolated into two shards."""
     from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.embedded import build_model, build_tokenizer
+    from grail_exp.models.embedded import build_model, build_tokenizer
 
     tmp = tmp_path_factory.mktemp("relex_real")
     tok = build_tokenizer("qwen", ArithmeticTask())

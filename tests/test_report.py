@@ -326,7 +326,7 @@ def test_report_plots(store):
 
 
 def test_log_training_plots_and_experiment_kind(store):
-    from grail_exp.plots import log_training_plots
+    from grail_exp.analysis.plots import log_training_plots
     from grail_exp.tracking import EXPERIMENT_KIND_TAG, MlflowTracker
 
     c, tmp = store["client"], store["tmp"]

@@ -1,4 +1,4 @@
-"""Tests for grail_exp.rewards: extraction, math-verify grading, and the killable worker pool."""
+"""Tests for grail_exp.grading.rewards: extraction, math-verify grading, and the killable worker pool."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from grail_exp.boxed import extract_last_boxed, find_first_boxed_span
-from grail_exp.extraction import strip_think
-from grail_exp.rewards import GradeResult, MathVerifier, grade_one
+from grail_exp.grading.boxed import extract_last_boxed, find_first_boxed_span
+from grail_exp.grading.extraction import strip_think
+from grail_exp.grading.rewards import GradeResult, MathVerifier, grade_one
 
 BOX = "\\boxed{"
 HANG_GUARD_S = 1.0  # generous: these only guard against quadratic blow-ups / hangs (CPU seconds, not wall time)

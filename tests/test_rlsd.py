@@ -132,7 +132,7 @@ def test_weights_match_a_brute_force_teacher(tiny_model, tiny_tokenizer, teacher
 
 
 def test_shared_forward_batching_and_negative_only(tiny_model, tiny_tokenizer):
-    from grail_exp.forward import policy_forward
+    from grail_exp.compute.forward import policy_forward
 
     tok = tiny_tokenizer
     scheme = RlsdScheme(_cfg(teacher="live"), tok, {"model": CHAT_MODEL_CFG})
@@ -202,7 +202,7 @@ def test_config_checks():
 def _module(cfg, model_dir):
     """helpers.module.build_module with the scheme context the run passes (model config, data)."""
     from grail_exp.data import build_source
-    from grail_exp.models import load_causal_lm, load_tokenizer
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer
     from grail_exp.training.module import GRPOModule
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker

@@ -11,12 +11,12 @@ from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def _run(tmp_path, model_dir, extra, monkeypatch):
-    import grail_exp.rewards
+    import grail_exp.grading.rewards
     import grail_exp.tracking
     from grail_exp.run import run
 
     logged = []
-    monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
+    monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
     monkeypatch.setattr(grail_exp.tracking.NullTracker, "log_metrics", lambda self, m, step: logged.append(dict(m)))
     run_dir = tmp_path / "run"
     cfg = compose([f"model.name_or_path={model_dir}", f"paths.output_dir={run_dir}", "logger=none",

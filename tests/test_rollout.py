@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grail_exp.loss import selective_log_softmax
-from grail_exp.forward import completion_logits, position_ids_from_mask
+from grail_exp.compute.forward import completion_logits, position_ids_from_mask
 from grail_exp.rollout import SamplingParams, build_engine, pad_completions
 
 from helpers.tolerances import HANG_TIMEOUT_S, MODEL_REORDER

@@ -318,7 +318,7 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
     from grail_exp.data import build_source
     from grail_exp.training.module import GRPOModule
     from grail_exp.optim import build_optimizer
-    from grail_exp.rewards import MathVerifier
+    from grail_exp.grading.rewards import MathVerifier
 
     cfg = validate(compose(["estimator=scrl", "advantage=grpo", "logger=none", "trainer.prompts_per_step=2",
                             "trainer.micro_batch_size=8", "rollout.num_generations=8",

@@ -1,4 +1,4 @@
-"""Each distinct prompt computed once (``trainer.share_prompts``, grail_exp/forward.py) gives the unshared path's numbers.
+"""Each distinct prompt computed once (``trainer.share_prompts``, grail_exp/compute/forward.py) gives the unshared path's numbers.
 
 The reference is the straightforward forward: every row runs its whole (prompt ⊕ completion) sequence through the
 model (``trainer.share_prompts=false``), which is what a textbook implementation (and TRL) does. The batch has
@@ -23,10 +23,10 @@ from helpers.tolerances import MODEL_REORDER
 
 def set_attention(model, attn: str) -> None:
     """``eager`` | ``sdpa`` (transformers' own) | ``sdpa_gqa``: the CPU attention real models load with
-    (``grail_exp.models.use_kernel_gqa``), whose suffix pass over shared prompts runs the prompt / suffix attention on
-    the suffixes' real positions only (``grail_exp.cpu_attention.SuffixPacking``)."""
-    from grail_exp.cpu_attention import DEFAULT_MAX_SCORES
-    from grail_exp.models import use_kernel_gqa
+    (``grail_exp.models.loading.use_kernel_gqa``), whose suffix pass over shared prompts runs the prompt / suffix attention on
+    the suffixes' real positions only (``grail_exp.compute.attention.SuffixPacking``)."""
+    from grail_exp.compute.attention import DEFAULT_MAX_SCORES
+    from grail_exp.models.loading import use_kernel_gqa
 
     model.config._attn_implementation = "sdpa" if attn == "sdpa_gqa" else attn
     if attn == "sdpa_gqa":
@@ -42,9 +42,9 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
     from helpers.pinned_step import pinned_config
 
     from grail_exp.advantages import build_scheme
-    from grail_exp.forward import share_prompts_of
+    from grail_exp.compute.forward import share_prompts_of
     from grail_exp.loss import build_terms
-    from grail_exp.models import narrow_if_configured
+    from grail_exp.models.loading import narrow_if_configured
     from grail_exp.training import row_order as row_order_mod
     from grail_exp.training.module import GRPOModule
 
@@ -114,7 +114,7 @@ def test_policy_forward_and_gradient_equal_unshared(attn):
     """The policy forward alone: log-probs, entropies and the gradient of a loss that reads both."""
     from helpers.pinned_step import build_model_and_tokenizer
 
-    from grail_exp.forward import policy_forward
+    from grail_exp.compute.forward import policy_forward
 
     model, tok = build_model_and_tokenizer()
     model.config._attn_implementation = attn
@@ -144,8 +144,8 @@ def test_output_layer_runs_on_the_completion_tokens_only(monkeypatch, share):
     the padding they are 0; the gradient of a loss reading both is the full computation's."""
     from helpers.pinned_step import build_model_and_tokenizer
 
-    import grail_exp.forward as forward_mod
-    from grail_exp.forward import policy_forward
+    import grail_exp.compute.forward as forward_mod
+    from grail_exp.compute.forward import policy_forward
 
     model, tok = build_model_and_tokenizer()
     model.config._attn_implementation = "eager"
@@ -277,7 +277,7 @@ def test_prompts_once_gives_each_rows_own_keys_and_values(attn):
     the common prefix plus one token, and a copy of a prompt (equal rows)."""
     from helpers.pinned_step import build_model_and_tokenizer
 
-    from grail_exp.forward import decoder_body, prompts_once, position_ids_from_mask
+    from grail_exp.compute.forward import decoder_body, prompts_once, position_ids_from_mask
 
     model, tok = build_model_and_tokenizer()
     model.config._attn_implementation = attn
@@ -312,7 +312,7 @@ def test_policy_forward_with_a_common_prefix_computes_it_once(mode):
     its last token)."""
     from helpers.pinned_step import build_model_and_tokenizer
 
-    from grail_exp.forward import PromptSharing, policy_forward
+    from grail_exp.compute.forward import PromptSharing, policy_forward
 
     model, tok = build_model_and_tokenizer()
     batch = interleaved_training_batch(tok, COMMON_SYSTEM)
@@ -359,8 +359,8 @@ def test_grail_probe_on_its_rows_only(attn, monkeypatch):
     puts first, and a narrowing forward computes the leading rows that hold them — their positions in the packed
     suffix pass under ``sdpa_gqa``, rows × columns in the padded layout — and the step equals the one whose probe
     backward runs on every row."""
-    import grail_exp.forward as forward_mod
-    from grail_exp.leading_rows import leading_rows
+    import grail_exp.compute.forward as forward_mod
+    from grail_exp.compute.leading_rows import leading_rows
 
     spans = []
 
@@ -400,7 +400,7 @@ def test_share_prompts_key_is_validated():
         pinned_config(["trainer.share_prompt_prefix=always"])
     with pytest.raises(ConfigError, match="trainer.share_prompts.*gradient_checkpointing"):
         pinned_config(["trainer.share_prompts=true", "model.gradient_checkpointing=true"])
-    from grail_exp.forward import resolve_share_prompts
+    from grail_exp.compute.forward import resolve_share_prompts
 
     assert resolve_share_prompts("auto", False) and not resolve_share_prompts("auto", True)
 
@@ -504,7 +504,7 @@ def test_probe_rows_first_as_rows_or_as_whole_groups():
 
 def _check_update_work(model, batch, probe, packed: bool, leading: bool):
     """``leading``: the probe's backward computes the micro-batch's rows up to its last probe row only."""
-    from grail_exp.forward import body_forward
+    from grail_exp.compute.forward import body_forward
     from grail_exp.training.row_order import update_work
 
     P = batch.prompt_length
@@ -576,7 +576,7 @@ def test_frozen_parameters_keep_no_layer_inputs_and_leave_other_graphs_alone():
     parameters themselves (a linear layer's input is kept only for its weight gradient) and gives the input gradient
     written out by hand (1ᵀ W for the sum of x Wᵀ + b); a graph built before it still fills every parameter's
     gradient afterwards; ``requires_grad`` is restored even when the block raises."""
-    from grail_exp.forward import frozen_parameters
+    from grail_exp.compute.forward import frozen_parameters
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)

@@ -16,7 +16,7 @@ REBUILD = "rebuild it: `PYTHONPATH=. python sweeps/build_shipped_model.py` and c
 
 @pytest.fixture(scope="module")
 def shipped():
-    from grail_exp.embedded import SHIPPED_DIR, read_manifest
+    from grail_exp.models.embedded import SHIPPED_DIR, read_manifest
 
     d = SHIPPED_DIR / "tiny"
     manifest = read_manifest(d)
@@ -25,15 +25,15 @@ def shipped():
 
 
 def _default_key(overrides=()):
-    from grail_exp.embedded import cache_key, embedded_spec
-    from grail_exp.models import embedded_build_args
+    from grail_exp.models.embedded import cache_key, embedded_spec
+    from grail_exp.models.loading import embedded_build_args
 
     spec = embedded_spec(**embedded_build_args(compose(list(overrides))))
     return cache_key(spec), spec
 
 
 def _no_build(monkeypatch):
-    import grail_exp.embedded as embedded
+    import grail_exp.models.embedded as embedded
 
     def refuse(*args, **kwargs):
         raise AssertionError("the builder ran")
@@ -44,7 +44,7 @@ def _no_build(monkeypatch):
 
 def _count_builds(monkeypatch) -> list:
     """Replace the (minutes-long) warm start by a recorder: the tokenizer and model are still built for real."""
-    import grail_exp.embedded as embedded
+    import grail_exp.models.embedded as embedded
 
     calls = []
 
@@ -58,7 +58,7 @@ def _count_builds(monkeypatch) -> list:
 
 # ---------------------------------------------------------------------------------------------- provenance
 def test_shipped_files_match_the_manifest(shipped):
-    from grail_exp.embedded import BUILD_VERSION, file_sha256, read_build_report, shipped_mismatches
+    from grail_exp.models.embedded import BUILD_VERSION, file_sha256, read_build_report, shipped_mismatches
 
     d, manifest = shipped
     assert shipped_mismatches(d, manifest) == [], REBUILD
@@ -85,8 +85,8 @@ def test_manifest_key_is_the_key_of_the_default_config(shipped):
 
 def test_shipped_weights_load_and_meet_the_warm_start_target(shipped):
     """Graded as the warm start graded itself: greedy, on the first eval_problems of the validation split."""
-    from grail_exp.embedded import greedy_accuracy
-    from grail_exp.models import count_parameters, embedded_build_args, load_causal_lm, load_tokenizer
+    from grail_exp.models.embedded import greedy_accuracy
+    from grail_exp.models.loading import count_parameters, embedded_build_args, load_causal_lm, load_tokenizer
 
     d, manifest = shipped
     cfg = compose([])
@@ -104,10 +104,10 @@ def test_shipped_weights_load_and_meet_the_warm_start_target(shipped):
 
 # ---------------------------------------------------------------------------------------------- resolution
 def test_default_run_resolves_to_the_shipped_model_without_building(tmp_path, monkeypatch, shipped, caplog):
-    from grail_exp.models import resolve_model_path
+    from grail_exp.models.loading import resolve_model_path
 
     _no_build(monkeypatch)
-    with caplog.at_level("INFO", logger="grail_exp.embedded"):
+    with caplog.at_level("INFO", logger="grail_exp.models.embedded"):
         path = resolve_model_path(compose([], tmp_path))
     assert path == str(shipped[0])
     assert not (tmp_path / "cache" / "embedded").exists() or not any((tmp_path / "cache" / "embedded").iterdir())
@@ -117,8 +117,8 @@ def test_default_run_resolves_to_the_shipped_model_without_building(tmp_path, mo
 @pytest.mark.parametrize("overrides", [["model.build.seed=1"], ["model.shipped_weights=false"],
                                        ["model.warm_start.target_accuracy=0.4"], ["data.max_operand=50"]])
 def test_any_other_build_goes_through_the_builder(tmp_path, monkeypatch, shipped, overrides):
-    from grail_exp.embedded import read_build_report
-    from grail_exp.models import resolve_model_path
+    from grail_exp.models.embedded import read_build_report
+    from grail_exp.models.loading import resolve_model_path
 
     calls = _count_builds(monkeypatch)
     cfg = compose(overrides, tmp_path)
@@ -130,7 +130,7 @@ def test_any_other_build_goes_through_the_builder(tmp_path, monkeypatch, shipped
 
 
 def test_no_shipped_model_for_tiny_llama(shipped):
-    from grail_exp.embedded import find_shipped_model
+    from grail_exp.models.embedded import find_shipped_model
 
     key, _ = _default_key(["model=tiny_llama"])
     assert key != shipped[1]["cache_key"] and find_shipped_model(key) is None
@@ -138,7 +138,7 @@ def test_no_shipped_model_for_tiny_llama(shipped):
 
 
 def test_a_damaged_shipped_file_is_not_used(tmp_path, monkeypatch, shipped, caplog):
-    import grail_exp.embedded as embedded
+    import grail_exp.models.embedded as embedded
 
     d, manifest = shipped
     copy = tmp_path / "shipped" / "tiny"
@@ -147,7 +147,7 @@ def test_a_damaged_shipped_file_is_not_used(tmp_path, monkeypatch, shipped, capl
     data = bytearray((copy / "model.safetensors").read_bytes())
     data[-1] ^= 1  # one bit of the last weight
     (copy / "model.safetensors").write_bytes(bytes(data))
-    with caplog.at_level("WARNING", logger="grail_exp.embedded"):
+    with caplog.at_level("WARNING", logger="grail_exp.models.embedded"):
         assert embedded.find_shipped_model(manifest["cache_key"], copy.parent) is None
     assert "model.safetensors" in caplog.text and "building instead" in caplog.text
 
@@ -157,8 +157,8 @@ def test_a_damaged_shipped_file_is_not_used(tmp_path, monkeypatch, shipped, capl
 def test_a_rebuild_from_scratch_reaches_the_target(tmp_path, shipped):
     """The builder still produces the shipped model's build: same key, and it reaches the same target (the weights
     are not compared: fp32 reductions in another order on another CPU change the trajectory)."""
-    from grail_exp.embedded import ensure_embedded_model, greedy_accuracy, read_build_report
-    from grail_exp.models import embedded_build_args, load_causal_lm, load_tokenizer
+    from grail_exp.models.embedded import ensure_embedded_model, greedy_accuracy, read_build_report
+    from grail_exp.models.loading import embedded_build_args, load_causal_lm, load_tokenizer
 
     cfg = compose([], tmp_path)
     args = embedded_build_args(cfg)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from grail_exp.spans import AnswerSpans, answer_spans, find_last_boxed_span
-from grail_exp.boxed import extract_last_boxed, find_first_boxed_span
+from grail_exp.grading.boxed import extract_last_boxed, find_first_boxed_span
 
 MODES = ("reference", "exact")
 PLAIN = "7+5=12. 12-3=9. \\boxed{9}"
@@ -31,7 +31,7 @@ PLAIN = "7+5=12. 12-3=9. \\boxed{9}"
 @pytest.fixture(scope="module")
 def toks():
     from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.embedded import build_tokenizer
+    from grail_exp.models.embedded import build_tokenizer
 
     task = ArithmeticTask()
     return {"qwen": build_tokenizer("qwen", task), "llama": build_tokenizer("llama", task)}

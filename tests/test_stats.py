@@ -1,4 +1,4 @@
-"""grail_exp.stats: the paired bootstrap and the sign-flip test against brute-force enumeration."""
+"""grail_exp.analysis.stats: the paired bootstrap and the sign-flip test against brute-force enumeration."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from grail_exp.stats import compare_paired, paired_bootstrap, paired_delta, seed_spread, sign_flip_test
+from grail_exp.analysis.stats import compare_paired, paired_bootstrap, paired_delta, seed_spread, sign_flip_test
 
 
 def _exact_bootstrap(diffs: dict[str, np.ndarray], average: str = "unweighted") -> np.ndarray:

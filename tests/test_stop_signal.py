@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from grail_exp.errors import Preempted
-from grail_exp.training import world
+from grail_exp import world
 from grail_exp.training.module import GRPOModule
 
 
@@ -24,7 +24,7 @@ def test_the_signal_is_recorded_and_lightning_installs_no_handler_of_its_own():
     module's request."""
     import lightning as L
 
-    from grail_exp.training.job import stop_on_signal
+    from grail_exp.job import stop_on_signal
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)

@@ -163,7 +163,7 @@ def able_model_dir(tmp_path_factory):
     (~75 SFT steps): RL needs some correct rollouts, else every advantage is 0, every trial trains nothing, all
     trials tie and none can be pruned."""
     from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.embedded import ensure_embedded_model
+    from grail_exp.models.embedded import ensure_embedded_model
 
     task = ArithmeticTask(min_steps=1, max_steps=1, max_operand=20, operators="+", num_validation=64, num_test=64)
     warm = dict(enabled=True, lr=3e-3, batch_size=64, warmup_steps=10, max_steps=400, eval_every=25,

@@ -62,16 +62,16 @@ def test_an_unusable_tune_storage_is_one_line_naming_tune_storage(tmp_path):
 # ---------------------------------------------------------------------------------------------- in process
 def test_every_user_error_type_is_a_user_error():
     """The CLI catches ``UserError``: each error type the code raises for bad input must be one."""
-    from grail_exp.architectures import ArchitectureError
+    from grail_exp.models.architectures import ArchitectureError
     from grail_exp.checkpoint import CheckpointError
     from grail_exp.config import ConfigError
     from grail_exp.data.benchmarks import BenchmarkDataError
     from grail_exp.data.curriculum import CurriculumError
     from grail_exp.errors import DataError, MissingDependencyError, UserError
     from grail_exp.extrapolate import ExtrapolateError
-    from grail_exp.models import ModelLoadError
+    from grail_exp.models.loading import ModelLoadError
     from grail_exp.training.module import NonFiniteLossError
-    from grail_exp.packaged_tokenizers import PackagedTokenizerError
+    from grail_exp.models.tokenizers import PackagedTokenizerError
     from grail_exp.tracking import TrackingError
     from grail_exp.weights import InputError
 
@@ -89,7 +89,7 @@ def test_every_user_error_type_is_a_user_error():
      "data.num_test=4: only 3 distinct test problems besides the validation split"),
     (lambda: __import__("grail_exp.rollout", fromlist=["x"]).build_engine("nope", None, None, 1),
      "rollout.engine"),
-    (lambda: __import__("grail_exp.extraction", fromlist=["x"]).reward_rule("nope"), "reward.extraction"),
+    (lambda: __import__("grail_exp.grading.extraction", fromlist=["x"]).reward_rule("nope"), "reward.extraction"),
 ])
 def test_deep_raise_sites_are_user_errors_naming_the_key(raise_it, needle, capsys):
     from grail_exp.errors import exit_on_user_error

@@ -69,7 +69,7 @@ def test_every_problem_of_several_groups_is_reported_at_once(tmp_path):
 def test_the_world_size_of_a_device_list_is_its_length():
     from omegaconf import OmegaConf
 
-    from grail_exp.training.world import configured_world_size
+    from grail_exp.world import configured_world_size
 
     def world(devices, nodes):
         return configured_world_size(OmegaConf.create({"devices": devices, "num_nodes": nodes}))
@@ -92,7 +92,7 @@ def test_a_spawned_rank_of_a_device_list_knows_its_global_rank(monkeypatch):
     from omegaconf import OmegaConf
 
     from grail_exp.distributed import launch_rank
-    from grail_exp.training.job import export_devices_per_node
+    from grail_exp.job import export_devices_per_node
 
     for var in ("RANK", "SLURM_PROCID", "GRAIL_EXP_DEVICES_PER_NODE"):
         monkeypatch.delenv(var, raising=False)
@@ -160,7 +160,7 @@ def test_a_curriculum_run_on_the_embedded_model_gets_its_warm_start_spec(tmp_pat
     """Training on other data than the arithmetic task, the embedded model's warm start uses the task's defaults
     (this used to stop with AttributeError: 'DataConfigLike' object has no attribute 'get')."""
     from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.models import embedded_build_args
+    from grail_exp.models.loading import embedded_build_args
 
     args = embedded_build_args(compose(SCRL, tmp_path))
     assert (args["task"], args["instruction"]) == (ArithmeticTask(), "")
@@ -278,7 +278,7 @@ def test_a_warm_start_build_is_announced_with_its_expected_duration(tmp_path, mo
     """Logged before the warm start begins. Expected durations by hand from the shipped build's record (434,688
     parameters, 950 steps of 64 in 673.65 s: 0.70911 s per step): the same model and batch, stopping after 950
     steps = 674 s (~11 min), at most 3000 steps = 2127 s (~35 min); batch 32 halves a step, up to 100 steps = 35 s."""
-    from grail_exp import embedded
+    from grail_exp.models.loading import embedded
     from grail_exp.data.arithmetic import ArithmeticTask
 
     shipped = json.loads((embedded.SHIPPED_DIR / "tiny" / "grail_exp_build.json").read_text())
@@ -294,7 +294,7 @@ def test_a_warm_start_build_is_announced_with_its_expected_duration(tmp_path, mo
     build = json.loads((embedded.SHIPPED_DIR / "tiny" / "grail_exp_manifest.json").read_text())["spec"]["build"]
     warm = dict(enabled=True, lr=3e-3, batch_size=64, warmup_steps=20, max_steps=3000, eval_every=50,
                 eval_problems=128, target_accuracy=0.35)
-    with caplog.at_level(logging.INFO, logger="grail_exp.embedded"):
+    with caplog.at_level(logging.INFO, logger="grail_exp.models.embedded"):
         embedded.ensure_embedded_model(build, warm, ArithmeticTask(), {"enable_thinking": False}, "",
                                        tmp_path / "cache", use_shipped=False)
     (line,) = announced
@@ -308,8 +308,8 @@ def test_a_cold_start_build_is_announced_with_its_expected_duration(tmp_path, ti
     """The tiny test model has 94,464 parameters (2 layers x (attention 12,288 + MLP 24,576 + norms 160) + embedding
     318 tokens x 64 = 20,352 + final norm 64, tied head); 4,000 steps x 64 problems from SmolLM2-135M's measured
     15.75 s per step of 8 (134,515,008 parameters): 4000 x 15.75 x 94,464 / 134,515,008 x 64 / 8 = 354 s (~6 min)."""
-    from grail_exp import cold_start
-    from grail_exp.models import load_causal_lm, load_tokenizer
+    from grail_exp.models.loading import cold_start
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer
 
     assert TINY_BUILD["hidden_size"] == 64 and TINY_BUILD["num_layers"] == 2  # the count above
     announced = []
@@ -323,7 +323,7 @@ def test_a_cold_start_build_is_announced_with_its_expected_duration(tmp_path, ti
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     cfg = compose([f"model.name_or_path={tiny_model_dir}", "model.cold_start.enabled=true",
                    "model.cold_start.steps=4000", "model.cold_start.batch_size=64"], tmp_path)
-    with caplog.at_level(logging.INFO, logger="grail_exp.cold_start"):
+    with caplog.at_level(logging.INFO, logger="grail_exp.models.cold_start"):
         cold_start.ensure_cold_start(str(tiny_model_dir), cfg, load_tokenizer, load_causal_lm)
     (line,) = announced
     assert "4000 AdamW steps x 64 problems on the CPU, expected ~6 min (94,464 parameters; " in line

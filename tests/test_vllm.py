@@ -104,7 +104,7 @@ def _perturb(model, scale=0.02, seed=0):
 def _trainer_logprobs(model, completions, pad_id, temperature):
     """The trainer's quantity: log softmax(z/T)[token] from the HF forward (positions = cumsum(mask) - 1)."""
     from grail_exp.loss import selective_log_softmax
-    from grail_exp.forward import completion_logits
+    from grail_exp.compute.forward import completion_logits
     from grail_exp.rollout import pad_completions
 
     rb = pad_completions(completions, pad_id)
@@ -204,7 +204,7 @@ class TestEngine:
     def test_push_through_a_safetensors_directory(self, engine, tokenizer, hf_model):
         """The multiprocess fallback (weights written to disk, one file per chunk, read by the worker) gives the same
         engine."""
-        from grail_exp.tensor_chunks import chunked
+        from grail_exp.compute.chunks import chunked
 
         model = _perturb(hf_model, seed=5)
         engine._push_via_path(chunked(model.state_dict().items(), 200_000))  # several files: the tiny model is ~1.7 MB
@@ -301,7 +301,7 @@ def processed_engine(model_dir, tokenizer):
 
 
 def _kept_logsoftmax(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """log softmax over the tokens vLLM's sampler keeps, written out independently of grail_exp.logprobs: top-k keeps
+    """log softmax over the tokens vLLM's sampler keeps, written out independently of grail_exp.compute.logprobs: top-k keeps
     logits >= the k-th largest; top-p then drops, in ascending order, tokens while the renormalised cumulative mass
     is <= 1 - p (the largest always stays). (..., V) -> (..., V) with -inf on dropped tokens."""
     z = z.clone()
@@ -322,10 +322,10 @@ def _kept_logsoftmax(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
 @pytest.mark.parametrize("top_k, top_p, temperature", [(5, 1.0, 1.0), (50, 1.0, 0.7), (0, 0.9, 1.3), (20, 0.8, 1.0)])
 def test_kept_log_mass_uses_vllms_own_filter(top_k, top_p, temperature):
-    """log M_t of grail_exp.logprobs.kept_log_mass = log of the mass vLLM's own top-k / top-p filter keeps."""
+    """log M_t of grail_exp.compute.logprobs.kept_log_mass = log of the mass vLLM's own top-k / top-p filter keeps."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from grail_exp.logprobs import kept_log_mass
+    from grail_exp.compute.logprobs import kept_log_mass
 
     g = torch.Generator().manual_seed(0)
     h, W = torch.randn(37, 16, generator=g), torch.randn(300, 16, generator=g)
@@ -346,9 +346,9 @@ class TestProcessedLogprobs:
     def test_processed_logprobs_are_the_renormalised_kept_set(self, processed_engine, tokenizer, hf_model,
                                                              temperature, top_k, top_p):
         """vLLM's processed log-probs = log softmax over the kept top-k (/ top-p) of the HF model's z/T; the trainer's
-        full-vocabulary log-prob minus them is log M_t (grail_exp.logprobs.kept_log_mass, from the policy forward)."""
-        from grail_exp.forward import completion_logits, policy_forward, predicting_window
-        from grail_exp.logprobs import kept_log_mass
+        full-vocabulary log-prob minus them is log M_t (grail_exp.compute.logprobs.kept_log_mass, from the policy forward)."""
+        from grail_exp.compute.forward import completion_logits, policy_forward, predicting_window
+        from grail_exp.compute.logprobs import kept_log_mass
 
         model = _perturb(hf_model, seed=11)
         processed_engine.sync_weights(model)

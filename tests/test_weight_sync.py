@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def _model():
     from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.embedded import build_model, build_tokenizer
+    from grail_exp.models.embedded import build_model, build_tokenizer
 
     torch.manual_seed(0)
     return build_model(dict(TINY_BUILD), build_tokenizer("qwen", ArithmeticTask()), seed=0).float()
@@ -177,7 +177,7 @@ def _uneven_work(strategy: str) -> dict:
 
 def _tokenizer():
     from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.embedded import build_tokenizer
+    from grail_exp.models.embedded import build_tokenizer
 
     return build_tokenizer("qwen", ArithmeticTask())
 

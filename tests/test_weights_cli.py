@@ -79,7 +79,7 @@ def test_weights_cli_rows_carry_their_grade_for_the_heatmap(tiny_model_dir, tmp_
     all-correct group (A = 0) under "correct rollouts"; a row without a reward has no grade (the page uses A)."""
     from helpers.compose import compose_weights
 
-    from grail_exp.viz import weights_html
+    from grail_exp.analysis.viz import weights_html
     from grail_exp.weights import compute
 
     prompt = "<|im_start|>user\nCompute 2+2.<|im_end|>\n<|im_start|>assistant\n"

@@ -1,4 +1,4 @@
-"""The collectives module (grail_exp/training/world.py) on a group that has no CPU backend — NCCL, every GPU run's
+"""The collectives module (grail_exp/world.py) on a group that has no CPU backend — NCCL, every GPU run's
 default group — emulated on the CPU: a CPU tensor handed to such a group fails ("No backend type associated with
 device type cpu"), which gloo, the group of every CPU run, never shows."""
 
@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from grail_exp.training import world
+from grail_exp import world
 
 NCCL_REFUSAL = "No backend type associated with device type cpu"
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from grail_exp.forward import PolicyForward  # noqa: F401  (part of the scheme contract)
+from grail_exp.compute.forward import PolicyForward  # noqa: F401  (part of the scheme contract)
 
 SCHEMES: dict[str, type["AdvantageScheme"]] = {}
 RECOMPUTE = ("per_update", "per_rollout")
@@ -144,7 +144,7 @@ class AdvantageScheme:
     @property
     def share_prompts(self) -> bool:
         """Whether this scheme's own forwards compute each distinct prompt once (``trainer.share_prompts``, given in
-        the context by the trainer; ``grail_exp.forward.body_forward``)."""
+        the context by the trainer; ``grail_exp.compute.forward.body_forward``)."""
         return bool(self.context.get("share_prompts", False))
 
     @staticmethod

@@ -42,8 +42,8 @@ from grail_exp.advantages.base import (
     check_common,
     register_scheme,
 )
-from grail_exp.forward import body_forward, output_layer
-from grail_exp.logprobs import linear_logprob
+from grail_exp.compute.forward import body_forward, output_layer
+from grail_exp.compute.logprobs import linear_logprob
 from grail_exp.checkpoint import checkpointable
 
 GAMMA_VAR_FLOOR = 1e-8  # the code clamps the variance, so γ >= 1e-4

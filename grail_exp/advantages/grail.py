@@ -44,8 +44,8 @@ from grail_exp.advantages.base import (
     register_scheme,
 )
 from grail_exp.advantages.probe import detached_head_logits, masked_mean_std
-from grail_exp.forward import body_forward
-from grail_exp.logprobs import selective_log_softmax
+from grail_exp.compute.forward import body_forward
+from grail_exp.compute.logprobs import selective_log_softmax
 
 
 @dataclass
@@ -193,7 +193,7 @@ class GrailScheme(AdvantageScheme):
     def saliency(self, model, batch: SchemeBatch, span_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """s = ‖g ⊙ a‖₂ over the hidden dimension at the predicting positions, for the given rows: (b, C). The leaf
         is the embeddings (or a hidden state) of the forward's computed columns (each distinct prompt once when the
-        trainer shares prompts: the predicting positions are every row's own either way, ``grail_exp.forward``)."""
+        trainer shares prompts: the predicting positions are every row's own either way, ``grail_exp.compute.forward``)."""
         cfg = self.cfg
         ids, attn, pos = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows]
         temperature = cfg.saliency_temperature or batch.sampling_temperature

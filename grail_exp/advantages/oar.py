@@ -46,8 +46,8 @@ from grail_exp.advantages.base import (
     register_scheme,
 )
 from grail_exp.advantages.probe import detached_head_logits, masked_mean_std
-from grail_exp.forward import body_forward, continue_forward, frozen_parameters, output_layer
-from grail_exp.logprobs import linear_logprob
+from grail_exp.compute.forward import body_forward, continue_forward, frozen_parameters, output_layer
+from grail_exp.compute.logprobs import linear_logprob
 
 SUPPRESS_FLOOR = 0.1  # both codebases floor suppressed tokens at 0.1
 
@@ -249,7 +249,7 @@ class OARGScheme(AdvantageScheme):
 
         The noise touches completion-window positions only (P-1 … P+C-1), so the noisy forward shares the clean
         forward's prompt: when that forward computed each distinct prompt once, its keys and values are reused and
-        only the rows' suffixes are recomputed (``grail_exp.forward.continue_forward``)."""
+        only the rows' suffixes are recomputed (``grail_exp.compute.forward.continue_forward``)."""
         cfg = self.cfg
         P, C = batch.prompt_length, batch.completion_ids.shape[1]
         ids, attn, pos = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows]

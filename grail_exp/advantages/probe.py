@@ -3,7 +3,7 @@
 Both reference implementations run the decoder body on detached embeddings (a fresh autograd leaf, so
 no parameter ``.grad`` is touched), project only the completion window with **detached** lm_head weights,
 and take ``torch.autograd.grad`` of a scalar probe with respect to the leaf (method spec §4.1, §5.8). Here the
-forward is ``grail_exp.forward.body_forward`` (each distinct prompt once) and the gradient is taken with
+forward is ``grail_exp.compute.forward.body_forward`` (each distinct prompt once) and the gradient is taken with
 ``torch.autograd.grad`` with respect to its embeddings, which touches no parameter ``.grad`` either.
 
 The window: prompts are left-padded to P, completions right-padded to C, so input positions
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.forward import predicting_window  # noqa: F401  (the probes' name for it)
+from grail_exp.compute.forward import predicting_window  # noqa: F401  (the probes' name for it)
 
 
 def detached_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:

@@ -149,7 +149,7 @@ class RlsdScheme(AdvantageScheme):
                                      self._instruction())
             return teacher_logprobs(model, tb, sub.sampling_temperature, self.cfg.chunk_tokens,
                                     share_prompts=self.share_prompts)
-        from grail_exp.forward import policy_forward
+        from grail_exp.compute.forward import policy_forward
 
         with torch.no_grad():
             logp, _, _ = policy_forward(model, sub.input_ids, sub.attention_mask, sub.position_ids,
@@ -214,7 +214,7 @@ class RlsdScheme(AdvantageScheme):
         return SchemeOutput(w.detach(), self._diagnostics(w, e, mask, rows, batch.advantages, lam))
 
     def _student_from_forward(self, batch: SchemeBatch, forward: PolicyForward, idx: torch.Tensor) -> torch.Tensor:
-        from grail_exp.logprobs import linear_logprob
+        from grail_exp.compute.logprobs import linear_logprob
 
         with torch.no_grad():
             h = forward.predicting(forward.hidden.detach())[idx]

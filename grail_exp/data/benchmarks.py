@@ -9,7 +9,7 @@ The paper's six sets (GRAIL paper, method spec §7.1) are vendored byte for byte
 obtained (``gold_rule``) and how many rows the file must have; a wrong count or a malformed row is an
 error naming the file (and the line). Parsed files are cached per path, so repeated loads are cheap.
 
-Gold answers are strings graded by ``grail_exp.rewards`` (math-verify): ``verify(parse("$gold$"),
+Gold answers are strings graded by ``grail_exp.grading.rewards`` (math-verify): ``verify(parse("$gold$"),
 parse("$pred$"))``. Rules:
 
 - ``aime24``: ``answer``, kept as the string (zero padding such as ``"025"`` is harmless: math-verify
@@ -140,7 +140,7 @@ def _gold_integral_number(row: dict, name: str) -> str:
 
 
 def _gold_last_boxed(row: dict, name: str) -> str:
-    from grail_exp.boxed import extract_last_boxed
+    from grail_exp.grading.boxed import extract_last_boxed
 
     text = _field(row, name, str)
     gold = extract_last_boxed(text)
@@ -267,7 +267,7 @@ del _spec
 
 # ---------------------------------------------------------------------------------------------- free-form rows
 # Rows (0-based index = line - 1) whose gold answer, boxed, does NOT verify against itself with
-# math-verify 0.9.0 (grail_exp.boxed.extract_last_boxed + grail_exp.rewards.grade_one). A model cannot score on them
+# math-verify 0.9.0 (grail_exp.grading.boxed.extract_last_boxed + grail_exp.grading.rewards.grade_one). A model cannot score on them
 # under rule-based grading. Pinned by tests/test_benchmarks.py: a row may leave this list only when it
 # starts verifying, and every listed row must still fail.
 FREE_FORM: dict[str, dict[int, str]] = {

@@ -13,7 +13,7 @@ spec §2.2): ``ppo_clip`` with ε 0.2 / 0.28, ``dr_grpo``, β = 0.
 
 from __future__ import annotations
 
-from grail_exp.logprobs import entropy_from_logits, linear_logprob, selective_log_softmax
+from grail_exp.compute.logprobs import entropy_from_logits, linear_logprob, selective_log_softmax
 from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext, register_aggregation
 from grail_exp.loss.correction import is_weights
 from grail_exp.loss.kl import KL_ESTIMATORS, register_kl

@@ -58,7 +58,7 @@ class PreflightProbe:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _write(self, point: str, **data) -> None:
-        from grail_exp.training import world
+        from grail_exp import world
 
         rec = {"point": point, "rank": world.rank(), "time": time.time(),
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
@@ -69,7 +69,7 @@ class PreflightProbe:
             f.write(json.dumps(rec) + "\n")
 
     def setup(self, module):
-        from grail_exp.training import world
+        from grail_exp import world
 
         engine = module.rollout.engine
         device = str(module.policy.device)
@@ -84,7 +84,7 @@ class PreflightProbe:
 
     def synced(self, backend, engine):
         from grail_exp.data.prompting import encode_prompts
-        from grail_exp.forward import position_ids_from_mask
+        from grail_exp.compute.forward import position_ids_from_mask
         from grail_exp.rollout import SamplingParams, pad_completions
 
         module = backend.module
@@ -109,7 +109,7 @@ class PreflightProbe:
 
     def step(self, module, step):
         self._write("step", step=step, weights=fingerprint(module.backend.full_tensors()))
-        from grail_exp.training import world
+        from grail_exp import world
 
         if os.environ.get(STOP_RANK) == str(world.rank()) and os.environ.get(STOP_STEP) == str(step):
             end = time.monotonic() + SIGNAL_WAIT_S

@@ -58,7 +58,7 @@ def shrink_overrides(cfg, layers: Optional[int]) -> list[str]:
     ``layers`` is null or not below the model's depth)."""
     from grail_exp.memory import model_shape
 
-    from grail_exp.architectures import ArchitectureError, architecture_of
+    from grail_exp.models.architectures import ArchitectureError, architecture_of
 
     m = cfg.model
     try:
@@ -127,7 +127,7 @@ class Rehearsal:
         validate(copy.deepcopy(self.small))  # a config the run would refuse is refused here, before anything starts
         self.per_round = steps_per_round(self.small)
         self.steps_train = int(opts.rounds) * self.per_round
-        from grail_exp.training.world import configured_world_size, devices_per_node
+        from grail_exp.world import configured_world_size, devices_per_node
 
         self.world = configured_world_size(self.full.trainer)
         self.ranks_per_node = devices_per_node(self.full.trainer.devices)

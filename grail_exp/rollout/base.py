@@ -8,7 +8,7 @@ the token budget. ``rollout=hf`` (transformers ``generate``) implements it on an
 Weights. An engine that samples from the policy object itself (HF) only needs ``sync_weights(model)``. An engine
 that keeps its own copy (vLLM) also offers ``load_weights(chunks)``: it consumes the policy's full parameters as
 an iterator of chunks, each a list of ``(name, tensor)`` pairs in the engine's dtype (``dtype``) of at most
-``sync_chunk_bytes`` bytes (one tensor larger than that travels alone; ``grail_exp/tensor_chunks.py``). The update
+``sync_chunk_bytes`` bytes (one tensor larger than that travels alone; ``grail_exp/compute/chunks.py``). The update
 backend produces that iterator from any parallel layout, gathering sharded parameters one chunk at a time
 (``UpdateBackend.weight_chunks``), so the trainer never holds a second full copy of the model.
 """

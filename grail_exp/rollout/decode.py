@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.cpu_attention import RowGroups
+from grail_exp.compute.attention import RowGroups
 
 ATTENTION_NAME = "grail_grouped_decode"
 

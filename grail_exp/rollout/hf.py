@@ -9,7 +9,7 @@ The decode loop (``sample``) is transformers ``generate``'s sampling, written fo
 - **each distinct prompt is prefilled once**: the n completions of a prompt start from copies of its keys and values
   (``generate`` with ``num_return_sequences`` prefills the n copies of each prompt; for 4 prompts x 8 completions of
   ~130 tokens that was 8x the prefill work), and the tokens all the prompts start with (a system prompt, few-shot
-  turns) once for all of them (``common_prefix``: ``grail_exp.forward.prompts_once``, ``trainer.share_prompt_prefix``);
+  turns) once for all of them (``common_prefix``: ``grail_exp.compute.forward.prompts_once``, ``trainer.share_prompt_prefix``);
 - **the cache is preallocated** (prompt + the token budget) and written in place, instead of a concatenation of the
   whole cache at every step;
 - **finished completions leave the batch**: rows that emitted a stop token are dropped from the forward (in steps,
@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.forward import can_share_prompts, decoder_body, output_layer, position_ids_from_mask, prompts_once
-from grail_exp.models import SDPA_GQA
+from grail_exp.compute.forward import can_share_prompts, decoder_body, output_layer, position_ids_from_mask, prompts_once
+from grail_exp.models.loading import SDPA_GQA
 from grail_exp.rollout.base import Completion, SamplingParams
 from grail_exp.rollout.decode import RowGroups, decode_cache
 from grail_exp.rollout.decode import register as register_grouped_attention

@@ -55,7 +55,7 @@ import torch
 
 from grail_exp.errors import ConfigError, MissingDependencyError
 from grail_exp.rollout.base import Completion, SamplingParams
-from grail_exp.tensor_chunks import chunked
+from grail_exp.compute.chunks import chunked
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) ->
     v = cfg.rollout.vllm
     max_len = int(v.max_model_len) if v.max_model_len else run_max_model_len(cfg, tokenizer)
     kwargs = dict(v.kwargs or {})
-    from grail_exp.architectures import read_marker
+    from grail_exp.models.architectures import read_marker
 
     if read_marker(model_path) is not None and "load_format" not in kwargs:
         # model.random_init: the directory has a config.json and no weights files; vLLM starts from its own random

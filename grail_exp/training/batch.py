@@ -127,7 +127,7 @@ class TrainingBatch:
 def rank_rows(cfg) -> int:
     """Rows of one rollout batch on this rank: prompts_per_step × G over the data-parallel world (all G rollouts of a
     prompt stay on one rank, so group statistics are exact)."""
-    from grail_exp.training import world
+    from grail_exp import world
 
     return cfg.trainer.prompts_per_step * cfg.rollout.num_generations // world.world_size()
 

@@ -29,7 +29,7 @@ from grail_exp import faults
 from grail_exp.errors import Preempted
 from grail_exp.training import probe
 from grail_exp.training import state as run_state
-from grail_exp.training import world
+from grail_exp import world
 from grail_exp.training.backends import build_backend
 from grail_exp.training.batch import Progress, SchemeContext, TrainingBatch  # noqa: F401  (TrainingBatch: public)
 from grail_exp.training.records import StepRecords

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.forward import (can_share_prompts, common_prefix_mode, grouped_prefix_attention, narrows,
+from grail_exp.compute.forward import (can_share_prompts, common_prefix_mode, grouped_prefix_attention, narrows,
                                prompt_pass_positions, share_prompts_of)
 from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
 
@@ -95,10 +95,10 @@ def update_work(batch: TrainingBatch, order: torch.Tensor, mini: int, micro: int
                 share, packed: bool = False, leading: bool = False) -> int:
     """The update's work under a row order, in decoder positions: per micro-batch (``micro`` rows, within mini-batches
     of ``mini``), 3 × the positions its forward computes (forward + backward; each distinct prompt once when ``share``
-    — their common prefix once too, as its ``share_prompt_prefix`` says — as ``grail_exp/forward.py`` counts them, a
+    — their common prefix once too, as its ``share_prompt_prefix`` says — as ``grail_exp/compute/forward.py`` counts them, a
     group standing for a distinct prompt) and, when it holds a probe row, 1 × its suffix positions (a scheme's
     input-gradient pass through that forward, which stops at the prompt's keys) — with ``leading`` (the scheme asks
-    for the input gradient of its leading rows and the forward narrows, ``grail_exp.leading_rows``) those of its rows
+    for the input gradient of its leading rows and the forward narrows, ``grail_exp.compute.leading_rows``) those of its rows
     up to the last probe row.
     ``packed``: a shared suffix pass runs each row's own positions only (``forward.suffix_pass``), not the micro-batch's
     longest."""

@@ -11,7 +11,7 @@ update phase's ``nonfinite_total`` / ``nonfinite_in_a_row``, ``terms``, ``mlflow
 from __future__ import annotations
 
 from grail_exp.checkpoint import CheckpointError, rng_state, set_rng_state
-from grail_exp.training import world
+from grail_exp import world
 from grail_exp.training.batch import TrainingBatch
 
 

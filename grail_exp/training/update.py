@@ -29,9 +29,9 @@ from typing import Callable, Iterator
 import torch
 
 from grail_exp.errors import UserError
-from grail_exp.forward import PolicyForward
+from grail_exp.compute.forward import PolicyForward
 from grail_exp.loss import AggregationContext, TermContext, aggregator, compose_objective, is_weights
-from grail_exp.training import world
+from grail_exp import world
 from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
 
 log = logging.getLogger(__name__)

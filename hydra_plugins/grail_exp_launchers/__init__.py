@@ -58,7 +58,7 @@ def check_slurm_layout(params: dict, job_cfg, overrides: list[str] = ()) -> None
     values follow the trainer by default (conf/hydra/launcher/submitit_slurm.yaml); a mismatch was set explicitly, or
     a sweep varies the trainer's shape, which one launcher cannot follow."""
     from grail_exp.errors import ConfigError
-    from grail_exp.training.world import devices_per_node
+    from grail_exp.world import devices_per_node
 
     t = job_cfg.trainer
     devices, nodes = devices_per_node(t.devices), int(t.get("num_nodes", 1) or 1)

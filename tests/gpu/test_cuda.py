@@ -27,7 +27,7 @@ def _setup(tmp_path, scheme: str, dtype: str, extra=(), **bench_kw):
     from omegaconf import OmegaConf
 
     from grail_exp.bench import compose_run_config, synthetic_batch
-    from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
     bench = OmegaConf.merge(OmegaConf.load(_bench_yaml()), {"prompts": 2, "num_generations": 4, "prompt_length": 64,
                                                             "completion_length": 512, "micro_batch_size": 4,
@@ -99,7 +99,7 @@ def test_bf16_tracks_fp32_on_cuda(tmp_path):
     on an H100). (The GRPO loss's own
     gradient on random tokens with zero-mean advantages is a near-cancellation of per-row terms, so its bf16 relative
     error is large for any implementation; the per-token log-prob gradient is what bf16 compute must preserve.)"""
-    from grail_exp.forward import policy_forward
+    from grail_exp.compute.forward import policy_forward
 
     l32, _, _ = _train(tmp_path, "float32", 1e-5, 3)
     l16, _, _ = _train(tmp_path, "bfloat16", 1e-5, 3)
@@ -121,7 +121,7 @@ def test_bf16_tracks_fp32_on_cuda(tmp_path):
 
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 2e-2)])
 def test_grail_shared_forward_equals_separate_probe_on_cuda(tmp_path, dtype, atol):
-    from grail_exp.forward import policy_forward
+    from grail_exp.compute.forward import policy_forward
 
     cfg, model, tok, batch = _setup(tmp_path, "grail", dtype, ["advantage.symmetry=both"])
     module = _module(cfg, model, tok)
@@ -142,9 +142,9 @@ def test_grail_probe_on_its_rows_only_on_cuda(tmp_path, dtype, atol, monkeypatch
     """The probe's backward on the leading rows that hold the probe rows (``trainer.narrow_backward=true``, off by
     default on CUDA until this measures it: the policy's linear layers narrow, the attention is SDPA's here) gives the
     weights of the backward over every row."""
-    import grail_exp.forward as forward_mod
-    from grail_exp.forward import decoder_body, policy_forward
-    from grail_exp.leading_rows import RowNarrowingLinear, leading_rows, narrow_backward
+    import grail_exp.compute.forward as forward_mod
+    from grail_exp.compute.forward import decoder_body, policy_forward
+    from grail_exp.compute.leading_rows import RowNarrowingLinear, leading_rows, narrow_backward
 
     cfg, model, tok, batch = _setup(tmp_path, "grail", dtype)
     narrow_backward(model, decoder_body(model))  # what model building does with trainer.narrow_backward=true

@@ -46,7 +46,7 @@ def problem_batch(tok, rows, step=0):
     """A SchemeBatch like the trainer's from (problem, answer, completion text, advantage) rows."""
     from grail_exp.advantages import SchemeBatch
     from grail_exp.data.prompting import encode_prompts
-    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
 
     prompts = encode_prompts([r[0] for r in rows], tok, CHAT_MODEL_CFG)
@@ -85,7 +85,7 @@ COMMON_SYSTEM = ("You are a careful arithmetic tutor. Work through the operation
 def interleaved_training_batch(tok, system: str | None = None):
     """A TrainingBatch of ``INTERLEAVED_ROWS``: left-padded prompts of three lengths, groups interleaved and of
     unequal size, advantages = reward minus the group mean. ``system``: a system turn before each question."""
-    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
     from grail_exp.training.batch import TrainingBatch
 

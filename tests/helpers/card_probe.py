@@ -28,7 +28,7 @@ class CardProbe:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _write(self, point: str, **data) -> None:
-        from grail_exp.training import world
+        from grail_exp import world
 
         with open(self.dir / f"rank{world.rank()}.jsonl", "a") as f:
             f.write(json.dumps({"point": point, **data}) + "\n")
@@ -56,7 +56,7 @@ class CardProbe:
 
     def synced(self, backend, engine):
         from grail_exp.data.prompting import encode_prompts
-        from grail_exp.forward import position_ids_from_mask
+        from grail_exp.compute.forward import position_ids_from_mask
         from grail_exp.rollout import SamplingParams, pad_completions
 
         module = backend.module

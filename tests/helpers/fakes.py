@@ -4,7 +4,7 @@
 and the sample index — never on an RNG or on which process generates them — so a 2-process DDP run and a
 1-process run see exactly the same rollouts (``rollout.engine=helpers.fakes:ScriptedEngine``).
 ``AlternatingVerifier`` grades every third completion correct, whatever it says (tests monkeypatch it in for
-``grail_exp.rewards.MathVerifier``), so advantages are non-zero even for a random model.
+``grail_exp.grading.rewards.MathVerifier``), so advantages are non-zero even for a random model.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class AlternatingVerifier:
         self.counters = {"timeout": 0}
 
     def score(self, completions, golds):
-        from grail_exp.rewards import GradeResult
+        from grail_exp.grading.rewards import GradeResult
 
         return [GradeResult(i % 3 == 0, "x", "ok") for i in range(len(completions))]
 

@@ -28,7 +28,7 @@ def build_module(cfg, model_dir):
     """The run's building blocks, on a local tiny model, without the Lightning Trainer."""
     from grail_exp.advantages import build_scheme
     from grail_exp.data import build_source
-    from grail_exp.models import load_causal_lm, load_tokenizer
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker
     from grail_exp.training.module import GRPOModule

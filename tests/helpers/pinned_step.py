@@ -56,7 +56,7 @@ def pinned_config(overrides):
 
 def build_model_and_tokenizer():
     from grail_exp.data.arithmetic import ArithmeticTask
-    from grail_exp.embedded import build_model, build_tokenizer
+    from grail_exp.models.embedded import build_model, build_tokenizer
 
     tok = build_tokenizer("qwen", ArithmeticTask())
     model = build_model(TINY, tok, seed=0).float()
@@ -95,7 +95,7 @@ def pinned_module(dtype, overrides=()):
     the pinned batch with its group advantages, for ``advantage=grpo`` plus ``overrides``."""
     from grail_exp.advantages import build_scheme
     from grail_exp.estimators.group import group_advantages
-    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.training.module import GRPOModule, TrainingBatch
 
     cfg = pinned_config(["advantage=grpo", *overrides])
@@ -131,7 +131,7 @@ def run_case_legacy(overrides):
     """The pre-refactor trainer API (commit 2d87701): used once to write the pinned file."""
     from grail_exp.advantages import build_scheme
     from grail_exp.estimators.group import group_advantages
-    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.training.module import GRPOModule, TrainingBatch
 
     cfg = pinned_config(overrides)

@@ -57,7 +57,7 @@ def check_family_config(cfg) -> list[str]:
     ds = cfg.get("rollout", {}).get("dynamic_sampling") if hasattr(cfg, "get") else None
     if ds is not None and ds.enabled:
         t = cfg.trainer
-        from grail_exp.training.world import configured_world_size
+        from grail_exp.world import configured_world_size
 
         world = configured_world_size(t)
         if ds.max_extra_rounds < 0:

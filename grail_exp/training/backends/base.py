@@ -17,7 +17,7 @@ probe gradient inside the policy forward), so the operations that differ between
   (collectives on every rank).
 - ``placed`` and the ``after_*`` hooks: memory hygiene at the phases' boundaries (after a probe backward, a backward,
   an optimiser step, a generation), no-ops here; the local backend hands freed host heap back to the OS when the
-  policy is on the CPU (``grail_exp/host.py``). ``placed`` runs once the policy sits on its device, sharded or wrapped,
+  policy is on the CPU (``grail_exp/compute/host.py``). ``placed`` runs once the policy sits on its device, sharded or wrapped,
   so hooks on its parameters are set on the parameters that train.
 - ``planned_*``, ``memory_layout``, ``shards_parameters``, ``shard_options``: the memory planner's questions
   (``grail_exp/memory.py``), answered by the class from the config alone, before any model exists: the model state
@@ -37,8 +37,8 @@ from typing import Callable, ClassVar, NamedTuple
 
 import torch
 
-from grail_exp.forward import policy_forward, share_prompts_of
-from grail_exp.tensor_chunks import chunked
+from grail_exp.compute.forward import policy_forward, share_prompts_of
+from grail_exp.compute.chunks import chunked
 from grail_exp.training import probe
 
 BACKENDS: dict[str, type["UpdateBackend"]] = {}
@@ -158,7 +158,7 @@ class UpdateBackend:
 
     def forward(self, model, input_ids, attention_mask, position_ids, completion_ids, *, hidden_states: bool = False,
                 hold_gathered: bool = False):
-        """``grail_exp.forward.policy_forward`` of ``model`` on a micro-batch: (logp, entropy, PolicyForward).
+        """``grail_exp.compute.forward.policy_forward`` of ``model`` on a micro-batch: (logp, entropy, PolicyForward).
         ``hold_gathered``: work between this forward and the micro-batch's ``backward`` calls the model again on some
         ranks only (a scheme's probe gradient or extra forward on the rows that need it): a sharded backend keeps the
         parameters gathered until then, so that work runs no collective of its own."""
@@ -171,7 +171,7 @@ class UpdateBackend:
     @property
     def share_prompts(self) -> bool:
         """``trainer.share_prompts`` resolved: each distinct prompt of a micro-batch computed once
-        (``grail_exp.forward.body_forward``)."""
+        (``grail_exp.compute.forward.body_forward``)."""
         return share_prompts_of(self.cfg)
 
     def full_parameters(self):

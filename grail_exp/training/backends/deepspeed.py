@@ -37,7 +37,7 @@ import os
 import torch
 
 from grail_exp.optim import build_optimizer
-from grail_exp.training import world
+from grail_exp import world
 from grail_exp.training.backends.base import PlanItem, StepResult, UpdateBackend, more_ranks, register_backend
 
 

@@ -22,16 +22,16 @@ from contextlib import contextmanager
 
 import torch
 
-from grail_exp.forward import policy_forward
+from grail_exp.compute.forward import policy_forward
 from grail_exp.optim import build_optimizer, grad_params
-from grail_exp.tensor_chunks import chunked
+from grail_exp.compute.chunks import chunked
 from grail_exp.training.backends.base import PlanItem, UpdateBackend, more_ranks, raw_optimizer, register_backend
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 
 class PolicyCore(torch.nn.Module):
-    """The policy forward of a micro-batch as one module call (the FSDP root unit): ``grail_exp.forward.policy_forward``."""
+    """The policy forward of a micro-batch as one module call (the FSDP root unit): ``grail_exp.compute.forward.policy_forward``."""
 
     def __init__(self, policy: torch.nn.Module):
         super().__init__()
@@ -51,7 +51,7 @@ def shard_policy(policy: torch.nn.Module, cfg) -> PolicyCore:
     between its forward and backward so the schemes can read the output layer and the embeddings)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from grail_exp.models import DTYPES, decoder_layer_classes
+    from grail_exp.models.loading import DTYPES, decoder_layer_classes
 
     compute = DTYPES[cfg.model.dtype]
     mp = MixedPrecisionPolicy(param_dtype=compute if compute != torch.float32 else None, reduce_dtype=torch.float32)

@@ -10,7 +10,7 @@ normalisers count every rank's rows (``world_size`` in the aggregation), so afte
 that of one process on the whole batch.
 
 On the CPU this backend also hands freed heap back to the OS at the phases' boundaries and, inside each backward, at
-``trainer.backward_heap_returns`` points down the decoder (``grail_exp/host.py``): a CPU run's tensors live in the
+``trainer.backward_heap_returns`` points down the decoder (``grail_exp/compute/host.py``): a CPU run's tensors live in the
 process heap, which glibc otherwise keeps at the last phase's high-water mark (docs/performance.md).
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.host import return_freed_memory, return_freed_memory_after_gradients
-from grail_exp.models import decoder_layers
+from grail_exp.compute.host import return_freed_memory, return_freed_memory_after_gradients
+from grail_exp.models.loading import decoder_layers
 from grail_exp.optim import GRAD_ACCUM_DTYPES, build_optimizer, grad_params
-from grail_exp.training import world
+from grail_exp import world
 from grail_exp.training.backends.base import PlanItem, UpdateBackend, more_ranks, raw_optimizer, register_backend
 
 

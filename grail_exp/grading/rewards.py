@@ -11,7 +11,7 @@ LaTeX extractor treats the bare box content as inline math, then compared with
 ``math_verify.verify(gold, pred)`` (gold first: verify is not symmetric).
 Other extraction rules (the GRAIL reference's own, or math-verify's extraction
 over the whole completion) are chosen by ``reward.extraction`` /
-``benchmark.extraction``: see ``grail_exp.extraction``.
+``benchmark.extraction``: see ``grail_exp.grading.extraction``.
 
 Why worker processes and hard timeouts
 --------------------------------------
@@ -26,7 +26,7 @@ for minutes or forever. math-verify guards itself with ``signal.alarm``, but
   inside a C extension (e.g. a giant integer power) is not interrupted at all.
 
 The only reliable bound is to grade in separate processes and kill a process
-that overruns. ``MathVerifier`` therefore grades in a ``grail_exp.grading_pool``
+that overruns. ``MathVerifier`` therefore grades in a ``grail_exp.grading.pool``
 ``WorkerPool``: a few long-lived worker processes (started lazily, reused across
 calls), one answer at a time each, under a hard deadline; on overrun the worker
 is killed, the answer records ``status="timeout"`` (reward 0) and a fresh
@@ -37,7 +37,7 @@ This module imports only the standard library (math_verify lazily, inside the
 grading functions) so that spawned workers start fast; in particular it must
 never import torch.
 
-Note: the workers import ``grail_exp.rewards`` and, with the ``spawn`` start
+Note: the workers import ``grail_exp.grading.rewards`` and, with the ``spawn`` start
 method, the parent's ``__main__`` script (without running its main block);
 keep both light for fast worker start-up.
 """
@@ -51,7 +51,7 @@ import threading
 from dataclasses import dataclass
 
 from grail_exp import faults
-from grail_exp.grading_pool import Failed, WorkerPool
+from grail_exp.grading.pool import Failed, WorkerPool
 
 __all__ = ["grade_one", "GradeResult", "MathVerifier", "STATUSES"]
 
@@ -131,7 +131,7 @@ def _grade_with_status(
 
     ``whole=False``: ``pred`` is an extracted answer, parsed as ``$pred$`` (``extracted`` = ``pred``).
     ``whole=True``: ``pred`` is a whole completion and math-verify extracts the answer itself
-    (``grail_exp.extraction``, mode ``math_verify``); ``extracted`` is the text it found, None if none.
+    (``grail_exp.grading.extraction``, mode ``math_verify``); ``extracted`` is the text it found, None if none.
     """
     if pred is None or not pred.strip():
         return False, "no_answer", pred if not whole else None
@@ -203,7 +203,7 @@ def _grade_in_worker(pred: str, gold: str, whole: bool, *, parse_timeout, verify
 
 
 class MathVerifier:
-    """Grades answers with math-verify in killable worker processes (``grail_exp.grading_pool.WorkerPool``).
+    """Grades answers with math-verify in killable worker processes (``grail_exp.grading.pool.WorkerPool``).
 
     ``num_workers`` long-lived workers are started on first use and reused.
     Each answer gets at most ``hard_timeout_s`` seconds of wall time in its
@@ -218,7 +218,7 @@ class MathVerifier:
     ``correct`` <= #ok. Calls are serialised by a lock.
 
     ``extraction``: the rule ``score`` uses unless told otherwise, a key of
-    ``grail_exp.extraction.RULES`` (``last_balanced``, ``paper_reward``,
+    ``grail_exp.grading.extraction.RULES`` (``last_balanced``, ``paper_reward``,
     ``paper_eval``, ``math_verify``). Every rule grades under the same hard
     timeout: ``math_verify`` sends the whole completion to the worker.
     """
@@ -233,7 +233,7 @@ class MathVerifier:
         extraction: str = "last_balanced",
         _allow_debug: bool = False,
     ) -> None:
-        from grail_exp.extraction import RULES
+        from grail_exp.grading.extraction import RULES
 
         if extraction not in RULES:
             raise ValueError(f"unknown extraction rule {extraction!r}; valid: {', '.join(RULES)}")
@@ -302,7 +302,7 @@ class MathVerifier:
 
     def score(self, completions: list[str], golds: list[str], extraction: str | None = None) -> list[GradeResult]:
         """Extract each completion's answer with rule ``extraction`` (default: ``self.extraction``), then ``grade``."""
-        from grail_exp.extraction import RULES
+        from grail_exp.grading.extraction import RULES
 
         rule = self.extraction if extraction is None else extraction
         if rule not in RULES:

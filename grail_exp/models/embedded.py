@@ -247,7 +247,7 @@ def greedy_accuracy(model, tokenizer, problems, chat_template_kwargs, instructio
     Exact string match is enough for this integer-valued task and keeps the warm-start loop fast;
     RL and evaluation grade with math-verify.
     """
-    from grail_exp.boxed import extract_last_boxed
+    from grail_exp.grading.boxed import extract_last_boxed
 
     was_training = model.training
     model.eval()
@@ -320,7 +320,7 @@ def _task_spec(task: ArithmeticTask) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- shipped artifact
-SHIPPED_DIR = Path(__file__).resolve().parent / "data" / "embedded"
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data" / "embedded"
 MANIFEST = "grail_exp_manifest.json"
 
 

@@ -20,7 +20,7 @@ The spans are checked against the shapes they meet: a product narrows only when 
 positions (linear layers) are exactly the pass's, so a node of another pass that this backward might run is computed
 whole. A process-wide setting, not a thread-local one: autograd runs a CUDA backward on its own device thread.
 
-Model building (``grail_exp/models.py``, ``trainer.narrow_backward``) swaps the policy's linear layers and marks the
+Model building (``grail_exp/models/loading.py``, ``trainer.narrow_backward``) swaps the policy's linear layers and marks the
 model (``narrow_backward``); a forward of a marked model narrows the input gradients a scheme asks of its leading rows
 (``PolicyForward.input_gradient``). Schemes and the training phases never import this file.
 

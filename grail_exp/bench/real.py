@@ -156,7 +156,7 @@ def _build(overrides: list[str], scheme: str):
     from grail_exp.training.module import GRPOModule
     from grail_exp.validate import validate
     from grail_exp.tracking import NullTracker
-    from grail_exp.training.job import build_parts
+    from grail_exp.job import build_parts
 
     register_configs()
     out_dir = tempfile.mkdtemp(prefix="bench_real_")
@@ -490,7 +490,7 @@ def cli(argv: list[str]) -> dict:
     from omegaconf import OmegaConf
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    bench = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "bench.yaml")
+    bench = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "bench.yaml")
     mine = [a[len("bench."):] if a.startswith("bench.") else a for a in argv
             if a.split("=", 1)[0].startswith("bench.") or a.split("=", 1)[0] in ("json", "markdown")]
     overrides = [a for a in argv if not (a.split("=", 1)[0].startswith("bench.") or a.split("=", 1)[0] in ("json", "markdown"))]

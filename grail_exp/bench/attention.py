@@ -5,7 +5,7 @@
 One attention layer's forward + backward at each ``bench.attention.shapes`` entry (query positions, key positions),
 with the heads of ``bench.attention`` (default SmolLM2-135M's: 9 query heads sharing 3 key/value heads of 64, 16 rows,
 bfloat16), a causal mask aligned to the last key and a few left-padded rows: PyTorch's fused
-``scaled_dot_product_attention`` (grouped-query heads in the kernel) and ``grail_exp.cpu_attention`` (two products and
+``scaled_dot_product_attention`` (grouped-query heads in the kernel) and ``grail_exp.compute.attention`` (two products and
 a float32 softmax). Medians of ``bench.repeats`` timed calls after ``bench.warmup``, alternating the two so drift of a
 shared machine hits both. The table says which one ``model.cpu_explicit_attention_max_scores`` (query × key positions)
 picks for each shape: the crossover on this machine is where the ratio passes 1. Each row also checks that both give
@@ -47,7 +47,7 @@ def _inputs(rows: int, heads: int, kv_heads: int, head_dim: int, lq: int, lk: in
 
 
 def time_shape(a: DictConfig, lq: int, lk: int, warmup: int, repeats: int, seed: int) -> dict:
-    from grail_exp.cpu_attention import explicit_attention
+    from grail_exp.compute.attention import explicit_attention
 
     dtype = getattr(torch, a.dtype)
     q, k, v, mask, grad = _inputs(a.rows, a.heads, a.kv_heads, a.head_dim, lq, lk, dtype, seed)
@@ -79,8 +79,8 @@ def time_shape(a: DictConfig, lq: int, lk: int, warmup: int, repeats: int, seed:
 
 def time_policy(cfg: DictConfig, policy, batch, bench: DictConfig) -> dict:
     """The policy's forward + backward over the batch, fused kernel vs the run's setting, alternating per batch."""
-    from grail_exp.forward import policy_forward, share_prompts_of
-    from grail_exp.models import use_kernel_gqa
+    from grail_exp.compute.forward import policy_forward, share_prompts_of
+    from grail_exp.models.loading import use_kernel_gqa
 
     setting = int(cfg.model.cpu_explicit_attention_max_scores)
     share, micro, rows = share_prompts_of(cfg), int(bench.micro_batch_size), batch.input_ids.shape[0]

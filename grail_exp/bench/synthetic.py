@@ -119,7 +119,7 @@ def scheme_names(bench: DictConfig) -> list[str]:
 def synthetic_batch(tokenizer, bench: DictConfig, cfg: DictConfig, device):
     """A rollout batch of fixed shape: random ordinary tokens, a boxed answer, alternating or constant rewards."""
     from grail_exp.estimators import EstimatorInput, estimate
-    from grail_exp.forward import position_ids_from_mask
+    from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.training.batch import TrainingBatch
 
     g = torch.Generator().manual_seed(int(bench.seed))
@@ -213,7 +213,7 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
                  device) -> list[dict]:
     """Per-step phase times of one scheme for each of ``bench.repeats`` timed rollout batches (after the warm-up)."""
     from grail_exp.advantages import build_scheme
-    from grail_exp.forward import share_prompts_of
+    from grail_exp.compute.forward import share_prompts_of
     from grail_exp.training.module import GRPOModule
     from grail_exp.tracking import NullTracker
 
@@ -289,7 +289,7 @@ def table_markdown(results: dict, baseline: str = "grpo") -> str:
 
 
 def describe(cfg: DictConfig, policy, bench: DictConfig, device) -> dict:
-    from grail_exp.models import count_parameters
+    from grail_exp.models.loading import count_parameters
 
     c = policy.config
     return {"model": cfg.model.name, "random_init": bool(cfg.model.get("random_init")),
@@ -309,16 +309,16 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     bench, overrides = parse_args(argv)
-    if bench.mode == "real":  # real training steps of an experiment (grail_exp/bench_real.py)
-        from grail_exp.bench_real import main as real_main
+    if bench.mode == "real":  # real training steps of an experiment (grail_exp/bench/real.py)
+        from grail_exp.bench.real import main as real_main
 
         return real_main(bench, overrides, argv)
     if bench.mode == "attention":  # the fused CPU attention kernel against the explicit one (bench_attention.py)
-        from grail_exp.bench_attention import main as attention_main
+        from grail_exp.bench.attention import main as attention_main
 
         if not overrides:  # one attention layer per shape only
             return attention_main(bench, argv)
-        from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+        from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
         with tempfile.TemporaryDirectory() as tmp:  # and the run's policy forward + backward on the synthetic batch
             cfg = compose_run_config(overrides, "grpo", bench, tmp)
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
                           else ("cpu" if bench.device == "auto" else bench.device))
     torch.manual_seed(int(bench.seed))
     names = scheme_names(bench)
-    from grail_exp.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = table_markdown(results)
     print(table, flush=True)
     payload = {"schemes": results, "config": config, "command": "python -m grail_exp.bench " + " ".join(argv)}
-    from grail_exp.bench_real import write_outputs
+    from grail_exp.bench.real import write_outputs
 
     write_outputs(bench, payload, json.dumps(config), table)
     return payload

@@ -1,7 +1,7 @@
 """The grader's process pool: long-lived worker processes that each run one job at a time under a hard deadline, and
 are killed and replaced when a job overruns it or crashes them.
 
-Why processes that can be killed (``grail_exp.rewards`` explains what hangs): math-verify runs sympy on untrusted
+Why processes that can be killed (``grail_exp.grading.rewards`` explains what hangs): math-verify runs sympy on untrusted
 model output, and neither its ``signal.alarm`` timeouts (main thread only, whole seconds, per expression) nor a Python
 signal handler (it never runs inside a long C-level computation) bound the time an answer takes. Only a process that
 is killed on overrun does. ``concurrent.futures`` is deliberately not used: a hung task in its pools cannot be killed.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.leading_rows import live_rows, pad_rows, will_run
+from grail_exp.compute.leading_rows import live_rows, pad_rows, will_run
 
 SDPA_GQA = "sdpa_gqa"  # transformers' SDPA attention, grouped-query heads left to the kernel on CPU (models.use_kernel_gqa)
 
@@ -84,7 +84,7 @@ class ExplicitAttention(torch.autograd.Function):
         q, k, v, mask, lse = ctx.saved_tensors
         need = [will_run(ctx, i) for i in range(3)]
         b = q.shape[0]
-        r = live_rows(b)  # a backward whose cotangent is zero past row r (``grail_exp.leading_rows``)
+        r = live_rows(b)  # a backward whose cotangent is zero past row r (``grail_exp.compute.leading_rows``)
         if r is not None:
             q, k, v, lse, grad_out = q[:r], k[:r], v[:r], lse[:r], grad_out[:r]
             mask = mask[:r] if mask.shape[0] == b else mask
@@ -181,7 +181,7 @@ class SuffixPacking:
 
 class PrefixSuffixKV:
     """One layer's keys and values in the suffix pass of a micro-batch whose distinct prompts were computed once
-    (``grail_exp/forward.py``): the prompts' (U rows, L positions) and the rows' own suffix (B rows, S positions;
+    (``grail_exp/compute/forward.py``): the prompts' (U rows, L positions) and the rows' own suffix (B rows, S positions;
     ``packing``: the pass ran on the real positions only and these are unpacked from them)."""
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, keys: torch.Tensor,
@@ -233,7 +233,7 @@ class PrefixSuffixAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse = ctx.saved_tensors
         need = [will_run(ctx, i) for i in range(5)]
-        r = live_rows(q.shape[0])  # a backward whose cotangent is zero past row r (``grail_exp.leading_rows``)
+        r = live_rows(q.shape[0])  # a backward whose cotangent is zero past row r (``grail_exp.compute.leading_rows``)
         if r is None:
             grads = _prefix_suffix_backward(q, kp, vp, ks, vs, prefix_mask, suffix_mask, lse, grad_out, ctx.scale,
                                             ctx.groups, need)

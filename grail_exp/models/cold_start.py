@@ -77,8 +77,8 @@ def estimate(base_dir: str, cs) -> str:
     in seconds (not measured here)."""
     import torch
 
-    from grail_exp.architectures import parameter_counts
-    from grail_exp.embedded import duration_words
+    from grail_exp.models.architectures import parameter_counts
+    from grail_exp.models.embedded import duration_words
 
     what = f"{cs.steps} AdamW steps x {cs.batch_size} problems"
     if torch.cuda.is_available():
@@ -96,11 +96,11 @@ def estimate(base_dir: str, cs) -> str:
 def ensure_cold_start(base_dir: str, cfg, load_tokenizer, load_causal_lm) -> str:
     """The cold-started model directory for ``cfg`` (built from ``base_dir`` on first use, then cached).
 
-    ``load_tokenizer`` / ``load_causal_lm``: ``grail_exp.models``' loaders, handed in by ``models.resolve_model_path``
+    ``load_tokenizer`` / ``load_causal_lm``: ``grail_exp.models.loading``' loaders, handed in by ``models.resolve_model_path``
     (the one caller), so that this module stays below models.py instead of importing it back."""
     from filelock import FileLock
 
-    from grail_exp.study import weights_sha256
+    from grail_exp.analysis.study import weights_sha256
 
     tokenizer = load_tokenizer(base_dir, cfg)
     s = spec(cfg, weights_sha256(base_dir), tokenizer)

@@ -46,7 +46,7 @@ are 0 there.
 
 On CPU with the ``sdpa_gqa`` attention the suffix pass does not copy the prompt to each row: its cache hands the
 attention each prompt's keys and values once, and the rows of a prompt attend to them in one product
-(``grail_exp.cpu_attention.PrefixSuffixAttention``; the autograd sum over rows then happens inside that product).
+(``grail_exp.compute.attention.PrefixSuffixAttention``; the autograd sum over rows then happens inside that product).
 Its position-wise work — projections, MLP, norms — then runs on each row's own positions only (``suffix_pass``,
 ``SuffixPacking``): the rows' suffixes up to their last token are packed into one sequence, and the attention unpacks
 queries, keys and values to the (B, S) layout under its mask. Completion lengths vary within a micro-batch (SmolLM2's
@@ -54,7 +54,7 @@ average ~16 tokens, its micro-batches' longest ~20), so this leaves out the padd
 
 This file sits below everything that runs a policy forward (the training phases, the update backends, the advantage
 schemes, the teacher of RLSD / SDPG, the weights and bench tools) and imports nothing of the project but
-``grail_exp.logprobs`` and ``grail_exp.cpu_attention``.
+``grail_exp.compute.logprobs`` and ``grail_exp.compute.attention``.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.cpu_attention import SDPA_GQA, PrefixSuffixKV, RowGroups, SuffixPacking
-from grail_exp.leading_rows import LeadingRows, leading_rows, narrows
-from grail_exp.logprobs import linear_logprob
+from grail_exp.compute.attention import SDPA_GQA, PrefixSuffixKV, RowGroups, SuffixPacking
+from grail_exp.compute.leading_rows import LeadingRows, leading_rows, narrows
+from grail_exp.compute.logprobs import linear_logprob
 
 SHARE_PROMPTS = ("auto", True, False)  # trainer.share_prompts
 MIN_COMMON_PREFIX_SAVING = 64  # positions ((U - 1) · c) from which ``auto`` computes a common prefix once
@@ -157,7 +157,7 @@ def _prefix_layer_class():
 
 def grouped_prefix_attention(model) -> bool:
     """Whether the suffix pass hands the attention the prompts apart (``SharedPrefix.cache(grouped=True)``): the
-    model's attention is ``sdpa_gqa`` (``grail_exp.models.use_kernel_gqa``) on CPU, which reads that form where its
+    model's attention is ``sdpa_gqa`` (``grail_exp.models.loading.use_kernel_gqa``) on CPU, which reads that form where its
     explicit attention applies (under autograd, short sequences) and concatenates the parts elsewhere."""
     cfg = getattr(model, "config", None)
     return (getattr(cfg, "_attn_implementation", None) == SDPA_GQA
@@ -183,7 +183,7 @@ class BodyOutput:
 
     def leading_rows(self, rows: int) -> LeadingRows:
         """The first ``rows`` rows of the pass ``embeds`` feeds, for a backward whose cotangent is zero past them
-        (``grail_exp.leading_rows``)."""
+        (``grail_exp.compute.leading_rows``)."""
         B, S = self.embeds.shape[:2]
         if self.row_offsets is None:
             return LeadingRows(rows, B, rows * S, B * S)
@@ -218,7 +218,7 @@ class PolicyForward(BodyOutput):
     def input_gradient(self, J: torch.Tensor, leaf: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """∂J/∂leaf through this forward's graph, which is kept for the loss's backward. ``rows``: J reads the first
         ``rows`` rows of the micro-batch only, so every cotangent past them is zero; a forward whose model narrows
-        computes those rows only (``grail_exp.leading_rows``), any other computes every row (zeros past them)."""
+        computes those rows only (``grail_exp.compute.leading_rows``), any other computes every row (zeros past them)."""
         span = self.leading_rows(rows) if rows is not None and self.narrows else None
         with leading_rows(span):
             (g,) = torch.autograd.grad(J, leaf, retain_graph=True)
@@ -507,7 +507,7 @@ def policy_forward(model, input_ids, attention_mask, position_ids, completion_id
     prompt once with ``share_prompts``) and the output layer through ``linear_logprob`` (chunks of ``chunk_tokens``
     rows; no (B, C, V) float32 logits). For causal LMs whose head is a plain linear layer (Qwen3, Llama, Mistral, ...)
     this is the model's own forward, computed differently. ``logprob_dtype`` (``trainer.logprob_dtype``): ``float32``
-    or ``model`` (rounded as the reference's bf16 log-probs; ``grail_exp.logprobs``).
+    or ``model`` (rounded as the reference's bf16 log-probs; ``grail_exp.compute.logprobs``).
     """
     P = input_ids.shape[1] - completion_ids.shape[1]
     body = body_forward(model, input_ids, attention_mask, position_ids, P, share_prompts=share_prompts,

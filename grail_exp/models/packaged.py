@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from grail_exp.packaged_tokenizers import installed_package_dir, registry_entry
+from grail_exp.models.tokenizers import installed_package_dir, registry_entry
 
 log = logging.getLogger(__name__)
 

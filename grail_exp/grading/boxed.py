@@ -1,4 +1,4 @@
-"""Finding ``\\boxed{...}`` in text: the primitives the extraction rules (``grail_exp.extraction``, which the grader
+"""Finding ``\\boxed{...}`` in text: the primitives the extraction rules (``grail_exp.grading.extraction``, which the grader
 uses) and the answer spans (``grail_exp.spans``) share. Standard library only, linear time."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ The five paper models' ``config.json`` files ship in ``grail_exp/data/architectu
 model with ``AutoModelForCausalLM.from_config`` under ``model.init_seed`` (the global RNG is left
 untouched). Checkpoints of such a run are ordinary Hugging Face directories.
 
-``python -m grail_exp.architectures`` prints the parameter counts (the real module tree, built on the
+``python -m grail_exp.models.architectures`` prints the parameter counts (the real module tree, built on the
 meta device: no memory) and the memory of a bf16 + fp32-master-weights + AdamW training step.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from grail_exp.errors import UserError
 
-ARCH_DIR = Path(__file__).resolve().parent / "data" / "architectures"
+ARCH_DIR = Path(__file__).resolve().parents[1] / "data" / "architectures"
 MARKER = "grail_exp_random_init.json"  # written beside config.json; its presence means "build, don't load"
 
 
@@ -160,7 +160,7 @@ def build_random_model(path: str | os.PathLike, dtype, attn_implementation: Opti
 
 def check_model_config(model_cfg) -> list[str]:
     """Problems with the random-init / tokenizer keys of ``model`` (for ``validate.py``)."""
-    from grail_exp.packaged_tokenizers import check_spec, is_packaged
+    from grail_exp.models.tokenizers import check_spec, is_packaged
 
     e: list[str] = []
     tok = model_cfg.get("tokenizer_name_or_path")

@@ -6,9 +6,9 @@ warm-started one when the build is exactly the one that ships (``model.shipped_w
 Loading is safe by default: safetensors only, ``trust_remote_code=false`` unless the config says otherwise.
 
 ``model.random_init=true`` builds the model's exact architecture with random weights, offline
-(``grail_exp/architectures.py``); ``model.tokenizer_name_or_path`` picks another tokenizer, e.g. a real
-one shipped by a package (``pkg:qwen3``, ``grail_exp/packaged_tokenizers.py``). ``model.name_or_path: pkg:smollm2``
-loads a real pretrained model shipped by a package (``grail_exp/packaged_models.py``).
+(``grail_exp/models/architectures.py``); ``model.tokenizer_name_or_path`` picks another tokenizer, e.g. a real
+one shipped by a package (``pkg:qwen3``, ``grail_exp/models/tokenizers.py``). ``model.name_or_path: pkg:smollm2``
+loads a real pretrained model shipped by a package (``grail_exp/models/packaged.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from grail_exp.cpu_attention import (DEFAULT_MAX_SCORES, SDPA_GQA, PrefixSuffixKV, explicit_attention,
+from grail_exp.compute.attention import (DEFAULT_MAX_SCORES, SDPA_GQA, PrefixSuffixKV, explicit_attention,
                                      prefix_suffix_attention)
 from grail_exp.errors import UserError
-from grail_exp.forward import decoder_body
-from grail_exp.leading_rows import narrow_backward
+from grail_exp.compute.forward import decoder_body
+from grail_exp.compute.leading_rows import narrow_backward
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def check_local_files(model_cfg) -> list[str]:
     checked where they load. (``model.random_init`` builds from the architecture: ``check_model_config`` checks it.)"""
     import json
 
-    from grail_exp.architectures import ArchitectureError, load_architecture
+    from grail_exp.models.architectures import ArchitectureError, load_architecture
 
     e: list[str] = []
     name, tok = model_cfg.get("name_or_path"), model_cfg.get("tokenizer_name_or_path")
@@ -72,11 +72,11 @@ def check_local_files(model_cfg) -> list[str]:
 
 def resolve_model_path(cfg) -> str:
     """The directory or hub id to load; builds the embedded model when ``model.name_or_path`` is null, and the
-    cached supervised cold start on top when ``model.cold_start.enabled`` (grail_exp/cold_start.py)."""
+    cached supervised cold start on top when ``model.cold_start.enabled`` (grail_exp/models/cold_start.py)."""
     path = _resolve_base(cfg)
     cs = cfg.model.get("cold_start")
     if cs is not None and cs.enabled:
-        from grail_exp.cold_start import ensure_cold_start
+        from grail_exp.models.cold_start import ensure_cold_start
 
         return ensure_cold_start(path, cfg, load_tokenizer, load_causal_lm)
     return path
@@ -85,20 +85,20 @@ def resolve_model_path(cfg) -> str:
 def _resolve_base(cfg) -> str:
     m = cfg.model
     if m.get("random_init"):
-        from grail_exp.architectures import ArchitectureError, materialize_random_init
+        from grail_exp.models.architectures import ArchitectureError, materialize_random_init
 
         try:
             return str(materialize_random_init(m, _cache_dir(cfg)))
         except ArchitectureError as exc:
             raise ModelLoadError(str(exc)) from exc
     if m.name_or_path is None:
-        from grail_exp.embedded import ensure_embedded_model
+        from grail_exp.models.embedded import ensure_embedded_model
 
         path = ensure_embedded_model(**embedded_build_args(cfg), cache_dir=cfg.paths.cache_dir,
                                      use_shipped=m.get("shipped_weights", True))
         return str(path)
     name = str(m.name_or_path)
-    from grail_exp.packaged_models import PackagedModelError, is_packaged_model, resolve as resolve_packaged_model
+    from grail_exp.models.packaged import PackagedModelError, is_packaged_model, resolve as resolve_packaged_model
 
     if is_packaged_model(name):  # pkg:<name>: a model file shipped by a package, converted once into the cache
         try:
@@ -195,8 +195,8 @@ def _cache_dir(cfg) -> str:
 def resolve_tokenizer_path(path: str, cfg) -> tuple[str, bool]:
     """(what to load, whether ``model.revision`` applies): ``model.tokenizer_name_or_path`` if set, else the
     packaged tokenizer a random-init directory names, else the model's own ``path``."""
-    from grail_exp.architectures import read_marker
-    from grail_exp.packaged_tokenizers import PackagedTokenizerError, is_packaged, resolve
+    from grail_exp.models.architectures import read_marker
+    from grail_exp.models.tokenizers import PackagedTokenizerError, is_packaged, resolve
 
     spec = cfg.model.get("tokenizer_name_or_path")
     key = "model.tokenizer_name_or_path"
@@ -244,7 +244,7 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
     """The policy (``trainable=True``) or a frozen copy (reference model)."""
     from transformers import AutoModelForCausalLM
 
-    from grail_exp.architectures import build_random_model, read_marker
+    from grail_exp.models.architectures import build_random_model, read_marker
 
     m = cfg.model
     if read_marker(path) is not None:  # model.random_init: the architecture in `path`, seeded random weights
@@ -284,13 +284,13 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
       kernel group them only without a mask, for CUDA kernels' sake), and autograd keeps the repeated copies — for
       SmolLM2 (9 query heads, 3 key/value heads) 3x the keys and values of every layer. The CPU kernel groups them
       itself (``enable_gqa``), with the same numbers (tests/test_share_prompts.py compares).
-    - short sequences under autograd: two products and a float32 softmax (``grail_exp/cpu_attention.py``) instead of
+    - short sequences under autograd: two products and a float32 softmax (``grail_exp/compute/attention.py``) instead of
       the fused kernel, up to ``model.cpu_explicit_attention_max_scores`` query × key positions (the attribute
       ``use_kernel_gqa`` sets on each attention module; 0 = never)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(key, PrefixSuffixKV):  # a suffix pass over shared prompts (grail_exp/forward.py)
+    if isinstance(key, PrefixSuffixKV):  # a suffix pass over shared prompts (grail_exp/compute/forward.py)
         kv = key
         if kv.packing is not None:  # a pass on its real positions only: this attention in the padded layout, repacked
             padded = PrefixSuffixKV(kv.kp, kv.vp, kv.ks, kv.vs, kv.groups)
@@ -356,7 +356,7 @@ def narrows_backward(cfg) -> bool:
 
 def narrow_if_configured(model, cfg) -> None:
     """A trainable policy's leading-rows backward computes those rows only when ``trainer.narrow_backward`` says so
-    (``grail_exp.leading_rows``: the decoder's linear layers swapped, the model marked)."""
+    (``grail_exp.compute.leading_rows``: the decoder's linear layers swapped, the model marked)."""
     if narrows_backward(cfg):
         narrow_backward(model, decoder_body(model))
 

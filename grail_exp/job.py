@@ -77,7 +77,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     from grail_exp.training.module import GRPOModule
     from grail_exp.tracking import NullTracker, build_tracker
 
-    from grail_exp import study
+    from grail_exp.analysis import study
 
     _quiet_lightning()
     done = study.finished(cfg)  # a restarted study: this arm is already recorded with this configuration
@@ -96,7 +96,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
         if rank == 0 else NullTracker()
     status, parts = "FAILED", None
-    if cfg.study.dir and rank == 0:  # this segment's code, recorded before it trains (grail_exp/study.py)
+    if cfg.study.dir and rank == 0:  # this segment's code, recorded before it trains (grail_exp/analysis/study.py)
         study.record_segment(cfg, Path(cfg.paths.output_dir), int(state["step"]) if state else 0)
     try:
         _log_start(cfg, tracker, state, ckpt)
@@ -145,7 +145,7 @@ def default_run_name(cfg: DictConfig) -> str:
 def export_devices_per_node(trainer_cfg) -> None:
     """The ranks per node, for ``distributed.launch_rank`` in the processes Lightning's launcher spawns (global rank
     = node rank x ranks per node + local rank): a count or a list of device ids (``world.devices_per_node``)."""
-    from grail_exp.training.world import devices_per_node
+    from grail_exp.world import devices_per_node
 
     os.environ["GRAIL_EXP_DEVICES_PER_NODE"] = str(devices_per_node(trainer_cfg.devices))
 
@@ -183,13 +183,13 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     """Model (built or downloaded: ``phases["model_build_s"]``), tokenizer, policy and reference, loss terms, scheme,
     rollout engine, verifier, data."""
     from grail_exp.advantages import build_scheme
-    from grail_exp.forward import share_prompts_of
+    from grail_exp.compute.forward import share_prompts_of
     from grail_exp.data import build_source
-    from grail_exp.embedded import read_build_report
-    from grail_exp.extraction import reward_rule
+    from grail_exp.models.embedded import read_build_report
+    from grail_exp.grading.extraction import reward_rule
     from grail_exp.loss import build_terms
-    from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
-    from grail_exp.rewards import MathVerifier
+    from grail_exp.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
+    from grail_exp.grading.rewards import MathVerifier
     from grail_exp.rollout import build_engine
     from grail_exp.training.backends import BACKENDS
 
@@ -202,7 +202,7 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
                             "warm_start.seconds": round(ws["seconds"], 1), "model.path": model_path})
     start_sha256 = None
     if cfg.study.dir or cfg.trainer.eval_cache:
-        from grail_exp.study import weights_sha256
+        from grail_exp.analysis.study import weights_sha256
 
         start_sha256 = weights_sha256(model_path)
         if state is None:
@@ -249,7 +249,8 @@ class Evaluator:
     def __call__(self, tag: str, step: int) -> dict[str, float]:
         from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
         from grail_exp.rollout.base import release
-        from grail_exp.training import probe, world
+        from grail_exp.training import probe
+        from grail_exp import world
 
         t = time.perf_counter()
         p, m = self.parts, self.module
@@ -418,13 +419,13 @@ def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: di
     results.update({f"phase/{k}": v for k, v in phases.items()})
     results["train/steps"] = module.step
     if module.rank == 0:
-        from grail_exp.plots import log_training_plots
+        from grail_exp.analysis.plots import log_training_plots
 
         # Training curves + weight plots (from <run dir>/weights) under plots/ of the run; never fatal.
         log_training_plots(tracker, Path(cfg.paths.output_dir), label=cfg.advantage.name)
         write_summary(cfg, results, tables, tracker)
         if cfg.study.dir:
-            from grail_exp.study import write_arm
+            from grail_exp.analysis.study import write_arm
 
             write_arm(cfg, run_dir=Path(cfg.paths.output_dir), start_sha256=start_sha256, metrics=results,
                       tracker=tracker)

@@ -35,14 +35,14 @@ With ``model.strip_think: true``, a thinking model's completion is first cut to 
 
 Box extraction runs in the calling process (pure string work, linear time); ``math_verify`` sends the
 whole completion to the grading worker, under the same hard timeout (``rewards.MathVerifier``).
-Standard library only, like ``grail_exp.rewards`` (it sits on the grading path).
+Standard library only, like ``grail_exp.grading.rewards`` (it sits on the grading path).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from grail_exp.boxed import BOX_LEN, BOX_OPEN, matching_close, extract_last_boxed
+from grail_exp.grading.boxed import BOX_LEN, BOX_OPEN, matching_close, extract_last_boxed
 from grail_exp.errors import ConfigError
 
 def strip_think(text: str) -> str:

@@ -42,7 +42,7 @@ from typing import Any
 
 from grail_exp.errors import UserError
 
-log = logging.getLogger("grail_exp.study")
+log = logging.getLogger("grail_exp.analysis.study")
 
 ARM_FILE = "arm.json"
 # Flat config keys (prefixes) that may change between a study's start and its restart: where files go, how runs are
@@ -130,7 +130,7 @@ def _history(tracker) -> "Any":
 
     client, run_id = getattr(tracker, "client", None), getattr(tracker, "run_id", None)
     if client is not None and run_id is not None:
-        from grail_exp.plots import fetch_histories
+        from grail_exp.analysis.plots import fetch_histories
 
         hist = fetch_histories(client, [run_id], HISTORY_KEYS)[run_id]
         frame = pd.DataFrame({k: pd.Series(v, index=s) for k, (s, v) in hist.items()})

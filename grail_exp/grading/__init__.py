@@ -1,0 +1,1 @@
+"""Grading completions: the reward (math-verify in a process pool), answer extraction, boxed answers."""

@@ -3,7 +3,7 @@
 Every YAML file under ``conf/`` is merged into these dataclasses, so a misspelt key or a value of the
 wrong type fails at composition time, naming the key. ``grail_exp/validate.py`` then checks what types cannot
 express (ranges, cross-field constraints, files) *before* any model is loaded, and reports every problem at
-once, each with its full key (``validate`` is importable from here too). The schemas of ``grail_exp.report`` and
+once, each with its full key. The schemas of ``grail_exp.report`` and
 ``grail_exp.extrapolate`` live beside their own validators, in those modules.
 
 Each field carries a one-line comment: what it does, its default, and where it comes from
@@ -636,8 +636,3 @@ def store_method_schemas(cs: ConfigStore) -> None:
                 node["name"] = name
             cs.store(group=f"schema/{group}", name=name, node=node)
 
-
-# ---------------------------------------------------------------------------------------------- validation
-# The checks of a composed config live in grail_exp/validate.py, one function per config group; importable from here
-# too, as they always were.
-from grail_exp.validate import validate, validate_eval, validate_weights  # noqa: E402,F401  (re-exported)

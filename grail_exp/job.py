@@ -247,7 +247,7 @@ class Evaluator:
         self.module = None  # the GRPOModule: its engine (built in setup) and update backend
 
     def __call__(self, tag: str, step: int) -> dict[str, float]:
-        from grail_exp.evaluate import evaluate_benchmarks, log_eval_result
+        from grail_exp.evaluation import evaluate_benchmarks, log_eval_result
         from grail_exp.rollout.base import release
         from grail_exp.training import probe
         from grail_exp import world

@@ -49,7 +49,8 @@ import json, sys
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from grail_exp.conf_path import CONFIG_DIR
-from grail_exp.config import register_configs, validate
+from grail_exp.config import register_configs
+from grail_exp.validate import validate
 register_configs()
 with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
     cfg = compose(config_name="config", overrides=sys.argv[1:])

@@ -27,7 +27,8 @@ def _compose(out: Path, scheme: str, overrides: list[str]):
     from hydra.core.global_hydra import GlobalHydra
 
     from grail_exp.conf_path import CONFIG_DIR
-    from grail_exp.config import register_configs, validate
+    from grail_exp.config import register_configs
+    from grail_exp.validate import validate
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -39,7 +40,7 @@ def _compose(out: Path, scheme: str, overrides: list[str]):
 
 def evaluate_checkpoint(out: Path, scheme: str, checkpoint: Path) -> pd.DataFrame:
     """The run's end-of-training evaluation (same function, config and sampling seed) on a saved checkpoint."""
-    from grail_exp.evaluate import evaluate_benchmarks, write_run_files
+    from grail_exp.evaluation import evaluate_benchmarks, write_run_files
     from grail_exp.grading.extraction import reward_rule
     from grail_exp.models.loading import load_causal_lm, load_tokenizer
     from grail_exp.grading.rewards import MathVerifier

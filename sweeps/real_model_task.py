@@ -117,7 +117,7 @@ def candidate_config(name: str, problems: int, n: int, max_tokens: int, extra: l
 
 def measure(name: str, cfg, model, tokenizer, engine, verifier) -> dict:
     from grail_exp.data.prompting import encode_prompts
-    from grail_exp.evaluate import evaluate_benchmarks
+    from grail_exp.evaluation import evaluate_benchmarks
 
     t, c = time.perf_counter(), time.process_time()
     res = evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, desc=name)

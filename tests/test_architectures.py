@@ -15,7 +15,8 @@ import torch
 
 from grail_exp.models.architectures import (ARCH_DIR, BYTES, MARKER, available, hf_config, load_architecture,
                                      meta_parameter_count, parameter_counts, training_memory)
-from grail_exp.config import ConfigError, validate
+from grail_exp.config import ConfigError
+from grail_exp.validate import validate
 
 from helpers.tolerances import HANG_TIMEOUT_S
 

@@ -18,7 +18,7 @@ import time
 import pytest
 from helpers.compose import compose
 
-from grail_exp.config import validate
+from grail_exp.validate import validate
 from grail_exp.data import BENCHMARKS, load_benchmark
 from grail_exp.data.benchmarks import (
     DATA_DIR,

@@ -65,7 +65,8 @@ def test_master_weights_survive_a_checkpoint_round_trip():
 
 
 def test_validate_rejects_bf16_without_master_weights(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError, match=r"model.dtype = 'bfloat16' with optim.master_weights = false"):
         validate(compose_cfg(["model.dtype=bfloat16", "optim.master_weights=false"]))
@@ -73,7 +74,8 @@ def test_validate_rejects_bf16_without_master_weights(compose_cfg):
 
 
 def test_validate_refuses_lightning_deepspeed_and_unknown_sharding(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError, match=r"trainer.strategy = 'deepspeed_stage_2'.*trainer=deepspeed_zero2"):
         validate(compose_cfg(["trainer=fsdp", "trainer.strategy=deepspeed_stage_2"]))
@@ -253,7 +255,8 @@ def test_logprob_dtype_model_gives_exact_ratio_one_after_a_small_update():
 
 
 def test_logprob_dtype_is_validated(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     assert validate(compose_cfg([])).trainer.logprob_dtype == "float32"
     assert validate(compose_cfg(["trainer.logprob_dtype=model"])).trainer.logprob_dtype == "model"
@@ -336,7 +339,8 @@ def test_master_gradients_are_the_float32_sum_while_the_first_is_held_in_bf16(mi
 
 
 def test_grad_accum_dtype_is_validated(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     assert validate(compose_cfg([])).optim.grad_accum_dtype is None
     with pytest.raises(ConfigError, match=r"optim\.grad_accum_dtype"):

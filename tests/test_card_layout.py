@@ -202,7 +202,8 @@ def test_full_shard_with_uneven_work_per_rank(tmp_path):
     (["eval.n=4", "eval.batch_size=2"], "eval.batch_size"),
 ])
 def test_a_layout_that_cannot_work_is_refused_naming_the_key(compose_cfg, overrides, key):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(compose_cfg(overrides))
@@ -210,7 +211,7 @@ def test_a_layout_that_cannot_work_is_refused_naming_the_key(compose_cfg, overri
 
 def test_the_paper_layouts_pass_those_checks(compose_cfg):
     """The card's command and its shrunk rehearsal compose into configs these checks accept (eval=paper: 255 = 85 x 3)."""
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     validate(compose_cfg(["model=qwen3_8b", "advantage=grail", "trainer.device_memory_gb=139"]))
     validate(compose_cfg(["eval=paper"]))

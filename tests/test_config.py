@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from grail_exp.config import ConfigError, validate
+from grail_exp.config import ConfigError
+
+from grail_exp.validate import validate
 
 from helpers.tolerances import HANG_TIMEOUT_S
 

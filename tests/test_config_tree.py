@@ -276,7 +276,7 @@ def test_an_algorithm_composes_with_any_recipe(algo, recipe):
 @pytest.mark.parametrize("algo, recipe", [("dapo", "demo"), ("dapo", "baselines"), ("gpg", "paper"), ("otb", "paper"),
                                           ("cispo", "smollm2")])
 def test_an_algorithm_validates_on_a_recipe(compose_cfg, algo, recipe):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     validate(compose_cfg([*RECIPES[recipe][0], f"algo={algo}", "logger=none"]))
 
@@ -284,7 +284,8 @@ def test_an_algorithm_validates_on_a_recipe(compose_cfg, algo, recipe):
 def test_dynamic_sampling_on_the_papers_four_gpus_is_refused(compose_cfg):
     """DAPO's dynamic sampling runs in one process: on the paper's 4-GPU layout validate() says so (recipe=baselines
     or trainer=gpu run it)."""
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError, match=r"rollout.dynamic_sampling.enabled = true: only implemented for one process"):
         validate(compose_cfg(["model=qwen3_4b", "algo=dapo", "logger=none"]))
@@ -312,7 +313,8 @@ def test_the_baseline_presets_are_the_algorithm_and_a_recipe(algo):
 
 def test_dynamic_sampling_with_a_device_list_is_refused(compose_cfg):
     """trainer.devices=[0,1] is two ranks, as trainer.devices=2 is (the world size has one definition)."""
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     refusal = r"dynamic_sampling.enabled = true: only implemented for one process \(world size 2\)"
     with pytest.raises(ConfigError, match=refusal):

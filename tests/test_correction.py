@@ -98,7 +98,7 @@ def test_sequence_mask_at_3_is_trls_rule():
 
 
 def test_vllm_paper_composes_the_reference_settings(compose_cfg):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     cfg = validate(compose_cfg(["rollout=vllm_paper"]))
     r = cfg.rollout

@@ -204,7 +204,7 @@ def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
 
 
 def test_config_key_reaches_every_attention_module(compose_cfg):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
     from grail_exp.models.loading import EXPLICIT_ATTENTION_ATTR, load_causal_lm, resolve_model_path
 
     tiny = "model.random_init_overrides={num_hidden_layers: 2, hidden_size: 72, intermediate_size: 96}"

@@ -92,7 +92,9 @@ def test_prompt_styles(tiny_tokenizer):
 def test_few_shot_examples_come_before_the_problem_in_both_styles(tiny_tokenizer, tmp_path):
     from omegaconf import OmegaConf
 
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+
+    from grail_exp.validate import validate
     from grail_exp.data.prompting import render_prompt
     from helpers.compose import compose
 

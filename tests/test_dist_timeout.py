@@ -11,7 +11,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from grail_exp.config import ConfigError, validate
+from grail_exp.config import ConfigError
+
+from grail_exp.validate import validate
 
 # Qwen3-8B's parameters from its config.json (hidden 4096, 36 layers, MLP 12288, 32 query / 8 KV heads of 128,
 # vocabulary 151936, untied output layer): per layer q, k, v, o, the SwiGLU MLP, two RMSNorms, the q/k norms; the

@@ -83,7 +83,7 @@ class _Share(Exception):
 
 def evaluate_on_ranks(cfg, world_size: int, monkeypatch) -> tuple[object, list[int]]:
     """``evaluate_benchmarks`` as rank 0 of ``world_size`` ranks sees it, and the problems each rank generated."""
-    from grail_exp.evaluate import evaluate_benchmarks
+    from grail_exp.evaluation import evaluate_benchmarks
     from grail_exp import world
 
     shares, problems = {}, []
@@ -181,7 +181,7 @@ def _streams() -> tuple:
 
 def test_evaluation_leaves_the_training_streams_where_they_were(compose_cfg, monkeypatch):
     """A training stream (torch CPU, Python, NumPy) after an evaluation draws what it draws without one."""
-    from grail_exp.evaluate import evaluate_benchmarks
+    from grail_exp.evaluation import evaluate_benchmarks
 
     cfg = _small_cfg(compose_cfg)
 
@@ -198,7 +198,7 @@ def test_evaluation_leaves_the_training_streams_where_they_were(compose_cfg, mon
 def test_evaluation_restores_every_cuda_devices_generator(compose_cfg, monkeypatch):
     """Each chunk reseeds every CUDA device (torch.manual_seed) and the engine draws on them; afterwards each
     device's generator holds its state from before the evaluation."""
-    from grail_exp.evaluate import evaluate_benchmarks
+    from grail_exp.evaluation import evaluate_benchmarks
 
     cuda = FakeCuda(3)
     cuda.install(monkeypatch)
@@ -219,7 +219,7 @@ def test_evaluation_restores_every_cuda_devices_generator(compose_cfg, monkeypat
 def test_evaluation_before_cuda_is_initialized_queues_no_cuda_seed(compose_cfg, monkeypatch):
     """Without an initialized CUDA nothing samples on it: seeding it would queue a seed that CUDA's initialization
     applies later, to the training stream."""
-    from grail_exp.evaluate import evaluate_benchmarks
+    from grail_exp.evaluation import evaluate_benchmarks
 
     cuda = FakeCuda(2)
     cuda.install(monkeypatch, initialized=False)

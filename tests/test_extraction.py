@@ -71,7 +71,8 @@ def test_modes_map_to_rules_and_reject_unknown_names():
 
 
 def test_config_validates_the_extraction_keys(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError) as err:  # validate() reports every bad key at once
         validate(compose_cfg(["reward.extraction=boxed", "benchmark.extraction=lighteval"]))
@@ -165,7 +166,7 @@ class _Engine:
 
 def test_paper_protocol_drops_empty_samples_and_averages_tokens_over_extracted(compose_cfg):
     from grail_exp.data.benchmarks import load_benchmark
-    from grail_exp.evaluate import evaluate_benchmarks
+    from grail_exp.evaluation import evaluate_benchmarks
 
     def run(extraction):
         cfg = compose_cfg(["model=octothinker_3b", "benchmark=paper", "benchmark.names=[math500]",

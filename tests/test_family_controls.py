@@ -87,7 +87,8 @@ def test_entropy_bonus_value_and_adaptive_controller_state():
 
 
 def test_family_keys_are_validated(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError) as err:
         validate(compose_cfg(["logger=none", "loss.clip_ratio_c=0.5", "loss.top_entropy_quantile=0",
@@ -104,7 +105,8 @@ def test_family_keys_are_validated(compose_cfg):
 
 def test_dynamic_sampling_refuses_an_estimator_that_plans_its_prompts(compose_cfg):
     """SCRL samples curricula and replaces the verifier's rewards, which dynamic sampling filters groups on."""
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     assert validate(compose_cfg(["logger=none", "estimator=scrl"])).estimator.name == "scrl"
     validate(compose_cfg(["logger=none", "rollout.dynamic_sampling.enabled=true"]))
@@ -175,7 +177,7 @@ PRESETS += ["dapo", "cispo", "otb"]
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_baseline_preset_composes_and_validates(compose_cfg, preset):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     cfg = validate(compose_cfg([f"experiment=baselines/{preset}", "logger=none"]))
     assert cfg.task_name.startswith("baseline_")

@@ -141,7 +141,7 @@ def test_sum_pi_squared_chunked_equals_full_softmax():
 @pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg",
                                   "grpo_passk", "optimal_token_baseline"])
 def test_estimator_composes_from_the_command_line(compose_cfg, name):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     cfg = validate(compose_cfg(["logger=none", f"estimator={name}"]))
     assert cfg.estimator.name == name

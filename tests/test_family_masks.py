@@ -169,7 +169,8 @@ def test_entropy_bonus_covers_the_top_entropy_tokens_only():
 
 
 def test_new_keys_are_validated(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError) as err:
         validate(compose_cfg(["logger=none", "loss.family_mask_normaliser=tokens", "loss.top_entropy_population=x",

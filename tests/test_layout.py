@@ -275,3 +275,24 @@ def test_the_algorithm_and_the_training_phases_import_no_cpu_machinery():
                  if m.startswith(ALGORITHM_ROOMS) for t in sorted(targets) if t.startswith(CPU_MACHINERY)]
     assert not offenders, "CPU machinery imported by the algorithm or a training phase (ask the forward or the " \
                           "update backend instead):\n" + "\n".join(offenders)
+
+
+# The `python -m` entry points: thin modules over the library, which nothing imports (their library lives elsewhere:
+# evaluate.py over evaluation.py, bench/ over its modes, preflight/ over its checks).
+ENTRY_POINTS = ("grail_exp.run", "grail_exp.evaluate", "grail_exp.report", "grail_exp.tune", "grail_exp.plan",
+                "grail_exp.weights", "grail_exp.extrapolate", "grail_exp.bench.__main__",
+                "grail_exp.preflight.__main__")
+
+
+def test_nothing_imports_an_entry_point():
+    graph = import_graph()
+    assert set(ENTRY_POINTS) <= set(graph), sorted(set(ENTRY_POINTS) - set(graph))
+    offenders = [f"{m} imports {t}" for m, targets in sorted(graph.items()) for t in sorted(targets)
+                 if t in ENTRY_POINTS and m != t]
+    assert not offenders, "entry points imported as libraries (move what they share below them):\n" + \
+                          "\n".join(offenders)
+
+
+def test_the_package_root_holds_at_most_28_modules():
+    root = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(root) <= 28, f"{len(root)} modules at grail_exp/'s root (group them by role): {root}"

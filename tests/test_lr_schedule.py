@@ -102,7 +102,8 @@ def test_each_recipe_schedules_in_its_upstream_unit(compose_cfg, experiment, uni
 
 
 def test_schedule_unit_is_validated(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError, match="optim.schedule_unit"):
         validate(compose_cfg(["logger=none", "optim.schedule_unit=epoch"]))

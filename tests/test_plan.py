@@ -18,7 +18,8 @@ import pytest
 
 from helpers.architectures import architecture, parameter_count
 from helpers.compose import compose
-from grail_exp.config import ConfigError, validate
+from grail_exp.config import ConfigError
+from grail_exp.validate import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER_MODELS = ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b")

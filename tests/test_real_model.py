@@ -34,7 +34,7 @@ def smollm2_dir(smollm2_cache) -> Path:
 
 
 def _cfg(cache: Path, tmp: Path, overrides=(), scheme: str = "grpo"):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     return validate(compose([f"experiment=real/smollm2_{scheme}", f"paths.root_dir={tmp}",
                              f"paths.output_dir={tmp}/run", f"paths.cache_dir={cache}", *overrides]))
@@ -80,7 +80,8 @@ def test_loads_as_an_ordinary_trainable_llama(smollm2):
 
 
 def test_unknown_packaged_model_is_one_line_naming_the_key(tmp_path):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError, match=r"model.name_or_path='pkg:nope': unknown packaged model; valid: pkg:smollm2"):
         validate(compose(["model=smollm2_135m", "model.name_or_path=pkg:nope"], tmp_path))

@@ -390,7 +390,7 @@ def test_gpu_mode_study1gpu_runs_end_to_end_on_a_cpu(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ the cold start
 def _cold_cfg(tmp: Path, *extra: str):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
     return validate(compose(["experiment=real/chain_grpo", f"model.name_or_path={tiny}", "model.dtype=float32",

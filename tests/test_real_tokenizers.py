@@ -172,7 +172,7 @@ def test_r1_and_qwen3_prompts_keep_their_templates_bos(r1, qwen3, compose_cfg):
 def test_evaluation_prompts_carry_bos_and_the_protocol_says_so(llama3, compose_cfg):
     """The evaluation path (its own encoding, not the training one) sends [128000, ...] to the engine and the table's
     protocol line records the BOS."""
-    from grail_exp.evaluate import evaluate_benchmarks, protocol_note
+    from grail_exp.evaluation import evaluate_benchmarks, protocol_note
     from grail_exp.grading.rewards import MathVerifier
     from grail_exp.rollout.base import Completion
 
@@ -335,7 +335,7 @@ def test_missing_package_says_what_to_install(monkeypatch):
 
 @needs_qwen
 def test_random_init_model_gets_its_packaged_tokenizer(compose_cfg):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
     from grail_exp.models.loading import load_tokenizer, resolve_model_path
 
     cfg = validate(compose_cfg(["model=qwen3_8b", "model.random_init=true", "advantage=grpo",

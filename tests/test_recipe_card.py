@@ -19,7 +19,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers.compose import compose
-from grail_exp.config import ConfigError, validate
+from grail_exp.config import ConfigError
+from grail_exp.validate import validate
 from grail_exp.tracking import flatten
 
 PAPER_MODELS = ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from grail_exp.config import validate
+from grail_exp.validate import validate
 from grail_exp.tracking import flatten
 from helpers.compose import compose
 
@@ -106,7 +106,7 @@ def test_recipes_differ_only_in_scheme_or_model_keys():
 
 def test_recipe_records_the_prompt_template_of_the_model():
     # R1-Distill / OctoThinker prompting is not in the paper (spec §10.2): the choice travels with every table
-    from grail_exp.evaluate import evaluation_params
+    from grail_exp.evaluation import evaluation_params
 
     cfg = validate(compose(["experiment=paper/octothinker_3b_grpo"]))
     params = evaluation_params(cfg, tokenizer=None)  # plain template: no tokenizer needed

@@ -359,7 +359,7 @@ def test_cli_extrapolate_then_evaluate(relex_of_a_real_model):
 
 
 def test_negative_trajectory_cadence_names_the_key(compose_cfg):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError, match="trainer.save_weights_only_every"):
         validate(compose_cfg(["trainer.save_weights_only_every=-1"]))

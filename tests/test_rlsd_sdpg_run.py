@@ -61,7 +61,7 @@ def test_cli_on_the_embedded_default(tmp_path):
 
 @pytest.mark.parametrize("experiment", ["rlsd/official", "rlsd/cpu", "sdpg/qwen3_4b", "sdpg/cpu"])
 def test_recipes_compose_and_validate(experiment):
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     cfg = validate(compose([f"experiment={experiment}"]))
     if experiment.startswith("rlsd"):

@@ -176,7 +176,8 @@ def test_loader_checks_k(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- config
 def test_validate_rejects_nonsense_combinations(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError) as exc:
         validate(compose_cfg(["estimator=scrl", "data=deepmath", "rollout.num_generations=4",
@@ -194,7 +195,7 @@ def test_scrl_loss_settings_survive_every_recipe_family(compose_cfg, recipe):
     """The paper family's recipe sets loss.scale_rewards: none and loss.loss_type: dr_grpo; composed before it
     (conf/config.yaml), estimator=scrl silently got them back on every paper model. Now the method composes after the
     family: SCRL's objective on the paper, SmolLM2 and demo families alike."""
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     cfg = validate(compose_cfg([*recipe, "estimator=scrl", "data=scrl_jsonl", "logger=none"]))
     assert (cfg.loss.scale_rewards, cfg.loss.loss_type) == ("group", "dapo")
@@ -208,7 +209,8 @@ def test_scrl_loss_settings_survive_every_recipe_family(compose_cfg, recipe):
 def test_a_run_that_changes_scrls_required_settings_is_refused_naming_the_keys(compose_cfg, overrides, keys):
     """An experiment file or override composed after the method can still change its settings: refused, one line
     per key (SCRL's `requires`), instead of training another objective under SCRL's name."""
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     with pytest.raises(ConfigError) as exc:
         validate(compose_cfg([*overrides, "estimator=scrl", "logger=none"]))
@@ -221,7 +223,7 @@ def test_estimator_scrl_composes_the_papers_loss_and_both_halves_share_a_scale(c
     """estimator=scrl sets scale_rewards: group and a token-mean loss (paper Eq. 5). On rewards [1, 0, 1, 0] in both
     halves the original rows and the curriculum spans then get the same ±0.5/(std + 1e-4), std = sqrt(1/3) (with
     scale_rewards: none the originals got ±0.5: 1.73x less)."""
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     cfg = validate(compose_cfg(["estimator=scrl"]))
     assert cfg.loss.scale_rewards == "group" and cfg.loss.loss_type == "dapo"
@@ -314,7 +316,7 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
     from helpers.compose import compose
 
     from grail_exp.advantages import build_scheme
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
     from grail_exp.data import build_source
     from grail_exp.training.module import GRPOModule
     from grail_exp.optim import build_optimizer
@@ -356,7 +358,7 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
 def test_scrl_run_end_to_end_on_arithmetic(compose_cfg, tmp_path):
     """`python -m grail_exp.run data=arithmetic estimator=scrl`: 2 steps on a shortened warm start."""
     from grail_exp.run import train
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     cfg = validate(compose_cfg(["estimator=scrl", "advantage=grpo", "trainer.max_steps=2", "trainer.prompts_per_step=2",
                                 "trainer.micro_batch_size=16", "model.warm_start.max_steps=20",

@@ -233,7 +233,8 @@ def test_ref_kl_term_value_and_missing_reference():
 
 
 def test_loss_term_group_composes_and_validates(compose_cfg):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
 
     cfg = compose_cfg(["+loss_term=[sdpg_opd,sdpg_ref_kl]", "data.instruction=' Box it.'", "trainer.max_steps=7"])
     cfg = validate(cfg)

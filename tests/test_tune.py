@@ -39,7 +39,7 @@ def _tune_cfg(tmp_path, overrides=()):
 def test_search_space_files_parse_to_the_documented_distributions(tmp_path):
     import optuna.distributions as D
 
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
     from grail_exp.tune import parse_search_space, tune_settings
 
     cfg = _tune_cfg(tmp_path)
@@ -57,7 +57,9 @@ def test_search_space_files_parse_to_the_documented_distributions(tmp_path):
 def test_search_space_errors_name_every_bad_entry(tmp_path):
     import optuna.distributions as D
 
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+
+    from grail_exp.validate import validate
     from grail_exp.tune import parse_search_space
 
     cfg = validate(_tune_cfg(tmp_path))
@@ -84,7 +86,8 @@ def test_search_space_errors_name_every_bad_entry(tmp_path):
 
 
 def test_tune_selects_on_the_validation_split_and_refuses_test_benchmarks(tmp_path):
-    from grail_exp.config import ConfigError, validate
+    from grail_exp.config import ConfigError
+    from grail_exp.validate import validate
     from grail_exp.data import load_benchmark
     from grail_exp.tune import check_selection_benchmarks, optimize
 

@@ -114,7 +114,7 @@ def plot_training_curves(groups: Mapping[str, Sequence[Mapping[str, tuple]]], pa
 def plot_pass_at_k(curves: Mapping[str, tuple[Sequence[int], Sequence[float]]], path: str | Path,
                    title: str = "") -> Path:
     """pass@k (%) vs k, one line per label; ``curves[label] = (ks, values as fractions)``. The single-run version
-    with per-benchmark lines and CIs is ``grail_exp.evaluate.pass_at_k_plot``."""
+    with per-benchmark lines and CIs is ``grail_exp.evaluation.pass_at_k_plot``."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for label, (ks, vals) in curves.items():

@@ -15,7 +15,7 @@ from helpers.fakes import AlternatingVerifier
 
 def small_config(compose_cfg, model_dir, extra=()):
     """The validated config of a short run on the model in ``model_dir``; ``compose_cfg`` is the fixture."""
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
 
     cfg = compose_cfg([f"model.name_or_path={model_dir}", "logger=none", "trainer.prompts_per_step=4",
                        "trainer.micro_batch_size=8", "rollout.num_generations=4", "rollout.max_completion_length=12",

@@ -46,7 +46,7 @@ TINY = dict(architecture="qwen3", tokenizer="qwen", vocab_size=320, hidden_size=
 def pinned_config(overrides):
     """The validated default config of the pinned step (2 prompts x 4 rollouts, one micro-batch of 4, no gradient
     clipping) with ``overrides``."""
-    from grail_exp.config import validate
+    from grail_exp.validate import validate
     from helpers.compose import compose
 
     return validate(compose(["logger=none", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",

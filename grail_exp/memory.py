@@ -204,18 +204,6 @@ def device_capacity(cfg) -> tuple[Optional[float], Optional[float], str]:
     return None, None, "no CUDA device visible: set trainer.device_memory_gb to plan for one"
 
 
-def uses_reference(cfg) -> bool:
-    L = cfg.loss
-    if L.beta > 0 or (L.get("kl_in_reward") or {}).get("enabled", False):
-        return True
-    try:
-        from grail_exp.loss import LOSS_TERMS
-
-        return any(getattr(LOSS_TERMS.get(n), "needs_reference", False) for n in (L.get("terms") or {}))
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def _probes_between_forward_and_backward(cfg) -> bool:
     """The scheme needs the model (a probe gradient, extra forwards) or loss terms are on: the update backend then keeps
     a sharded policy gathered from a micro-batch's forward to its backward (training/backends/fsdp.py ``hold``)."""
@@ -340,7 +328,9 @@ def model_state_lines(cfg, z: Sizes) -> list[Line]:
     gathered = B.planned_gathered(cfg, z.shape, b, _probes_between_forward_and_backward(cfg))
     lines += [Line("update", *gathered)] if gathered else []
     lines += [Line("step", *item) for item in B.planned_gradient_sync(cfg, n, b, W)]
-    if uses_reference(cfg):
+    from grail_exp.loss import needs_reference
+
+    if needs_reference(cfg):
         lines.append(Line("state", "reference model", n * b, "a frozen copy, N x b (loss.beta > 0 / KL in reward / a "
                           "term needs it)"))
     return lines
@@ -378,9 +368,10 @@ def update_lines(cfg, z: Sizes) -> list[Line]:
 
 def logp_lines(cfg, z: Sizes) -> list[Line]:
     """The no-grad forward of old / reference log-probs, when k x mu > 1, an IS correction or a reference needs them."""
+    from grail_exp.loss import needs_reference
     from grail_exp.training.batch import needs_old_logprobs
 
-    if not (needs_old_logprobs(cfg) or uses_reference(cfg)):
+    if not (needs_old_logprobs(cfg) or needs_reference(cfg)):
         return []
     s, b = z.shape, z.b
     lf, _, _ = logits_bytes(z.rows * z.C, int(cfg.trainer.logprob_chunk_tokens), s, b)

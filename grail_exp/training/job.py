@@ -187,7 +187,7 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     from grail_exp.data import build_source
     from grail_exp.embedded import read_build_report
     from grail_exp.extraction import reward_rule
-    from grail_exp.loss import build_terms
+    from grail_exp.loss import build_terms, needs_reference
     from grail_exp.models import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.rewards import MathVerifier
     from grail_exp.rollout import build_engine
@@ -212,8 +212,7 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     policy_cfg = OmegaConf.merge(cfg, BACKENDS[str(cfg.trainer.strategy)].policy_overrides(cfg))
     policy = load_causal_lm(policy_path, policy_cfg, trainable=True)
     terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
-    needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms) or cfg.loss.kl_in_reward.enabled
-    ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
+    ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_reference(cfg, terms) else None
     log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
     scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data,
                                                      "share_prompts": share_prompts_of(cfg)})

@@ -533,6 +533,7 @@ def _complete_seeds(study: Path) -> list[str]:
     return sorted({str(json.loads(p.read_text())["seed"]) for p in study.glob("*/arm.json")}, key=int)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_committed_arms_are_skipped_by_todays_configuration(tmp_path):
     """Every committed arm is the same arm under the configuration the driver composes today: keys added to the
@@ -552,6 +553,7 @@ def test_the_committed_arms_are_skipped_by_todays_configuration(tmp_path):
             assert record is not None and record["arm"] == f"smollm2_135m-{scheme}-s{seed}"
 
 
+@pytest.mark.e2e
 def test_an_added_key_set_away_from_its_default_is_still_a_different_arm(tmp_path):
     """The default stands in only for what the old arm lacks: a job that sets the new key to something else is
     refused, naming it."""
@@ -599,6 +601,7 @@ def _arm_commits() -> list[tuple[str, str, dict]]:
     return out
 
 
+@pytest.mark.e2e
 def test_every_commit_that_trained_a_recorded_arm_is_in_the_repository():
     """code.git.commit and each segment's git_commit of every committed arm: an ancestor of HEAD, or (a segment)
     its diff stored in the arm folder; the single known exception is named with its reason."""

@@ -63,6 +63,7 @@ AVG = "avg"
 PAPER_ORDER = ["math500", "aime24", "amc23", "minerva_math", "college_math_200", "olympiadbench_200"]
 _METRIC = re.compile(r"^(acc|maj|pass@(\d+|n))$")
 DASH = "—"
+ONE_SEED = "1 seed, problems only"  # a Δ of one trained pair: its tests resample problems only
 
 
 def arm_scheme(scheme: str, params: dict) -> str:
@@ -813,7 +814,8 @@ def _main_cell(cell: Cell, row: Row, alpha: float, mark) -> str:
                 text += f" (Δ {DASH})"
             else:
                 star = "*" if cell.delta.significant(alpha) else ""
-                text += f" ({_pct(cell.delta.delta, True)}{star})"
+                one = f"; {ONE_SEED}" if cell.delta.n_seeds == 1 else ""  # a one-seed Δ says nothing of the scheme
+                text += f" ({_pct(cell.delta.delta, True)}{star}{one})"
     return text + "".join(mark(n) for n in cell.notes)
 
 
@@ -823,9 +825,6 @@ def _seeds_text(row: Row) -> str:
     if row.baseline or len(row.paired_seeds) == len(row.seeds):
         return str(len(row.seeds))
     return f"{len(row.seeds)} ({len(row.paired_seeds)} paired)"
-
-
-ONE_SEED = "1 seed, problems only"
 
 
 def _seed_tests_text(d: stats.PairedResult) -> tuple[str, str, str]:
@@ -985,7 +984,8 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
                             txt += r"\,{\scriptsize($\Delta$ ---)}"
                         else:
                             star = "*" if cell.delta.significant(alpha) else ""
-                            txt += rf"\,{{\scriptsize({_tex_pct(cell.delta.delta, True)}{star})}}"
+                            one = f"; {ONE_SEED}" if cell.delta.n_seeds == 1 else ""
+                            txt += rf"\,{{\scriptsize({_tex_pct(cell.delta.delta, True)}{star}{one})}}"
                 cells.append(txt + "".join(mark(n) for n in cell.notes))
             model = latex_escape(r.model) if r.model != last_model else ""
             last_model = r.model
@@ -1013,7 +1013,7 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
                     continue
                 sd = rf" $\pm$ {100 * d.seed_sd:.1f}" if d.seed_sd is not None else ""
                 ci = f"[{_tex_pct(d.lo, True)}, {_tex_pct(d.hi, True)}]"
-                seed_cells = [latex_escape(x).replace("-", "$-$") for x in _seed_tests_text(d)]
+                seed_cells = [re.sub(r"-(?=[\d.i])", "$-$", latex_escape(x)) for x in _seed_tests_text(d)]
                 out.append(" & ".join(head + [_tex_pct(d.delta, True), ci, _tex_pct(d.seed_mean, True) + sd,
                                               *seed_cells, latex_escape(_p(d.p_value)), str(d.n_seeds),
                                               str(d.n_problems)]) + r" \\")

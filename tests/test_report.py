@@ -472,7 +472,7 @@ def test_three_seeds_never_star_whatever_the_problems_say(tmp_path):
 def test_one_seed_reads_problems_only_and_never_stars(tmp_path):
     out = _study_report(_study(tmp_path / "study", [1], 3, benches=("arithmetic",)), tmp_path, [1])
     md = out["markdown"]
-    assert "| m | grail | 1 | 75.0 (+25.0) |" in md
+    assert "| m | grail | 1 | 75.0 (+25.0; 1 seed, problems only) |" in md
     assert "1 seed, problems only" in md.split("### pass@4")[0]
 
 

@@ -488,6 +488,12 @@ def test_truncation_and_length_per_arm_from_the_samples(tmp_path):
     assert (gen[("grpo", "1")]["truncated_rate"], gen[("grpo", "1")]["mean_tokens"]) == (0.5, 6.0)
     assert (gen[("grail", "2")]["truncated_rate"], gen[("grail", "2")]["mean_tokens"]) == (0.0, 4.0)
     assert "| m | grpo | 1 | 80 | 50.0 | 6.0 | truncated flag |" in out["markdown"]
-    out = _study_report(_study(tmp_path / "b", [1, 2], 3, extra={"n_tokens": tokens}), tmp_path / "b", [1, 2])
-    g = next(g for g in out["payload"]["generation"] if (g["scheme"], g["seed"]) == ("grpo", "1"))
-    assert g["truncated_rate"] == 0.5 and g["source"] == "n_tokens >= eval.max_tokens (8)"
+    from types import SimpleNamespace
+
+    from grail_exp.report import generation_table
+
+    samples = pd.DataFrame({"n_tokens": [tokens("grpo", 1, j) for j in range(4)]})  # no truncated column
+    arms = {("m", "grpo"): {"1": SimpleNamespace(samples=samples, params={"eval.max_tokens": "8"})}}
+    g = generation_table(arms, compose([], None, config_name="report"))[0]
+    assert (g["truncated_rate"], g["mean_tokens"]) == (0.5, 6.0)
+    assert g["source"] == "n_tokens >= eval.max_tokens (8)"

@@ -601,16 +601,10 @@ def _arm_commits() -> list[tuple[str, str, dict]]:
     return out
 
 
-@pytest.mark.e2e
-def test_every_commit_that_trained_a_recorded_arm_is_in_the_repository():
-    """code.git.commit and each segment's git_commit of every committed arm: an ancestor of HEAD, or (a segment)
-    its diff stored in the arm folder; the single known exception is named with its reason."""
-    if _git("rev-parse", "--verify", "HEAD").returncode != 0 or \
-            _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
-        pytest.skip("needs the repository's full history")
-    records = _arm_commits()
-    assert records, "no committed arm found"
-    unreachable = {}
+def _unreachable(records: list[tuple[str, str, dict]]) -> dict[str, list[str]]:
+    """{commit: arm files} of the training commits that are neither a known exception, nor an ancestor of HEAD, nor
+    a dirty segment of a commit we have whose diff is stored at HEAD."""
+    out: dict[str, list[str]] = {}
     for path, commit, seg in records:
         if commit in KNOWN_UNREACHABLE:
             assert _git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0, \
@@ -618,16 +612,45 @@ def test_every_commit_that_trained_a_recorded_arm_is_in_the_repository():
             continue
         if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0:
             continue
-        folder = Path(path).parent
-        if seg.get("diff") and _git("cat-file", "-e", f"HEAD:{folder / seg['diff']}").returncode == 0 and \
+        diff = seg.get("diff") and f"HEAD:{Path(path).parent / seg['diff']}"
+        if diff and _git("cat-file", "-e", diff).returncode == 0 and \
                 _git("cat-file", "-e", f"{commit}^{{commit}}").returncode == 0:
             continue  # a dirty segment on a commit we have: its diff rebuilds the tree
-        unreachable.setdefault(commit, []).append(path)
+        out.setdefault(commit, []).append(path)
+    return out
+
+
+def _needs_history():
+    if _git("rev-parse", "--verify", "HEAD").returncode != 0 or \
+            _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("needs the repository's full history")
+
+
+@pytest.mark.e2e
+def test_every_commit_that_trained_a_recorded_arm_is_in_the_repository():
+    """code.git.commit and each segment's git_commit of every committed arm: an ancestor of HEAD, or (a segment)
+    its diff stored in the arm folder; the single known exception is named with its reason."""
+    _needs_history()
+    records = _arm_commits()
+    assert records, "no committed arm found"
+    unreachable = _unreachable(records)
     assert not unreachable, f"arms trained at commits that are not in the repository: {unreachable}"
     for path, commit, seg in records:  # a dirty segment always carries its diff
         if seg.get("git_dirty") == "true":
             assert seg.get("diff") and _git("cat-file", "-e", f"HEAD:{Path(path).parent / seg['diff']}") \
                 .returncode == 0, f"{path}: a dirty segment at {commit} without its diff"
+
+
+@pytest.mark.e2e
+def test_the_commit_check_catches_a_commit_nobody_has():
+    """The check has teeth: an arm trained at a commit absent from the repository is reported (by its arm file),
+    one at HEAD's parent is not, and the known exception is not."""
+    _needs_history()
+    stranger, parent = "0123456789abcdef0123456789abcdef01234567", _git("rev-parse", "HEAD~1").stdout.strip()
+    records = [("results/x/a/arm.json", stranger, {}), ("results/x/b/arm.json", parent, {}),
+               ("results/x/c/arm.json", next(iter(KNOWN_UNREACHABLE)), {}),
+               ("results/x/d/arm.json", stranger, {"git_dirty": "true", "diff": "segments/0.diff"})]
+    assert _unreachable(records) == {stranger: ["results/x/a/arm.json", "results/x/d/arm.json"]}
 
 
 @pytest.mark.slow

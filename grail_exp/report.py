@@ -8,7 +8,10 @@
 Rows are model × scheme, columns the benchmarks and their average (unweighted over benchmarks, as the GRAIL paper
 reports), one table per metric (acc@n, pass@k, maj@n). Every non-baseline cell carries its Δ against the
 baseline scheme trained on the same model and seeds; a second table gives each Δ with its paired 95 % interval,
-the spread of the per-seed Δ and a p-value (statistics: grail_exp/stats.py).
+the spread of the per-seed Δ, the seed-level tests that decide a star (paired t over seeds and the exact seed
+sign-flip, with the smallest p it can reach; Holm-adjusted outside the declared ``primary_metric``) and the
+per-problem sign-flip p ("these trained models only"); then each arm's truncation rate and mean completion length
+(statistics: grail_exp/stats.py).
 
 **Where the numbers come from.** Each training run's final evaluation logs its per-sample results
 (``eval/final/samples.parquet``: benchmark, problem_index, sample_index, correct, extracted, ...). The report reads
@@ -23,9 +26,11 @@ MLflow: each finished arm's ``arm.json`` (model, scheme, seed, flat configuratio
 committed with the results.
 
 **A study that is not one is refused** with ``design_check.strict=true``: arms of a model must agree on every key
-of ``design_check.same_everywhere`` (evaluation, data, budget, optimiser, ...) and the arms of a seed on
-``design_check.same_within_seed`` (starting weights, training order); every non-baseline seed needs its baseline
-run; seeds outside ``seeds`` are not allowed. The error names each key, its values and the runs that differ.
+of ``design_check.same_everywhere`` (evaluation, data, budget, optimiser, ...), the arms of a seed on
+``design_check.same_within_seed`` (starting weights, training order) and the arms of a scheme on
+``design_check.same_within_scheme`` (``advantage.*``); a key an older arm lacks counts as its schema default; seeds
+outside ``seeds`` are not allowed (without ``seeds``, every non-baseline seed needs its baseline run; with them, a
+declared seed still missing arms is footnoted, not refused). The error names each key, its values and the runs that differ.
 Without it, differing evaluation settings are footnoted (``pairing_params``).
 
 **Nothing is dropped silently.** A run that is not FINISHED, has no per-sample artifact, lacks a benchmark, or has

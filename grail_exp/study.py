@@ -5,7 +5,8 @@ Long comparisons on a shared machine get stopped. With ``study.dir`` set (sweeps
 training job
 
 1. first looks for ``<study.dir>/<arm>/arm.json``: if it is there and was written with the same configuration, the
-   job returns its recorded metrics without training (no MLflow run, no model load); if it was written with another
+   job returns its recorded metrics without training (no MLflow run, no model load; a key the record lacks because
+   it was added to the configuration later counts as its schema default); if it was written with another
    configuration, the job stops with a ``StudyError`` naming the keys that differ (never silently mixed);
 2. otherwise trains as usual (``resume=auto`` continues its last checkpoint), and after its final evaluation writes
    the arm's folder, atomically (a temporary folder renamed into place, ``arm.json`` inside it):

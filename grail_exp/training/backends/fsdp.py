@@ -65,6 +65,22 @@ def shard_policy(policy: torch.nn.Module, cfg) -> PolicyCore:
     return core
 
 
+def receive_shards(policy: torch.nn.Module, full: dict, device: torch.device) -> None:
+    """Every rank's shards of the sharded ``policy``, on ``device``, from rank 0's full state dict ``full`` (empty on
+    the other ranks, whose parameters are meta): each rank allocates its shards, rank 0 broadcasts one full tensor at a
+    time and each rank keeps its slice (``set_model_state_dict`` with ``broadcast_from_rank0``, as verl loads FSDP2
+    models), so no rank but 0 ever holds more than its shards and one tensor in flight. The buffers, which the state
+    dict leaves out when non-persistent (RoPE tables), are then broadcast as they are (``broadcast_buffers``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from grail_exp.training.backends.base import broadcast_buffers
+
+    policy.to_empty(device=device)
+    set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    full.clear()
+    broadcast_buffers(policy)
+
+
 def fsdp_units(module: torch.nn.Module) -> list:
     from torch.distributed.fsdp import FSDPModule
 
@@ -197,8 +213,19 @@ class FSDPBackend(UpdateBackend):
         return [more_ranks(cfg)]
 
     def configure_model(self, policy):
-        if self.core is None:
+        """Shard the policy; under ``weights_from_rank0`` fill every rank's shards from rank 0's loaded copy."""
+        from grail_exp.training import world
+
+        if self.core is not None:
+            return
+        if not self.weights_from_rank0(self.cfg) or world.world_size() == 1:
             self.core = shard_policy(policy, self.cfg)
+            return
+        # Rank 0's loaded fp32 tensors, referenced only here once sharding has replaced the parameters: dropped at the
+        # end of this function, so rank 0's host copy lives no longer than the broadcast.
+        full = dict(policy.state_dict()) if world.rank() == 0 else {}
+        self.core = shard_policy(policy, self.cfg)
+        receive_shards(self.core.policy, full, self.compute_device())
 
     def build_optimizer(self, policy):
         return build_optimizer(policy, self.cfg.optim, master_weights=False)

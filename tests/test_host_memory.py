@@ -75,6 +75,7 @@ def test_rank1_loads_its_fsdp_shard_not_the_model(tmp_path):
     # and the shards it received are rank 0's weights
     assert ranks[0]["start_sha256"] and ranks[0]["placed_sha256"] == ranks[0]["start_sha256"]
     assert r1["placed_sha256"] == ranks[0]["start_sha256"]
+    assert r1["placed_buffers_sha256"] == ranks[0]["placed_buffers_sha256"] == ranks[0]["start_buffers_sha256"]
 
 
 @pytest.mark.e2e
@@ -84,4 +85,5 @@ def test_a_replicated_policy_reaches_every_rank_from_rank0(tmp_path):
     ranks = _load_on_two_ranks(tmp_path, ["trainer=ddp"])
     r1 = ranks[1]
     assert r1["placed_sha256"] == ranks[0]["start_sha256"] == ranks[0]["placed_sha256"]
+    assert r1["placed_buffers_sha256"] == ranks[0]["placed_buffers_sha256"] == ranks[0]["start_buffers_sha256"]
     assert r1["growth"] <= 2 * r1["params"] + 2 * r1["largest"] + LOAD_SLACK  # bf16: one copy, no fp32 detour

@@ -8,7 +8,8 @@ process group, and lets the update backend place it (``configure_model``, as Lig
   ``/proc/self/clear_refs`` after every import, the tokenizer loaded beforehand), bytes;
 - ``params``, ``largest``: the policy's parameter count and its largest tensor in bytes of the loaded dtype;
 - ``start_sha256`` (rank 0): the weights it loaded, hashed before placement; ``placed_sha256``: the full weights after
-  placement (gathered from the shards under FSDP), hashed — the same on every rank when placement is right.
+  placement (gathered from the shards under FSDP), hashed — the same on every rank when placement is right;
+- ``start_buffers_sha256`` / ``placed_buffers_sha256``: the same for the buffers (non-persistent RoPE tables included).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main(out: str, overrides: list[str]) -> None:
     parts = job.build_parts(cfg, None, None, NullTracker(), {}, time.perf_counter())
     policy = parts.policy
     start = weights_sha256(policy.state_dict().items()) if rank == 0 else None
+    start_buffers = weights_sha256(policy.named_buffers()) if rank == 0 else None  # the RoPE tables are not in it
     if rank == 0:  # the hash's own buffers are not the load's
         gc.collect()
     dist.init_process_group("gloo")
@@ -71,10 +73,12 @@ def main(out: str, overrides: list[str]) -> None:
     gc.collect()
     growth = status_kib("VmHWM") * 1024 - before
     placed = weights_sha256(backend.full_tensors())
+    placed_buffers = weights_sha256(policy.named_buffers())
     params = sum(p.numel() for p in policy.parameters())
     largest = max(t.numel() * t.element_size() for t in policy.state_dict().values())
     Path(out).write_text(json.dumps({"rank": rank, "growth": growth, "params": params, "largest": largest,
-                                     "start_sha256": start, "placed_sha256": placed}))
+                                     "start_sha256": start, "placed_sha256": placed,
+                                     "start_buffers_sha256": start_buffers, "placed_buffers_sha256": placed_buffers}))
     dist.barrier()
     dist.destroy_process_group()
 

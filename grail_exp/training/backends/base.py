@@ -173,6 +173,23 @@ class UpdateBackend:
         return []
 
     @classmethod
+    def planned_checkpoint_shard(cls, cfg, n: int, b: int, world: int, rank: int) -> PlanItem:
+        """What rank ``rank`` writes to (and reads back from) a checkpoint, staged in host memory: the host planner's
+        checkpoint and resume rows (``memory.host_node_lines``). Checkpoints are written per rank, each rank at most
+        its own part of the state on the host plus one tensor's buffer; in a replicated layout rank 0 writes the
+        whole state (every rank holds the same) and the others nothing."""
+        if rank:
+            return PlanItem("checkpoint part", 0.0, "a replica: rank 0 writes it")
+        total = sum(item.bytes for item in cls.planned_state(cfg, n, b, world))
+        return PlanItem("checkpoint part", total, "the whole model state (rank 0 writes it; planned_state's rows)")
+
+    @classmethod
+    def checkpoint_holds_weights(cls, cfg) -> bool:
+        """Whether each rank's checkpoint part carries its share of the weights (resume then reads no full copy);
+        False where rank 0 reads the policy's weights whole and broadcasts them, as at the start."""
+        return False
+
+    @classmethod
     def shard_options(cls, cfg, world: int) -> list[list[list[str]]]:
         """Override sets that put less of this strategy's state on each device, grouped in families, each family's
         sets mildest first (the planner tries them when a plan does not fit)."""

@@ -65,8 +65,8 @@ def shard_policy(policy: torch.nn.Module, cfg) -> PolicyCore:
     return core
 
 
-def receive_shards(policy: torch.nn.Module, full: dict, device: torch.device) -> None:
-    """Every rank's shards of the sharded ``policy``, on ``device``, from rank 0's full state dict ``full`` (empty on
+def receive_shards(core: PolicyCore, full: dict, device: torch.device) -> None:
+    """Every rank's shards of the sharded policy, on ``device``, from rank 0's full state dict ``full`` (empty on
     the other ranks, whose parameters are meta): each rank allocates its shards, rank 0 broadcasts one full tensor at a
     time and each rank keeps its slice (``set_model_state_dict`` with ``broadcast_from_rank0``, as verl loads FSDP2
     models), so no rank but 0 ever holds more than its shards and one tensor in flight. The buffers, which the state
@@ -75,10 +75,18 @@ def receive_shards(policy: torch.nn.Module, full: dict, device: torch.device) ->
 
     from grail_exp.training.backends.base import broadcast_buffers
 
-    policy.to_empty(device=device)
-    set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    from grail_exp.training import world
+
+    # On the FSDP root, not the policy inside it: each unit's _apply re-registers its sharded parameters, the root's
+    # (embeddings, output layer) included; otherwise the optimiser would step tensors the root unit no longer gathers.
+    # Rank 0 moves what it holds (its buffers keep their values: it broadcasts them below); the others allocate.
+    if world.rank() == 0:
+        core.to(device)
+    else:
+        core.to_empty(device=device)
+    set_model_state_dict(core.policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     full.clear()
-    broadcast_buffers(policy)
+    broadcast_buffers(core.policy)
 
 
 def fsdp_units(module: torch.nn.Module) -> list:
@@ -207,6 +215,14 @@ class FSDPBackend(UpdateBackend):
                         "the root unit (embeddings, output layer) + two layers (one prefetched), b bytes (FULL_SHARD)")
 
     @classmethod
+    def planned_checkpoint_shard(cls, cfg, n, b, world, rank):
+        return PlanItem("checkpoint part", 12 * n / world, "its fp32 parameter shard + Adam moments, 12 B x N / W")
+
+    @classmethod
+    def checkpoint_holds_weights(cls, cfg):
+        return True  # the fp32 parameter shards are the weights
+
+    @classmethod
     def shard_options(cls, cfg, world):
         if cls._keeps_gathered(cfg):  # FULL_SHARD frees each layer after its forward
             return [[["trainer=fsdp", f"trainer.devices={cfg.trainer.devices}"]], more_ranks(cfg)]
@@ -225,7 +241,7 @@ class FSDPBackend(UpdateBackend):
         # end of this function, so rank 0's host copy lives no longer than the broadcast.
         full = dict(policy.state_dict()) if world.rank() == 0 else {}
         self.core = shard_policy(policy, self.cfg)
-        receive_shards(self.core.policy, full, self.compute_device())
+        receive_shards(self.core, full, self.compute_device())
 
     def build_optimizer(self, policy):
         return build_optimizer(policy, self.cfg.optim, master_weights=False)

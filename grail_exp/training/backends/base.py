@@ -91,6 +91,18 @@ def broadcast_module(model: torch.nn.Module) -> None:
     broadcast_buffers(model)
 
 
+def fresh_storage(model: torch.nn.Module) -> None:
+    """Every parameter and buffer of ``model`` copied into a storage of its own, one tensor at a time (on CPU, where
+    ``to(device)`` keeps the loaded tensors: the weights file's memory, aligned as the file lays it out). The other ranks
+    allocate theirs afresh, and CPU kernels pick their vector paths by alignment: with the same storage on every rank
+    the ranks compute bit-identical results from identical weights, as they did when each loaded the file."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            fresh = torch.empty_like(t)
+            fresh.copy_(t)
+            t.data = fresh
+
+
 def broadcast_buffers(model: torch.nn.Module) -> None:
     """Every buffer of ``model`` from rank 0, in place (collective)."""
     from grail_exp.training import world
@@ -220,6 +232,8 @@ class UpdateBackend:
         dev = self.compute_device()
         if world.rank() == 0:
             model.to(dev)
+            if dev.type == "cpu":
+                fresh_storage(model)
         else:
             model.to_empty(device=dev)
         broadcast_module(model)

@@ -73,9 +73,8 @@ def receive_shards(core: PolicyCore, full: dict, device: torch.device) -> None:
     dict leaves out when non-persistent (RoPE tables), are then broadcast as they are (``broadcast_buffers``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from grail_exp.training.backends.base import broadcast_buffers
-
     from grail_exp.training import world
+    from grail_exp.training.backends.base import broadcast_buffers
 
     # On the FSDP root, not the policy inside it: each unit's _apply re-registers its sharded parameters, the root's
     # (embeddings, output layer) included; otherwise the optimiser would step tensors the root unit no longer gathers.

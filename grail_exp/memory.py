@@ -29,7 +29,9 @@ plans. ``plan`` is one function per phase — ``model_state_lines``, ``update_li
 The peak is the largest phase; vLLM's reserve is held through every phase. CPU runs (``trainer.accelerator=cpu``) are
 planned in RAM against the host's memory and refused like GPU runs when they do not fit. A GPU config validated
 where no CUDA device is visible is refused only with ``trainer.device_memory_gb`` set (planning offline); otherwise
-its plan is printed by ``python -m grail_exp.plan`` without a verdict. Measured peaks against the plan: results/memory_plan.md
+its plan is printed by ``python -m grail_exp.plan`` without a verdict. A GPU layout's plan also carries the host memory
+of the node holding rank 0, one row per phase that passes weights or state through the host (``host_node_lines``:
+load, checkpoint, resume); ``planned_mem_gb`` turns it into SLURM's ``--mem``. Measured peaks against the plan: results/memory_plan.md
 (``python sweeps/memory_plan.py``).
 
 The plan also states the process-group timeout the run needs (``needed_dist_timeout``: the planned checkpoint written
@@ -157,6 +159,16 @@ class MemoryPlan:
     facts: dict = field(default_factory=dict)  # the inputs, for the table's header
     notes: list[str] = field(default_factory=list)  # what the totals leave out, said under the table
     timeouts: list[str] = field(default_factory=list)  # timeout_lines(): the process-group timeout the run needs
+    host: list[Line] = field(default_factory=list)  # a GPU layout's host memory per node (host_node_lines)
+
+    @property
+    def host_peak(self) -> Optional[float]:
+        """Host bytes the busiest node needs (its steady part + its largest phase), or None for a CPU run (planned in
+        the device table)."""
+        if not self.host:
+            return None
+        steady = sum(x.bytes for x in self.host if x.phase == "host")
+        return steady + max(x.bytes for x in self.host if x.phase != "host")
 
     @property
     def peak(self) -> float:
@@ -316,6 +328,8 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
         lines += host_lines(cfg)
     p = assemble(cfg, z, lines, reserve, problems, notes)
     p.timeouts = timeout_lines(cfg)
+    if not z.cpu:
+        p.host = host_node_lines(cfg, z)
     return p
 
 
@@ -590,6 +604,65 @@ def host_lines(cfg) -> list[Line]:
     return lines
 
 
+# SLURM's --mem for a GPU job: the plan's host peak per node plus the planner's own error (PLAN_ERROR), in whole GiB.
+HOST_MARGIN = PLAN_ERROR
+
+
+def host_node_lines(cfg, z: Sizes) -> list[Line]:
+    """A GPU layout's host memory on the node holding rank 0 (the busiest): what every rank keeps (phase ``host``),
+    then one row per phase that passes weights or state through the host — ``host: load`` (the weights read from disk
+    at the start), ``host: checkpoint`` (each rank's part of the state, staged to be written, plus one tensor's buffer;
+    rank 0 streams the Hugging Face weights one tensor at a time), ``host: resume`` (the same parts read back, and the
+    weights they do not carry). Loading and reading a training state are sequential in a run, so resume is the larger of
+    its two halves. With R ranks per node, N parameters, L bytes per loaded policy element (fp32 under FSDP: its master
+    weights), b bytes per model-dtype element, W ranks, and V x h (the embedding) the largest tensor."""
+    from grail_exp.training.world import devices_per_node
+
+    B, n, b, W, s = z.backend, z.n, z.b, z.world, z.shape
+    R = min(devices_per_node(cfg.trainer.devices), W)
+    L = _dtype_bytes((B.policy_overrides(cfg).get("model") or {}).get("dtype", cfg.model.dtype))
+    tensor = s.vocab * s.hidden
+    ref = uses_reference(cfg)
+    workers = int(cfg.reward.num_workers)
+    lines = [Line("host", "libraries and grading workers", R * (HOST_BASELINE + GRADER_WORKER * workers),
+                  f"R {R} ranks x ({HOST_BASELINE / GiB:.2f} GiB + reward.num_workers {workers} x "
+                  f"{GRADER_WORKER / GiB:.2f} GiB)")]
+    copies = 1 if B.weights_from_rank0(cfg) else R
+    who = "rank 0 reads them, the other ranks receive them on their device" if copies == 1 else f"each of {R} ranks"
+    shards = n * L / W if copies == 1 and B.shards_parameters else 0.0  # rank 0's CPU shards beside its full copy
+    load = copies * (n * L + (n * b if ref else 0.0)) + shards
+    how = (f"{who}: N {n:,} x L {L} B" + (" + the reference N x b" if ref else "")
+           + (" + rank 0's shards N x L / W while its full copy lives" if shards else ""))
+    lines.append(Line("host: load", "weights read from disk", load, how))
+    parts = [B.planned_checkpoint_shard(cfg, n, b, W, r) for r in range(R)]
+    staged = sum(p.bytes + (4 * tensor if p.bytes else 0.0) for p in parts)
+    lines.append(Line("host: checkpoint", "each rank's part + one tensor", staged + b * tensor,
+                      f"{R} x ({parts[0].how}) + a 4 B x V x h buffer per writing rank, + rank 0's weights export "
+                      f"streamed one b-byte V x h tensor at a time" if parts[-1].bytes else
+                      f"rank 0: {parts[0].how} + a 4 B x V x h buffer, + the weights export streamed one b-byte V x h "
+                      "tensor at a time"))
+    outside = ([] if B.checkpoint_holds_weights(cfg) else ["the policy N x L"]) + (["the reference N x b"] if ref else [])
+    weights = (0.0 if B.checkpoint_holds_weights(cfg) else copies * n * L) + (copies * n * b if ref else 0.0)
+    lines.append(Line("host: resume", "the parts read back, or the weights", max(staged, weights),
+                      f"max(the checkpoint's parts {staged / GiB:.2f} GiB, the weights read as at load that the parts "
+                      f"do not carry ({' + '.join(outside) or 'none'}) {weights / GiB:.2f} GiB)"))
+    return lines
+
+
+def planned_mem_gb(cfg) -> Optional[int]:
+    """SLURM's ``--mem`` (GB, as SLURM counts them: GiB) for the run ``cfg``: the plan's host memory per node plus
+    ``HOST_MARGIN``, rounded up. A GPU layout's is ``MemoryPlan.host_peak``; a CPU run's, its per-process peak (planned in
+    host memory) times the ranks on a node. None when no plan can be made (an architecture the planner does not know)."""
+    from grail_exp.training.world import devices_per_node
+
+    try:
+        p = plan(cfg)
+    except PlanError:
+        return None
+    per_node = p.host_peak if p.host_peak is not None else p.peak * devices_per_node(cfg.trainer.devices)
+    return math.ceil(per_node * (1 + HOST_MARGIN) / GiB)
+
+
 # ---------------------------------------------------------------------------------------------- what would fit
 def _vllm_need(cfg, rows: int) -> float:
     """gpu_memory_utilization that holds the engine's weights, its profile and the KV cache of ``rows`` sequences."""
@@ -738,6 +811,13 @@ def render(p: MemoryPlan) -> str:
     out += [f"problem: {x}" for x in p.problems]
     out += p.timeouts
     out += [f"note: {x}" for x in p.notes]
+    if p.host:
+        out += ["", "host memory per node (the node of rank 0)", "", "| phase | item | GiB | how |", "|---|---|--:|---|"]
+        out += [f"| {x.phase} | {x.what} | {x.bytes / GiB:.2f} | {x.how} |" for x in p.host]
+        out.append("")
+        out.append(f"host per node: {p.host_peak / GiB:.1f} GiB (what every rank keeps + the largest phase); SLURM "
+                   f"--mem = that + {HOST_MARGIN:.0%} = {math.ceil(p.host_peak * (1 + HOST_MARGIN) / GiB)} GB "
+                   "(hydra.launcher.mem_gb, unless set)")
     return "\n".join(out)
 
 

@@ -185,6 +185,7 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     from grail_exp.advantages import build_scheme
     from grail_exp.forward import share_prompts_of
     from grail_exp.data import build_source
+    from grail_exp.distributed import launch_rank
     from grail_exp.embedded import read_build_report
     from grail_exp.extraction import reward_rule
     from grail_exp.loss import build_terms, needs_reference
@@ -209,10 +210,15 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
             tracker.log_params({"start_weights.sha256": start_sha256})
     policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
     tokenizer = load_tokenizer(policy_path, cfg)
-    policy_cfg = OmegaConf.merge(cfg, BACKENDS[str(cfg.trainer.strategy)].policy_overrides(cfg))
-    policy = load_causal_lm(policy_path, policy_cfg, trainable=True)
+    backend = BACKENDS[str(cfg.trainer.strategy)]
+    policy_cfg = OmegaConf.merge(cfg, backend.policy_overrides(cfg))
+    # Only rank 0 of a multi-rank run reads the weights; the others build meta skeletons and receive them once the
+    # process group exists (the backend's configure_model): one host copy per node, not one per rank.
+    weights = launch_rank() == 0 or not backend.weights_from_rank0(cfg)
+    policy = load_causal_lm(policy_path, policy_cfg, trainable=True, weights=weights)
     terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
-    ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_reference(cfg, terms) else None
+    ref_model = load_causal_lm(model_path, cfg, trainable=False, weights=weights) if needs_reference(cfg, terms) \
+        else None
     log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
     scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data,
                                                      "share_prompts": share_prompts_of(cfg)})

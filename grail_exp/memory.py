@@ -616,13 +616,14 @@ def host_node_lines(cfg, z: Sizes) -> list[Line]:
     weights they do not carry). Loading and reading a training state are sequential in a run, so resume is the larger of
     its two halves. With R ranks per node, N parameters, L bytes per loaded policy element (fp32 under FSDP: its master
     weights), b bytes per model-dtype element, W ranks, and V x h (the embedding) the largest tensor."""
+    from grail_exp.loss import needs_reference
     from grail_exp.training.world import devices_per_node
 
     B, n, b, W, s = z.backend, z.n, z.b, z.world, z.shape
     R = min(devices_per_node(cfg.trainer.devices), W)
     L = _dtype_bytes((B.policy_overrides(cfg).get("model") or {}).get("dtype", cfg.model.dtype))
     tensor = s.vocab * s.hidden
-    ref = uses_reference(cfg)
+    ref = needs_reference(cfg)
     workers = int(cfg.reward.num_workers)
     lines = [Line("host", "libraries and grading workers", R * (HOST_BASELINE + GRADER_WORKER * workers),
                   f"R {R} ranks x ({HOST_BASELINE / GiB:.2f} GiB + reward.num_workers {workers} x "

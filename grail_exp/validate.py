@@ -125,7 +125,7 @@ def engine_devices(cfg) -> list[str]:
     two provably agree, i.e. it is 0, 1, ..., n-1 in order. (The engine checks the live devices too:
     ``rollout.vllm.check_engine_device``.)"""
     t = cfg.get("trainer")
-    if t is None or str(t.get("accelerator", "cpu")) == "cpu":
+    if t is None or str(t.get("accelerator", "cpu")) == "cpu" or str(cfg.rollout.engine) != "vllm":
         return []
     devices = t.get("devices")
     if isinstance(devices, str) and "," in devices:  # Lightning's "0,1" form

@@ -31,15 +31,28 @@ class _Result:
         self.outputs = [_Output(ids)]
 
 
+class InprocClient:  # vLLM's in-process engine-core client (vllm.v1.engine.core_client)
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+class MPClient:  # the multiprocess one: not an InprocClient
+    def shutdown(self):
+        pass
+
+
 def _fake_vllm(calls: list, *, cpu: bool, on_build=None):
-    """A ``vllm`` module whose ``LLM`` records its arguments and every method call into ``calls``."""
+    """A ``vllm`` module whose ``LLM`` records its arguments and every method call into ``calls``. ``on_build`` runs
+    inside the constructor and may return "multiprocess" to make the engine core a multiprocess client."""
 
     class LLM:
         def __init__(self, **kwargs):
             calls.append(("LLM", kwargs))
-            if on_build is not None:
-                on_build()
-            core = types.SimpleNamespace(shutdown=lambda: calls.append(("shutdown",)))
+            mode = on_build() if on_build is not None else None
+            core = MPClient() if mode == "multiprocess" else InprocClient(calls)
             self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=64),
                                                     engine_core=core)
 
@@ -73,7 +86,9 @@ def _fake_vllm(calls: list, *, cpu: bool, on_build=None):
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: cpu)
     mod.platforms = platforms
-    return mod, platforms
+    core_client = types.ModuleType("vllm.v1.engine.core_client")
+    core_client.InprocClient = InprocClient
+    return mod, platforms, core_client
 
 
 @pytest.fixture
@@ -82,9 +97,11 @@ def fake_vllm(monkeypatch):
     calls: list = []
 
     def install(cpu: bool = False, on_build=None):
-        mod, platforms = _fake_vllm(calls, cpu=cpu, on_build=on_build)
-        monkeypatch.setitem(sys.modules, "vllm", mod)
-        monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+        mod, platforms, core_client = _fake_vllm(calls, cpu=cpu, on_build=on_build)
+        for name, m in (("vllm", mod), ("vllm.platforms", platforms), ("vllm.v1", types.ModuleType("vllm.v1")),
+                        ("vllm.v1.engine", types.ModuleType("vllm.v1.engine")),
+                        ("vllm.v1.engine.core_client", core_client)):
+            monkeypatch.setitem(sys.modules, name, m)
         return calls
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -147,9 +164,7 @@ def test_gpu_engine_has_cuda_graphs_sizes_and_the_models_revision(fake_vllm, com
     assert kw["max_num_batched_tokens"] == 4096 and kw["max_num_seqs"] == 256
     assert kw["revision"] == "0123abc" and kw["tokenizer_revision"] == "0123abc"
     assert kw["seed"] == cfg.seed
-
-
-def test_cpu_engine_is_eager_and_a_forced_value_wins(fake_vllm, compose_cfg):
+    # vLLM's CPU build has no graphs (it would compile the model instead): eager there; a value set by hand wins
     assert _built(fake_vllm, compose_cfg, [], cpu=True)[1]["enforce_eager"] is True
     assert _built(fake_vllm, compose_cfg, ["rollout.vllm.enforce_eager=true"], cpu=False)[1]["enforce_eager"] is True
 
@@ -169,15 +184,17 @@ def test_each_rank_has_its_own_engine_seed(fake_vllm, compose_cfg, monkeypatch):
 
 def test_in_process_is_read_after_vllm_decided_it(fake_vllm, monkeypatch):
     """The environment asked for a multiprocess engine; vLLM's external launcher turns it off while building (as vLLM
-    0.32's ParallelConfig does): the engine must push tensors in process, not write files."""
+    0.32's ParallelConfig does): the engine must push tensors in process, not write files. And the other way round:
+    an engine vLLM built multiprocess (its CPU platform does so for a uniprocess executor when the variable is 1)
+    gets files even though the variable said 0 before the build."""
     import os
 
-    calls = fake_vllm(cpu=False, on_build=lambda: os.environ.__setitem__("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
+    fake_vllm(cpu=False, on_build=lambda: os.environ.__setitem__("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    e = _engine()
-    assert e.in_process
-    e.load_weights([[("w", torch.zeros(2))]])
-    assert ("rpc", "reload_weights") in calls
+    assert _engine().in_process
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    fake_vllm(cpu=True, on_build=lambda: "multiprocess")
+    assert not _engine().in_process
 
 
 # ---------------------------------------------------------------------------------------------- seeds

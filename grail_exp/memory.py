@@ -48,7 +48,16 @@ from typing import Optional
 GiB = 2**30
 HEADROOM_FIXED = 2 * GiB  # allocator fragmentation, NCCL buffers, cuBLAS workspace, CUDA graphs
 HEADROOM_FRACTION = 0.05
-VLLM_PROFILE_BYTES = 1.5 * GiB  # vLLM's own activation / sampler profile inside its reserved fraction (approximate)
+# vLLM's profile run, which it subtracts from its share before sizing the KV cache (vLLM 0.32
+# v1/worker/gpu_model_runner.py profile_run): one forward over rollout.vllm.max_num_batched_tokens tokens, then its
+# sampler over min(max_num_seqs, tokens) rows of the vocabulary. The forward's largest transient is a decoder layer's
+# MLP (gate and up projections, 2 x intermediate, and the activation, 1 x intermediate) beside ~4 hidden-size tensors
+# (residual, normed input, attention output, hidden state); the sampler holds, beyond the model-dtype logits, per
+# (row, token) the float32 logits, the top-k/top-p sort's float32 values and int64 indices and float32 probabilities
+# (24 bytes). Plus the non-torch memory vLLM measures in the profile (CUDA context growth, cuBLAS / NCCL workspaces).
+# Read from vLLM's source, not measured on a GPU (none with CUDA vLLM available): approximate.
+VLLM_SAMPLER_BYTES = 24
+VLLM_NON_TORCH_BYTES = 0.5 * GiB
 # The planner's own error: against every CUDA peak recorded so far the plan was 0.91-1.05 of the measurement
 # (results/memory_plan.md), i.e. up to 9 % under it. A plan that fits by less than 10 % of its peak is reported as tight.
 PLAN_ERROR = 0.10
@@ -413,13 +422,46 @@ def vllm_share(cfg, z: Sizes) -> tuple[float, list[Line], list[str], list[str]]:
     reserve, total = util * z.total, z.total
     vb = _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
     kv = z.shape.kv_bytes_per_token * vb * z.T
-    need = z.n * vb + VLLM_PROFILE_BYTES + kv
+    profile, how = vllm_profile_bytes(cfg, z.shape)
+    need = z.n * vb + profile + kv
     problems = [] if reserve >= need else [
         f"rollout.vllm.gpu_memory_utilization = {util:g}: {reserve / GiB:.1f} GiB of the {total / GiB:.1f} GiB device "
-        f"cannot hold the engine's weights ({z.n * vb / GiB:.1f} GiB), its profile (~{VLLM_PROFILE_BYTES / GiB:.1f} "
+        f"cannot hold the engine's weights ({z.n * vb / GiB:.1f} GiB), its profile (~{profile / GiB:.1f} "
         f"GiB) and the KV cache of one {z.T:,}-token sequence ({kv / GiB:.2f} GiB); needs >= "
         f"{math.ceil(need / total * 100) / 100:.2f}"]
-    return reserve, [], problems, []
+    lines = [Line("vllm", "profile run (inside the reserve)", profile, how)]  # a phase no total adds: in the reserve
+    return reserve, lines, problems, [] if problems else [vllm_concurrency(cfg, z, reserve - z.n * vb - profile, kv)]
+
+
+def vllm_profile_bytes(cfg, s: Shape) -> tuple[float, str]:
+    """(bytes, how) of vLLM's profile run inside its share: the larger of one forward over
+    ``rollout.vllm.max_num_batched_tokens`` tokens and its sampler over min(``max_num_seqs``, tokens) rows of the
+    vocabulary, plus the non-torch memory (see ``VLLM_SAMPLER_BYTES``)."""
+    v = cfg.rollout.vllm
+    vb = _dtype_bytes(v.get("dtype") or cfg.model.dtype)
+    tokens = int(v.get("max_num_batched_tokens") or 4096)
+    rows = min(int(v.get("max_num_seqs") or 256), tokens)
+    forward = tokens * (3 * s.intermediate + 4 * s.hidden) * vb
+    sampler = rows * s.vocab * (vb + VLLM_SAMPLER_BYTES)
+    return max(forward, sampler) + VLLM_NON_TORCH_BYTES, (
+        f"max of a forward over rollout.vllm.max_num_batched_tokens {tokens:,} tokens x (3 x intermediate + 4 x hidden) "
+        f"x {vb} B ({forward / GiB:.2f}) and the sampler over {rows} rows x V x ({vb} + {VLLM_SAMPLER_BYTES}) B "
+        f"({sampler / GiB:.2f}), + {VLLM_NON_TORCH_BYTES / GiB:.1f} non-torch; inside the reserve, not added to it")
+
+
+def vllm_concurrency(cfg, z: Sizes, kv_space: float, per_sequence: float) -> str:
+    """The plan's note on vLLM's KV space: how many sequences of the run's length it holds at once (capped by
+    ``rollout.vllm.max_num_seqs``), against the rows one rank samples per round."""
+    r = cfg.rollout
+    fits = int(kv_space // per_sequence) if per_sequence else 0
+    cap = int(r.vllm.get("max_num_seqs") or 256)
+    rows = max(1, cfg.trainer.prompts_per_step // z.world) * int(r.num_generations)
+    at_once = min(fits, cap)
+    waves = -(-rows // at_once) if at_once else 0
+    return (f"vLLM's KV space: {kv_space / GiB:.1f} GiB of its share after the weights and the profile holds {fits:,} "
+            f"sequences of {z.T:,} tokens at once (rollout.vllm.max_num_seqs {cap} caps it at {at_once:,}); a rank's "
+            f"{rows:,} rollout rows per round run in {waves} wave{'s' if waves != 1 else ''} (prefix caching shares "
+            "each prompt's pages among its G samples: the count is a floor)")
 
 
 def rollout_lines(cfg, z: Sizes) -> list[Line]:
@@ -671,7 +713,7 @@ def _vllm_need(cfg, rows: int) -> float:
     _, total, _ = device_capacity(cfg)
     vb = _dtype_bytes(r.vllm.get("dtype") or m.dtype) if r.get("vllm") else _dtype_bytes(m.dtype)
     T = _prompt_tokens([cfg.data.name]) + int(r.max_completion_length)
-    need = s.params * vb + VLLM_PROFILE_BYTES + s.kv_bytes_per_token * vb * T * rows
+    need = s.params * vb + vllm_profile_bytes(cfg, s)[0] + s.kv_bytes_per_token * vb * T * rows
     return math.ceil(need / total * 100) / 100 if total else 1.0
 
 

@@ -117,8 +117,13 @@ def test_vllm_reserve_and_the_engine_minimum():
     assert p.phases["rollout"] - p.phases["state"] == pytest.approx(max(256 * 2**20, c["vocab_size"] * c["hidden_size"] * 2))
     assert [x.bytes for x in p.lines if x.what == "vLLM reserve"] == [pytest.approx(0.2 * H200 * GiB)]
     assert p.fits and not p.problems
-    # 0.2 of an H100 cannot hold the 8B engine: weights + 1.5 GiB profile + one 4,608-token sequence
-    need = (N * 2 + 1.5 * GiB + kv_token * 4608) / (H100 * GiB)
+    # 0.2 of an H100 cannot hold the 8B engine: weights + vLLM's profile run + one 4,608-token sequence. The profile:
+    # the larger of a bf16 forward over max_num_batched_tokens = 4096 tokens (MLP 3 x intermediate + 4 x hidden) and
+    # the sampler over max_num_seqs = 256 rows x V x (2 B logits + 24 B float32 copies), + 0.5 GiB non-torch
+    forward = 4096 * (3 * c["intermediate_size"] + 4 * c["hidden_size"]) * 2
+    sampler = 256 * c["vocab_size"] * (2 + 24)
+    assert sampler > forward  # at Qwen3's 151,936-token vocabulary the sampler's rows are the profile's peak
+    need = (N * 2 + max(forward, sampler) + 0.5 * GiB + kv_token * 4608) / (H100 * GiB)
     small = plan(_cfg("model=qwen3_8b", "advantage=grpo", f"trainer.device_memory_gb={H100}"))
     assert not small.fits and f"needs >= {-(-need * 100 // 1) / 100:.2f}" in small.problems[0]
 

@@ -95,7 +95,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     # Tracking next: an unreachable server fails before minutes of model building.
     tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
         if rank == 0 else NullTracker()
-    status, parts = "FAILED", None
+    status, parts, module = "FAILED", None, None
     if cfg.study.dir and rank == 0:  # this segment's code, recorded before it trains (grail_exp/study.py)
         study.record_segment(cfg, Path(cfg.paths.output_dir), int(state["step"]) if state else 0)
     try:
@@ -132,9 +132,34 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
             pass
         raise
     finally:
-        if parts is not None:
-            parts.verifier.close()
-        tracker.end(status)
+        try:
+            if parts is not None:
+                parts.verifier.close()
+            tracker.end(status)
+        finally:
+            teardown(module)
+
+
+def teardown(module) -> None:
+    """The job's last act on every rank, on every path (finished, stopped, failed): close the rollout engine (vLLM:
+    its executor and memory; its in-process shutdown also tears down the distributed state it set up), then destroy
+    the process group if one is left. A job that exits with a live NCCL communicator leaves its destruction to the
+    interpreter's exit, where it can abort or hang — and SLURM then records a finished job as FAILED; Lightning does not
+    destroy the group it created. A failure here is logged, never raised over the job's own outcome."""
+    import torch.distributed as dist
+
+    engine = getattr(getattr(module, "rollout", None), "engine", None)
+    close = getattr(engine, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - the group still has to go
+            log.warning("closing the rollout engine failed: %s: %s", type(exc).__name__, exc)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("destroying the process group failed: %s: %s", type(exc).__name__, exc)
 
 
 # ---------------------------------------------------------------------------------------------- the steps

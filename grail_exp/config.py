@@ -191,7 +191,9 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.3  # fraction of GPU memory vLLM may take (weights + KV cache); rest is training's
     max_model_len: Optional[int] = None  # prompt + completion tokens per sequence; null = the model's own limit
     enable_prefix_caching: bool = True  # share the KV cache of the G copies of a prompt (reset after each sync)
-    enforce_eager: bool = True  # no CUDA graphs: faster start, less memory; false = graphs (faster decode on GPU)
+    # null = CUDA graphs on a GPU (faster decoding), eager on vLLM's CPU build (it has no graphs and would compile the
+    # model with inductor instead: minutes of start); true = eager everywhere; false = graphs (compilation on CPU)
+    enforce_eager: Optional[bool] = None
     sleep_mode: bool = False  # offload weights / drop KV cache between rollouts (GPU only; an error on CPU)
     dtype: Optional[str] = None  # engine dtype; null = model.dtype (weights are pushed in this dtype)
     # Which vLLM log-prob the engine reads: raw_logprobs = log softmax(z) of the unprocessed logits, which the
@@ -200,7 +202,17 @@ class VLLMConfig:
     # reference's, rollout=vllm_paper: the old-log-prob forward then also measures the kept mass M_t, logged as
     # sampling/{seq,token}_log_kept_mass and added back in the sampler check).
     logprobs_mode: str = "raw_logprobs"
-    seed: Optional[int] = None  # engine construction seed; null = the run's seed. Per-request seeds come from torch's RNG
+    seed: Optional[int] = None  # engine seed of rank 0 (rank r: + 1000 r); null = the run's seed
+    # false: training rollouts sample from the engine's batched stream (no per-request seeds on the hot path; in
+    # process that is the rank's torch generator, seeded per rank and checkpointed); true: each training completion
+    # gets its own seed from torch's RNG, as evaluation's always do (reproducible whatever vLLM batches with it, at a
+    # per-request generator call per decoding step on GPU). rollout/vllm.py's docstring says why
+    seeded_rollouts: bool = False
+    # Tokens vLLM schedules per step (prefill chunks); its profile run, which it subtracts from its share before sizing
+    # the KV cache, is one forward of this many tokens (memory.py counts it). vLLM's own default on 70+ GiB GPUs is
+    # 16384, whose profile TRL found misleads the colocated engine; 4096 = TRL's and vLLM's CPU default
+    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = 256  # sequences decoded at once at most (and the profile's sampler rows); vLLM's default below 70 GiB
     # MiB of weights per chunk of a weight sync: the full parameters are gathered (when sharded), cast to the engine's
     # dtype and pushed one chunk at a time, so the sync holds at most this much beyond the model (a larger tensor,
     # e.g. the embedding, travels alone). verl and TRL stream layer by layer / bucket by bucket the same way.

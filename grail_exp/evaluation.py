@@ -295,7 +295,8 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
     extraction = cfg.benchmark.get("extraction", "last_balanced")
     rule = benchmark_rule(extraction)
     params = SamplingParams(n=ev.n, temperature=ev.temperature, top_p=ev.top_p, top_k=ev.top_k,
-                            max_new_tokens=ev.max_tokens)
+                            max_new_tokens=ev.max_tokens,
+                            per_request_seeds=True)  # a chunk's completions from its seed alone (chunk_seed)
     per_call = max(1, ev.batch_size // ev.n)  # prompts per generate() call = one cached chunk
     rank, size = world.rank(), world.world_size()
     jobs = [_benchmark(name, tokenizer, cfg, per_call, cache_dir, model_key, rank, size)

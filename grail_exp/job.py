@@ -95,7 +95,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     # Tracking next: an unreachable server fails before minutes of model building.
     tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
         if rank == 0 else NullTracker()
-    status, parts = "FAILED", None
+    status, parts, module = "FAILED", None, None
     if cfg.study.dir and rank == 0:  # this segment's code, recorded before it trains (grail_exp/analysis/study.py)
         study.record_segment(cfg, Path(cfg.paths.output_dir), int(state["step"]) if state else 0)
     try:
@@ -132,9 +132,34 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
             pass
         raise
     finally:
-        if parts is not None:
-            parts.verifier.close()
-        tracker.end(status)
+        try:
+            if parts is not None:
+                parts.verifier.close()
+            tracker.end(status)
+        finally:
+            teardown(module)
+
+
+def teardown(module) -> None:
+    """The job's last act on every rank, on every path (finished, stopped, failed): close the rollout engine (vLLM:
+    its executor and memory; its in-process shutdown also tears down the distributed state it set up), then destroy
+    the process group if one is left. A job that exits with a live NCCL communicator leaves its destruction to the
+    interpreter's exit, where it can abort or hang — and SLURM then records a finished job as FAILED; Lightning does not
+    destroy the group it created. A failure here is logged, never raised over the job's own outcome."""
+    import torch.distributed as dist
+
+    engine = getattr(getattr(module, "rollout", None), "engine", None)
+    close = getattr(engine, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - the group still has to go
+            log.warning("closing the rollout engine failed: %s: %s", type(exc).__name__, exc)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("destroying the process group failed: %s: %s", type(exc).__name__, exc)
 
 
 # ---------------------------------------------------------------------------------------------- the steps
@@ -185,9 +210,10 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     from grail_exp.advantages import build_scheme
     from grail_exp.compute.forward import share_prompts_of
     from grail_exp.data import build_source
+    from grail_exp.distributed import launch_rank
     from grail_exp.models.embedded import read_build_report
     from grail_exp.grading.extraction import reward_rule
-    from grail_exp.loss import build_terms
+    from grail_exp.loss import build_terms, needs_reference
     from grail_exp.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.grading.rewards import MathVerifier
     from grail_exp.rollout import build_engine
@@ -209,11 +235,15 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
             tracker.log_params({"start_weights.sha256": start_sha256})
     policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
     tokenizer = load_tokenizer(policy_path, cfg)
-    policy_cfg = OmegaConf.merge(cfg, BACKENDS[str(cfg.trainer.strategy)].policy_overrides(cfg))
-    policy = load_causal_lm(policy_path, policy_cfg, trainable=True)
+    backend = BACKENDS[str(cfg.trainer.strategy)]
+    policy_cfg = OmegaConf.merge(cfg, backend.policy_overrides(cfg))
+    # Only rank 0 of a multi-rank run reads the weights; the others build meta skeletons and receive them once the
+    # process group exists (the backend's configure_model): one host copy per node, not one per rank.
+    weights = launch_rank() == 0 or not backend.weights_from_rank0(cfg)
+    policy = load_causal_lm(policy_path, policy_cfg, trainable=True, weights=weights)
     terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
-    needs_ref = cfg.loss.beta > 0 or any(t.needs_reference for t in terms) or cfg.loss.kl_in_reward.enabled
-    ref_model = load_causal_lm(model_path, cfg, trainable=False) if needs_ref else None
+    ref_model = load_causal_lm(model_path, cfg, trainable=False, weights=weights) if needs_reference(cfg, terms) \
+        else None
     log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
     scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data,
                                                      "share_prompts": share_prompts_of(cfg)})

@@ -29,7 +29,9 @@ plans. ``plan`` is one function per phase — ``model_state_lines``, ``update_li
 The peak is the largest phase; vLLM's reserve is held through every phase. CPU runs (``trainer.accelerator=cpu``) are
 planned in RAM against the host's memory and refused like GPU runs when they do not fit. A GPU config validated
 where no CUDA device is visible is refused only with ``trainer.device_memory_gb`` set (planning offline); otherwise
-its plan is printed by ``python -m grail_exp.plan`` without a verdict. Measured peaks against the plan: results/memory_plan.md
+its plan is printed by ``python -m grail_exp.plan`` without a verdict. A GPU layout's plan also carries the host memory
+of the node holding rank 0, one row per phase that passes weights or state through the host (``host_node_lines``:
+load, checkpoint, resume); ``planned_mem_gb`` turns it into SLURM's ``--mem``. Measured peaks against the plan: results/memory_plan.md
 (``python sweeps/memory_plan.py``).
 
 The plan also states the process-group timeout the run needs (``needed_dist_timeout``: the planned checkpoint written
@@ -46,7 +48,16 @@ from typing import Optional
 GiB = 2**30
 HEADROOM_FIXED = 2 * GiB  # allocator fragmentation, NCCL buffers, cuBLAS workspace, CUDA graphs
 HEADROOM_FRACTION = 0.05
-VLLM_PROFILE_BYTES = 1.5 * GiB  # vLLM's own activation / sampler profile inside its reserved fraction (approximate)
+# vLLM's profile run, which it subtracts from its share before sizing the KV cache (vLLM 0.32
+# v1/worker/gpu_model_runner.py profile_run): one forward over rollout.vllm.max_num_batched_tokens tokens, then its
+# sampler over min(max_num_seqs, tokens) rows of the vocabulary. The forward's largest transient is a decoder layer's
+# MLP (gate and up projections, 2 x intermediate, and the activation, 1 x intermediate) beside ~4 hidden-size tensors
+# (residual, normed input, attention output, hidden state); the sampler holds, beyond the model-dtype logits, per
+# (row, token) the float32 logits, the top-k/top-p sort's float32 values and int64 indices and float32 probabilities
+# (24 bytes). Plus the non-torch memory vLLM measures in the profile (CUDA context growth, cuBLAS / NCCL workspaces).
+# Read from vLLM's source, not measured on a GPU (none with CUDA vLLM available): approximate.
+VLLM_SAMPLER_BYTES = 24
+VLLM_NON_TORCH_BYTES = 0.5 * GiB
 # The planner's own error: against every CUDA peak recorded so far the plan was 0.91-1.05 of the measurement
 # (results/memory_plan.md), i.e. up to 9 % under it. A plan that fits by less than 10 % of its peak is reported as tight.
 PLAN_ERROR = 0.10
@@ -157,6 +168,16 @@ class MemoryPlan:
     facts: dict = field(default_factory=dict)  # the inputs, for the table's header
     notes: list[str] = field(default_factory=list)  # what the totals leave out, said under the table
     timeouts: list[str] = field(default_factory=list)  # timeout_lines(): the process-group timeout the run needs
+    host: list[Line] = field(default_factory=list)  # a GPU layout's host memory per node (host_node_lines)
+
+    @property
+    def host_peak(self) -> Optional[float]:
+        """Host bytes the busiest node needs (its steady part + its largest phase), or None for a CPU run (planned in
+        the device table)."""
+        if not self.host:
+            return None
+        steady = sum(x.bytes for x in self.host if x.phase == "host")
+        return steady + max(x.bytes for x in self.host if x.phase != "host")
 
     @property
     def peak(self) -> float:
@@ -202,18 +223,6 @@ def device_capacity(cfg) -> tuple[Optional[float], Optional[float], str]:
     except Exception as exc:  # noqa: BLE001 - a broken driver is the run's problem, not the planner's
         return None, None, f"no CUDA device ({type(exc).__name__})"
     return None, None, "no CUDA device visible: set trainer.device_memory_gb to plan for one"
-
-
-def uses_reference(cfg) -> bool:
-    L = cfg.loss
-    if L.beta > 0 or (L.get("kl_in_reward") or {}).get("enabled", False):
-        return True
-    try:
-        from grail_exp.loss import LOSS_TERMS
-
-        return any(getattr(LOSS_TERMS.get(n), "needs_reference", False) for n in (L.get("terms") or {}))
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _probes_between_forward_and_backward(cfg) -> bool:
@@ -328,6 +337,8 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
         lines += host_lines(cfg)
     p = assemble(cfg, z, lines, reserve, problems, notes)
     p.timeouts = timeout_lines(cfg)
+    if not z.cpu:
+        p.host = host_node_lines(cfg, z)
     return p
 
 
@@ -340,7 +351,9 @@ def model_state_lines(cfg, z: Sizes) -> list[Line]:
     gathered = B.planned_gathered(cfg, z.shape, b, _probes_between_forward_and_backward(cfg))
     lines += [Line("update", *gathered)] if gathered else []
     lines += [Line("step", *item) for item in B.planned_gradient_sync(cfg, n, b, W)]
-    if uses_reference(cfg):
+    from grail_exp.loss import needs_reference
+
+    if needs_reference(cfg):
         lines.append(Line("state", "reference model", n * b, "a frozen copy, N x b (loss.beta > 0 / KL in reward / a "
                           "term needs it)"))
     return lines
@@ -378,9 +391,10 @@ def update_lines(cfg, z: Sizes) -> list[Line]:
 
 def logp_lines(cfg, z: Sizes) -> list[Line]:
     """The no-grad forward of old / reference log-probs, when k x mu > 1, an IS correction or a reference needs them."""
+    from grail_exp.loss import needs_reference
     from grail_exp.training.batch import needs_old_logprobs
 
-    if not (needs_old_logprobs(cfg) or uses_reference(cfg)):
+    if not (needs_old_logprobs(cfg) or needs_reference(cfg)):
         return []
     s, b = z.shape, z.b
     lf, _, _ = logits_bytes(z.rows * z.C, int(cfg.trainer.logprob_chunk_tokens), s, b)
@@ -408,13 +422,46 @@ def vllm_share(cfg, z: Sizes) -> tuple[float, list[Line], list[str], list[str]]:
     reserve, total = util * z.total, z.total
     vb = _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
     kv = z.shape.kv_bytes_per_token * vb * z.T
-    need = z.n * vb + VLLM_PROFILE_BYTES + kv
+    profile, how = vllm_profile_bytes(cfg, z.shape)
+    need = z.n * vb + profile + kv
     problems = [] if reserve >= need else [
         f"rollout.vllm.gpu_memory_utilization = {util:g}: {reserve / GiB:.1f} GiB of the {total / GiB:.1f} GiB device "
-        f"cannot hold the engine's weights ({z.n * vb / GiB:.1f} GiB), its profile (~{VLLM_PROFILE_BYTES / GiB:.1f} "
+        f"cannot hold the engine's weights ({z.n * vb / GiB:.1f} GiB), its profile (~{profile / GiB:.1f} "
         f"GiB) and the KV cache of one {z.T:,}-token sequence ({kv / GiB:.2f} GiB); needs >= "
         f"{math.ceil(need / total * 100) / 100:.2f}"]
-    return reserve, [], problems, []
+    lines = [Line("vllm", "profile run (inside the reserve)", profile, how)]  # a phase no total adds: in the reserve
+    return reserve, lines, problems, [] if problems else [vllm_concurrency(cfg, z, reserve - z.n * vb - profile, kv)]
+
+
+def vllm_profile_bytes(cfg, s: Shape) -> tuple[float, str]:
+    """(bytes, how) of vLLM's profile run inside its share: the larger of one forward over
+    ``rollout.vllm.max_num_batched_tokens`` tokens and its sampler over min(``max_num_seqs``, tokens) rows of the
+    vocabulary, plus the non-torch memory (see ``VLLM_SAMPLER_BYTES``)."""
+    v = cfg.rollout.vllm
+    vb = _dtype_bytes(v.get("dtype") or cfg.model.dtype)
+    tokens = int(v.get("max_num_batched_tokens") or 4096)
+    rows = min(int(v.get("max_num_seqs") or 256), tokens)
+    forward = tokens * (3 * s.intermediate + 4 * s.hidden) * vb
+    sampler = rows * s.vocab * (vb + VLLM_SAMPLER_BYTES)
+    return max(forward, sampler) + VLLM_NON_TORCH_BYTES, (
+        f"max of a forward over rollout.vllm.max_num_batched_tokens {tokens:,} tokens x (3 x intermediate + 4 x hidden) "
+        f"x {vb} B ({forward / GiB:.2f}) and the sampler over {rows} rows x V x ({vb} + {VLLM_SAMPLER_BYTES}) B "
+        f"({sampler / GiB:.2f}), + {VLLM_NON_TORCH_BYTES / GiB:.1f} non-torch; inside the reserve, not added to it")
+
+
+def vllm_concurrency(cfg, z: Sizes, kv_space: float, per_sequence: float) -> str:
+    """The plan's note on vLLM's KV space: how many sequences of the run's length it holds at once (capped by
+    ``rollout.vllm.max_num_seqs``), against the rows one rank samples per round."""
+    r = cfg.rollout
+    fits = int(kv_space // per_sequence) if per_sequence else 0
+    cap = int(r.vllm.get("max_num_seqs") or 256)
+    rows = max(1, cfg.trainer.prompts_per_step // z.world) * int(r.num_generations)
+    at_once = min(fits, cap)
+    waves = -(-rows // at_once) if at_once else 0
+    return (f"vLLM's KV space: {kv_space / GiB:.1f} GiB of its share after the weights and the profile holds {fits:,} "
+            f"sequences of {z.T:,} tokens at once (rollout.vllm.max_num_seqs {cap} caps it at {at_once:,}); a rank's "
+            f"{rows:,} rollout rows per round run in {waves} wave{'s' if waves != 1 else ''} (prefix caching shares "
+            "each prompt's pages among its G samples: the count is a floor)")
 
 
 def rollout_lines(cfg, z: Sizes) -> list[Line]:
@@ -599,6 +646,66 @@ def host_lines(cfg) -> list[Line]:
     return lines
 
 
+# SLURM's --mem for a GPU job: the plan's host peak per node plus the planner's own error (PLAN_ERROR), in whole GiB.
+HOST_MARGIN = PLAN_ERROR
+
+
+def host_node_lines(cfg, z: Sizes) -> list[Line]:
+    """A GPU layout's host memory on the node holding rank 0 (the busiest): what every rank keeps (phase ``host``),
+    then one row per phase that passes weights or state through the host — ``host: load`` (the weights read from disk
+    at the start), ``host: checkpoint`` (each rank's part of the state, staged to be written, plus one tensor's buffer;
+    rank 0 streams the Hugging Face weights one tensor at a time), ``host: resume`` (the same parts read back, and the
+    weights they do not carry). Loading and reading a training state are sequential in a run, so resume is the larger of
+    its two halves. With R ranks per node, N parameters, L bytes per loaded policy element (fp32 under FSDP: its master
+    weights), b bytes per model-dtype element, W ranks, and V x h (the embedding) the largest tensor."""
+    from grail_exp.loss import needs_reference
+    from grail_exp.world import devices_per_node
+
+    B, n, b, W, s = z.backend, z.n, z.b, z.world, z.shape
+    R = min(devices_per_node(cfg.trainer.devices), W)
+    L = _dtype_bytes((B.policy_overrides(cfg).get("model") or {}).get("dtype", cfg.model.dtype))
+    tensor = s.vocab * s.hidden
+    ref = needs_reference(cfg)
+    workers = int(cfg.reward.num_workers)
+    lines = [Line("host", "libraries and grading workers", R * (HOST_BASELINE + GRADER_WORKER * workers),
+                  f"R {R} ranks x ({HOST_BASELINE / GiB:.2f} GiB + reward.num_workers {workers} x "
+                  f"{GRADER_WORKER / GiB:.2f} GiB)")]
+    copies = 1 if B.weights_from_rank0(cfg) else R
+    who = "rank 0 reads them, the other ranks receive them on their device" if copies == 1 else f"each of {R} ranks"
+    shards = n * L / W if copies == 1 and B.shards_parameters else 0.0  # rank 0's CPU shards beside its full copy
+    load = copies * (n * L + (n * b if ref else 0.0)) + shards
+    how = (f"{who}: N {n:,} x L {L} B" + (" + the reference N x b" if ref else "")
+           + (" + rank 0's shards N x L / W while its full copy lives" if shards else ""))
+    lines.append(Line("host: load", "weights read from disk", load, how))
+    parts = [B.planned_checkpoint_shard(cfg, n, b, W, r) for r in range(R)]
+    staged = sum(p.bytes + (4 * tensor if p.bytes else 0.0) for p in parts)
+    lines.append(Line("host: checkpoint", "each rank's part + one tensor", staged + b * tensor,
+                      f"{R} x ({parts[0].how}) + a 4 B x V x h buffer per writing rank, + rank 0's weights export "
+                      f"streamed one b-byte V x h tensor at a time" if parts[-1].bytes else
+                      f"rank 0: {parts[0].how} + a 4 B x V x h buffer, + the weights export streamed one b-byte V x h "
+                      "tensor at a time"))
+    outside = ([] if B.checkpoint_holds_weights(cfg) else ["the policy N x L"]) + (["the reference N x b"] if ref else [])
+    weights = (0.0 if B.checkpoint_holds_weights(cfg) else copies * n * L) + (copies * n * b if ref else 0.0)
+    lines.append(Line("host: resume", "the parts read back, or the weights", max(staged, weights),
+                      f"max(the checkpoint's parts {staged / GiB:.2f} GiB, the weights read as at load that the parts "
+                      f"do not carry ({' + '.join(outside) or 'none'}) {weights / GiB:.2f} GiB)"))
+    return lines
+
+
+def planned_mem_gb(cfg) -> Optional[int]:
+    """SLURM's ``--mem`` (GB, as SLURM counts them: GiB) for the run ``cfg``: the plan's host memory per node plus
+    ``HOST_MARGIN``, rounded up. A GPU layout's is ``MemoryPlan.host_peak``; a CPU run's, its per-process peak (planned in
+    host memory) times the ranks on a node. None when no plan can be made (an architecture the planner does not know)."""
+    from grail_exp.world import devices_per_node
+
+    try:
+        p = plan(cfg)
+    except PlanError:
+        return None
+    per_node = p.host_peak if p.host_peak is not None else p.peak * devices_per_node(cfg.trainer.devices)
+    return math.ceil(per_node * (1 + HOST_MARGIN) / GiB)
+
+
 # ---------------------------------------------------------------------------------------------- what would fit
 def _vllm_need(cfg, rows: int) -> float:
     """gpu_memory_utilization that holds the engine's weights, its profile and the KV cache of ``rows`` sequences."""
@@ -606,7 +713,7 @@ def _vllm_need(cfg, rows: int) -> float:
     _, total, _ = device_capacity(cfg)
     vb = _dtype_bytes(r.vllm.get("dtype") or m.dtype) if r.get("vllm") else _dtype_bytes(m.dtype)
     T = _prompt_tokens([cfg.data.name]) + int(r.max_completion_length)
-    need = s.params * vb + VLLM_PROFILE_BYTES + s.kv_bytes_per_token * vb * T * rows
+    need = s.params * vb + vllm_profile_bytes(cfg, s)[0] + s.kv_bytes_per_token * vb * T * rows
     return math.ceil(need / total * 100) / 100 if total else 1.0
 
 
@@ -747,6 +854,13 @@ def render(p: MemoryPlan) -> str:
     out += [f"problem: {x}" for x in p.problems]
     out += p.timeouts
     out += [f"note: {x}" for x in p.notes]
+    if p.host:
+        out += ["", "host memory per node (the node of rank 0)", "", "| phase | item | GiB | how |", "|---|---|--:|---|"]
+        out += [f"| {x.phase} | {x.what} | {x.bytes / GiB:.2f} | {x.how} |" for x in p.host]
+        out.append("")
+        out.append(f"host per node: {p.host_peak / GiB:.1f} GiB (what every rank keeps + the largest phase); SLURM "
+                   f"--mem = that + {HOST_MARGIN:.0%} = {math.ceil(p.host_peak * (1 + HOST_MARGIN) / GiB)} GB "
+                   "(hydra.launcher.mem_gb, unless set)")
     return "\n".join(out)
 
 

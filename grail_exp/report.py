@@ -8,7 +8,10 @@
 Rows are model × scheme, columns the benchmarks and their average (unweighted over benchmarks, as the GRAIL paper
 reports), one table per metric (acc@n, pass@k, maj@n). Every non-baseline cell carries its Δ against the
 baseline scheme trained on the same model and seeds; a second table gives each Δ with its paired 95 % interval,
-the spread of the per-seed Δ and a p-value (statistics: grail_exp/analysis/stats.py).
+the spread of the per-seed Δ, the seed-level tests that decide a star (paired t over seeds and the exact seed
+sign-flip, with the smallest p it can reach; Holm-adjusted outside the declared ``primary_metric``) and the
+per-problem sign-flip p ("these trained models only"); then each arm's truncation rate and mean completion length
+(statistics: grail_exp/analysis/stats.py).
 
 **Where the numbers come from.** Each training run's final evaluation logs its per-sample results
 (``eval/final/samples.parquet``: benchmark, problem_index, sample_index, correct, extracted, ...). The report reads
@@ -23,9 +26,11 @@ MLflow: each finished arm's ``arm.json`` (model, scheme, seed, flat configuratio
 committed with the results.
 
 **A study that is not one is refused** with ``design_check.strict=true``: arms of a model must agree on every key
-of ``design_check.same_everywhere`` (evaluation, data, budget, optimiser, ...) and the arms of a seed on
-``design_check.same_within_seed`` (starting weights, training order); every non-baseline seed needs its baseline
-run; seeds outside ``seeds`` are not allowed. The error names each key, its values and the runs that differ.
+of ``design_check.same_everywhere`` (evaluation, data, budget, optimiser, ...), the arms of a seed on
+``design_check.same_within_seed`` (starting weights, training order) and the arms of a scheme on
+``design_check.same_within_scheme`` (``advantage.*``); a key an older arm lacks counts as its schema default; seeds
+outside ``seeds`` are not allowed (without ``seeds``, every non-baseline seed needs its baseline run; with them, a
+declared seed still missing arms is footnoted, not refused). The error names each key, its values and the runs that differ.
 Without it, differing evaluation settings are footnoted (``pairing_params``).
 
 **Nothing is dropped silently.** A run that is not FINISHED, has no per-sample artifact, lacks a benchmark, or has
@@ -63,6 +68,7 @@ AVG = "avg"
 PAPER_ORDER = ["math500", "aime24", "amc23", "minerva_math", "college_math_200", "olympiadbench_200"]
 _METRIC = re.compile(r"^(acc|maj|pass@(\d+|n))$")
 DASH = "—"
+ONE_SEED = "1 seed, problems only"  # a Δ of one trained pair: its tests resample problems only
 
 
 def arm_scheme(scheme: str, params: dict) -> str:
@@ -145,6 +151,8 @@ class DesignCheck:
     # must agree between the arms of a seed: the starting weights and what the run seed sets per seed
     same_within_seed: list[str] = field(default_factory=lambda: [
         "start_weights.sha256", "data.train_seed", "model.build.seed", "seed"])
+    # must agree between the arms of one scheme (its settings differ from another scheme's by design)
+    same_within_scheme: list[str] = field(default_factory=lambda: ["advantage.*"])
 
 
 @dataclass
@@ -169,6 +177,9 @@ class ReportConfig:
     design: dict[str, Any] = field(default_factory=dict)
     benchmarks: Optional[list[str]] = None  # columns; null = every benchmark found (paper order first)
     metrics: list[str] = field(default_factory=lambda: ["acc", "pass@n"])  # acc | pass@<k> | pass@n | maj
+    # The declared primary comparison: this metric on the avg column (or the only benchmark); its seed-level p-values
+    # are used as they are, every other comparison of a row is Holm-adjusted. null, or a metric not in metrics: all
+    primary_metric: Optional[str] = "acc"
     average: str = "unweighted"  # the avg column: unweighted over benchmarks (paper) | weighted by problems
     # run params that must agree between paired runs for common random numbers (those both runs have)
     pairing_params: list[str] = field(default_factory=lambda: [
@@ -193,6 +204,8 @@ def validate_report(cfg: DictConfig) -> None:
             errors.append(f"metrics: {m!r} is not acc | maj | pass@<k> | pass@n")
     if not cfg.metrics:
         errors.append("metrics: empty")
+    if cfg.primary_metric is not None and not _METRIC.match(str(cfg.primary_metric)):
+        errors.append(f"primary_metric = {cfg.primary_metric!r}: not acc | maj | pass@<k> | pass@n (or null)")
     if cfg.average not in ("unweighted", "weighted"):
         errors.append(f"average = {cfg.average!r}: must be unweighted or weighted")
     if cfg.log_to not in ("auto", "report", "parent", "none"):
@@ -398,42 +411,73 @@ def select_study_arms(cfg: DictConfig, notes: Notes):
 
 
 def check_design(arms: dict, cfg: DictConfig) -> None:
-    """``design_check.strict``: refuse (ConfigError) a study whose arms are not comparable, naming what differs."""
+    """``design_check.strict``: refuse (ConfigError) a study whose arms are not comparable, naming what differs.
+
+    Compared: ``same_everywhere`` between the arms of a model, ``same_within_seed`` between the arms of a seed,
+    ``same_within_scheme`` between the arms of a scheme. A key one arm lacks counts as its schema default
+    (grail_exp/analysis/study.py ``schema_defaults``: an arm recorded before the key existed ran with what the default does).
+    Refused too: a seed outside ``seeds``; and, when no ``seeds`` are declared, an arm without its baseline partner.
+    A declared seed that still lacks arms (a study in progress) is not refused: the table footnotes it as missing and
+    pairs only the seeds both arms have."""
     from fnmatch import fnmatch
 
     dc = cfg.design_check
     if not dc.strict:
         return
     within = lambda k: any(fnmatch(k, p) for p in dc.same_within_seed)  # noqa: E731
-    everywhere = lambda k: any(fnmatch(k, p) for p in dc.same_everywhere) and not within(k)  # noqa: E731
+    in_scheme = lambda k: any(fnmatch(k, p) for p in dc.same_within_scheme) and not within(k)  # noqa: E731
+    everywhere = lambda k: (any(fnmatch(k, p) for p in dc.same_everywhere)  # noqa: E731
+                            and not within(k) and not in_scheme(k))
     label = lambda r: f"{r.model} × {r.scheme}, seed {r.seed} ({r.run_id})"  # noqa: E731
     problems = []
     expected = {str(s) for s in cfg.seeds} if cfg.seeds else None
     by_model: dict[str, list] = defaultdict(list)
     by_seed: dict[tuple, list] = defaultdict(list)
+    by_scheme: dict[tuple, list] = defaultdict(list)
     for (model, scheme), seeds in arms.items():
         base = arms.get((model, cfg.baseline), {})
         for seed, rec in seeds.items():
             by_model[model].append(rec)
             by_seed[(model, seed)].append(rec)
+            by_scheme[(model, scheme)].append(rec)
             if expected is not None and seed not in expected:
                 problems.append(f"{label(rec)}: seed {seed} is not one of seeds = {sorted(expected)}")
-            if scheme != cfg.baseline and seed not in base:
+            if scheme != cfg.baseline and seed not in base and (expected is None or seed not in expected):
                 problems.append(f"{label(rec)}: no {cfg.baseline} run of seed {seed} to pair it with")
-    for groups, keep in ((by_model, everywhere), (by_seed, within)):
+    value = _param_or_default()
+    for groups, keep in ((by_model, everywhere), (by_seed, within), (by_scheme, in_scheme)):
         for recs in groups.values():
             recs = sorted(recs, key=lambda r: (r.scheme != cfg.baseline, _seed_key(r.seed), r.scheme))
             first = recs[0]
             for rec in recs[1:]:
                 for k in sorted(k for k in set(first.params) | set(rec.params) if keep(k)):
-                    a, b = first.params.get(k, "<absent>"), rec.params.get(k, "<absent>")
+                    a, b = value(first, k), value(rec, k)
                     if a != b:
                         problems.append(f"{k}: {a} in {label(first)} vs {b} in {label(rec)}")
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise ConfigError("the study's arms are not comparable (design_check.strict=true); they must share the "
-                          "starting weights and training order within a seed, and evaluation, data and budget "
-                          "everywhere:\n" + "\n".join(f"  - {p}" for p in shown))
+                          "starting weights and training order within a seed, the scheme's settings within a "
+                          "scheme, and evaluation, data and budget everywhere:\n"
+                          + "\n".join(f"  - {p}" for p in shown))
+
+
+def _param_or_default():
+    """``value(rec, key)``: the run's parameter, else the key's schema default for the run's scheme (as a string,
+    like the parameters), else ``<absent>``."""
+    from grail_exp.analysis.study import schema_defaults
+
+    cache: dict[tuple, dict] = {}
+
+    def value(rec, key: str) -> str:
+        if key in rec.params:
+            return rec.params[key]
+        kind = (rec.params.get("advantage.name"), rec.params.get("estimator.name"))
+        if kind not in cache:
+            cache[kind] = schema_defaults(*kind)
+        return str(cache[kind][key]) if key in cache[kind] else "<absent>"
+
+    return value
 
 
 # ----------------------------------------------------------------------------------------------- per-problem values
@@ -679,6 +723,61 @@ def _stat_kwargs(cfg) -> dict:
                 resample_seeds=s.resample_seeds)
 
 
+def _has_primary(cfg: DictConfig) -> bool:
+    return cfg.primary_metric is not None and str(cfg.primary_metric) in [str(m) for m in cfg.metrics]
+
+
+def _primary_column(table: MetricTable) -> str:
+    return AVG if AVG in table.columns else table.columns[0]
+
+
+def apply_holm(tables: list[MetricTable], cfg: DictConfig) -> None:
+    """Per row (model × scheme): mark the declared primary comparison (``primary_metric`` on the avg column, or the
+    only benchmark) and Holm-adjust the seed-level p-values (t and sign-flip, separately) over every other
+    comparison of the row that has them (two or more seeds), across metrics and benchmark columns."""
+    rows: dict[tuple, list] = defaultdict(list)
+    for t in tables:
+        for r in t.rows:
+            if r.baseline:
+                continue
+            for c in t.columns:
+                d = r.cells[c].delta
+                if d is None:
+                    continue
+                d.primary = cfg.primary_metric is not None and t.spec == str(cfg.primary_metric) \
+                    and c == _primary_column(t)
+                if not d.primary and d.seed_level():
+                    rows[(r.model, r.scheme)].append(d)
+    for family in rows.values():
+        t_adj = stats.holm([d.seed_t_p for d in family])
+        flip_adj = stats.holm([d.seed_flip_p for d in family])
+        for d, tp, fp in zip(family, t_adj, flip_adj):
+            d.seed_t_p_holm, d.seed_flip_p_holm = tp, fp
+
+
+def generation_table(arms: dict, cfg: DictConfig) -> list[dict]:
+    """Per arm and seed, what the final evaluation generated: samples, the share truncated at the token limit and
+    the mean completion length in tokens. Truncation is the samples' ``truncated`` flag; samples recorded without
+    it count as truncated when ``n_tokens`` reached the run's ``eval.max_tokens`` (``source`` says which)."""
+    out = []
+    for (model, scheme), seeds in sorted(arms.items(), key=lambda kv: (kv[0][0], kv[0][1] != cfg.baseline,
+                                                                        kv[0][1])):
+        for seed in sorted(seeds, key=_seed_key):
+            df = seeds[seed].samples
+            tokens = df["n_tokens"].astype(float) if "n_tokens" in df else None
+            limit = seeds[seed].params.get("eval.max_tokens")
+            if "truncated" in df:
+                truncated, source = df["truncated"].astype(bool), "truncated flag"
+            elif tokens is not None and limit not in (None, "None"):
+                truncated, source = tokens >= float(limit), f"n_tokens >= eval.max_tokens ({limit})"
+            else:
+                truncated, source = None, "unknown"
+            out.append({"model": model, "scheme": scheme, "seed": seed, "samples": int(len(df)),
+                        "truncated_rate": float(truncated.mean()) if truncated is not None else None,
+                        "mean_tokens": float(tokens.mean()) if tokens is not None else None, "source": source})
+    return out
+
+
 def pairing_notes(arms: dict, cfg: DictConfig, notes: Notes) -> dict[tuple, list[str]]:
     """Footnotes for paired runs whose evaluation settings differ (then the pairs are not common random numbers)."""
     out: dict[tuple, list[str]] = defaultdict(list)
@@ -719,8 +818,9 @@ def _main_cell(cell: Cell, row: Row, alpha: float, mark) -> str:
             if cell.delta is None:
                 text += f" (Δ {DASH})"
             else:
-                star = "*" if cell.delta.p_value < alpha else ""
-                text += f" ({_pct(cell.delta.delta, True)}{star})"
+                star = "*" if cell.delta.significant(alpha) else ""
+                one = f"; {ONE_SEED}" if cell.delta.n_seeds == 1 else ""  # a one-seed Δ says nothing of the scheme
+                text += f" ({_pct(cell.delta.delta, True)}{star}{one})"
     return text + "".join(mark(n) for n in cell.notes)
 
 
@@ -732,7 +832,24 @@ def _seeds_text(row: Row) -> str:
     return f"{len(row.seeds)} ({len(row.paired_seeds)} paired)"
 
 
-def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, header: str) -> str:
+def _seed_tests_text(d: stats.PairedResult) -> tuple[str, str, str]:
+    """The Δ table's seed-level cells: ``t (df), p [t interval]``, ``sign-flip p (min p)``, Holm-adjusted p's."""
+    if not d.seed_level():
+        return ONE_SEED if d.n_seeds == 1 else DASH, ONE_SEED if d.n_seeds == 1 else DASH, DASH
+    t = f"{d.seed_t:+.2f}" if math.isfinite(d.seed_t) else ("+inf" if d.seed_t > 0 else "-inf")
+    t_text = f"t({d.seed_df}) = {t}, p {_p(d.seed_t_p)} [{_pct(d.seed_t_lo, True)}, {_pct(d.seed_t_hi, True)}]"
+    flip_text = f"{_p(d.seed_flip_p)} (min {_p(d.seed_flip_min_p)})"
+    if d.primary:
+        holm_text = "primary"
+    elif d.seed_t_p_holm is None:
+        holm_text = DASH
+    else:
+        holm_text = f"{_p(d.seed_t_p_holm)} / {_p(d.seed_flip_p_holm)}"
+    return t_text, flip_text, holm_text
+
+
+def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, header: str,
+                    generation: Optional[list[dict]] = None) -> str:
     alpha = cfg.stats.alpha
     mark = lambda n: f"<sup>{n}</sup>"  # noqa: E731
     out = [header, ""]
@@ -746,42 +863,79 @@ def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, he
             cells = [_main_cell(r.cells[c], r, alpha, mark) for c in t.columns]
             out.append("| " + " | ".join([r.model, scheme, _seeds_text(r)] + cells) + " |")
         out += ["", f"Δ vs {cfg.baseline}, paired (percentage points):", ""]
-        out.append(f"| model | scheme | benchmark | Δ | {int(round(100 * (1 - alpha)))} % CI | "
-                   f"per-seed Δ, mean ± sd | p | seeds | problems |")
-        out.append("|---|---|---|--:|--:|--:|--:|--:|--:|")
+        conf = int(round(100 * (1 - alpha)))
+        out.append(f"| model | scheme | benchmark | Δ | {conf} % CI | per-seed Δ, mean ± sd | seed-level t, p "
+                   f"[{conf} % t interval] | seed-level sign-flip p (min) | Holm p (t / sign-flip) | "
+                   f"per-problem p (these trained models only) | seeds | problems |")
+        out.append("|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+        blank = " | " * 8
         for r in t.rows:
             if r.baseline:
                 continue
             if not r.seeds:  # no runs at all: one line, not one per column
-                out.append(f"| {r.model} | {r.scheme} | all | {DASH} | | | | | |")
+                out.append(f"| {r.model} | {r.scheme} | all | {DASH}{blank}|")
                 continue
             for c in t.columns:
                 d = r.cells[c].delta
                 if d is None:
-                    out.append(f"| {r.model} | {r.scheme} | {c} | {DASH} | | | | | |")
+                    out.append(f"| {r.model} | {r.scheme} | {c} | {DASH}{blank}|")
                     continue
                 sd = f" ± {100 * d.seed_sd:.1f}" if d.seed_sd is not None else " (1 seed)"
+                t_text, flip_text, holm_text = _seed_tests_text(d)
                 out.append(f"| {r.model} | {r.scheme} | {c} | {_pct(d.delta, True)} | "
                            f"[{_pct(d.lo, True)}, {_pct(d.hi, True)}] | {_pct(d.seed_mean, True)}{sd} | "
-                           f"{_p(d.p_value)} | {d.n_seeds} | {d.n_problems} |")
+                           f"{t_text} | {flip_text} | {holm_text} | {_p(d.p_value)} | {d.n_seeds} | "
+                           f"{d.n_problems} |")
         out.append("")
-    out.append(_legend(cfg))
+    if generation:
+        out += _generation_markdown(generation)
+    out.append(_legend(cfg, tables))
     if notes.texts:
         out += ["", "Notes:", ""]
         out += [f"- <sup>{letter(i)}</sup> {t}" for i, t in enumerate(notes.texts)]
     return "\n".join(out) + "\n"
 
 
-def _legend(cfg: DictConfig) -> str:
+def _generation_markdown(generation: list[dict]) -> list[str]:
+    out = ["### What the arms generated (final evaluation)", "",
+           "| model | scheme | seed | samples | truncated (%) | mean completion tokens | truncation from |",
+           "|---|---|--:|--:|--:|--:|---|"]
+    for g in generation:
+        out.append(f"| {g['model']} | {g['scheme']} | {g['seed']} | {g['samples']} | {_pct(g['truncated_rate'])} | "
+                   + (f"{g['mean_tokens']:.1f}" if g["mean_tokens"] is not None else DASH) + f" | {g['source']} |")
+    return out + [""]
+
+
+def _smallest_seed_counts(tables: list[MetricTable]) -> list[int]:
+    return sorted({r.cells[c].delta.n_seeds for t in tables for r in t.rows for c in t.columns
+                   if r.cells[c].delta is not None})
+
+
+def _legend(cfg: DictConfig, tables: Optional[list[MetricTable]] = None) -> str:
     s = cfg.stats
+    counts = _smallest_seed_counts(tables or [])
+    reach = "; ".join(f"{n} seed{'s' if n > 1 else ''}: {_p(stats.seed_sign_flip_min_p(n))}" for n in counts if n > 1)
+    primary = (f"the declared primary comparison is {cfg.primary_metric} on the {AVG} column (or the only "
+               f"benchmark), used as it is; every other comparison of a row is Holm-adjusted over the row's "
+               f"comparisons across metrics and benchmarks (t and sign-flip separately)"
+               if _has_primary(cfg) else f"every comparison of a row is Holm-adjusted over the row's "
+               "comparisons across metrics and benchmarks (t and sign-flip separately); no primary comparison "
+               + ("declared" if cfg.primary_metric is None
+                  else f"(primary_metric = {cfg.primary_metric} is not one of the metrics)"))
     return (f"Cells: mean over seeds, in percent; non-baseline cells show (Δ vs {cfg.baseline}) in percentage "
-            f"points, * = p < {s.alpha}. {AVG} = {cfg.average} mean over the benchmark columns. Δ pairs each run "
-            f"with the {cfg.baseline} run of the same model and seed, problem by problem. CI: two-level paired "
-            f"bootstrap (seeds{' and' if s.resample_seeds else ' fixed,'} problems resampled, stratified by "
-            f"benchmark; {s.n_boot} replicates). p: two-sided paired sign-flip test on the seed-averaged "
-            f"per-problem differences, stratified by benchmark (exact up to {s.exact_max} non-zero problems, "
-            f"else {s.n_perm} random flips). per-seed Δ: mean ± sd over the paired seeds "
-            f"(grail_exp/analysis/stats.py)." + _design_text(cfg))
+            f"points. * = significant at {s.alpha} for the scheme: both seed-level p-values below {s.alpha} (Holm-"
+            f"adjusted unless primary) and the CI excluding 0; never with one seed ({ONE_SEED}). {AVG} = "
+            f"{cfg.average} mean over the benchmark columns. Δ pairs each run with the {cfg.baseline} run of the "
+            f"same model and seed, problem by problem. CI: two-level paired bootstrap (seeds"
+            f"{' and' if s.resample_seeds else ' fixed,'} problems resampled, stratified by benchmark; {s.n_boot} "
+            f"replicates). Seed-level tests, on the per-seed Δ (the unit of replication of a training scheme): "
+            f"paired t with df = seeds − 1 and its t interval, and the exact sign-flip over all 2^seeds sign "
+            f"assignments, whose smallest attainable two-sided p is 2 / 2^seeds"
+            + (f" ({reach})" if reach else "") + f"; {primary}. Per-problem p (these trained models only): "
+            f"two-sided paired sign-flip test on the seed-averaged per-problem differences, stratified by "
+            f"benchmark (exact up to {s.exact_max} non-zero problems, else {s.n_perm} random flips); it holds the "
+            f"trained models fixed and says nothing about another training seed. per-seed Δ: mean ± sd over the "
+            f"paired seeds (grail_exp/analysis/stats.py)." + _design_text(cfg))
 
 
 def _design_text(cfg: DictConfig) -> str:
@@ -817,7 +971,7 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
         out += [r"\begin{table}[t]", r"\centering", r"\small",
                 rf"\caption{{{lab}{''.join(mark(n) for n in t.notes)} (\%) per model and scheme; "
                 rf"in parentheses $\Delta$ vs "
-                rf"{latex_escape(cfg.baseline)} in points, * $p<{alpha}$.}}",
+                rf"{latex_escape(cfg.baseline)} in points, * both seed-level $p<{alpha}$ and the CI excluding 0.}}",
                 r"\begin{tabular}{ll" + "r" * (1 + len(t.columns)) + "}", r"\toprule",
                 " & ".join(["Model", "Scheme", "Seeds"] + [latex_escape(c) for c in t.columns]) + r" \\",
                 r"\midrule"]
@@ -834,8 +988,9 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
                         if cell.delta is None:
                             txt += r"\,{\scriptsize($\Delta$ ---)}"
                         else:
-                            star = "*" if cell.delta.p_value < alpha else ""
-                            txt += rf"\,{{\scriptsize({_tex_pct(cell.delta.delta, True)}{star})}}"
+                            star = "*" if cell.delta.significant(alpha) else ""
+                            one = f"; {ONE_SEED}" if cell.delta.n_seeds == 1 else ""
+                            txt += rf"\,{{\scriptsize({_tex_pct(cell.delta.delta, True)}{star}{one})}}"
                 cells.append(txt + "".join(mark(n) for n in cell.notes))
             model = latex_escape(r.model) if r.model != last_model else ""
             last_model = r.model
@@ -845,9 +1000,12 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
         # Δ table
         out += [r"\begin{table}[t]", r"\centering", r"\small",
                 rf"\caption{{{lab}: $\Delta$ vs {latex_escape(cfg.baseline)} (points), paired "
-                rf"{int(round(100 * (1 - alpha)))}\% bootstrap CI, per-seed mean $\pm$ sd, sign-flip $p$.}}",
-                r"\begin{tabular}{lllrrrrrr}", r"\toprule",
-                r"Model & Scheme & Benchmark & $\Delta$ & CI & Per-seed $\Delta$ & $p$ & Seeds & Problems \\",
+                rf"{int(round(100 * (1 - alpha)))}\% bootstrap CI, per-seed mean $\pm$ sd, seed-level $t$ and "
+                rf"sign-flip $p$ (min.\ attainable), Holm-adjusted $p$ ($t$ / sign-flip), per-problem sign-flip "
+                rf"$p$ (these trained models only).}}",
+                r"\begin{tabular}{lllrrrrrrrrr}", r"\toprule",
+                r"Model & Scheme & Benchmark & $\Delta$ & CI & Per-seed $\Delta$ & Seed $t$, $p$ & Seed flip $p$ & "
+                r"Holm $p$ & Problem $p$ & Seeds & Problems \\",
                 r"\midrule"]
         for r in t.rows:
             if r.baseline:
@@ -856,13 +1014,14 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
                 d = r.cells[c].delta if r.seeds else None
                 head = [latex_escape(r.model), latex_escape(r.scheme), latex_escape(c)]
                 if d is None:
-                    out.append(" & ".join(head + ["---", "", "", "", "", ""]) + r" \\")
+                    out.append(" & ".join(head + ["---"] + [""] * 8) + r" \\")
                     continue
                 sd = rf" $\pm$ {100 * d.seed_sd:.1f}" if d.seed_sd is not None else ""
                 ci = f"[{_tex_pct(d.lo, True)}, {_tex_pct(d.hi, True)}]"
+                seed_cells = [re.sub(r"-(?=[\d.i])", "$-$", latex_escape(x)) for x in _seed_tests_text(d)]
                 out.append(" & ".join(head + [_tex_pct(d.delta, True), ci, _tex_pct(d.seed_mean, True) + sd,
-                                              latex_escape(_p(d.p_value)), str(d.n_seeds), str(d.n_problems)])
-                           + r" \\")
+                                              *seed_cells, latex_escape(_p(d.p_value)), str(d.n_seeds),
+                                              str(d.n_problems)]) + r" \\")
         out += [r"\bottomrule", r"\end{tabular}", r"\end{table}", ""]
     if notes.texts:
         out.append(r"% Notes:")
@@ -1002,6 +1161,8 @@ def build_report(cfg: DictConfig) -> dict:
             raise ConfigError(f"no usable run among the {len(raw)} selected at {where} (filters: "
                               f"{OmegaConf.to_container(cfg.runs, resolve=True)}); notes: {notes.texts}")
         tables = build_tables(arms, row_notes, cfg, notes)
+        apply_holm(tables, cfg)
+        generation = generation_table(arms, cfg)
 
         title = cfg.output.title or f"Paired comparison vs {cfg.baseline}"
         used = {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed, "artifact": rec.artifact}
@@ -1010,9 +1171,10 @@ def build_report(cfg: DictConfig) -> dict:
                   + (f", children of run {cfg.runs.parent_run_id}" if cfg.runs.parent_run_id else "")
                   + (f", tags {dict(cfg.runs.tags)}" if cfg.runs.tags else "")
                   + (f" ({len(ignored)} other runs ignored: no model/scheme)" if ignored else "") + ".")
-        md = render_markdown(tables, notes, cfg, header)
+        md = render_markdown(tables, notes, cfg, header, generation)
         tex = render_latex(tables, notes, cfg, title)
         payload = to_json(tables, notes, used, cfg)
+        payload["generation"] = generation
         payload["ignored"] = ignored
 
         out = Path(cfg.output.dir).expanduser()

@@ -502,20 +502,9 @@ def _trial_overrides(params: dict) -> str:
     return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in params.items())
 
 
-def optimize(cfg: DictConfig) -> dict:
-    """Run (or resume) the study in this process until its budget is reached; returns the summary written to
-    ``best.json``."""
-    import optuna
-    from optuna.trial import TrialState
-
-    from grail_exp.errors import Preempted
-    from grail_exp.preemption import hand_back_to_submitit
-    from grail_exp.job import run
-
-    # The heartbeat / retry API and multivariate TPE are "experimental" in Optuna 5: stable enough for us, and
-    # the warnings would repeat for every trial.
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    settings = tune_settings(cfg)
+def trial_base(cfg: DictConfig, settings) -> tuple[DictConfig, str, dict]:
+    """The configuration every trial starts from (``optimized_metric`` set to the study's metric, no ``tune`` node), the
+    metric, and the parsed search space — after refusing what a study cannot run (one key named in each error)."""
     if settings.direction not in ("maximize", "minimize"):
         raise ConfigError(f"tune.direction = {settings.direction!r}: must be maximize or minimize")
     base = copy.deepcopy(cfg)
@@ -539,6 +528,103 @@ def optimize(cfg: DictConfig) -> dict:
     with open_dict(base):
         base.optimized_metric = metric
         base.tune = None  # the trial runs do not need the study settings
+    return base, metric, space
+
+
+def trial_config(base: DictConfig, values: dict, settings, trial_dir: str, parent_id, name: str, tags: dict,
+                 seed_offset: int, retry: bool) -> DictConfig:
+    """One trial's run configuration: the sampled ``values`` over ``base``, its own run directory and MLflow child
+    run, its seed (``tune.seed_per_trial``), and ``resume=auto`` for a retry of a dead trial."""
+    tcfg = copy.deepcopy(base)
+    with open_dict(tcfg):
+        for key, value in values.items():
+            OmegaConf.update(tcfg, key, value, merge=False)
+        tcfg.paths.output_dir = trial_dir
+        tcfg.logger.parent_run_id = parent_id
+        tcfg.logger.run_name = name
+        tcfg.logger.tags = {**(OmegaConf.to_container(tcfg.logger.tags) or {}), **tags}
+        if settings.seed_per_trial:
+            tcfg.seed = int(base.seed) + seed_offset
+        # A retry continues the dead trial's last checkpoint, if it wrote one; a new trial always starts fresh
+        # (even when this worker was itself requeued with resume=auto).
+        tcfg.resume = "auto" if retry else None
+    return tcfg
+
+
+def record_trial(study, trial, runs, info) -> None:
+    """Optuna has stored ``trial``'s outcome: now its MLflow child run, then the study's counters on the parent run."""
+    from optuna.trial import TrialState
+
+    faults.tune_kill("optuna_recorded", trial.number, trial.state.name)
+    if info is not None:
+        try:
+            runs.record(trial, info)
+        except Exception as exc:  # the tracking server is down: the study goes on; the next start reconciles
+            log.warning("trial %d: its MLflow run was not updated (%s: %s); the next start of the study "
+                        "copies Optuna's outcome to it", trial.number, type(exc).__name__, exc)
+    if runs.parent:
+        runs.parent.log_metrics({"trials/finished": _count(study, TrialState.COMPLETE, TrialState.PRUNED),
+                                 "trials/failed": _count(study, TrialState.FAIL),
+                                 "trials/pruned": _count(study, TrialState.PRUNED),
+                                 **({"best_value": study.best_value} if _count(study, TrialState.COMPLETE) else {})},
+                                step=trial.number)
+
+
+def run_trial(trial, tcfg: DictConfig, metric: str, inherited: set, info) -> float:
+    """Train one trial's run and return its metric, reporting each evaluation to Optuna for pruning. ``inherited``:
+    the steps a dead trial already reported (a retry carries them). A stop signal leaves the trial RUNNING (it is
+    re-queued with resume=auto); a failure is recorded in ``info`` and raised (Optuna marks the trial FAIL)."""
+    import optuna
+
+    from grail_exp.errors import Preempted
+    from grail_exp.preemption import hand_back_to_submitit
+    from grail_exp.job import run
+
+    def on_eval(step: int, metrics: dict) -> None:
+        if metric in metrics and math.isfinite(metrics[metric]):
+            if step not in inherited:
+                trial.report(float(metrics[metric]), step)
+                faults.tune_kill("reported", trial.number)
+            if trial.should_prune():
+                raise _Pruned(f"pruned at step {step}: {metric} = {metrics[metric]:.4f}")
+
+    # The outcome goes to Optuna when this function returns (or raises) and to MLflow after that, in
+    # after_trial: Optuna is the record, and a crash in between is repaired from it (_StudyRuns.reconcile).
+    try:
+        value = run(tcfg, on_eval=on_eval)
+        if value is None or not math.isfinite(value):
+            raise RuntimeError(f"the run did not produce a finite {metric} (got {value})")
+    except Preempted:
+        # SIGTERM (or submitit's USR2): the run has checkpointed. Leave the trial RUNNING, so that it goes
+        # stale and is re-queued with resume=auto when the study restarts (or submitit requeues this worker).
+        hand_back_to_submitit()  # in a submitit job this requeues the worker and exits here
+        raise SystemExit(143)
+    except _Pruned as exc:
+        faults.tune_kill("run_ended", trial.number, "PRUNED")
+        log.info("trial %d %s", trial.number, exc)
+        raise optuna.TrialPruned(str(exc)) from None
+    except Exception:
+        info.error = traceback.format_exc()
+        faults.tune_kill("run_ended", trial.number, "FAIL")
+        raise  # Optuna records the trial as FAIL; optimize's catch= keeps the study going
+    finally:
+        gc.collect()
+        _empty_cuda_cache()
+    faults.tune_kill("run_ended", trial.number, "COMPLETE")
+    return value
+
+
+def optimize(cfg: DictConfig) -> dict:
+    """Run (or resume) the study in this process until its budget is reached; returns the summary written to
+    ``best.json``."""
+    import optuna
+    from optuna.trial import TrialState
+
+    # The heartbeat / retry API and multivariate TPE are "experimental" in Optuna 5: stable enough for us, and
+    # the warnings would repeat for every trial.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    settings = tune_settings(cfg)
+    base, metric, space = trial_base(cfg, settings)
 
     storage, url, on_stale = _storage(settings, cfg)
     study = optuna.create_study(study_name=settings.study_name, storage=storage, direction=settings.direction,
@@ -582,74 +668,16 @@ def optimize(cfg: DictConfig) -> dict:
         tags["optuna.params"] = _trial_overrides(values)
         log.info("trial %d%s: %s", trial.number, f" (retry of {retry_of})" if retry_of is not None else "",
                  _trial_overrides(values))
-        tcfg = copy.deepcopy(base)
-        with open_dict(tcfg):
-            for key, value in values.items():
-                OmegaConf.update(tcfg, key, value, merge=False)
-            tcfg.paths.output_dir = trial_dir
-            tcfg.logger.parent_run_id = runs.parent_id
-            tcfg.logger.run_name = name
-            tcfg.logger.tags = {**(OmegaConf.to_container(tcfg.logger.tags) or {}), **tags}
-            if settings.seed_per_trial:
-                tcfg.seed = int(base.seed) + (retry_of if retry_of is not None else trial.number)
-            # A retry continues the dead trial's last checkpoint, if it wrote one; a new trial always starts fresh
-            # (even when this worker was itself requeued with resume=auto).
-            tcfg.resume = "auto" if retry_of is not None else None
+        tcfg = trial_config(base, values, settings, trial_dir, runs.parent_id, name, tags,
+                            retry_of if retry_of is not None else trial.number, retry=retry_of is not None)
 
-        inherited = set(frozen.intermediate_values)  # a retry carries the dead trial's reports
-
-        def on_eval(step: int, metrics: dict) -> None:
-            if metric in metrics and math.isfinite(metrics[metric]):
-                if step not in inherited:
-                    trial.report(float(metrics[metric]), step)
-                    faults.tune_kill("reported", trial.number)
-                if trial.should_prune():
-                    raise _Pruned(f"pruned at step {step}: {metric} = {metrics[metric]:.4f}")
-
-        # The outcome goes to Optuna when this function returns (or raises) and to MLflow after that, in
-        # after_trial: Optuna is the record, and a crash in between is repaired from it (_StudyRuns.reconcile).
-        try:
-            value = run(tcfg, on_eval=on_eval)
-            if value is None or not math.isfinite(value):
-                raise RuntimeError(f"the run did not produce a finite {metric} (got {value})")
-        except Preempted:
-            # SIGTERM (or submitit's USR2): the run has checkpointed. Leave the trial RUNNING, so that it goes
-            # stale and is re-queued with resume=auto when the study restarts (or submitit requeues this worker).
-            hand_back_to_submitit()  # in a submitit job this requeues the worker and exits here
-            raise SystemExit(143)
-        except _Pruned as exc:
-            faults.tune_kill("run_ended", trial.number, "PRUNED")
-            log.info("trial %d %s", trial.number, exc)
-            raise optuna.TrialPruned(str(exc)) from None
-        except Exception:
-            info.error = traceback.format_exc()
-            faults.tune_kill("run_ended", trial.number, "FAIL")
-            raise  # Optuna records the trial as FAIL; catch= below keeps the study going
-        finally:
-            gc.collect()
-            _empty_cuda_cache()
-        faults.tune_kill("run_ended", trial.number, "COMPLETE")
-        return value
+        return run_trial(trial, tcfg, metric, set(frozen.intermediate_values), info)
 
     def budget_reached() -> bool:
         return _count(study, TrialState.COMPLETE, TrialState.PRUNED) >= settings.n_trials
 
     def after_trial(study_, trial) -> None:
-        """Optuna has stored the trial's outcome: now its MLflow child run, then the study's counters."""
-        faults.tune_kill("optuna_recorded", trial.number, trial.state.name)
-        info = pending.pop(trial.number, None)
-        if info is not None:
-            try:
-                runs.record(trial, info)
-            except Exception as exc:  # the tracking server is down: the study goes on; the next start reconciles
-                log.warning("trial %d: its MLflow run was not updated (%s: %s); the next start of the study "
-                            "copies Optuna's outcome to it", trial.number, type(exc).__name__, exc)
-        finished = _count(study, TrialState.COMPLETE, TrialState.PRUNED)
-        if runs.parent:
-            runs.parent.log_metrics({"trials/finished": finished, "trials/failed": _count(study, TrialState.FAIL),
-                                     "trials/pruned": _count(study, TrialState.PRUNED),
-                                     **({"best_value": study.best_value} if _count(study, TrialState.COMPLETE) else {})},
-                                    step=trial.number)
+        record_trial(study_, trial, runs, pending.pop(trial.number, None))
         if budget_reached() or _count(study, TrialState.FAIL) >= settings.max_failed_trials:
             study_.stop()
 

@@ -103,10 +103,45 @@ def vllm(cfg) -> list[str]:
     _check(e, "distributed_executor_backend" not in kw, "rollout.vllm.kwargs.distributed_executor_backend",
            kw.get("distributed_executor_backend"), "is set by the engine (external_launcher inside a process group, "
            "uniprocess without one): remove it")
+    for key, where in (("max_num_batched_tokens", "rollout.vllm.max_num_batched_tokens"),
+                       ("max_num_seqs", "rollout.vllm.max_num_seqs"), ("revision", "model.revision"),
+                       ("tokenizer_revision", "model.revision")):
+        _check(e, key not in kw, f"rollout.vllm.kwargs.{key}", kw.get(key), f"is set from {where}: set that instead")
+    tokens, seqs = v.get("max_num_batched_tokens", 4096), v.get("max_num_seqs", 256)
+    _check(e, tokens >= 1, "rollout.vllm.max_num_batched_tokens", tokens, "must be >= 1")
+    _check(e, seqs >= 1, "rollout.vllm.max_num_seqs", seqs, "must be >= 1")
+    _check(e, tokens >= seqs, "rollout.vllm.max_num_batched_tokens", tokens,
+           f"must be >= rollout.vllm.max_num_seqs = {seqs} (vLLM schedules at least one token per sequence)")
+    e += engine_devices(cfg)
     if v.max_model_len is not None and "max_completion_length" in r:
         _check(e, v.max_model_len > r.max_completion_length, "rollout.vllm.max_model_len", v.max_model_len,
                f"must exceed rollout.max_completion_length = {r.max_completion_length} (prompt + completion)")
     return e
+
+
+def engine_devices(cfg) -> list[str]:
+    """A colocated vLLM engine on a GPU sits on device ``LOCAL_RANK`` (one per rank; device 0 for a single process),
+    while the trainer puts rank i on the i-th entry of a ``trainer.devices`` list: a list is accepted only when the
+    two provably agree, i.e. it is 0, 1, ..., n-1 in order. (The engine checks the live devices too:
+    ``rollout.vllm.check_engine_device``.)"""
+    t = cfg.get("trainer")
+    if t is None or str(t.get("accelerator", "cpu")) == "cpu" or str(cfg.rollout.engine) != "vllm":
+        return []
+    devices = t.get("devices")
+    if isinstance(devices, str) and "," in devices:  # Lightning's "0,1" form
+        try:
+            devices = [int(d) for d in devices.split(",") if d.strip()]
+        except ValueError:
+            return [f"trainer.devices = {devices!r}: not a list of device indices"]
+    if not OmegaConf.is_list(devices) and not isinstance(devices, (list, tuple)):
+        return []  # a count (or auto): rank i on device i, as the engine
+    listed = [int(d) for d in devices]
+    if listed == list(range(len(listed))):
+        return []
+    i = next(i for i, d in enumerate(listed) if d != i)
+    return [f"trainer.devices = {listed}: with rollout.engine=vllm each rank's engine takes device LOCAL_RANK, so rank "
+            f"{i} would train on cuda:{listed[i]} but generate on cuda:{i}; set trainer.devices={len(listed)} and choose "
+            f"the GPUs with CUDA_VISIBLE_DEVICES={','.join(map(str, listed))}"]
 
 
 def loss(cfg) -> list[str]:

@@ -118,8 +118,13 @@ def test_vllm_reserve_and_the_engine_minimum():
     assert p.phases["rollout"] - p.phases["state"] == pytest.approx(max(256 * 2**20, c["vocab_size"] * c["hidden_size"] * 2))
     assert [x.bytes for x in p.lines if x.what == "vLLM reserve"] == [pytest.approx(0.2 * H200 * GiB)]
     assert p.fits and not p.problems
-    # 0.2 of an H100 cannot hold the 8B engine: weights + 1.5 GiB profile + one 4,608-token sequence
-    need = (N * 2 + 1.5 * GiB + kv_token * 4608) / (H100 * GiB)
+    # 0.2 of an H100 cannot hold the 8B engine: weights + vLLM's profile run + one 4,608-token sequence. The profile:
+    # the larger of a bf16 forward over max_num_batched_tokens = 4096 tokens (MLP 3 x intermediate + 4 x hidden) and
+    # the sampler over max_num_seqs = 256 rows x V x (2 B logits + 24 B float32 copies), + 0.5 GiB non-torch
+    forward = 4096 * (3 * c["intermediate_size"] + 4 * c["hidden_size"]) * 2
+    sampler = 256 * c["vocab_size"] * (2 + 24)
+    assert sampler > forward  # at Qwen3's 151,936-token vocabulary the sampler's rows are the profile's peak
+    need = (N * 2 + max(forward, sampler) + 0.5 * GiB + kv_token * 4608) / (H100 * GiB)
     small = plan(_cfg("model=qwen3_8b", "advantage=grpo", f"trainer.device_memory_gb={H100}"))
     assert not small.fits and f"needs >= {-(-need * 100 // 1) / 100:.2f}" in small.problems[0]
 
@@ -446,3 +451,40 @@ def test_a_plan_that_fits_by_less_than_the_planners_error_says_so_and_names_the_
         assert q.fits and not q.tight, (o, q.peak / GiB)
     roomy = plan(_cfg("model=qwen3_8b", "advantage=grail", "rollout=hf", f"trainer.device_memory_gb={H200}"))
     assert roomy.fits and not roomy.tight and tight_warning(cfg, roomy) is None
+
+
+# ---------------------------------------------------------------------------------------------- host memory per node
+def test_host_memory_per_node_of_the_card_by_hand():
+    """`model=qwen3_8b advantage=grail reward.num_workers=2`: fsdp_zero2 on R = W = 4 GPUs of one node, the policy loaded
+    in fp32 (FSDP's masters), no reference model. Rank 0 alone reads the weights; every rank stages its fp32 parameter
+    shard and Adam moments (12 B x N / W) and one fp32 V x h tensor to checkpoint; rank 0 streams the bf16 export."""
+    from grail_exp.memory import planned_mem_gb, plan
+
+    c = architecture("qwen3_8b")
+    N, V, h, R, W = parameter_count(c), c["vocab_size"], c["hidden_size"], 4, 4
+    cfg = _cfg("model=qwen3_8b", "advantage=grail", "reward.num_workers=2")
+    p = plan(cfg)
+    rows = {x.phase: x.bytes for x in p.host}
+    steady = R * (0.6 + 2 * 0.15) * GiB  # libraries + 2 grading workers, per rank
+    load = 4 * N + 4 * N / W  # rank 0's fp32 copy + its shards, cut while the copy lives
+    parts = R * (12 * N / W + 4 * V * h)
+    assert rows == pytest.approx({"host": steady, "host: load": load, "host: checkpoint": parts + 2 * V * h,
+                                  "host: resume": parts})
+    # 12 N = 98.29 GB, 18 V h = 11.20 GB, + 3.6 GiB: 105.57 GiB per node; SLURM --mem = ceil(1.1 x 105.57) = 117
+    assert p.host_peak == pytest.approx(steady + parts + 2 * V * h)
+    assert planned_mem_gb(cfg) == 117
+
+
+def test_host_memory_per_node_of_a_replicated_layout_with_a_reference_by_hand():
+    """`trainer=ddp trainer.devices=4 loss.beta=0.04`: bf16 weights replicated, fp32 master weights and Adam moments on
+    every rank (14 B x N), which rank 0 alone writes; the frozen reference model is read by rank 0 too."""
+    from grail_exp.memory import plan
+
+    c = architecture("qwen3_8b")
+    N, V, h, R = parameter_count(c), c["vocab_size"], c["hidden_size"], 4
+    p = plan(_cfg("model=qwen3_8b", "advantage=grail", "trainer=ddp", "trainer.devices=4", "loss.beta=0.04",
+                  "reward.num_workers=2"))
+    rows = {x.phase: x.bytes for x in p.host}
+    rank0 = 2 * N + 4 * N + 8 * N + 4 * V * h  # parameters + masters + Adam moments + one fp32 buffer
+    assert rows == pytest.approx({"host": R * 0.9 * GiB, "host: load": 2 * N + 2 * N,
+                                  "host: checkpoint": rank0 + 2 * V * h, "host: resume": max(rank0, 2 * N + 2 * N)})

@@ -209,9 +209,9 @@ def test_the_preflight_options_and_the_shrunk_command(compose_cfg):
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-# The stop signal is judged, not required: it fails until the stop decision is reduced over all ranks (the job
-# hangs after a SIGTERM to one rank; the preflight ends it after preflight.stop_timeout_s).
-PENDING = {"stop_signal"}
+# Every check must pass on the CPU rehearsal (the stop signal too: the ranks agree on it at every step; before they did,
+# the job hung after a SIGTERM to one rank and the preflight ended it after preflight.stop_timeout_s).
+PENDING: set[str] = set()
 RUN = ["trainer.accelerator=cpu", "trainer.devices=2", f"model.name_or_path={MODEL}", "preflight.layers=1",
        "loss.num_iterations=1", "trainer.prompts_per_step=4", "rollout.num_generations=4", "trainer.micro_batch_size=8",
        "rollout.max_completion_length=32", "eval.n=2", "eval.batch_size=4", "eval.max_tokens=32", "reward.num_workers=0",
@@ -234,7 +234,6 @@ def _check_rehearsal(out: subprocess.CompletedProcess, rows: dict) -> None:
     assert set(rows) == {"world", "collective_devices", "weight_sync", "checkpoint_roundtrip", "resume", "stop_signal",
                          "eval_sharded", "device_memory", "host_memory", "checkpoint_time"}, tail
     assert {k for k, v in rows.items() if v != "PASS"} <= PENDING, tail
-    assert rows["stop_signal"] in ("PASS", "FAIL"), tail  # the signal was delivered and judged
     assert out.returncode == (0 if all(v == "PASS" for v in rows.values()) else 1), tail
     assert "1 of 2 decoder layers" in out.stdout and "gloo" in out.stdout
 

@@ -613,3 +613,191 @@ def test_heatmap_columns_split_by_correctness_not_by_the_sign_of_the_advantage()
     correct_col, wrong_col = page.split("<h2>")[1:3]
     assert correct_col.startswith("correct rollouts (1)") and ">right<" in correct_col
     assert wrong_col.startswith("wrong rollouts (1)") and ">wrong<" in wrong_col
+
+# ------------------------------------------------------------------------------------------------ the committed study
+COMMITTED_STUDY = "results/real_model_study/real_model_study"
+# The one commit that trained recorded arms and is not in this repository: seeds 1-3 of the CPU study ran at a
+# worktree commit that never landed on main (results/real_model_study.md, section 6). Any other commit must be an
+# ancestor of HEAD, or the segment it trained must store its diff.
+KNOWN_UNREACHABLE = {"6111368daf4d01cf2cf840decb13b0a7712221be":
+                     "seeds 1-3 of real_model_study were trained at a worktree commit that never landed"}
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+
+def _committed_study(tmp: Path) -> Path:
+    """The study folder as committed at HEAD (not the working tree, where a running study may be adding arms), with
+    only the seeds whose three arms are all recorded (the skip path must not start training a missing one)."""
+    if _git("rev-parse", "--verify", "HEAD").returncode != 0:
+        pytest.skip("not a git checkout")
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD", COMMITTED_STUDY], capture_output=True,
+                             check=True)
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+    study = tmp / COMMITTED_STUDY
+    arms = {p.parent.name: json.loads(p.read_text()) for p in study.glob("*/arm.json")}
+    seeds: dict[str, set] = {}
+    for arm in arms.values():
+        seeds.setdefault(str(arm["seed"]), set()).add(arm["scheme"])
+    for name, arm in arms.items():
+        if seeds[str(arm["seed"])] != {"grpo", "grail", "oar_g"}:
+            import shutil
+
+            shutil.rmtree(study / name)
+    return study
+
+
+def _complete_seeds(study: Path) -> list[str]:
+    return sorted({str(json.loads(p.read_text())["seed"]) for p in study.glob("*/arm.json")}, key=int)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_committed_arms_are_skipped_by_todays_configuration(tmp_path):
+    """Every committed arm is the same arm under the configuration the driver composes today: keys added to the
+    configuration since it was recorded (rollout.draw, model.cpu_explicit_attention_max_scores, GRAIL's
+    probe_rows_only, OAR-G's skip_zero_advantage, ...) count as their schema default."""
+    from grail_exp.analysis.study import finished
+
+    study = _committed_study(tmp_path)
+    lr = json.loads((study / "lr.json").read_text())["lr"]
+    seeds = _complete_seeds(study)
+    assert seeds, "no complete seed in the committed study"
+    for seed in seeds:
+        for scheme in ("grpo", "grail", "oar_g"):
+            cfg = compose([f"experiment=real/chain_{scheme}", f"seed={seed}", f"optim.lr={lr}", "resume=auto",
+                           f"study.dir={study}", "paths.output_dir=/tmp/x"], None)
+            record = finished(cfg)
+            assert record is not None and record["arm"] == f"smollm2_135m-{scheme}-s{seed}"
+
+
+@pytest.mark.e2e
+def test_an_added_key_set_away_from_its_default_is_still_a_different_arm(tmp_path):
+    """The default stands in only for what the old arm lacks: a job that sets the new key to something else is
+    refused, naming it."""
+    from grail_exp.analysis.study import StudyError, finished
+
+    study = _committed_study(tmp_path)
+    lr = json.loads((study / "lr.json").read_text())["lr"]
+    cfg = compose(["experiment=real/chain_grpo", f"seed={_complete_seeds(study)[0]}", f"optim.lr={lr}",
+                   "rollout.draw=inverse_cdf", f"study.dir={study}", "paths.output_dir=/tmp/x"], None)
+    with pytest.raises(StudyError, match=r"rollout.draw: 'multinomial' vs 'inverse_cdf'"):
+        finished(cfg)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_driver_skips_every_committed_arm_and_reports_them(tmp_path):
+    """sweeps/real_model_study.sh over a copy of the committed study: the study phase trains nothing (every arm
+    'already finished'), the report phase's strict design check accepts the arms (recorded by older code)."""
+    study = _committed_study(tmp_path)
+    seeds = " ".join(_complete_seeds(study))
+    e = {**os.environ, "PY": sys.executable, "RES": str(study), "OUT": str(tmp_path / "out"), "SEEDS": seeds,
+         "PHASES": "study report", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "OMP_NUM_THREADS": "1",
+         "PYTHONPATH": str(ROOT), "GRAIL_EXP_CACHE": str(tmp_path / "cache")}
+    e.pop("GRAIL_EXP_FAULT", None)
+    done = subprocess.run(["bash", str(ROOT / "sweeps" / "real_model_study.sh"), f"paths.root_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=e, cwd=ROOT)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert log.count("already finished") == 3 * len(seeds.split()), log[-3000:]
+    assert "starting fresh" not in log and "resuming from" not in log
+    assert "phase report: written" in (study / "driver_log.txt").read_text()
+    assert "not comparable" not in log
+
+
+def _arm_commits() -> list[tuple[str, str, dict]]:
+    """(arm.json path, commit, segment or {}) for every arm committed under results/ at HEAD."""
+    files = _git("ls-files", "results/**/arm.json").stdout.split()
+    out = []
+    for f in files:
+        arm = json.loads(_git("show", f"HEAD:{f}").stdout)
+        commit = arm.get("code", {}).get("git.commit")
+        if commit:
+            out.append((f, commit, {}))
+        out += [(f, seg["git_commit"], seg) for seg in arm.get("segments", [])]
+    return out
+
+
+def _unreachable(records: list[tuple[str, str, dict]]) -> dict[str, list[str]]:
+    """{commit: arm files} of the training commits that are neither a known exception, nor an ancestor of HEAD, nor
+    a dirty segment of a commit we have whose diff is stored at HEAD."""
+    out: dict[str, list[str]] = {}
+    for path, commit, seg in records:
+        if commit in KNOWN_UNREACHABLE:
+            assert _git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0, \
+                f"{commit} is in the repository now: drop it from KNOWN_UNREACHABLE"
+            continue
+        if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0:
+            continue
+        diff = seg.get("diff") and f"HEAD:{Path(path).parent / seg['diff']}"
+        if diff and _git("cat-file", "-e", diff).returncode == 0 and \
+                _git("cat-file", "-e", f"{commit}^{{commit}}").returncode == 0:
+            continue  # a dirty segment on a commit we have: its diff rebuilds the tree
+        out.setdefault(commit, []).append(path)
+    return out
+
+
+def _needs_history():
+    if _git("rev-parse", "--verify", "HEAD").returncode != 0 or \
+            _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("needs the repository's full history")
+
+
+@pytest.mark.e2e
+def test_every_commit_that_trained_a_recorded_arm_is_in_the_repository():
+    """code.git.commit and each segment's git_commit of every committed arm: an ancestor of HEAD, or (a segment)
+    its diff stored in the arm folder; the single known exception is named with its reason."""
+    _needs_history()
+    records = _arm_commits()
+    assert records, "no committed arm found"
+    unreachable = _unreachable(records)
+    assert not unreachable, f"arms trained at commits that are not in the repository: {unreachable}"
+    for path, commit, seg in records:  # a dirty segment always carries its diff
+        if seg.get("git_dirty") == "true":
+            assert seg.get("diff") and _git("cat-file", "-e", f"HEAD:{Path(path).parent / seg['diff']}") \
+                .returncode == 0, f"{path}: a dirty segment at {commit} without its diff"
+
+
+@pytest.mark.e2e
+def test_the_commit_check_catches_a_commit_nobody_has():
+    """The check has teeth: an arm trained at a commit absent from the repository is reported (by its arm file),
+    one at HEAD's parent is not, and the known exception is not."""
+    _needs_history()
+    stranger, parent = "0123456789abcdef0123456789abcdef01234567", _git("rev-parse", "HEAD~1").stdout.strip()
+    records = [("results/x/a/arm.json", stranger, {}), ("results/x/b/arm.json", parent, {}),
+               ("results/x/c/arm.json", next(iter(KNOWN_UNREACHABLE)), {}),
+               ("results/x/d/arm.json", stranger, {"git_dirty": "true", "diff": "segments/0.diff"})]
+    assert _unreachable(records) == {stranger: ["results/x/a/arm.json", "results/x/d/arm.json"]}
+
+
+@pytest.mark.slow
+def test_the_design_check_fills_absent_keys_compares_the_scheme_within_itself_and_accepts_a_study_in_progress(
+        tmp_path):
+    """Strict design check: an arm lacking a key counts as its schema default (rollout.draw: multinomial); advantage.*
+    differs between schemes by design but not within one; a declared seed whose baseline arm is not recorded yet
+    (seed 3: grail only) is footnoted, not refused."""
+    from grail_exp.config import ConfigError
+
+    study = tmp_path / "study"
+    ones = np.ones((10, 4))
+    grpo = {"advantage.name": "grpo", "rollout.draw": "multinomial"}
+    grail = {"advantage.name": "grail", "advantage.std": 0.5}  # recorded before rollout.draw existed
+    for seed in (1, 2):
+        _arm(study, "grpo", seed, ones, grpo)
+        _arm(study, "grail", seed, ones, grail)
+    _arm(study, "grail", 3, ones, grail)
+    out = _report(study, tmp_path, "seeds=[1,2,3]")
+    assert "seed(s) 3 have no grpo partner" in out["markdown"]
+    import shutil
+
+    shutil.rmtree(study / "m-grail-s2")
+    _arm(study, "grail", 2, ones, {**grail, "advantage.std": 0.3})
+    with pytest.raises(ConfigError, match="not comparable") as info:
+        _report(study, tmp_path, "seeds=[1,2,3]")
+    assert "advantage.std: 0.5" in str(info.value) and "advantage.name" not in str(info.value)
+    shutil.rmtree(study / "m-grail-s2")
+    _arm(study, "grail", 2, ones, {**grail, "rollout.draw": "inverse_cdf"})
+    with pytest.raises(ConfigError, match=r"rollout.draw: multinomial in .* vs inverse_cdf"):
+        _report(study, tmp_path, "seeds=[1,2,3]")

@@ -400,3 +400,100 @@ def test_design_limits_a_models_rows_and_expected_seeds(store):
     assert "design.tiny_llama: not one of models = ['tiny']" in str(e.value)
     with pytest.raises(ConfigError, match=r"design.tiny_llama = .*: must be a mapping with keys schemes and/or seeds"):
         validate_report(compose(["+design.tiny_llama={seed: [1]}"], None, config_name="report"))
+
+
+# ------------------------------------------------------------------------------------------------ seed-level stars
+def _study(root, seeds, grail_correct, benches=("b1", "b2"), problems=10, n=4, extra=None):
+    """A study folder (grail_exp/analysis/study.py layout): grpo answers 2 of 4 samples of every problem, grail
+    ``grail_correct`` of 4, per seed; optional per-sample columns ``extra`` (name -> value per (scheme, seed))."""
+    import hashlib
+
+    for seed in seeds:
+        for scheme, k in (("grpo", 2), ("grail", grail_correct)):
+            folder = root / f"m-{scheme}-s{seed}"
+            folder.mkdir(parents=True)
+            rows = [{"benchmark": b, "problem_index": i, "sample_index": j, "correct": j < k, "extracted": "1",
+                     **{c: f(scheme, seed, j) for c, f in (extra or {}).items()}}
+                    for b in benches for i in range(problems) for j in range(n)]
+            pd.DataFrame(rows).to_parquet(folder / "samples_final.parquet", index=False)
+            sha = hashlib.sha256((folder / "samples_final.parquet").read_bytes()).hexdigest()
+            (folder / "arm.json").write_text(json.dumps({
+                "arm": folder.name, "model": "m", "scheme": scheme, "seed": str(seed), "status": "FINISHED",
+                "run_id": folder.name, "metrics": {}, "config": {"seed": seed, "eval.n": n, "eval.max_tokens": 8},
+                "files": {"samples_final.parquet": sha}}))
+    return root
+
+
+def _study_report(study, tmp, seeds, *extra):
+    from grail_exp.report import build_report
+
+    return build_report(compose([f"runs.dir={study}", "design_check.strict=true", "schemes=[grpo,grail]",
+                                 f"seeds=[{','.join(map(str, seeds))}]", "metrics=[acc,pass@n]", "stats.n_boot=200",
+                                 "stats.n_perm=200", "plots.enabled=false", "log_to=none", f"output.dir={tmp}/out",
+                                 f"paths.root_dir={tmp}", *extra], None, config_name="report"))
+
+
+def _grail_row(out, metric):
+    table = next(t for t in out["payload"]["tables"] if t["metric"] == metric)
+    return next(r for r in table["rows"] if r["scheme"] == "grail")
+
+
+def test_six_seeds_star_the_primary_and_holm_adjusts_the_rest(tmp_path):
+    """grail answers 3 of 4 where grpo answers 2: +25 points on every problem of both benchmarks in all six seeds;
+    pass@4 is 100 % for both (Δ 0). Seed-level, by hand: sd 0 so the t test gives p = 0; the sign flips give
+    2/64 (only all-+ and all-− reach |Σ|). acc on avg is the declared primary: raw p, a star. The row's other
+    comparisons are acc on b1, b2 and pass@4 on b1, b2, avg (five): Holm on the sign-flip p's (1/32, 1/32, 1, 1, 1)
+    gives 5 × 1/32 = 0.15625 and 4 × 1/32 = 0.125 -> running max 0.15625 for both acc columns: no star there."""
+    seeds = [1, 2, 3, 4, 5, 6]
+    out = _study_report(_study(tmp_path / "study", seeds, 3), tmp_path, seeds)
+    acc = _grail_row(out, "acc")["cells"]
+    assert acc["avg"]["delta"]["primary"] and acc["avg"]["delta"]["seed_flip_p"] == 2 / 64
+    assert acc["avg"]["delta"]["seed_flip_p_holm"] is None
+    for b in ("b1", "b2"):
+        d = acc[b]["delta"]
+        assert not d["primary"] and d["seed_flip_p"] == 2 / 64 and d["seed_t_p"] == 0.0
+        assert d["seed_flip_p_holm"] == pytest.approx(0.15625, abs=1e-15)
+    row = next(line for line in out["markdown"].splitlines() if line.startswith("| m | grail | 6 |"))
+    assert row == "| m | grail | 6 | 75.0 (+25.0) | 75.0 (+25.0) | 75.0 (+25.0*) |"
+    assert "primary" in out["markdown"] and "6 seeds: 0.031" in out["markdown"]
+
+
+def test_three_seeds_never_star_whatever_the_problems_say(tmp_path):
+    """The same +25 points on every problem with three seeds: the per-problem sign-flip is tiny (these trained
+    models differ), but the seed-level sign-flip cannot go below 2/2^3 = 0.25: no star, and the report says so."""
+    seeds = [1, 2, 3]
+    out = _study_report(_study(tmp_path / "study", seeds, 3), tmp_path, seeds)
+    d = _grail_row(out, "acc")["cells"]["avg"]["delta"]
+    assert d["p_value"] < 0.01 and d["seed_flip_p"] == 0.25 and d["seed_flip_min_p"] == 0.25
+    assert "*" not in next(line for line in out["markdown"].splitlines() if line.startswith("| m | grail | 3 |"))
+    assert "3 seeds: 0.250" in out["markdown"] and "these trained models only" in out["markdown"]
+
+
+def test_one_seed_reads_problems_only_and_never_stars(tmp_path):
+    out = _study_report(_study(tmp_path / "study", [1], 3, benches=("arithmetic",)), tmp_path, [1])
+    md = out["markdown"]
+    assert "| m | grail | 1 | 75.0 (+25.0; 1 seed, problems only) |" in md
+    assert "1 seed, problems only" in md.split("### pass@4")[0]
+
+
+def test_truncation_and_length_per_arm_from_the_samples(tmp_path):
+    """grpo seed 1's samples: 2 of 4 truncated, lengths 8, 8, 3, 5 -> 50 %, 6.0 tokens; every other arm: none
+    truncated, length 4. Without a truncated column the rate is n_tokens >= eval.max_tokens (8): the same."""
+    def tokens(scheme, seed, j):
+        return [8, 8, 3, 5][j] if (scheme, seed) == ("grpo", 1) else 4
+
+    extra = {"n_tokens": tokens, "truncated": lambda scheme, seed, j: tokens(scheme, seed, j) >= 8}
+    out = _study_report(_study(tmp_path / "a", [1, 2], 3, extra=extra), tmp_path / "a", [1, 2])
+    gen = {(g["scheme"], g["seed"]): g for g in out["payload"]["generation"]}
+    assert (gen[("grpo", "1")]["truncated_rate"], gen[("grpo", "1")]["mean_tokens"]) == (0.5, 6.0)
+    assert (gen[("grail", "2")]["truncated_rate"], gen[("grail", "2")]["mean_tokens"]) == (0.0, 4.0)
+    assert "| m | grpo | 1 | 80 | 50.0 | 6.0 | truncated flag |" in out["markdown"]
+    from types import SimpleNamespace
+
+    from grail_exp.report import generation_table
+
+    samples = pd.DataFrame({"n_tokens": [tokens("grpo", 1, j) for j in range(4)]})  # no truncated column
+    arms = {("m", "grpo"): {"1": SimpleNamespace(samples=samples, params={"eval.max_tokens": "8"})}}
+    g = generation_table(arms, compose([], None, config_name="report"))[0]
+    assert (g["truncated_rate"], g["mean_tokens"]) == (0.5, 6.0)
+    assert g["source"] == "n_tokens >= eval.max_tokens (8)"

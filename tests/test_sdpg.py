@@ -252,3 +252,20 @@ def test_loss_term_group_composes_and_validates(compose_cfg):
     with pytest.raises(ConfigError, match="loss.terms.sdpg_opd"):
         validate(compose_cfg(["+loss_term=sdpg_opd", "+loss.terms.sdpg_opd.nonsense=1"]))
     assert set(LOSS_TERMS) >= {"sdpg_opd", "sdpg_ref_kl"}
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], False), (["loss.beta=0.04"], True), (["loss.kl_in_reward.enabled=true"], True),
+    (["+loss_term=sdpg_ref_kl"], True), (["+loss_term=sdpg_opd", "data.instruction=' Box it.'"], False)])
+def test_one_answer_to_whether_a_run_needs_the_reference_model(tmp_path, overrides, expected):
+    """Loading π_ref, its log-probs in the rollout phase and the memory plan ask one function: from the config alone
+    (the planner) and from the built terms (the job) it gives the same answer."""
+    from helpers.compose import compose
+
+    from grail_exp.loss import build_terms, needs_reference
+    from grail_exp.memory import plan
+
+    cfg = compose(overrides, tmp_path)
+    assert needs_reference(cfg) is expected
+    assert needs_reference(cfg, build_terms(cfg.loss.get("terms"), None, cfg.model)) is expected
+    assert any(line.what == "reference model" for line in plan(cfg).lines) is expected

@@ -129,3 +129,98 @@ def test_bad_input_is_named():
         paired_delta({"a": np.zeros((2, 3)), "b": np.zeros((3, 3))})
     with pytest.raises(ValueError, match="average"):
         paired_delta({"a": np.zeros((1, 3))}, average="median")
+
+
+# ------------------------------------------------------------------------------------------------ seed-level tests
+def _brute_force_seed_flip(d: list[float]) -> float:
+    """Every one of the 2^S sign assignments, one at a time."""
+    observed, hits, total = abs(sum(d)), 0, 0
+    for signs in itertools.product((1, -1), repeat=len(d)):
+        total += 1
+        hits += abs(sum(s * x for s, x in zip(signs, d))) >= observed - 1e-12
+    return hits / total
+
+
+def test_seed_level_tests_with_three_seeds_by_hand():
+    """d = (1, 2, 3): mean 2, sd 1, t = 2 / (1/√3) = 2√3, df 2. For df = 2 the t law has P(|T| <= t) = t / √(t² + 2),
+    so p = 1 − 2√3 / √14 = 0.07418 (also scipy's t.sf, written out here). The sign flips: the eight sums are
+    ±6, ±0, ±2, ±4, only ±6 reach |6|: p = 2/8 = 0.25, the smallest p three seeds can give."""
+    from scipy.stats import t as student_t
+
+    from grail_exp.analysis.stats import seed_sign_flip, seed_sign_flip_min_p, seed_t_test
+
+    res = seed_t_test([1.0, 2.0, 3.0])
+    t_hand = 2 / (1 / np.sqrt(3))
+    assert res.t == pytest.approx(t_hand, rel=1e-12) and res.df == 2
+    assert res.p == pytest.approx(1 - t_hand / np.sqrt(t_hand**2 + 2), rel=1e-9)
+    assert res.p == pytest.approx(2 * student_t.sf(t_hand, 2), rel=1e-9)
+    half = 4.302652729911275 / np.sqrt(3)  # t_{0.975, 2} (tables: 4.303) × sd / √S
+    assert (res.lo, res.hi) == (pytest.approx(2 - half, rel=1e-9), pytest.approx(2 + half, rel=1e-9))
+    assert seed_sign_flip([1.0, 2.0, 3.0]) == 0.25 == _brute_force_seed_flip([1.0, 2.0, 3.0])
+    assert seed_sign_flip_min_p(3) == 0.25
+    # the CPU study's GRAIL per-seed Δ (+1.0, −7.6, −5.1): sums ±13.7, ±11.7, ±3.5, ±1.5 -> 4/8 reach 11.7
+    assert seed_sign_flip([1.0, -7.6, -5.1]) == 0.5 == _brute_force_seed_flip([1.0, -7.6, -5.1])
+
+
+def test_seed_level_tests_with_six_seeds_by_hand():
+    """d = (2, 3, 1, 4, −1, 3): mean 2, squared deviations 0+1+1+4+9+1 = 16, sd = √(16/5), t = 2 / (sd/√6) = 2.7386,
+    df 5; the tables put it between t_{0.975,5} = 2.571 and t_{0.99,5} = 3.365, so 0.02 < p < 0.05."""
+    from scipy.stats import t as student_t
+
+    from grail_exp.analysis.stats import seed_sign_flip, seed_sign_flip_min_p, seed_t_test
+
+    d = [2.0, 3.0, 1.0, 4.0, -1.0, 3.0]
+    res = seed_t_test(d)
+    t_hand = 2 / (np.sqrt(16 / 5) / np.sqrt(6))
+    assert res.t == pytest.approx(t_hand, rel=1e-12) and res.df == 5
+    assert 2.571 < res.t < 3.365 and 0.02 < res.p < 0.05
+    assert res.p == pytest.approx(2 * student_t.sf(t_hand, 5), rel=1e-9)
+    half = student_t.ppf(0.975, 5) * np.sqrt(16 / 5) / np.sqrt(6)
+    assert (res.lo, res.hi) == (pytest.approx(2 - half, rel=1e-9), pytest.approx(2 + half, rel=1e-9))
+    assert seed_sign_flip(d) == pytest.approx(_brute_force_seed_flip(d), abs=0)
+    assert seed_sign_flip_min_p(6) == 2 / 64
+    assert seed_sign_flip([1.0] * 6) == 2 / 64  # all positive: only the all-+ and all-− assignments reach it
+
+
+def test_seed_t_p_matches_scipy_for_every_small_df():
+    from scipy.stats import t as student_t
+
+    from grail_exp.analysis.stats import t_quantile, t_two_sided_p
+
+    for df in range(1, 12):
+        for t in (0.0, 0.4, 1.3, 2.2, 5.7, 40.0):
+            assert t_two_sided_p(t, df) == pytest.approx(2 * student_t.sf(t, df), rel=1e-9, abs=1e-15)
+        assert t_quantile(0.975, df) == pytest.approx(student_t.ppf(0.975, df), rel=1e-9)
+
+
+def test_one_seed_has_no_seed_level_test():
+    from grail_exp.analysis.stats import compare_paired
+
+    res = compare_paired({"b": np.array([[1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])}, n_boot=200)
+    assert res.seed_t_p is None and res.seed_flip_p is None and not res.seed_level()
+    assert res.p_value < 0.05 and not res.significant(0.05)  # problems only: never a star
+
+
+def test_holm_by_hand():
+    """p = (0.01, 0.04, 0.03, 0.005), m = 4: sorted 0.005·4 = 0.02, 0.01·3 = 0.03, 0.03·2 = 0.06, 0.04·1 = 0.04 ->
+    running max 0.06; in the input order (0.03, 0.06, 0.06, 0.02). Capped at 1."""
+    from grail_exp.analysis.stats import holm
+
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02], abs=1e-15)
+    assert holm([0.5, 0.9]) == [1.0, 1.0]
+    assert holm([0.2]) == [0.2]
+
+
+def test_a_star_needs_both_seed_tests_and_an_interval_without_zero():
+    """Six seeds of +1 point on every problem: seed t p = 0 (no spread), seed sign-flip p = 2/64 < 0.05 and the
+    interval is [+1, +1]: a star. Three such seeds: the seed sign-flip cannot go below 0.25, no star."""
+    from grail_exp.analysis.stats import compare_paired
+
+    six = compare_paired({"b": np.ones((6, 5))}, n_boot=200)
+    assert six.seed_flip_p == 2 / 64 and six.seed_t_p == 0.0 and six.significant(0.05)
+    three = compare_paired({"b": np.ones((3, 5))}, n_boot=200)
+    assert three.seed_flip_p == 0.25 and not three.significant(0.05)
+    six.seed_flip_p_holm, six.seed_t_p_holm = 0.06, 0.0  # adjusted above alpha: a non-primary comparison loses it
+    assert not six.significant(0.05)
+    six.primary = True
+    assert six.significant(0.05)

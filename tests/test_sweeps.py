@@ -57,7 +57,7 @@ def test_slurm_launcher_config_composes_into_a_valid_sbatch_script(tmp_path, mon
     from omegaconf import OmegaConf
 
     cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "trainer=ddp",  # 8 devices
-                       "hydra.sweep.dir=/shared/sweep"], tmp_path)
+                       "hydra.launcher.mem_gb=64", "hydra.sweep.dir=/shared/sweep"], tmp_path)
     launcher = instantiate(cfg.hydra.launcher)
     assert type(launcher).__name__ == "ResumingSlurmLauncher"
     # SlurmExecutor refuses to start without srun on PATH: a stub is enough to render the script.
@@ -123,6 +123,54 @@ def test_a_slurm_shape_that_disagrees_with_the_trainer_names_both_keys(tmp_path,
                  ["hydra.launcher.gpus_per_node=null", "hydra.launcher.gres=gpu:4"]):
         cfg = _with_hydra(["hydra/launcher=submitit_slurm", "model=qwen3_8b", "advantage=grail", *same], tmp_path)
         check_slurm_layout(instantiate(cfg.hydra.launcher).params, cfg)
+
+
+CARD = ["model=qwen3_8b", "advantage=grail", "reward.num_workers=2"]
+CARD_MEM_GB = 117  # tests/test_plan.py: ceil(1.1 x (12 N + 18 V h + 3.6 GiB)) for Qwen3-8B on 4 ranks of one node
+
+
+def test_slurm_mem_follows_the_host_memory_plan_unless_set(tmp_path):
+    """hydra.launcher.mem_gb unset (null): --mem is the card's planned host memory per node; a sweep gets its largest
+    job's; a value at or above the plan is kept."""
+    from hydra.utils import instantiate
+
+    from hydra_plugins.grail_exp_launchers import slurm_mem_gb
+
+    cfg = _with_hydra(["hydra/launcher=submitit_slurm", *CARD], tmp_path)
+    params = instantiate(cfg.hydra.launcher).params
+    assert params["mem_gb"] is None
+    assert slurm_mem_gb(params, [(CARD, cfg)]) == CARD_MEM_GB
+    demo = _with_hydra(["hydra/launcher=submitit_slurm"], tmp_path)
+    assert slurm_mem_gb(params, [([], demo), (CARD, cfg)]) == CARD_MEM_GB
+    set_cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.mem_gb=200", *CARD], tmp_path)
+    assert slurm_mem_gb(instantiate(set_cfg.hydra.launcher).params, [(CARD, set_cfg)]) == 200
+
+
+def test_a_slurm_mem_below_the_plan_is_refused_naming_both_numbers(tmp_path):
+    from hydra.utils import instantiate
+
+    from grail_exp.errors import ConfigError
+    from hydra_plugins.grail_exp_launchers import slurm_mem_gb
+
+    cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.mem_gb=64", *CARD], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        slurm_mem_gb(instantiate(cfg.hydra.launcher).params, [(CARD, cfg)])
+    assert "hydra.launcher.mem_gb = 64" in str(err.value) and f"{CARD_MEM_GB} GB" in str(err.value), str(err.value)
+
+
+@pytest.mark.e2e
+def test_a_slurm_mem_below_the_plan_is_refused_before_submission(tmp_path):
+    """The real launcher: `-m hydra/launcher=submitit_slurm hydra.launcher.mem_gb=64` on the card exits 2 with one line
+    naming both numbers, and nothing was submitted."""
+    sweep = tmp_path / "sweep"
+    out = subprocess.run([sys.executable, "-m", "grail_exp.run", "-m", "hydra/launcher=submitit_slurm",
+                          "hydra.launcher.mem_gb=64", *CARD, f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={sweep}"],
+                         env=dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db"),
+                         capture_output=True, text=True, timeout=HANG_TIMEOUT_S, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "hydra.launcher.mem_gb = 64" in line and f"{CARD_MEM_GB} GB" in line, line
+    assert not list(sweep.rglob(".submitit"))
 
 
 @pytest.mark.e2e

@@ -35,17 +35,35 @@ because it is exact (valid at any sample size, no inversion of an interval) and 
 What it tests: whether the difference between these trained models is larger than problem-to-problem and
 sampling variation — the trained models are held fixed (averaged over seeds), so training-seed variation is *not*
 part of its null; it is reported separately as the per-seed Δ (mean ± sd over seeds) and enters the bootstrap CI.
+It answers "did these trained models differ", labelled so in the report ("these trained models only").
+
+**Significance of the scheme — seed-level tests.** Whether a *scheme* beats the baseline is a question about
+training runs, and the unit of replication is the training seed: d_s = Δ of seed s (the per-seed paired difference,
+averaged over problems and benchmarks as Δ is), s = 1..S. Two tests of E[d] = 0 on those S numbers:
+
+* the paired t test: t = mean(d) / (sd(d) / √S) with sd the sample standard deviation (ddof = 1), two-sided p from
+  Student's t with df = S − 1 (its CDF in closed form for integer df, Abramowitz & Stegun 26.7.3–4), and the
+  t interval mean(d) ± t_{1−α/2, S−1} · sd(d) / √S;
+* the exact seed-level sign-flip test: p = #{ε ∈ {±1}^S : |Σ ε_s d_s| ≥ |Σ d_s|} / 2^S over all 2^S sign
+  assignments (no normality assumption). Its smallest attainable p is 2 / 2^S (3 seeds: 0.25, 6 seeds: 0.031):
+  with few seeds it cannot reject at 5 %, whatever the data, and the report says so.
+
+The report stars a difference only when both seed-level p-values are below α (Holm-adjusted outside the declared
+primary comparison, :func:`holm`) and the two-level bootstrap interval excludes 0. With one seed there is no
+seed-level test ("1 seed, problems only") and never a star.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 __all__ = ["PairedResult", "benchmark_weights", "paired_delta", "paired_bootstrap", "sign_flip_test",
-           "seed_spread", "compare_paired"]
+           "seed_spread", "compare_paired", "t_two_sided_p", "t_quantile", "seed_t_test", "seed_sign_flip",
+           "seed_sign_flip_min_p", "holm"]
 
 
 def _as_matrices(diffs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -160,6 +178,102 @@ def seed_spread(per_seed: Sequence[float]) -> tuple[float, float | None]:
     return float(x.mean()), (float(x.std(ddof=1)) if x.size > 1 else None)
 
 
+def t_two_sided_p(t: float, df: int) -> float:
+    """P(|T| >= |t|) for Student's t with integer ``df`` >= 1, in closed form (Abramowitz & Stegun 26.7.3 for odd
+    df, 26.7.4 for even): with θ = atan(|t| / √df), A = P(|T| <= |t|) is a finite series in sin θ and cos θ."""
+    if df < 1 or int(df) != df:
+        raise ValueError(f"df must be a positive integer, got {df}")
+    if math.isinf(t):
+        return 0.0
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2 = math.cos(theta) ** 2
+    if df % 2 == 1:  # (2/π)[θ + sin θ (cos θ + (2/3) cos³ θ + ... + (2·4···(df−3))/(1·3···(df−2)) cos^(df−2) θ)]
+        term, series = math.cos(theta), 0.0
+        for k in range(1, (df - 1) // 2 + 1):
+            series += term
+            term *= c2 * (2 * k) / (2 * k + 1)
+        a = 2 / math.pi * (theta + math.sin(theta) * series)
+    else:  # sin θ [1 + (1/2) cos² θ + (1·3)/(2·4) cos⁴ θ + ... + (1·3···(df−3))/(2·4···(df−2)) cos^(df−2) θ]
+        term, series = 1.0, 0.0
+        for k in range(1, df // 2 + 1):
+            series += term
+            term *= c2 * (2 * k - 1) / (2 * k)
+        a = math.sin(theta) * series
+    return float(min(1.0, max(0.0, 1.0 - a)))
+
+
+def t_quantile(prob: float, df: int) -> float:
+    """The ``prob`` quantile (0.5 < prob < 1) of Student's t with integer ``df``: bisection on
+    :func:`t_two_sided_p` (monotone in t) to 1e-12."""
+    if not 0.5 < prob < 1:
+        raise ValueError(f"prob must be in (0.5, 1), got {prob}")
+    target = 2 * (1 - prob)  # two-sided tail beyond the quantile
+    lo, hi = 0.0, 1.0
+    while t_two_sided_p(hi, df) > target:
+        hi *= 2
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided_p(mid, df) > target else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass
+class SeedTest:
+    """The seed-level paired t test of the per-seed differences (module docstring); None fields with one seed."""
+
+    t: float | None
+    df: int
+    p: float | None
+    lo: float | None  # the 1 − α t interval of the mean per-seed difference
+    hi: float | None
+
+
+def seed_t_test(per_seed: Sequence[float], alpha: float = 0.05) -> SeedTest:
+    """Paired t test over seeds: t = mean / (sd / √S), df = S − 1, two-sided p, and the t interval. Identical
+    non-zero differences (sd = 0) give t = ±inf, p = 0; all-zero differences give t = 0, p = 1."""
+    d = np.asarray(per_seed, dtype=np.float64)
+    n = d.size
+    if n < 2:
+        return SeedTest(None, max(n - 1, 0), None, None, None)
+    mean, se = float(d.mean()), float(d.std(ddof=1)) / math.sqrt(n)
+    tol = 1e-12 * max(1.0, float(np.abs(d).max()))  # an sd of rounding noise is no spread
+    if se <= tol:
+        t = 0.0 if abs(mean) <= tol else math.copysign(math.inf, mean)
+    else:
+        t = mean / se
+    half = t_quantile(1 - alpha / 2, n - 1) * se
+    return SeedTest(float(t), n - 1, t_two_sided_p(t, n - 1), mean - half, mean + half)
+
+
+def seed_sign_flip(per_seed: Sequence[float]) -> float | None:
+    """Exact two-sided sign-flip p over seeds: the share of the 2^S sign assignments ε with |Σ ε_s d_s| >= |Σ d_s|
+    (ties within rounding count); None with no seed."""
+    d = np.asarray(per_seed, dtype=np.float64)
+    if d.size == 0:
+        return None
+    codes = np.arange(2 ** d.size)
+    signs = 1 - 2 * ((codes[:, None] >> np.arange(d.size)) & 1)  # (2^S, S) of ±1
+    tol = 1e-12 * max(1.0, float(np.abs(d).sum()))
+    return float((np.abs(signs @ d) >= abs(d.sum()) - tol).mean())
+
+
+def seed_sign_flip_min_p(n_seeds: int) -> float:
+    """The smallest p the exact seed-level sign-flip test can reach with ``n_seeds`` seeds: 2 / 2^S (1 for S <= 1)."""
+    return 1.0 if n_seeds <= 1 else 2.0 / 2 ** n_seeds
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (Holm 1979), in the input order: with p_(1) <= ... <= p_(m),
+    p̃_(j) = max_{i <= j} min(1, (m − i + 1) p_(i))."""
+    p = np.asarray(p_values, dtype=np.float64)
+    order = np.argsort(p, kind="stable")
+    out, running = np.empty_like(p), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (p.size - rank) * p[i]))
+        out[i] = running
+    return out.tolist()
+
+
 @dataclass
 class PairedResult:
     """Everything a table cell of Δ(X vs baseline) reports (fractions, not percent)."""
@@ -174,6 +288,32 @@ class PairedResult:
     seed_sd: float | None  # None with one seed
     n_seeds: int
     n_problems: int
+    # seed-level tests on seed_deltas (module docstring); None with one seed
+    seed_t: float | None = None
+    seed_df: int = 0
+    seed_t_p: float | None = None
+    seed_t_lo: float | None = None  # the t interval of the mean per-seed Δ
+    seed_t_hi: float | None = None
+    seed_flip_p: float | None = None
+    seed_flip_min_p: float = 1.0  # the smallest p the seed sign-flip can reach with n_seeds (2 / 2^S)
+    # set by the report: whether this is the declared primary comparison, and Holm-adjusted seed-level p-values
+    # over the other comparisons of its row (None for the primary one, and with one seed)
+    primary: bool = False
+    seed_t_p_holm: float | None = None
+    seed_flip_p_holm: float | None = None
+
+    def seed_level(self) -> bool:
+        """Whether seed-level tests exist (two or more paired seeds)."""
+        return self.n_seeds >= 2 and self.seed_t_p is not None and self.seed_flip_p is not None
+
+    def significant(self, alpha: float) -> bool:
+        """The report's star: both seed-level p-values (Holm-adjusted unless primary) below ``alpha`` and the
+        two-level bootstrap interval excluding 0. Never with one seed (problems only)."""
+        if not self.seed_level():
+            return False
+        t_p = self.seed_t_p if self.primary or self.seed_t_p_holm is None else self.seed_t_p_holm
+        f_p = self.seed_flip_p if self.primary or self.seed_flip_p_holm is None else self.seed_flip_p_holm
+        return t_p < alpha and f_p < alpha and not self.lo <= 0 <= self.hi
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -190,5 +330,9 @@ def compare_paired(diffs: Mapping[str, np.ndarray], average: str = "unweighted",
     n_seeds = next(iter(d.values())).shape[0]
     per_seed = [paired_delta({b: m[s:s + 1] for b, m in d.items()}, average) for s in range(n_seeds)]
     mean, sd = seed_spread(per_seed)
+    t = seed_t_test(per_seed, alpha)
+    flip = seed_sign_flip(per_seed) if n_seeds >= 2 else None
     return PairedResult(boot.estimate, boot.lo, boot.hi, p, method, per_seed, mean, sd, n_seeds,
-                        int(sum(m.shape[1] for m in d.values())))
+                        int(sum(m.shape[1] for m in d.values())), seed_t=t.t, seed_df=t.df, seed_t_p=t.p,
+                        seed_t_lo=t.lo, seed_t_hi=t.hi, seed_flip_p=flip,
+                        seed_flip_min_p=seed_sign_flip_min_p(n_seeds))

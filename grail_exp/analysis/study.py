@@ -5,7 +5,8 @@ Long comparisons on a shared machine get stopped. With ``study.dir`` set (sweeps
 training job
 
 1. first looks for ``<study.dir>/<arm>/arm.json``: if it is there and was written with the same configuration, the
-   job returns its recorded metrics without training (no MLflow run, no model load); if it was written with another
+   job returns its recorded metrics without training (no MLflow run, no model load; a key the record lacks because
+   it was added to the configuration later counts as its schema default); if it was written with another
    configuration, the job stops with a ``StudyError`` naming the keys that differ (never silently mixed);
 2. otherwise trains as usual (``resume=auto`` continues its last checkpoint), and after its final evaluation writes
    the arm's folder, atomically (a temporary folder renamed into place, ``arm.json`` inside it):
@@ -91,16 +92,55 @@ def differences(a: dict, b: dict, limit: int = 12) -> list[str]:
     return out + ([f"... and {len(keys) - limit} more"] if len(keys) > limit else [])
 
 
+def schema_defaults(scheme: str | None = None, estimator: str | None = None) -> dict[str, Any]:
+    """The flat default of every key the run schema types (grail_exp/config.py ``RunConfig``'s groups, and the
+    dataclass of ``scheme`` / ``estimator`` under ``advantage.`` / ``estimator.``), as JSON values like
+    :func:`identity`: what a key that did not exist yet when an arm was recorded stood for then."""
+    import dataclasses
+    import typing
+
+    from omegaconf import OmegaConf
+
+    from grail_exp.advantages import SCHEMES
+    from grail_exp.config import RunConfig
+    from grail_exp.estimators import ESTIMATORS
+    from grail_exp.tracking import flatten
+
+    groups = {f.name: hint for f in dataclasses.fields(RunConfig)
+              if dataclasses.is_dataclass(hint := typing.get_type_hints(RunConfig)[f.name])}
+    if scheme in SCHEMES:
+        groups["advantage"] = SCHEMES[scheme].config_class
+    if estimator in ESTIMATORS:
+        groups["estimator"] = ESTIMATORS[estimator].config_class
+    out: dict[str, Any] = {}
+    for name, node in groups.items():
+        container = OmegaConf.to_container(OmegaConf.structured(node), resolve=False)
+        out.update({k: v for k, v in flatten(container, f"{name}.").items() if v != "???"})
+    return json.loads(json.dumps(out, default=str))
+
+
+def with_defaults(recorded: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``recorded`` with every key it lacks that ``current`` has filled in with its schema default (keys added to
+    the configuration after the arm was recorded); a key without a schema default stays absent (a difference)."""
+    added = {k: defaults[k] for k in current if k not in recorded and k in defaults}
+    return {**recorded, **added}
+
+
 def finished(cfg) -> dict | None:
     """The arm's record when this job's arm already finished with the same configuration; None when it has not.
 
-    Raises ``StudyError`` when the folder holds an arm finished with another configuration."""
+    A key the record lacks counts as its schema default (:func:`schema_defaults`): an arm recorded before the key
+    existed ran with what the default does. Raises ``StudyError`` when the folder holds an arm finished with another
+    configuration."""
     folder = arm_dir(cfg)
     if folder is None or not (folder / ARM_FILE).is_file():
         return None
     record = read_arm(folder)
     recorded = {k: v for k, v in record["config"].items() if not k.startswith(NOT_IDENTITY)}  # by an older version
-    diff = differences(recorded, identity(cfg))
+    current = identity(cfg)
+    est = cfg.get("estimator")
+    defaults = schema_defaults(str(cfg.advantage.name), str(est.name) if est is not None and "name" in est else None)
+    diff = differences(with_defaults(recorded, current, defaults), current)
     if diff:
         raise StudyError(f"{folder / ARM_FILE}: this arm finished with another configuration (recorded vs this "
                          f"job): {'; '.join(diff)}. Move the folder away, or set study.dir / study.arm to another one")

@@ -19,14 +19,14 @@ from grail_exp.loss.correction import is_weights
 from grail_exp.loss.kl import KL_ESTIMATORS, register_kl
 from grail_exp.loss.objective import LossOutput, aggregator, compose_objective
 from grail_exp.loss.policy import POLICY_LOSSES, PolicyLossOutput, masked_mean, register_policy_loss
-from grail_exp.loss.terms import LOSS_TERMS, LossTerm, TermContext, build_terms, register_loss_term
+from grail_exp.loss.terms import LOSS_TERMS, LossTerm, TermContext, build_terms, needs_reference, register_loss_term
 from grail_exp.loss import policies as _policies  # noqa: E402,F401  (registers the GRPO family's surrogates)
 from grail_exp.loss import entropy_bonus as _entropy_bonus  # noqa: E402,F401  (registers loss.terms.entropy_bonus)
 
 __all__ = [
     "AGGREGATIONS", "AggregationContext", "KL_ESTIMATORS", "LOSS_TERMS", "LossOutput", "LossTerm", "POLICY_LOSSES",
     "PolicyLossOutput", "TermContext", "aggregator", "build_terms", "compose_objective", "entropy_from_logits",
-    "is_weights", "linear_logprob", "masked_mean", "register_aggregation", "register_kl", "register_loss_term",
+    "is_weights", "linear_logprob", "masked_mean", "needs_reference", "register_aggregation", "register_kl", "register_loss_term",
     "register_policy_loss", "selective_log_softmax",
 ]
 

@@ -102,6 +102,19 @@ def typed_term_config(cls, node):
     return OmegaConf.merge(OmegaConf.structured(cls.config_class), node)
 
 
+def needs_reference(cfg, terms=None) -> bool:
+    """Whether a run needs the frozen reference model π_ref: the KL penalty (``loss.beta > 0``), the KL in the reward
+    (``loss.kl_in_reward.enabled``) or a loss term that reads it (``needs_reference``). ``terms``: the built terms, or
+    None to look their names up in ``loss.terms`` (the memory planner, before anything is built). The one place that
+    decides it: loading the reference, its log-probs in the rollout phase, and the plan all ask here."""
+    loss = cfg.loss
+    if loss.beta > 0 or (loss.get("kl_in_reward") or {}).get("enabled", False):
+        return True
+    if terms is None:
+        terms = [LOSS_TERMS[name] for name in (loss.get("terms") or {}) if name in LOSS_TERMS]
+    return any(getattr(t, "needs_reference", False) for t in terms)
+
+
 def build_terms(terms_cfg, tokenizer=None, model_cfg=None) -> list[LossTerm]:
     """The enabled terms of ``loss.terms`` (a mapping name -> config), in a stable order."""
     out = []

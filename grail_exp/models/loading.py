@@ -240,14 +240,20 @@ def load_tokenizer(path: str, cfg):
     return tok
 
 
-def load_causal_lm(path: str, cfg, *, trainable: bool):
-    """The policy (``trainable=True``) or a frozen copy (reference model)."""
+def load_causal_lm(path: str, cfg, *, trainable: bool, weights: bool = True):
+    """The policy (``trainable=True``) or a frozen copy (reference model).
+
+    ``weights=False``: the same module tree on the meta device, holding no memory (the config is read, no weight file):
+    a rank of a multi-rank run whose weights arrive from rank 0 once the process group exists (the update backend's
+    ``configure_model``), so that only rank 0 holds a host copy of the weights."""
     from transformers import AutoModelForCausalLM
 
     from grail_exp.models.architectures import build_random_model, read_marker
 
     m = cfg.model
-    if read_marker(path) is not None:  # model.random_init: the architecture in `path`, seeded random weights
+    if not weights:
+        model = model_skeleton(path, cfg)
+    elif read_marker(path) is not None:  # model.random_init: the architecture in `path`, seeded random weights
         model = build_random_model(path, DTYPES[m.dtype], m.attn_implementation)
     else:
         kwargs = dict(revision=m.revision, dtype=DTYPES[m.dtype], trust_remote_code=m.trust_remote_code,
@@ -274,6 +280,22 @@ def load_causal_lm(path: str, cfg, *, trainable: bool):
     return model
 
 
+def model_skeleton(path: str, cfg):
+    """The model of ``path`` (its config.json, with ``model.revision``) built on the meta device in ``model.dtype``:
+    every parameter and buffer has its shape and dtype but no storage."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = cfg.model
+    kwargs = dict(revision=m.revision, trust_remote_code=m.trust_remote_code,
+                  **_hub_offline_kwargs(path, m.revision, "config.json"))
+    try:
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise _hub_error(path, exc) from exc
+    extra = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=DTYPES[m.dtype], trust_remote_code=m.trust_remote_code,
+                                                **extra)
 
 
 def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,

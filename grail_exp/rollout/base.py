@@ -16,7 +16,7 @@ backend produces that iterator from any parallel layout, gathering sharded param
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -33,6 +33,11 @@ class SamplingParams:
     # quantity the trainer computes, so sampler-vs-trainer diagnostics and IS ratios compare like with like
     # (top-k / top-p only restrict which tokens can be drawn). Training asks for them; evaluation never does.
     logprobs: bool = False
+    # Engines that batch many requests (vLLM): give each completion its own seed, drawn from torch's RNG, so it depends
+    # on that seed alone and not on what else the engine batched with it — evaluation's common random numbers (each
+    # chunk seeded on its own) ask for this. None = the engine's default (vLLM: rollout.vllm.seeded_rollouts, off: its
+    # batched sampling stream, the fast path). rollout=hf always draws from torch's RNG and ignores it.
+    per_request_seeds: Optional[bool] = None
 
 
 @dataclass

@@ -30,16 +30,36 @@ temperature T. (A repetition penalty is applied by vLLM after the raw log-probs;
 kept top-k / top-p of z / T; the trainer then measures the dropped mass log M_t itself (``logprobs.kept_log_mass``).
 
 Sleep mode: the trainer calls ``sleep()`` after each round's generation and after each evaluation
-(``rollout.base.release``); ``sync_weights`` wakes the engine before pushing the weights.
+(``rollout.base.release``); ``sync_weights`` wakes the engine before pushing the weights. Before each wake-up the
+process's unreferenced objects are collected and torch's caching allocator returns its cached blocks to the device
+(``_free_cached_blocks``): vLLM's sleep allocator asks the driver for memory, which blocks cached by the update (or by
+the gathered chunks of the sync just pushed) would otherwise hold (TRL and verl empty the cache at the same points).
 
-Seeds: each call draws one base seed from torch's global RNG (as ``generate`` draws its noise from it), and
-request i gets seed base + i; so a run seeded by ``seed_everything`` (and an evaluation chunk seeded with
-``torch.manual_seed``) samples the same completions again.
+Seeds (a choice per call, ``SamplingParams.per_request_seeds``). Seeded: each call draws one base seed from torch's
+global RNG and completion i gets seed base + i, so a completion depends on that seed alone, not on what else vLLM
+batched, preempted or scheduled with it — evaluation asks for this (each chunk is seeded with ``torch.manual_seed``:
+the common random numbers of docs/real-model-study.md, equal across world sizes and resumes). Unseeded (training
+rollouts, unless ``rollout.vllm.seeded_rollouts``): vLLM's batched sampler draws every row's noise at once from the
+engine device's default generator. vLLM's sampler handles a seeded request with its own generator, one call per
+request per decoding step, and its FlashInfer sampler refuses them (``v1/sample/ops/topk_topp_sampler.py``): the
+cost TRL avoids by seeding only the engine. In process (the trainer's case) that default generator is the rank's own
+torch stream, which the trainer seeds per rank and checkpoints; a multiprocess engine has its own, seeded with the
+engine seed, which differs per rank (``engine_seed``).
+
+CUDA graphs: ``rollout.vllm.enforce_eager: null`` = graphs on a GPU, eager on vLLM's CPU build (which has no graphs
+and would compile the model with inductor instead). The temperature folding reads the logit scale in
+``compute_logits``, which vLLM runs outside the captured decoder (checked in vLLM 0.32's source).
+
+Devices: the engine must sit on its rank's device. ``check_engine_device`` compares the current CUDA device (the
+trainer's) with the device vLLM's worker takes (``LOCAL_RANK`` under the external launcher, 0 with the uniprocess
+executor) before the build, and with the current device after it (vLLM's worker sets it).
 
 Untested on GPU (this project's CI has only vLLM's CPU build, and CUDA vLLM cannot be installed on the GPU machines
-the project borrows): sleep mode, CUDA graphs (``enforce_eager=false``), bf16 engines, ``gpu_memory_utilization`` and
-the external launcher's device placement are written from vLLM's documented API and source. The external launcher
-itself, with several gloo ranks, is tested on CPU (tests/test_card_layout.py).
+the project borrows): sleep mode and the memory it frees, CUDA graphs, bf16 engines, ``gpu_memory_utilization`` and
+the external launcher's device placement are written from vLLM's documented API and source; their decisions (the
+arguments the engine is built with, the order of the calls) are unit-tested with a fake vLLM
+(tests/test_vllm_engine_decisions.py). The external launcher itself, with several gloo ranks, is tested on CPU
+(tests/test_card_layout.py).
 """
 
 from __future__ import annotations
@@ -53,7 +73,7 @@ from pathlib import Path
 
 import torch
 
-from grail_exp.errors import ConfigError, MissingDependencyError
+from grail_exp.errors import ConfigError, LayoutError, MissingDependencyError
 from grail_exp.rollout.base import Completion, SamplingParams
 from grail_exp.compute.chunks import chunked
 
@@ -113,6 +133,57 @@ def join_process_group() -> dict:
     return {"distributed_executor_backend": "external_launcher"}
 
 
+def engine_in_process(llm) -> bool:
+    """Whether vLLM runs ``llm``'s engine core in this process (weights can then be pushed as tensors). Read from the
+    built engine: vLLM decides it while building (its external launcher sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    itself, and its CPU platform moves a uniprocess executor to multiprocessing when the variable asks for it), so the
+    variable read before the build can say the opposite of what vLLM did."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    try:
+        from vllm.v1.engine.core_client import InprocClient
+    except ImportError:  # another vLLM layout: the variable, as vLLM left it after the build
+        return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    return isinstance(core, InprocClient)
+
+
+def engine_seed(seed: int, rank: int) -> int:
+    """The engine's seed on ``rank``: one per rank (TRL seeds its colocated engines with the process index), offset as
+    the trainer offsets each rank's own streams (``GRPOModule.setup``); rank 0 keeps the run's seed."""
+    return int(seed) + 1000 * int(rank)
+
+
+def engine_device_index(joins_group: bool) -> int:
+    """The CUDA device index vLLM's worker takes: ``LOCAL_RANK`` under the external launcher (``join_process_group``
+    sets it), device 0 with the uniprocess executor (vLLM 0.32 ``UniProcExecutor._distributed_args``)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) if joins_group else 0
+
+
+def check_engine_device(rank_device: int, engine_device: int, *, built: bool) -> None:
+    """Raise ``LayoutError`` unless the engine's CUDA device is the rank's: before the build, the device vLLM will take
+    (``engine_device_index``) against the rank's current device (the trainer set it); after the build, the current
+    device against the rank's (vLLM's worker sets the current device to its own). A mismatch would put the engine's
+    weights and KV cache beside another rank's training state and the trainer's later allocations on another GPU."""
+    if engine_device == rank_device:
+        return
+    if built:
+        raise LayoutError(f"building the vLLM engine moved this rank's current CUDA device from cuda:{rank_device} to "
+                          f"cuda:{engine_device}: the engine does not sit on the rank's device (trainer.devices)")
+    raise LayoutError(f"the vLLM engine would be built on cuda:{engine_device} (LOCAL_RANK "
+                      f"{os.environ.get('LOCAL_RANK', 'unset')}) but this rank trains on cuda:{rank_device}: "
+                      "trainer.devices must be a count (or the list 0..n-1 in order) with rollout=vllm; choose the GPUs "
+                      "with CUDA_VISIBLE_DEVICES")
+
+
+def _free_cached_blocks() -> None:
+    """Collect unreferenced objects, then hand the blocks torch's caching allocator keeps cached back to the device, so
+    a waking vLLM engine (which allocates from the driver, outside torch's cache) finds them free. No-op without CUDA."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @contextmanager
 def _rng_state_kept():
     """Restore Python's, NumPy's and torch's global RNG states (this device's CUDA one included) after the block."""
@@ -131,9 +202,11 @@ def _rng_state_kept():
 class VLLMRolloutEngine:
     def __init__(self, model_path: str, tokenizer, *, dtype: str = "float32", batch_size: int = 256,
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, enforce_eager: bool = True, sleep_mode: bool = False,
+                 enable_prefix_caching: bool = True, enforce_eager: bool | None = None, sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", seed: int = 0, stop_token_ids: list[int] | None = None,
-                 sync_chunk_mb: float = 256, llm_kwargs: dict | None = None):
+                 sync_chunk_mb: float = 256, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, revision: str | None = None, seeded_rollouts: bool = False,
+                 llm_kwargs: dict | None = None):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -149,17 +222,31 @@ class VLLMRolloutEngine:
         if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stops:
             stops = [*stops, tokenizer.pad_token_id]  # as rollout=hf: emitting the pad token ends a completion
         self.stop_token_ids = stops
-        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.seeded_rollouts = seeded_rollouts  # the default of SamplingParams.per_request_seeds (module docstring)
         self.sync_chunk_bytes = int(sync_chunk_mb * 2**20)
+        if enforce_eager is None:  # CUDA graphs where there are any; eager on vLLM's CPU build (module docstring)
+            enforce_eager = current_platform.is_cpu()
+        self.enforce_eager = enforce_eager
+        sizes = {k: v for k, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs))
+                 if v is not None}
+        group = join_process_group()
+        rank_device = None if current_platform.is_cpu() or not torch.cuda.is_available() else \
+            torch.cuda.current_device()
+        if rank_device is not None:
+            check_engine_device(rank_device, engine_device_index(bool(group)), built=False)
         t = time.perf_counter()
         with _rng_state_kept():  # vLLM seeds the process's global RNGs with its own seed: the run's streams stay
             self.llm = vllm.LLM(
-                model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+                model=str(model_path), revision=revision, tokenizer_revision=revision, dtype=dtype, seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
                 enable_sleep_mode=sleep_mode, logprobs_mode=logprobs_mode,
                 generation_config="vllm",  # never the checkpoint's sampling defaults (Qwen3: T=0.6, top_k=20)
                 skip_tokenizer_init=True,  # prompts arrive as token ids and completions leave as token ids
-                **join_process_group(), **(llm_kwargs or {}))
+                **sizes, **group, **(llm_kwargs or {}))
+        if rank_device is not None:
+            check_engine_device(rank_device, torch.cuda.current_device(), built=True)
+        self.in_process = engine_in_process(self.llm)  # after the build: vLLM decides it (engine_in_process)
         self.start_seconds = time.perf_counter() - t
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self._scale = 1.0  # the temperature currently folded into the logits (1/T)
@@ -175,6 +262,7 @@ class VLLMRolloutEngine:
         tensors have arrived, so at most a chunk is in flight. Wakes a sleeping engine."""
         t = time.perf_counter()
         if self.sleeping:
+            _free_cached_blocks()  # the update's cached blocks go back to the device before vLLM takes its share
             self.llm.wake_up(tags=["weights"])  # level-2 sleep: buffers back, contents overwritten below
         if self.in_process:
             stream = (pair for chunk in chunks for pair in chunk)
@@ -182,6 +270,7 @@ class VLLMRolloutEngine:
         else:
             self._push_via_path(chunks)
         if self.sleeping:
+            _free_cached_blocks()  # the chunks just gathered and pushed, before the KV cache (the largest part) wakes
             self.llm.wake_up(tags=["kv_cache", "scheduling"])  # vLLM: every tag must be awake before generating
             self.sleeping = False
         self.llm.reset_prefix_cache()
@@ -213,18 +302,26 @@ class VLLMRolloutEngine:
 
     def wake_up(self) -> None:
         if self.sleeping:
+            _free_cached_blocks()
             self.llm.wake_up()
             self.sleeping = False
 
     def close(self) -> None:
+        """Shut the engine down and free its memory; idempotent. vLLM's in-process shutdown also tears down the
+        distributed state it set up in this process — under the external launcher that is the job's default process
+        group — so a trainer closes its engine only when the job ends (``training/job.py`` ``teardown``)."""
         llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
+        if llm is None:
+            return
+        shutdown = getattr(llm, "shutdown", None)  # LLM.shutdown where vLLM has it; else the engine core's own
+        if not callable(shutdown):
+            shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
+        try:
+            if callable(shutdown):
+                shutdown()
+        finally:
             del llm
-            import gc
-
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            _free_cached_blocks()
 
     # ------------------------------------------------------------------ sampling
     def _fold_temperature(self, temperature: float) -> None:
@@ -240,7 +337,8 @@ class VLLMRolloutEngine:
             raise RuntimeError("the vLLM engine is asleep: call sync_weights(model) (or wake_up()) before generate")
         self._fold_temperature(params.temperature)
         greedy = params.temperature == 0
-        base = int(torch.randint(0, 2**62, (1,)).item())  # from torch's RNG: seeded runs repeat
+        seeded = self.seeded_rollouts if params.per_request_seeds is None else params.per_request_seeds
+        base = int(torch.randint(0, 2**62, (1,)).item()) if seeded else None  # from torch's RNG: seeded calls repeat
         requests, sampling = [], []
         for j, p in enumerate(prompts):
             budget = min(params.max_new_tokens, self.max_model_len - len(p))
@@ -254,7 +352,8 @@ class VLLMRolloutEngine:
                     top_p=1.0 if greedy else params.top_p, top_k=0 if greedy else params.top_k,
                     repetition_penalty=params.repetition_penalty, max_tokens=budget,
                     stop_token_ids=self.stop_token_ids, ignore_eos=True,  # our stop set decides, not the model's EOS
-                    seed=(base + j * params.n + k) % 2**63, logprobs=0 if params.logprobs else None,
+                    seed=None if base is None else (base + j * params.n + k) % 2**63,
+                    logprobs=0 if params.logprobs else None,
                     detokenize=False))
         out: list[Completion] = []
         for s in range(0, len(requests), self.batch_size):
@@ -281,7 +380,14 @@ def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) ->
     for SmolLM2: vLLM would size its buffers for it). On CPU the KV cache gets what the memory plan gives it
     (``memory.vllm_kv_cache_bytes``: the rollout batch's sequences at that length) instead of vLLM's default, a
     ``gpu_memory_utilization`` share of the host's RAM (0.3 of 24 GiB: ~7 GiB); ``rollout.vllm.kwargs`` or vLLM's
-    ``VLLM_CPU_KVCACHE_SPACE`` still win."""
+    ``VLLM_CPU_KVCACHE_SPACE`` still win.
+
+    The engine starts from the hub revision ``model.revision`` when it starts from ``model.name_or_path`` itself (a
+    checkpoint or a built model is a directory of its own), seeds with ``engine_seed`` of this rank, and schedules at
+    most ``rollout.vllm.max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences per step (what the memory
+    planner's profile line counts)."""
+    from grail_exp import world
+
     v = cfg.rollout.vllm
     max_len = int(v.max_model_len) if v.max_model_len else run_max_model_len(cfg, tokenizer)
     kwargs = dict(v.kwargs or {})
@@ -299,12 +405,15 @@ def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) ->
             kwargs["kv_cache_memory_bytes"] = vllm_kv_cache_bytes(cfg, max_len)
         except PlanError:  # a model the planner has no shape for: vLLM sizes its cache itself
             pass
+    own = cfg.model.get("name_or_path") is not None and str(model_path) == str(cfg.model.name_or_path)
     return VLLMRolloutEngine(
         model_path, tokenizer, dtype=v.dtype or cfg.model.dtype, batch_size=batch_size,
         gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=max_len,
-        enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, sleep_mode=v.sleep_mode,
-        logprobs_mode=v.logprobs_mode, seed=cfg.seed if v.seed is None else v.seed,
-        sync_chunk_mb=v.get("sync_chunk_mb", 256), llm_kwargs=kwargs)
+        enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.get("enforce_eager"), sleep_mode=v.sleep_mode,
+        logprobs_mode=v.logprobs_mode, seed=engine_seed(cfg.seed if v.seed is None else v.seed, world.rank()),
+        sync_chunk_mb=v.get("sync_chunk_mb", 256), max_num_batched_tokens=v.get("max_num_batched_tokens"),
+        max_num_seqs=v.get("max_num_seqs"), revision=cfg.model.get("revision") if own else None,
+        seeded_rollouts=bool(v.get("seeded_rollouts", False)), llm_kwargs=kwargs)
 
 
 def run_max_model_len(cfg, tokenizer, sample: int = 256, block: int = 16) -> int:

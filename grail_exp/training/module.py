@@ -115,7 +115,11 @@ class GRPOModule(L.LightningModule):
                 L.seed_everything(int(self.cfg.seed) + 1000 * world.rank(), verbose=False)
 
     def configure_model(self) -> None:
+        # Every rank, in the process group, before Lightning moves the module to its device: the policy sharded or
+        # placed (with rank 0's weights on a multi-rank run), then the frozen reference model likewise.
         self.backend.configure_model(self.policy)
+        if self.ref_model is not None:
+            self.backend.place_replica(self.ref_model)
 
     def configure_optimizers(self):
         opt = self.backend.build_optimizer(self.policy)

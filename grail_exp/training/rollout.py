@@ -22,6 +22,7 @@ from grail_exp.data.prompting import encode_prompts
 from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
 from grail_exp.compute.forward import position_ids_from_mask
 from grail_exp.compute.logprobs import kept_log_mass
+from grail_exp.loss import needs_reference
 from grail_exp.grading.extraction import strip_think
 from grail_exp.rollout import SamplingParams, pad_completions
 from grail_exp.rollout.base import release
@@ -62,7 +63,7 @@ class RolloutPhase:
         with timed(timings, "old_logp"):
             if self.needs_old_logp() and batch.old_logp is None:
                 self.old_logps(batch)
-            if (cfg.loss.beta > 0 or any(t.needs_reference for t in self.terms)) and batch.ref_logp is None:
+            if needs_reference(cfg, self.terms) and batch.ref_logp is None:
                 batch.ref_logp = self.logps(self.ref_model, batch)
         if batch.old_logp is not None and batch.sampler_logp is not None:
             stats.update(self.check_sampler(batch))

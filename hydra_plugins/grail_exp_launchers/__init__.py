@@ -19,7 +19,8 @@ preemption signal; ``SUBMITIT_PREEMPT_SIGNAL`` changes it). What happens then:
 
 ``hydra/launcher=submitit_slurm`` sizes each job from its trainer (nodes = ``trainer.num_nodes``, tasks and GPUs per
 node = ``trainer.devices``) and refuses, before submitting anything, a job whose launcher values were set to something
-else (``check_slurm_layout``).
+else (``check_slurm_layout``). Its ``--mem`` follows the memory planner's host memory per node (``slurm_mem_gb``) unless
+``hydra.launcher.mem_gb`` is set; a set value below the plan is refused before submission, naming both numbers.
 
 The Hydra sweep directory is resolved once in the launching process and pickled with the launcher, so a
 requeued job never re-evaluates ``${now:...}``; ``resume`` is excluded from ``hydra.job.override_dirname``
@@ -77,6 +78,32 @@ def check_slurm_layout(params: dict, job_cfg, overrides: list[str] = ()) -> None
                           + ". Leave the launcher keys unset (they follow the trainer) or set both sides alike")
 
 
+def slurm_mem_gb(params: dict, jobs: list) -> int | None:
+    """The ``--mem`` (GB per node) for a sweep's jobs ``[(overrides, composed config), ...]``: the largest of their
+    memory plans' host memory per node (``memory.planned_mem_gb``: the plan + its margin) when ``hydra.launcher.mem_gb``
+    is unset (null), the value set otherwise. A set value below a job's plan is refused before submission, naming both
+    numbers; memory asked for per GPU or per CPU (``mem_per_gpu`` / ``mem_per_cpu``) is left as it is (None)."""
+    from grail_exp.errors import ConfigError
+    from grail_exp.memory import planned_mem_gb
+
+    if params.get("mem_per_gpu") is not None or params.get("mem_per_cpu") is not None:
+        return params.get("mem_gb")
+    planned = [(planned_mem_gb(cfg), list(overrides)) for overrides, cfg in jobs]
+    planned = [(gb, o) for gb, o in planned if gb is not None]
+    if not planned:
+        return params.get("mem_gb")
+    need, overrides = max(planned, key=lambda x: x[0])
+    set_gb = params.get("mem_gb")
+    if set_gb is None:
+        return need
+    if int(set_gb) < need:
+        job = f" (job overrides: {' '.join(overrides)})" if overrides else ""
+        raise ConfigError(f"hydra.launcher.mem_gb = {set_gb} is below the {need} GB of host memory per node the memory "
+                          f"plan needs{job}: leave it unset (it follows the plan) or set at least {need}. Details: "
+                          "python -m grail_exp.plan <the same overrides>")
+    return int(set_gb)
+
+
 if SlurmLauncher is not None:
     class ResumingSlurmLauncher(_ResumeOnRequeue, SlurmLauncher):
         def launch(self, job_overrides, initial_job_idx):
@@ -85,9 +112,12 @@ if SlurmLauncher is not None:
             # Before anything reaches sbatch: every job's composed trainer against the one set of launcher values
             # (one line on stderr, exit 2, as every user error of the entry points).
             with exit_on_user_error():
+                jobs = []
                 for overrides in job_overrides:
                     job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
                     check_slurm_layout(self.params, job_cfg, list(overrides))
+                    jobs.append((overrides, job_cfg))
+                self.params["mem_gb"] = slurm_mem_gb(self.params, jobs)  # one array job: the largest plan
             return super().launch(job_overrides, initial_job_idx)
 
     class ResumingLocalLauncher(_ResumeOnRequeue, LocalLauncher):

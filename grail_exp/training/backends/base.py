@@ -81,6 +81,41 @@ def more_ranks(cfg) -> list[list[str]]:
     return options
 
 
+def broadcast_module(model: torch.nn.Module) -> None:
+    """Every parameter (tied ones once) and buffer of ``model`` from rank 0, in place, one tensor per collective: the
+    largest tensor is the most any rank holds in flight. Re-ties the weights first: ``to_empty`` gives each module its
+    own tensor, so a tied output layer would otherwise be a copy that no longer follows the embedding."""
+    from grail_exp import world
+
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+    with torch.no_grad():
+        for t in model.parameters():
+            world.broadcast(t.data, src=0)
+    broadcast_buffers(model)
+
+
+def fresh_storage(model: torch.nn.Module) -> None:
+    """Every parameter and buffer of ``model`` copied into a storage of its own, one tensor at a time (on CPU, where
+    ``to(device)`` keeps the loaded tensors: the weights file's memory, aligned as the file lays it out). The other ranks
+    allocate theirs afresh, and CPU kernels pick their vector paths by alignment: with the same storage on every rank
+    the ranks compute bit-identical results from identical weights, as they did when each loaded the file."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            fresh = torch.empty_like(t)
+            fresh.copy_(t)
+            t.data = fresh
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Every buffer of ``model`` from rank 0, in place (collective)."""
+    from grail_exp import world
+
+    with torch.no_grad():
+        for t in model.buffers():
+            world.broadcast(t.data, src=0)
+
+
 @dataclass
 class StepResult:
     grad_norm: float  # global gradient norm before clipping (inf / NaN when not finite)
@@ -114,6 +149,16 @@ class UpdateBackend:
         """Key-named problems of ``cfg`` for this strategy (``validate.py`` calls it)."""
         return []
 
+    @classmethod
+    def weights_from_rank0(cls, cfg) -> bool:
+        """Whether only rank 0 reads the weights from disk and every other rank builds its models on the meta device and
+        receives them in ``configure_model`` / ``place_replica``: every multi-rank layout. A node's host then holds one
+        copy of the weights, not one per rank (4 x 33 GB of fp32 for an 8B policy under FSDP). One process loads as
+        it always did."""
+        from grail_exp.world import configured_world_size
+
+        return configured_world_size(cfg.trainer) > 1
+
     # ---- the memory planner's questions (grail_exp/memory.py), per rank: n parameters, b bytes per model-dtype
     # element, ``world`` ranks. Class-level: the plan is made before any model or process group exists.
     @classmethod
@@ -144,6 +189,23 @@ class UpdateBackend:
         return []
 
     @classmethod
+    def planned_checkpoint_shard(cls, cfg, n: int, b: int, world: int, rank: int) -> PlanItem:
+        """What rank ``rank`` writes to (and reads back from) a checkpoint, staged in host memory: the host planner's
+        checkpoint and resume rows (``memory.host_node_lines``). Checkpoints are written per rank, each rank at most
+        its own part of the state on the host plus one tensor's buffer; in a replicated layout rank 0 writes the
+        whole state (every rank holds the same) and the others nothing."""
+        if rank:
+            return PlanItem("checkpoint part", 0.0, "a replica: rank 0 writes it")
+        total = sum(item.bytes for item in cls.planned_state(cfg, n, b, world))
+        return PlanItem("checkpoint part", total, "the whole model state (rank 0 writes it; planned_state's rows)")
+
+    @classmethod
+    def checkpoint_holds_weights(cls, cfg) -> bool:
+        """Whether each rank's checkpoint part carries its share of the weights (resume then reads no full copy);
+        False where rank 0 reads the policy's weights whole and broadcasts them, as at the start."""
+        return False
+
+    @classmethod
     def shard_options(cls, cfg, world: int) -> list[list[list[str]]]:
         """Override sets that put less of this strategy's state on each device, grouped in families, each family's
         sets mildest first (the planner tries them when a plan does not fit)."""
@@ -151,7 +213,35 @@ class UpdateBackend:
 
     # ---- the model
     def configure_model(self, policy: torch.nn.Module) -> None:
-        pass
+        """Called on every rank once the process group exists, before Lightning moves the module to its device: here
+        (a replicated layout) the policy is placed on its device with rank 0's weights (``place_replica``)."""
+        self.place_replica(policy)
+
+    def compute_device(self) -> torch.device:
+        """The rank's device: the Lightning strategy's root device (CPU without a trainer: tools, tests)."""
+        trainer = getattr(self.module, "_trainer", None)
+        return trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+
+    def place_replica(self, model: torch.nn.Module) -> None:
+        """A model every rank holds whole (the DDP / ZeRO-2 policy, the frozen reference model), on this rank's device
+        with rank 0's values (collective), when ``weights_from_rank0``: rank 0 moves its loaded copy to the device (its
+        host copy is released as each tensor moves), the others allocate their meta skeleton there, and every parameter
+        and buffer (the non-persistent RoPE tables included) is broadcast from rank 0, one tensor at a time, on the
+        process group's device. Broadcasting rather than every rank reading the files in the model's dtype: the node
+        holds one host copy (b x N) instead of one per rank, and the ranks cannot start from different weights."""
+        from grail_exp import world
+
+        if not self.weights_from_rank0(self.cfg) or world.world_size() == 1:
+            return
+        dev = self.compute_device()
+        if world.rank() == 0:
+            model.to(dev)
+            if dev.type == "cpu":
+                fresh_storage(model)
+        else:
+            model.to_empty(device=dev)
+        broadcast_module(model)
+        self.broadcast_initial_weights = False  # every rank holds rank 0's weights already
 
     def build_optimizer(self, policy: torch.nn.Module) -> torch.optim.Optimizer:
         raise NotImplementedError

@@ -188,6 +188,12 @@ class DeepSpeedBackend(UpdateBackend):
                 PlanItem("DeepSpeed buckets", bucket * b, "(reduce_bucket_size + allgather_bucket_size) x b")]
 
     @classmethod
+    def planned_checkpoint_shard(cls, cfg, n, b, world, rank):
+        # DeepSpeed's per-rank files: the fp32 master partition and Adam moments; the replicated b-byte weights are
+        # streamed by rank 0 one tensor at a time (counted as the export's buffer)
+        return PlanItem("checkpoint part", 12 * n / world, "its fp32 master partition + Adam moments, 12 B x N / W")
+
+    @classmethod
     def shard_options(cls, cfg, world):
         return [[["trainer=fsdp", f"trainer.devices={cfg.trainer.devices}"]], more_ranks(cfg)]
 

@@ -65,6 +65,29 @@ def shard_policy(policy: torch.nn.Module, cfg) -> PolicyCore:
     return core
 
 
+def receive_shards(core: PolicyCore, full: dict, device: torch.device) -> None:
+    """Every rank's shards of the sharded policy, on ``device``, from rank 0's full state dict ``full`` (empty on
+    the other ranks, whose parameters are meta): each rank allocates its shards, rank 0 broadcasts one full tensor at a
+    time and each rank keeps its slice (``set_model_state_dict`` with ``broadcast_from_rank0``, as verl loads FSDP2
+    models), so no rank but 0 ever holds more than its shards and one tensor in flight. The buffers, which the state
+    dict leaves out when non-persistent (RoPE tables), are then broadcast as they are (``broadcast_buffers``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from grail_exp import world
+    from grail_exp.training.backends.base import broadcast_buffers
+
+    # On the FSDP root, not the policy inside it: each unit's _apply re-registers its sharded parameters, the root's
+    # (embeddings, output layer) included; otherwise the optimiser would step tensors the root unit no longer gathers.
+    # Rank 0 moves what it holds (its buffers keep their values: it broadcasts them below); the others allocate.
+    if world.rank() == 0:
+        core.to(device)
+    else:
+        core.to_empty(device=device)
+    set_model_state_dict(core.policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    full.clear()
+    broadcast_buffers(core.policy)
+
+
 def fsdp_units(module: torch.nn.Module) -> list:
     from torch.distributed.fsdp import FSDPModule
 
@@ -191,14 +214,33 @@ class FSDPBackend(UpdateBackend):
                         "the root unit (embeddings, output layer) + two layers (one prefetched), b bytes (FULL_SHARD)")
 
     @classmethod
+    def planned_checkpoint_shard(cls, cfg, n, b, world, rank):
+        return PlanItem("checkpoint part", 12 * n / world, "its fp32 parameter shard + Adam moments, 12 B x N / W")
+
+    @classmethod
+    def checkpoint_holds_weights(cls, cfg):
+        return True  # the fp32 parameter shards are the weights
+
+    @classmethod
     def shard_options(cls, cfg, world):
         if cls._keeps_gathered(cfg):  # FULL_SHARD frees each layer after its forward
             return [[["trainer=fsdp", f"trainer.devices={cfg.trainer.devices}"]], more_ranks(cfg)]
         return [more_ranks(cfg)]
 
     def configure_model(self, policy):
-        if self.core is None:
+        """Shard the policy; under ``weights_from_rank0`` fill every rank's shards from rank 0's loaded copy."""
+        from grail_exp import world
+
+        if self.core is not None:
+            return
+        if not self.weights_from_rank0(self.cfg) or world.world_size() == 1:
             self.core = shard_policy(policy, self.cfg)
+            return
+        # Rank 0's loaded fp32 tensors, referenced only here once sharding has replaced the parameters: dropped at the
+        # end of this function, so rank 0's host copy lives no longer than the broadcast.
+        full = dict(policy.state_dict()) if world.rank() == 0 else {}
+        self.core = shard_policy(policy, self.cfg)
+        receive_shards(self.core, full, self.compute_device())
 
     def build_optimizer(self, policy):
         return build_optimizer(policy, self.cfg.optim, master_weights=False)

@@ -431,8 +431,8 @@ class TrainerConfig:
     # CPU runs: points in each backward where freed heap goes back to the OS (glibc malloc_trim; grail_exp/compute/host.py),
     # evenly spaced down the decoder layers, the last after the first layer, before the embedding's gradient. The heap
     # the backward frees is otherwise kept and its high-water mark, not the live tensors, makes the peak RSS. 1 costs
-    # nothing measurable; each further point re-faults what it returned (SmolLM2-135M, GRPO: peak 4.21 -> 4.00 GB at
-    # 1, 3.9 GB at 2 for ~2 % of the update; results/bench_real_model.md). 0 = none. No effect on GPU runs.
+    # nothing measurable; each further point re-faults what it returned (docs/performance.md). 0 = none. GPU runs: no
+    # effect.
     backward_heap_returns: int = 1
     # A backward whose cotangent lives on a micro-batch's leading rows (GRAIL's probe: the trainer puts its rows first)
     # computes those rows only: the policy's linear layers become RowNarrowingLinear (same parameters, same forward,

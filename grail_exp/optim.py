@@ -15,8 +15,8 @@ parameters' ``.grad`` (fp32 accumulation hooks would run before DDP's reduction)
 Memory per parameter: 2 (bf16 weights) + 4 (master) + 8 (Adam) + 4 (fp32 gradient) = 18 bytes. The first
 micro-batch's gradient is held as it came, in bf16 (its fp32 widening is exact, so nothing is lost), and widened when
 the second arrives, parameter by parameter: through the second micro-batch's forward and the start of its backward it
-takes 2 bytes per parameter instead of 4, with the same bits as widening at once (SmolLM2 on CPU: 0.27 GB less resident
-through that forward; the step's peak RSS, at the end of that backward when every fp32 gradient exists, is unchanged).
+takes 2 bytes per parameter instead of 4, with the same bits as widening at once (the step's peak RSS, at the end of
+that backward when every fp32 gradient exists, is unchanged; docs/performance.md).
 
 ``optim.grad_accum_dtype: bf16`` (one process) skips the accumulation hooks: autograd then sums each micro-batch's
 bf16 gradient into the parameter's bf16 ``.grad`` (rounded after every add, as DeepSpeed ZeRO's bf16 default, which
@@ -132,7 +132,7 @@ def build_optimizer(model: torch.nn.Module, o, *, master_weights: bool, accumula
     kwargs = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]
     # torch's fused AdamW: one pass over each tensor instead of ~8 (on CPU the unfused default loops tensor by tensor;
-    # 135 M parameters: 1.6 -> 0.9 s per step on one core). The same update up to rounding (measured: <= 1 ulp).
+    # docs/performance.md). The same update up to rounding (measured: <= 1 ulp).
     # Not for sharded parameters (FSDP's DTensors): they keep torch's default implementation.
     fused = master_weights or all(_fusable(p) for p in params)
     if master_weights:

@@ -217,3 +217,44 @@ def test_the_config_name_map_lists_every_registered_name_with_its_file():
             for name in cells[1].split(","):
                 have.add((cells[0].strip("`"), name.strip().strip("`"), cells[2].strip("`")))
     assert have == want, f"missing: {sorted(want - have)}; stale: {sorted(have - want)}"
+
+
+def _readme_code_table() -> list[tuple[str, list[str], list[str]]]:
+    """(row, files, names) of the README's "Where the math lives" table: its file column's backticked paths (braces
+    expanded) and its function column's backticked names (``Class.method`` or a plain name)."""
+    text = README.read_text().split("## Where the math lives", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0] in ("what", "---"):
+            continue
+        files = []
+        for path in re.findall(r"`([^`]+)`", cells[1]):
+            if not path.endswith((".py", "/")):  # a name in the prose of the cell (each backend's `planned_*`)
+                continue
+            path = path.replace("<name>.py", "")  # one file per registered name: the folder holds them
+            if not path.startswith("grail_exp/"):
+                path = "grail_exp/" + path
+            m = re.match(r"(.*)\{([^}]*)\}(.*)", path)
+            files += [m.group(1) + x + m.group(3) for x in m.group(2).split(",")] if m else [path]
+        names = [n for n in re.findall(r"`([^`]+)`", cells[2]) if re.fullmatch(r"[A-Za-z_][\w.]*", n)]
+        rows.append((cells[0], files, names))
+    return rows
+
+
+def test_every_file_and_function_the_readmes_code_table_names_exists():
+    rows = _readme_code_table()
+    assert len(rows) >= 15
+    missing = []
+    for what, files, names in rows:
+        paths = [ROOT / f for f in files]
+        missing += [f"{what}: {f}" for f, p in zip(files, paths) if not p.exists()]
+        sources = "\n".join(p.read_text() for p in paths if p.is_file()) + "\n".join(
+            q.read_text() for p in paths if p.is_dir() for q in p.glob("*.py"))
+        for name in names:
+            parts = name.split(".")
+            if not re.search(rf"^\s*(def|class)\s+{re.escape(parts[-1])}\b", sources, re.M):
+                missing.append(f"{what}: {name} is defined in none of {files}")
+            elif len(parts) == 2 and not re.search(rf"^class\s+{re.escape(parts[0])}\b", sources, re.M):
+                missing.append(f"{what}: class {parts[0]} is defined in none of {files}")
+    assert not missing, "README's code table names what is not there:\n" + "\n".join(missing)

@@ -239,8 +239,8 @@ class PrefixSuffixAttention(torch.autograd.Function):
                                             ctx.groups, need)
         else:
             # The leading rows against a copy of their own prompt each: stacked by prompt, a subset's uneven counts
-            # leave padding slots in every product (SmolLM2's probe: 14 rows in 24 slots), and without the prompts'
-            # gradients (the probe's case) nothing needs their sum (bench: 4.0 against 6.6 ms per layer there).
+            # leave padding slots in every product, and without the prompts' gradients (the probe's case) nothing
+            # needs their sum (measured: docs/performance.md, "Numbers behind the code's choices").
             g = ctx.groups.group[:r]
             own = RowGroups(torch.arange(r, device=g.device), r)
             dq, dkp, dvp, dks, dvs = _prefix_suffix_backward(

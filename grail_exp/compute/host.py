@@ -33,10 +33,8 @@ def return_freed_memory_after_gradients(params) -> list:
     freed their activations and before the embedding's gradient (tied: the output layer's too) is allocated.
 
     Why there: the master gradients made during the backward do not reuse every block the freed activations leave, so
-    the heap's high-water mark lands at the end of the backward, above what is live (SmolLM2-135M on CPU, GRPO: 4.14
-    GB resident against 3.2 GB live at that point; with this hook 3.93 GB). The memory handed back is what the trim
-    after the backward returns anyway, so the time it adds is the embedding backward's page faults: not measurable
-    in an update of ~5.5 s (results/bench_real_model.md).
+    the heap's high-water mark lands at the end of the backward, above what is live; the memory handed back is what
+    the trim after the backward returns anyway (measured: docs/performance.md, "Numbers behind the code's choices").
     """
     params = [p for p in params if p.requires_grad]
     arrived: set[int] = set()

@@ -24,10 +24,10 @@ the whole batch does). With bit-equal logits the tokens are those ``generate`` s
 (tests/test_rollout.py checks it); sharing the prefill changes the logits' last bits only (a smaller matrix product),
 so a draw that falls within rounding of a category boundary can differ — equally likely either way.
 The draw over a large vocabulary is the costly part of a decode step on CPU: ``multinomial``'s B x V exponential
-variates (36 ms for 32 rows x 49,152 tokens on one core, more than the step's matrix products at 135 M parameters),
-and top-p's sort of the whole vocabulary (another ~40 ms). ``draw="inverse_cdf"`` samples the same distribution
-from one uniform per row (the cumulative distribution searched), with top-p evaluated on the top-k candidates only
-when top-k is on: other tokens than ``generate`` under the same seed, drawn ~20x faster.
+variates and top-p's sort of the whole vocabulary each cost more than the step's matrix products at 135 M parameters
+(docs/performance.md). ``draw="inverse_cdf"`` samples the same distribution from one uniform per row (the cumulative
+distribution searched), with top-p evaluated on the top-k candidates only when top-k is on: other tokens than
+``generate`` under the same seed, drawn much faster.
 ``decode="transformers"`` keeps ``generate`` itself (models whose layers do not all attend to every earlier
 position, e.g. sliding windows, use it automatically).
 """

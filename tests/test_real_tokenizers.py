@@ -321,7 +321,7 @@ def test_unknown_packaged_tokenizer_names_the_valid_ones():
 
 
 def test_missing_package_says_what_to_install(monkeypatch):
-    from grail_exp.models.loading import tokenizers as pt
+    from grail_exp.models import tokenizers as pt
 
     real = importlib.util.find_spec
     monkeypatch.setattr(pt.importlib.util, "find_spec",

@@ -279,7 +279,7 @@ def test_a_warm_start_build_is_announced_with_its_expected_duration(tmp_path, mo
     """Logged before the warm start begins. Expected durations by hand from the shipped build's record (434,688
     parameters, 950 steps of 64 in 673.65 s: 0.70911 s per step): the same model and batch, stopping after 950
     steps = 674 s (~11 min), at most 3000 steps = 2127 s (~35 min); batch 32 halves a step, up to 100 steps = 35 s."""
-    from grail_exp.models.loading import embedded
+    from grail_exp.models import embedded
     from grail_exp.data.arithmetic import ArithmeticTask
 
     shipped = json.loads((embedded.SHIPPED_DIR / "tiny" / "grail_exp_build.json").read_text())
@@ -309,7 +309,7 @@ def test_a_cold_start_build_is_announced_with_its_expected_duration(tmp_path, ti
     """The tiny test model has 94,464 parameters (2 layers x (attention 12,288 + MLP 24,576 + norms 160) + embedding
     318 tokens x 64 = 20,352 + final norm 64, tied head); 4,000 steps x 64 problems from SmolLM2-135M's measured
     15.75 s per step of 8 (134,515,008 parameters): 4000 x 15.75 x 94,464 / 134,515,008 x 64 / 8 = 354 s (~6 min)."""
-    from grail_exp.models.loading import cold_start
+    from grail_exp.models import cold_start
     from grail_exp.models.loading import load_causal_lm, load_tokenizer
 
     assert TINY_BUILD["hidden_size"] == 64 and TINY_BUILD["num_layers"] == 2  # the count above

@@ -73,7 +73,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     import lightning as L
     import torch
 
-    from grail_exp.distributed import launch_rank
+    from grail_exp.distributed import export_local_rank, launch_rank
     from grail_exp.training.module import GRPOModule
     from grail_exp.tracking import NullTracker, build_tracker
 
@@ -92,6 +92,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     ckpt, state = _resume_point(cfg)  # cheap, first: its state names the MLflow run to continue
     rank = launch_rank()
     export_devices_per_node(cfg.trainer)
+    export_local_rank()  # srun: before DeepSpeed or the engine read it
     # Tracking next: an unreachable server fails before minutes of model building.
     tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
         if rank == 0 else NullTracker()

@@ -136,6 +136,7 @@ class GRPOModule(L.LightningModule):
         if self.resume_state is not None:
             run_state.restore(self, self.resume_state, self.resume_part)
             self.resume_part = None  # placed: release this rank's loaded part
+            probe.emit("restored", module=self)
         if self.start_fn is not None:
             self.start_fn()
 

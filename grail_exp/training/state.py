@@ -112,25 +112,25 @@ def restore(module, state: dict, mine: dict | None = None) -> None:
 
 def check_resume_world(state: dict, ckpt, trainer_cfg) -> None:
     """Before any model loads: a checkpoint resumes on the world size that wrote it, or on another one only when its
-    shards reshard (FSDP, per-rank layout) and no rank holds a half-used rollout batch. One line naming the keys."""
-    saved, want = int(state.get("world_size", 1)), world.configured_world_size(trainer_cfg)
-    strategy = str(trainer_cfg.strategy)
-    if per_rank(state) and state.get("strategy") not in (None, strategy):
-        raise CheckpointError(f"{ckpt} was written with trainer.strategy={state['strategy']}; resume it with the same "
-                              f"trainer.strategy (now {strategy})")
-    if saved == want:
-        return
+    shards reshard (FSDP, per-rank layout) and no rank holds a half-used rollout batch; and (per-rank layout) under
+    the update backend that wrote it. One line naming the key to change."""
     from grail_exp.training.backends import BACKENDS
 
-    reshards = per_rank(state) and BACKENDS[strategy].reshardable and not state.get("mid_round")
-    if reshards:
+    saved, want = int(state.get("world_size", 1)), world.configured_world_size(trainer_cfg)
+    strategy = str(trainer_cfg.strategy)
+    writer = BACKENDS.get(str(state.get("strategy"))) if per_rank(state) else None
+    if saved != want:
+        reshards = writer is BACKENDS[strategy] and writer.reshardable and not state.get("mid_round")
+        if not reshards:
+            why = ("it stopped inside a rollout batch, whose rows belong to its ranks" if writer is not None
+                   and writer.reshardable else "only a trainer=fsdp checkpoint resumes on another number of ranks")
+            raise CheckpointError(f"{ckpt} was written by {saved} data-parallel rank(s) and cannot resume on {want}: "
+                                  f"set trainer.devices x trainer.num_nodes = {saved} ({why})")
         log.warning("resuming %s, written by %d ranks, on %d: torch.distributed.checkpoint reshards the model and "
                     "optimiser", ckpt, saved, want)
-        return
-    why = ("it stopped inside a rollout batch, whose rows belong to its ranks" if per_rank(state) and
-           BACKENDS[strategy].reshardable else "only a trainer=fsdp checkpoint of the per-rank layout reshards")
-    raise CheckpointError(f"{ckpt} was written by {saved} data-parallel rank(s) and cannot resume on {want}: set "
-                          f"trainer.devices x trainer.num_nodes = {saved} ({why})")
+    if writer is not None and writer is not BACKENDS[strategy]:
+        raise CheckpointError(f"{ckpt} was written with trainer.strategy={state['strategy']}; resume it with the same "
+                              f"trainer.strategy (now {strategy})")
 
 
 def check_same_resume_point(state: dict | None) -> None:

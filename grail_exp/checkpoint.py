@@ -204,8 +204,12 @@ def has_hf_weights(ckpt: Path) -> bool:
 
 
 def save_torch(obj, path: Path) -> None:
-    """``torch.save`` into ``path`` (tensors and plain containers: it loads with ``weights_only=True``)."""
-    torch.save(obj, path)
+    """``torch.save`` into ``path``, flushed to disk (tensors and plain containers: it loads with
+    ``weights_only=True``). Each rank flushes its own files: another node's fsync need not reach them."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def load_torch(path: Path):
@@ -295,17 +299,30 @@ def write_safetensors_streaming(path: Path, specs: list[tuple[str, torch.dtype, 
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    fh = open(path, "wb") if path is not None else None
+    error: OSError | None = None
+    fh = None
     try:
-        if fh is not None:
+        if path is not None:
+            fh = open(path, "wb")
             fh.write(struct.pack("<Q", len(raw)) + raw)
+    except OSError as exc:
+        error = exc
+    try:
         for (name, t), (want, dtype, shape) in zip(tensors, specs):
             if name != want or t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise CheckpointError(f"streamed tensor {name} {tuple(t.shape)} {t.dtype} does not match the header's "
                                       f"{want} {tuple(shape)} {dtype}")
-            if fh is not None:
-                fh.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            if fh is not None and error is None:
+                try:
+                    fh.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                except OSError as exc:  # keep consuming: the other ranks are still gathering
+                    error = exc
             del t
+        if fh is not None and error is None:
+            fh.flush()
+            os.fsync(fh.fileno())
     finally:
         if fh is not None:
             fh.close()
+    if error is not None:
+        raise error

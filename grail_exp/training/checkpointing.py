@@ -39,41 +39,53 @@ def write_checkpoint(root: Path, module, tokenizer, position: dict, keep_last: i
 
     final = root / f"step-{module.step}"
     tmp = _temporary_dir(root, final)
-    backend, optimizer = module.backend, module.optimizers()
-    failure = None
-    try:
-        save_torch({**run_state.rank_state(module, position), **backend.rank_checkpoint(optimizer)},
-                   rank_file(tmp, world.rank()))
-    except OSError as exc:
-        failure = exc
-    # Collectives from here on run on every rank whatever happened above, so a failed rank never hangs the others.
+    backend, optimizer, rank = module.backend, module.optimizers(), world.rank()
+    own = {**run_state.rank_state(module, position), **backend.rank_checkpoint(optimizer)}
+    failure = _attempt(save_torch, own, rank_file(tmp, rank))
+    del own
+    # Collectives from here on run on every rank whatever failed above, so a failed rank never hangs the others (a
+    # failed export write still consumes the gathered tensors).
     backend.save_shards(optimizer, tmp / SHARDED_DIR)
     if export_hf or not backend.model_in_shards:
-        export_hf_weights(module, tmp if world.rank() == 0 else None)
-    if world.rank() == 0 and failure is None:
-        try:
-            tokenizer.save_pretrained(tmp)
-            shared = run_state.shared_state(module, position)
-            save_torch({**shared, **backend.shared_checkpoint(optimizer), "format": FORMAT}, tmp / STATE_FILE)
-            faults.stall_checkpoint(module.step)  # test-only (GRAIL_EXP_FAULT)
-        except OSError as exc:
-            failure = exc
+        failure = _attempt(export_hf_weights, module, tmp if rank == 0 else None) or failure
+    if rank == 0 and failure is None:
+        failure = _attempt(_write_shared, module, tokenizer, position, tmp)
     if world.any_true(failure is not None):
-        if world.rank() == 0:
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         exc = failure or OSError(f"another rank failed to write its part of {final}")
         raise write_error(exc, "checkpoint", final) from failure
-    world.barrier()  # every rank's files are closed
-    if world.rank() == 0:
-        try:
-            seal(tmp, final)
-        except OSError as exc:
+    world.barrier()  # every rank's files are written and flushed
+    sealed = None
+    if rank == 0:
+        sealed = _attempt(seal, tmp, final)
+        if sealed is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise write_error(exc, "checkpoint", final) from exc
-        prune(root, keep_last)
-    world.barrier()
+        else:
+            prune(root, keep_last)
+    if world.any_true(sealed is not None):  # every rank leaves here, with the checkpoint in place or an error
+        raise write_error(sealed or OSError(f"rank 0 could not put {final} in place"), "checkpoint", final) from sealed
     probe.emit("checkpointed", module=module, path=final)
     return final
+
+
+def _attempt(fn, *args) -> OSError | None:
+    """``fn(*args)``; the ``OSError`` it raised (a full disk, a lost mount) instead of raising it."""
+    try:
+        fn(*args)
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _write_shared(module, tokenizer, position: dict, tmp: Path) -> None:
+    """Rank 0: the tokenizer and ``training_state.pt``."""
+    from grail_exp.training import state as run_state
+
+    tokenizer.save_pretrained(tmp)
+    shared = {**run_state.shared_state(module, position), **module.backend.shared_checkpoint(module.optimizers())}
+    save_torch({**shared, "format": FORMAT}, tmp / STATE_FILE)
+    faults.stall_checkpoint(module.step)  # test-only (GRAIL_EXP_FAULT)
 
 
 def _temporary_dir(root: Path, final: Path) -> Path:

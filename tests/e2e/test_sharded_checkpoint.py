@@ -1,7 +1,7 @@
 """Checkpoints written and read per rank (grail_exp/training/checkpointing.py), on 2 gloo ranks.
 
-- Host memory: an FSDP rank's checkpoint write adds about its own shard's worth of host memory at most, never the
-  full model (before, rank 0 gathered the full model and optimiser state, and every rank built the full state dicts).
+- Host memory: an FSDP rank's checkpoint write adds less host memory than its own parameter shard, never the full
+  model (before, rank 0 gathered the full model and optimiser state into its host memory).
 - Another world size: an FSDP checkpoint of 2 ranks resumes on 1 with the same full model and optimiser state.
 ZeRO-2's per-rank partitions and its exact resume are in e2e/test_ddp.py.
 """
@@ -58,8 +58,9 @@ def _run(run_dir, model_dir, extra, probe, probe_dir):
 
 @pytest.mark.slow
 def test_fsdp_checkpoint_write_adds_about_a_shard_of_host_memory_not_the_full_model(tmp_path, wide_model_dir):
-    """Rank 1's peak RSS growth across the checkpoint write (the kernel's peak mark reset just before it) stays below
-    its fp32 parameter shard 4 N / W; gathering the full model (4 N) or the full optimiser state (8 N) exceeds it."""
+    """Each rank's peak RSS growth across the checkpoint write (the kernel's peak mark reset just before it) stays
+    below its fp32 parameter shard 4 N / W: gathering the full model (4 N) or the full optimiser state (8 N) on any rank
+    exceeds it (before: rank 0 grew by 660 MiB, the full model and Adam moments, 3 x 193 MiB, plus pickling)."""
     run_dir, probe_dir = tmp_path / "run", tmp_path / "probe"
     out = _run(run_dir, wide_model_dir, ["advantage=grpo", "trainer=fsdp", "trainer.accelerator=cpu",
                                          "trainer.devices=2", "trainer.checkpoint_every=1",
@@ -74,9 +75,9 @@ def test_fsdp_checkpoint_write_adds_about_a_shard_of_host_memory_not_the_full_mo
         print(f"rank {rank}: checkpoint peak growth {growth / 2**20:.1f} MiB; parameter shard "
               f"{param_shard / 2**20:.1f} MiB, full model {before['full_param_bytes'] / 2**20:.1f} MiB, shard state "
               f"{before['shard_bytes'] / 2**20:.1f} MiB")
-        if rank == 1:
-            assert growth < param_shard, (f"rank 1's checkpoint write grew its host memory by {growth / 2**20:.0f} MiB "
-                                          f"(its fp32 parameter shard is {param_shard / 2**20:.0f} MiB)")
+        assert growth < param_shard, (f"rank {rank}'s checkpoint write grew its host memory by "
+                                      f"{growth / 2**20:.0f} MiB (its fp32 parameter shard is "
+                                      f"{param_shard / 2**20:.0f} MiB)")
 
 
 @pytest.mark.slow

@@ -43,7 +43,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grail_exp import faults
 from grail_exp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -100,24 +99,6 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
     except OSError:
         pass
-
-
-def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None,
-                    state_dict: dict | None = None) -> Path:
-    """Write ``root/step-<step>`` atomically; prune to the newest ``keep_last`` complete checkpoints."""
-
-    def write(tmp: Path) -> None:
-        if state_dict is not None:  # a sharded model's gathered weights
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-        else:
-            model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        torch.save(state, tmp / STATE_FILE)
-        faults.stall_checkpoint(step)  # test-only (GRAIL_EXP_FAULT)
-
-    final = write_dir_atomically(root / f"step-{step}", write, what="checkpoint")
-    prune(root, keep_last)
-    return final
 
 
 def save_weights(root: Path, step: int, model, tokenizer, state_dict: dict | None = None) -> Path:

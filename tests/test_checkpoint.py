@@ -232,21 +232,41 @@ def test_sweep_continues_past_a_failing_job(tmp_path, tiny_model_dir):
     assert "ModelLoadError" in Path(tb).read_text()
 
 
+def _one_process_module(model, step: int):
+    """The parts of a GRPOModule a checkpoint write reads, for one process under the local backend."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from grail_exp.training.backends.local import LocalBackend
+
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return SimpleNamespace(step=step, progress=SimpleNamespace(step=step), policy=model, optimizers=lambda: opt,
+                           lr_schedulers=lambda: sched, backend=LocalBackend.__new__(LocalBackend),
+                           scheme_generator=torch.Generator(), cfg=OmegaConf.create({"trainer": {"strategy": "auto"}}),
+                           update=SimpleNamespace(state_dict=dict), rollout=SimpleNamespace(state_dict=dict),
+                           tracker=None, terms=[])
+
+
 def test_disk_full_on_checkpoint_is_one_clear_error_and_leaves_no_partial_checkpoint(tmp_path, tiny_model, tiny_tokenizer,
                                                                                      monkeypatch):
     import errno
 
-    from grail_exp.checkpoint import CheckpointError, save_checkpoint
+    from grail_exp.checkpoint import CheckpointError
+    from grail_exp.training.checkpointing import write_checkpoint
 
     root = tmp_path / "checkpoints"
-    save_checkpoint(root, 1, tiny_model, tiny_tokenizer, {"step": 1})
+    position = {"round": 1, "buffer": None}
+    write_checkpoint(root, _one_process_module(tiny_model, 1), tiny_tokenizer, position, keep_last=None, export_hf=True)
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(CheckpointError, match="no space left"):
-        save_checkpoint(root, 2, tiny_model, tiny_tokenizer, {"step": 2})
+        write_checkpoint(root, _one_process_module(tiny_model, 2), tiny_tokenizer, position, keep_last=None,
+                         export_hf=True)
     assert [c.name for c in complete_checkpoints(root)] == ["step-1"] and not list(root.glob("*.tmp-*"))
 
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from grail_exp.checkpoint import (SHARDED_DIR, CheckpointError, load_torch, rank_file, rng_state,
-                                  set_rng_state)
+from grail_exp.checkpoint import CheckpointError, load_torch, rank_file, rng_state, set_rng_state
 from grail_exp.training import world
 from grail_exp.training.batch import TrainingBatch
 

@@ -49,16 +49,17 @@ def test_streamed_export_refuses_a_tensor_that_differs_from_its_header(tmp_path)
                                     iter([("w", torch.zeros(3))]))
 
 
-@pytest.fixture
-def one_rank_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
-    """A single-process run's step-1 checkpoint (its run directory)."""
+@pytest.fixture(scope="module")
+def one_rank_checkpoint(tmp_path_factory, tiny_model_dir):
+    """A single-process run's step-1 checkpoint (its run directory; the tests only read it)."""
     import grail_exp.rewards
 
     from grail_exp.run import run
 
-    monkeypatch.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
-    run_dir = tmp_path / "r" / "run"
-    run(_cfg(run_dir, tiny_model_dir, ["trainer.max_steps=1"]))
+    run_dir = tmp_path_factory.mktemp("one_rank") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grail_exp.rewards, "MathVerifier", AlternatingVerifier)
+        run(_cfg(run_dir, tiny_model_dir, ["trainer.max_steps=1"]))
     return run_dir
 
 

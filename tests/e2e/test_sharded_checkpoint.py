@@ -103,4 +103,8 @@ def test_fsdp_checkpoint_of_two_ranks_resumes_on_one_with_the_same_state(tmp_pat
     restored = next(x for x in _probe_lines(probe_dir2, 0) if x["point"] == "restored")
     assert restored["step"] == 1
     assert (restored["model"], restored["optimizer"]) == (written["model"], written["optimizer"])
-    assert (run_dir / "checkpoints" / "step-3" / "model.safetensors").exists()  # the final one carries the export
+    from transformers import AutoModelForCausalLM
+
+    final = run_dir / "checkpoints" / "step-3"  # the final checkpoint carries the export, streamed tensor by tensor
+    model = AutoModelForCausalLM.from_pretrained(final, use_safetensors=True)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight

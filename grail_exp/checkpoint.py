@@ -10,9 +10,9 @@ Layout: ``<run dir>/checkpoints/step-<N>/``
                                                          DDP)
     rank-<r>.pt                                          what rank r alone holds: its RNG streams, its half-used
                                                          rollout batch, its ZeRO optimiser partition (DeepSpeed)
-    sharded/                                             FSDP: model and optimiser shards (torch.distributed.checkpoint),
-                                                         each rank writing and reading its own; reshardable to another
-                                                         world size
+    sharded/                                             FSDP: model and optimiser shards (torch.distributed
+                                                         .checkpoint), each rank writing and reading its own;
+                                                         reshardable to another world size
     COMPLETE                                             written last
 
 No rank materialises the full optimiser state or, under FSDP, the full model on the host: each writes its own part
@@ -194,12 +194,13 @@ def save_torch(obj, path: Path) -> None:
 
 
 def load_torch(path: Path):
-    """A file written by ``save_torch``, read with ``weights_only=True`` (no pickled code runs)."""
+    """A file written by ``save_torch``, read with ``weights_only=True`` (no pickled code runs). Memory-mapped: its
+    tensors are pages of the file (copy-on-write), read as they are placed, not a second copy in the process's heap."""
     if not path.exists():
         raise CheckpointError(f"{path.parent} is not a complete checkpoint (no {path.name})")
     try:
         with torch.serialization.safe_globals(SAFE_TYPES):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
 
@@ -276,7 +277,8 @@ def write_safetensors_streaming(path: Path, specs: list[tuple[str, torch.dtype, 
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, dtype, shape in specs:
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned

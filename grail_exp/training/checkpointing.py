@@ -11,9 +11,9 @@ The layout is in ``grail_exp/checkpoint.py``. The order, on every rank (all of i
 5. the ranks agree that every part was written (a failed write anywhere fails the checkpoint on every rank, with the
    previous one intact), rank 0 flushes, marks and renames the directory, and prunes old checkpoints.
 
-Host memory per rank while writing: its own part (RNG, buffer; ZeRO: its 12 N / W byte partition, copied to the host),
-the shards' write buffers (torch.distributed.checkpoint copies one tensor at a time), and under a streamed export one
-full tensor (the largest: the embedding) on every rank. Nothing holds the full optimiser state, nor under FSDP the
+Host memory per rank while writing: ``torch.save``'s copy of one storage at a time of its own part (RNG, buffer; ZeRO:
+its flat fp32 partitions of 4 N / W bytes each), the shards' write buffers (torch.distributed.checkpoint copies one
+tensor at a time), and under a streamed export one full tensor (the largest: the embedding). Nothing holds the full optimiser state, nor under FSDP the
 full model. Several nodes need a shared filesystem: every rank writes into the same directory.
 """
 

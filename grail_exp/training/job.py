@@ -311,8 +311,8 @@ class Evaluator:
 
 class Saver:
     """Checkpoints (``<run dir>/checkpoints``, exact resume) and the weights-only trajectory (``<run dir>/trajectory``:
-    θ_0, every ``trainer.save_weights_only_every`` steps and the last; RELEX's input). Every rank writes its own part of
-    a checkpoint (``training/checkpointing.py``); a sharded policy's full weights stream to rank 0 one tensor at a
+    θ_0, every ``trainer.save_weights_only_every`` steps and the last; RELEX's input). Every rank writes its own part
+    of a checkpoint (``training/checkpointing.py``); a sharded policy's full weights stream to rank 0 one tensor at a
     time. A step is written once."""
 
     def __init__(self, cfg: DictConfig, module, parts: Parts, state: dict | None):

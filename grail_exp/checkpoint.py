@@ -195,7 +195,8 @@ def save_torch(obj, path: Path) -> None:
 
 def load_torch(path: Path):
     """A file written by ``save_torch``, read with ``weights_only=True`` (no pickled code runs). Memory-mapped: its
-    tensors are pages of the file (copy-on-write), read as they are placed, not a second copy in the process's heap."""
+    tensors are pages of the file (copy-on-write), read as they are placed, not a second copy in the process's heap.
+    A loaded file is never rewritten in place (checkpoints are removed or renamed over, which leaves the pages valid)."""
     if not path.exists():
         raise CheckpointError(f"{path.parent} is not a complete checkpoint (no {path.name})")
     try:

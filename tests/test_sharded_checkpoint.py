@@ -106,7 +106,10 @@ def _to_older_layout(ckpt: Path) -> None:
     state.pop("format")
     state["ranks"] = [load_rank_state(ckpt, 0)]
     (ckpt / "rank-0.pt").unlink()
-    torch.save(state, ckpt / "training_state.pt")
+    # A new file renamed over the old one: the loaded state is memory-mapped from it, and truncating a mapped file
+    # in place would pull the pages from under it (SIGBUS).
+    torch.save(state, ckpt / "training_state.pt.new")
+    os.replace(ckpt / "training_state.pt.new", ckpt / "training_state.pt")
 
 
 def test_a_checkpoint_of_the_older_layout_still_resumes_exactly(tmp_path, formatted_model_dir, monkeypatch):

@@ -190,21 +190,22 @@ class UpdateBackend:
         return []
 
     @classmethod
-    def planned_checkpoint_shard(cls, cfg, n: int, b: int, world: int, rank: int) -> PlanItem:
-        """What rank ``rank`` writes to (and reads back from) a checkpoint, staged in host memory: the host planner's
-        checkpoint and resume rows (``memory.host_node_lines``). Checkpoints are written per rank, each rank at most
-        its own part of the state on the host plus one tensor's buffer; in a replicated layout rank 0 writes the
-        whole state (every rank holds the same) and the others nothing."""
+    def planned_checkpoint_shard(cls, cfg, n: int, b: int, world: int, rank: int, tensor: int) -> PlanItem:
+        """The host bytes rank ``rank`` holds at once while writing (and reading back) its part of a checkpoint
+        (``grail_exp/training/checkpointing.py``): the host planner's checkpoint and resume rows
+        (``memory.host_node_lines``). ``tensor``: elements of the largest tensor (V x h). A replicated layout: rank 0
+        writes the weights with ``save_pretrained`` (one safetensors shard of up to 50 GB, so the b-byte weights at
+        once) and the optimiser with ``torch.save``, which copies one storage at a time; the other ranks nothing."""
         if rank:
             return PlanItem("checkpoint part", 0.0, "a replica: rank 0 writes it")
-        total = sum(item.bytes for item in cls.planned_state(cfg, n, b, world))
-        return PlanItem("checkpoint part", total, "the whole model state (rank 0 writes it; planned_state's rows)")
+        return PlanItem("checkpoint part", n * b + 4 * tensor, "rank 0: the b-byte weights through save_pretrained, "
+                        "N x b, + the optimiser one storage at a time, the largest 4 B x V x h")
 
     @classmethod
     def checkpoint_holds_weights(cls, cfg) -> bool:
         """Whether each rank's checkpoint part carries its share of the weights (resume then reads no full copy);
-        False where rank 0 reads the policy's weights whole and broadcasts them, as at the start."""
-        return False
+        False where rank 0 reads the policy's weights whole and broadcasts them, as at the start (``model_in_shards``)."""
+        return cls.model_in_shards
 
     @classmethod
     def shard_options(cls, cfg, world: int) -> list[list[list[str]]]:

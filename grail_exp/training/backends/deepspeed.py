@@ -193,10 +193,14 @@ class DeepSpeedBackend(UpdateBackend):
                 PlanItem("DeepSpeed buckets", bucket * b, "(reduce_bucket_size + allgather_bucket_size) x b")]
 
     @classmethod
-    def planned_checkpoint_shard(cls, cfg, n, b, world, rank):
-        # DeepSpeed's per-rank files: the fp32 master partition and Adam moments; the replicated b-byte weights are
-        # streamed by rank 0 one tensor at a time (counted as the export's buffer)
-        return PlanItem("checkpoint part", 12 * n / world, "its fp32 master partition + Adam moments, 12 B x N / W")
+    def planned_checkpoint_shard(cls, cfg, n, b, world, rank, tensor):
+        # Each rank's file: its ZeRO partition saved from the device, torch.save copying one storage at a time (the
+        # largest a flat fp32 partition); rank 0 also writes the replicated b-byte weights with save_pretrained.
+        part = 4 * n / world
+        if rank:
+            return PlanItem("checkpoint part", part, "one flat fp32 partition at a time, 4 B x N / W")
+        return PlanItem("checkpoint part", part + n * b, "one flat fp32 partition at a time, 4 B x N / W, + rank 0's "
+                        "b-byte weights through save_pretrained, N x b")
 
     @classmethod
     def shard_options(cls, cfg, world):

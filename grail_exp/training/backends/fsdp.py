@@ -214,12 +214,11 @@ class FSDPBackend(UpdateBackend):
                         "the root unit (embeddings, output layer) + two layers (one prefetched), b bytes (FULL_SHARD)")
 
     @classmethod
-    def planned_checkpoint_shard(cls, cfg, n, b, world, rank):
-        return PlanItem("checkpoint part", 12 * n / world, "its fp32 parameter shard + Adam moments, 12 B x N / W")
-
-    @classmethod
-    def checkpoint_holds_weights(cls, cfg):
-        return True  # the fp32 parameter shards are the weights
+    def planned_checkpoint_shard(cls, cfg, n, b, world, rank, tensor):
+        # torch.distributed.checkpoint copies one shard tensor to the host at a time; rank 0's export of the full
+        # weights is counted by the planner (one gathered fp32 tensor)
+        return PlanItem("checkpoint part", 4 * tensor / world, "one fp32 shard tensor at a time, the largest the "
+                        "embedding's 4 B x V x h / W")
 
     @classmethod
     def shard_options(cls, cfg, world):

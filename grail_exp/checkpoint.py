@@ -1,10 +1,23 @@
 """Checkpoints that a crash can never corrupt, and exact resume.
 
 Layout: ``<run dir>/checkpoints/step-<N>/``
-    config.json, model.safetensors, tokenizer files     the policy, loadable by transformers / vLLM / evaluate
-    training_state.pt                                    optimiser, scheduler, step, data position, RNG states,
-                                                         scheme generator, counters, MLflow run id
+    config.json, model.safetensors, tokenizer files     the policy, loadable by transformers / vLLM / evaluate (the
+                                                         "HF export"; optional between the final checkpoints of a
+                                                         sharded run: ``trainer.export_hf_weights``)
+    training_state.pt                                    what every rank shares (rank 0 writes it): step, data position,
+                                                         scheduler, counters, MLflow run id, the world size; the
+                                                         optimiser too where every rank holds all of it (one process,
+                                                         DDP)
+    rank-<r>.pt                                          what rank r alone holds: its RNG streams, its half-used
+                                                         rollout batch, its ZeRO optimiser partition (DeepSpeed)
+    sharded/                                             FSDP: model and optimiser shards (torch.distributed
+                                                         .checkpoint), each rank writing and reading its own;
+                                                         reshardable to another world size
     COMPLETE                                             written last
+
+No rank materialises the full optimiser state or, under FSDP, the full model on the host: each writes its own part
+into the same directory (a shared filesystem when the ranks sit on several nodes). Checkpoints of the older layout
+(``training_state.pt`` holding every rank's part and the full optimiser state) still resume.
 
 Trajectory (``trainer.save_weights_only_every``): ``<run dir>/trajectory/step-<N>/`` holds the same Hugging Face
 files and the marker but no training state: cheap, never pruned, not a resume point; ``step-0`` is the starting
@@ -19,6 +32,7 @@ next save removes). ``training_state.pt`` holds only tensors and plain Python co
 from __future__ import annotations
 
 import errno
+import math
 import logging
 import os
 import random
@@ -29,13 +43,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grail_exp import faults
 from grail_exp.errors import UserError
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "training_state.pt"
 MARKER = "COMPLETE"
+SHARDED_DIR = "sharded"  # FSDP's model and optimiser shards (torch.distributed.checkpoint)
+FORMAT = 2  # training_state.pt's "format": 2 = per-rank files; absent = the older all-on-rank-0 layout
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -86,26 +101,6 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, keep_last: int | None = None,
-                    state_dict: dict | None = None) -> Path:
-    """Write ``root/step-<step>`` atomically; prune to the newest ``keep_last`` complete checkpoints."""
-
-    def write(tmp: Path) -> None:
-        if state_dict is not None:  # a sharded model's gathered weights
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-        else:
-            model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        torch.save(state, tmp / STATE_FILE)
-        faults.stall_checkpoint(step)  # test-only (GRAIL_EXP_FAULT)
-
-    final = write_dir_atomically(root / f"step-{step}", write, what="checkpoint")
-    if keep_last:
-        for old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
 def save_weights(root: Path, step: int, model, tokenizer, state_dict: dict | None = None) -> Path:
     """Weights-only ``root/step-<step>`` (Hugging Face directory, no optimiser state), atomically; never pruned.
 
@@ -135,24 +130,80 @@ def write_dir_atomically(final: Path, write, what: str = "checkpoint", stale: st
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
     try:
         write(tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        (tmp / MARKER).write_text(final.name)
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (e.g. SIGTERM right after a periodic save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
+        seal(tmp, final)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CheckpointError(
-                f"no space left on the device writing {what} {final}: free disk space, lower "
-                f"trainer.keep_last_checkpoints or trainer.save_weights_only_every, or point hydra.run.dir at a "
-                f"larger disk. The previous complete checkpoint is intact.") from exc
-        raise CheckpointError(f"cannot write {what} {final}: {exc}") from exc
+        raise write_error(exc, what, final) from exc
     return final
+
+
+def write_error(exc: OSError, what: str, final: Path) -> CheckpointError:
+    """The one-line error for an ``OSError`` while writing ``final`` (a full disk names the fix)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointError(
+            f"no space left on the device writing {what} {final}: free disk space, lower "
+            f"trainer.keep_last_checkpoints or trainer.save_weights_only_every, or point hydra.run.dir at a "
+            f"larger disk. The previous complete checkpoint is intact.")
+    return CheckpointError(f"cannot write {what} {final}: {exc}")
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` (and the directories themselves) to disk."""
+    for d, _, files in os.walk(path):
+        for name in files:
+            with open(Path(d) / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(d))
+
+
+def seal(tmp: Path, final: Path) -> None:
+    """Flush the filled ``tmp``, add the ``COMPLETE`` marker and rename it to ``final`` (atomic)."""
+    fsync_tree(tmp)
+    (tmp / MARKER).write_text(final.name)
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. SIGTERM right after a periodic save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def prune(root: Path, keep_last: int | None) -> None:
+    """Remove all but the newest ``keep_last`` complete checkpoints under ``root`` (None: keep all)."""
+    if keep_last:
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def rank_file(ckpt: Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its own part of a checkpoint."""
+    return ckpt / f"rank-{rank}.pt"
+
+
+def has_hf_weights(ckpt: Path) -> bool:
+    """The checkpoint holds the full Hugging Face weights (single file or an index of shards)."""
+    return (ckpt / "model.safetensors").exists() or (ckpt / "model.safetensors.index.json").exists()
+
+
+def save_torch(obj, path: Path) -> None:
+    """``torch.save`` into ``path``, flushed to disk (tensors and plain containers: it loads with
+    ``weights_only=True``). Each rank flushes its own files: another node's fsync need not reach them."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def load_torch(path: Path):
+    """A file written by ``save_torch``, read with ``weights_only=True`` (no pickled code runs). Memory-mapped: its
+    tensors are pages of the file (copy-on-write), read as they are placed, not a second copy in the process's heap.
+    A loaded file is never rewritten in place (checkpoints are removed or renamed over, which leaves the pages valid)."""
+    if not path.exists():
+        raise CheckpointError(f"{path.parent} is not a complete checkpoint (no {path.name})")
+    try:
+        with torch.serialization.safe_globals(SAFE_TYPES):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -173,14 +224,13 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_training_state(ckpt: Path) -> dict:
-    path = ckpt / STATE_FILE
-    if not path.exists():
-        raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {STATE_FILE})")
-    try:
-        with torch.serialization.safe_globals(SAFE_TYPES):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    """The shared ``training_state.pt`` of a checkpoint (every rank reads it; small in the per-rank layout)."""
+    return load_torch(ckpt / STATE_FILE)
+
+
+def load_rank_state(ckpt: Path, rank: int) -> dict:
+    """Rank ``rank``'s own part of a checkpoint of the per-rank layout (``rank-<r>.pt``)."""
+    return load_torch(rank_file(ckpt, rank))
 
 
 def check_resume(resume: str | None) -> list[str]:
@@ -209,3 +259,54 @@ def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
         raise CheckpointError(f"resume={resume!r} is not a complete checkpoint directory (expected {p / MARKER}); "
                               f"use resume=auto or a checkpoints/step-N directory")
     return p
+
+
+# safetensors' dtype names (the format's header: https://github.com/huggingface/safetensors, "Format")
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors_streaming(path: Path, specs: list[tuple[str, torch.dtype, tuple]], tensors) -> None:
+    """A safetensors file written one tensor at a time: ``specs`` (name, dtype, shape) in file order make the header,
+    then each tensor of ``tensors`` (``(name, tensor)`` in the same order) is appended as it arrives. At most one tensor
+    is held beyond the caller's: a sharded model's full weights stream through without the whole state dict existing.
+    ``tensors`` may be a collective (every rank iterates it); ``path`` None only consumes it (the other ranks)."""
+    import json
+    import struct
+
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape in specs:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    error: OSError | None = None
+    fh = None
+    try:
+        if path is not None:
+            fh = open(path, "wb")
+            fh.write(struct.pack("<Q", len(raw)) + raw)
+    except OSError as exc:
+        error = exc
+    try:
+        for (name, t), (want, dtype, shape) in zip(tensors, specs):
+            if name != want or t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"streamed tensor {name} {tuple(t.shape)} {t.dtype} does not match the header's "
+                                      f"{want} {tuple(shape)} {dtype}")
+            if fh is not None and error is None:
+                try:
+                    fh.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                except OSError as exc:  # keep consuming: the other ranks are still gathering
+                    error = exc
+            del t
+        if fh is not None and error is None:
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        if fh is not None:
+            fh.close()
+    if error is not None:
+        raise error

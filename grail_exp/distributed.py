@@ -42,6 +42,20 @@ def launch_rank() -> int:
     return 0
 
 
+def export_local_rank() -> None:
+    """Set ``LOCAL_RANK`` from the launcher's environment where none is set, once, before anything reads it.
+
+    torchrun and Lightning's own subprocess launcher set it; ``srun`` with one task per device sets only
+    ``SLURM_LOCALID``, while DeepSpeed (its device and ``init_distributed``) and vLLM's external launcher read
+    ``LOCAL_RANK``. A single SLURM task launches its ranks itself (Lightning would take a ``LOCAL_RANK`` in its own
+    environment to mean the processes were created outside it), so it is left alone, as ``launch_rank`` does."""
+    if os.environ.get("LOCAL_RANK"):
+        return
+    local = os.environ.get("SLURM_LOCALID")
+    if local and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        os.environ["LOCAL_RANK"] = local
+
+
 class GradSyncDDPStrategy(DDPStrategy):
     """DDP's launching, process group and device placement; the update backend reduces the gradients itself."""
 

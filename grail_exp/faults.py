@@ -4,7 +4,7 @@ kills the process where it means to instead of racing a timer (docs/developer.md
 Every function here is a no-op unless the environment variable ``GRAIL_EXP_FAULT`` names its fault (the grader's
 hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls them at the marked points:
 
-    GRAIL_EXP_FAULT=stall_checkpoint:<N>               checkpoint.save_checkpoint: hang mid-write of step N's checkpoint
+    GRAIL_EXP_FAULT=stall_checkpoint:<N>               training/checkpointing.py: hang mid-write of step N's checkpoint
     GRAIL_EXP_FAULT=kill_eval_after_chunks:<N>         evaluate: SIGKILL right after the N-th cached chunk
     GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]        training/module.py: SIGTERM at the end of optimiser step N
     GRAIL_EXP_FAULT=kill_after_step:<N>[:<scheme>]     training/module.py: SIGKILL after step N's checkpoint decision

@@ -73,7 +73,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     import lightning as L
     import torch
 
-    from grail_exp.distributed import launch_rank
+    from grail_exp.distributed import export_local_rank, launch_rank
     from grail_exp.training.module import GRPOModule
     from grail_exp.tracking import NullTracker, build_tracker
 
@@ -92,6 +92,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     ckpt, state = _resume_point(cfg)  # cheap, first: its state names the MLflow run to continue
     rank = launch_rank()
     export_devices_per_node(cfg.trainer)
+    export_local_rank()  # srun: before DeepSpeed or the engine read it
     # Tracking next: an unreachable server fails before minutes of model building.
     tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
         if rank == 0 else NullTracker()
@@ -183,11 +184,18 @@ def _quiet_lightning() -> None:
 
 
 def _resume_point(cfg: DictConfig):
-    """(checkpoint directory, its training state) for ``resume=...``, or (None, None) for a fresh run."""
+    """(checkpoint directory, its shared training state) for ``resume=...``, or (None, None) for a fresh run. Refuses,
+    before any model loads, a checkpoint this world size cannot resume."""
     from grail_exp.checkpoint import load_training_state, resolve_resume
+    from grail_exp.training.state import check_resume_world
 
     ckpt = resolve_resume(cfg.get("resume"), Path(cfg.paths.output_dir) / "checkpoints")
-    return ckpt, (load_training_state(ckpt) if ckpt else None)
+    if ckpt is None:
+        return None, None
+    state = load_training_state(ckpt)
+    state["checkpoint_dir"] = str(ckpt)  # where this rank's own part and the shards are read from
+    check_resume_world(state, ckpt, cfg.trainer)
+    return ckpt, state
 
 
 def _log_start(cfg: DictConfig, tracker, state: dict | None, ckpt) -> None:
@@ -233,7 +241,11 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
         start_sha256 = weights_sha256(model_path)
         if state is None:
             tracker.log_params({"start_weights.sha256": start_sha256})
-    policy_path = str(ckpt) if ckpt else model_path  # the reference model always comes from the start
+    from grail_exp.checkpoint import has_hf_weights
+
+    # The reference model always comes from the start; the policy too when the checkpoint keeps its weights only in
+    # shards (FSDP without trainer.export_hf_weights), which the backend loads over it on resume.
+    policy_path = str(ckpt) if ckpt and has_hf_weights(ckpt) else model_path
     tokenizer = load_tokenizer(policy_path, cfg)
     backend = BACKENDS[str(cfg.trainer.strategy)]
     policy_cfg = OmegaConf.merge(cfg, backend.policy_overrides(cfg))
@@ -330,8 +342,9 @@ class Evaluator:
 
 class Saver:
     """Checkpoints (``<run dir>/checkpoints``, exact resume) and the weights-only trajectory (``<run dir>/trajectory``:
-    θ_0, every ``trainer.save_weights_only_every`` steps and the last; RELEX's input). Both gather a sharded policy on
-    every rank (collectives) and write on rank 0; a step is written once."""
+    θ_0, every ``trainer.save_weights_only_every`` steps and the last; RELEX's input). Every rank writes its own part
+    of a checkpoint (``training/checkpointing.py``); a sharded policy's full weights stream to rank 0 one tensor at a
+    time. A step is written once."""
 
     def __init__(self, cfg: DictConfig, module, parts: Parts, state: dict | None):
         from grail_exp.distributed import launch_rank
@@ -349,31 +362,40 @@ class Saver:
                 self.traj_saved.add(0)
                 save_weights(self.traj_root, 0, parts.policy, parts.tokenizer)
 
-    def checkpoint(self, position: dict) -> None:
-        from grail_exp.checkpoint import save_checkpoint
+    def checkpoint(self, position: dict, final: bool = False) -> None:
+        """Every rank: the checkpoint at the module's step. ``final``: the run's last one, which always carries the
+        full Hugging Face weights (what evaluation, vLLM and the study read)."""
+        from grail_exp.training.checkpointing import write_checkpoint
 
         m = self.module
         if m.step in self.saved_at:
             return
-        state_now = m.state_for_checkpoint(position)  # every rank: gathers the ranks' RNG / buffers
-        weights = m.model_state_for_checkpoint()  # a sharded policy: the full state dict (collective)
         self.saved_at.add(m.step)
+        final = final or m.step >= self.cfg.trainer.max_steps  # a periodic checkpoint at the last step is the final one
+        export = final or bool(self.cfg.trainer.get("export_hf_weights", True))
+        path = write_checkpoint(self.ckpt_root, m, self.parts.tokenizer, position,
+                                keep_last=self.cfg.trainer.keep_last_checkpoints, export_hf=export)
         if m.rank == 0:
-            path = save_checkpoint(self.ckpt_root, m.step, self.parts.policy, self.parts.tokenizer, state_now,
-                                   keep_last=self.cfg.trainer.keep_last_checkpoints, state_dict=weights)
             log.info("checkpoint: %s", path)
-        m.barrier()
 
     def trajectory(self, step: int) -> None:
-        from grail_exp.checkpoint import save_weights
+        from grail_exp.checkpoint import write_dir_atomically
+        from grail_exp.training.checkpointing import export_hf_weights
 
         m = self.module
         if step in self.traj_saved:
             return
-        weights = m.model_state_for_checkpoint()  # a sharded policy: the full state dict (collective)
         self.traj_saved.add(step)
+
+        def write(tmp: Path) -> None:  # rank 0; the other ranks only take part in the (streamed) gathers
+            tmp.mkdir(parents=True, exist_ok=True)
+            export_hf_weights(m, tmp)
+            self.parts.tokenizer.save_pretrained(tmp)
+
         if m.rank == 0:
-            save_weights(self.traj_root, step, self.parts.policy, self.parts.tokenizer, state_dict=weights)
+            write_dir_atomically(self.traj_root / f"step-{step}", write, what="trajectory checkpoint")
+        else:
+            export_hf_weights(m, None)
         m.barrier()
 
 
@@ -427,7 +449,7 @@ def closing(cfg: DictConfig, module, saver: Saver, evaluator: Evaluator, phases:
     device, the process group exists): final checkpoint and trajectory, then the final evaluation."""
     phases["closing_started"] = time.perf_counter()
     if cfg.trainer.save_final_checkpoint:
-        saver.checkpoint(module.position)
+        saver.checkpoint(module.position, final=True)
     if cfg.trainer.save_weights_only_every:
         saver.trajectory(module.step)
     return evaluator("final", module.step) if cfg.trainer.eval_at_end else {}

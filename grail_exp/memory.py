@@ -677,18 +677,21 @@ def host_node_lines(cfg, z: Sizes) -> list[Line]:
     how = (f"{who}: N {n:,} x L {L} B" + (" + the reference N x b" if ref else "")
            + (" + rank 0's shards N x L / W while its full copy lives" if shards else ""))
     lines.append(Line("host: load", "weights read from disk", load, how))
-    parts = [B.planned_checkpoint_shard(cfg, n, b, W, r) for r in range(R)]
-    staged = sum(p.bytes + (4 * tensor if p.bytes else 0.0) for p in parts)
-    lines.append(Line("host: checkpoint", "each rank's part + one tensor", staged + b * tensor,
-                      f"{R} x ({parts[0].how}) + a 4 B x V x h buffer per writing rank, + rank 0's weights export "
-                      f"streamed one b-byte V x h tensor at a time" if parts[-1].bytes else
-                      f"rank 0: {parts[0].how} + a 4 B x V x h buffer, + the weights export streamed one b-byte V x h "
-                      "tensor at a time"))
+    parts = [B.planned_checkpoint_shard(cfg, n, b, W, r, tensor) for r in range(R)]
+    staged = sum(p.bytes for p in parts)
+    # Sharded weights: rank 0 streams the full Hugging Face export, one gathered fp32 tensor at a time.
+    export = 4 * tensor if B.checkpoint_holds_weights(cfg) and cfg.trainer.get("export_hf_weights", True) else 0.0
+    writers = f"{R} ranks" if parts[-1].bytes else "rank 0"
+    lines.append(Line("host: checkpoint", "what the writing ranks hold at once", staged + export,
+                      f"{writers}: {parts[0].how}" + (" (others: " + parts[-1].how + ")" if parts[-1].how != parts[0].how
+                                                       else "") + (", + rank 0's export, one gathered 4 B x V x h "
+                                                                   "tensor at a time" if export else "")))
     outside = ([] if B.checkpoint_holds_weights(cfg) else ["the policy N x L"]) + (["the reference N x b"] if ref else [])
     weights = (0.0 if B.checkpoint_holds_weights(cfg) else copies * n * L) + (copies * n * b if ref else 0.0)
     lines.append(Line("host: resume", "the parts read back, or the weights", max(staged, weights),
-                      f"max(the checkpoint's parts {staged / GiB:.2f} GiB, the weights read as at load that the parts "
-                      f"do not carry ({' + '.join(outside) or 'none'}) {weights / GiB:.2f} GiB)"))
+                      f"max(the parts read back (memory-mapped, placed one at a time) {staged / GiB:.2f} GiB, the "
+                      f"weights read as at load that the parts do not carry ({' + '.join(outside) or 'none'}) "
+                      f"{weights / GiB:.2f} GiB)"))
     return lines
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from helpers.compose import compose
 from helpers.fakes import AlternatingVerifier
 from helpers.tolerances import HANG_TIMEOUT_S
-from grail_exp.checkpoint import complete_checkpoints, load_training_state
+from grail_exp.checkpoint import complete_checkpoints, load_rank_state, load_training_state
 
 
 def _cfg(run_dir: Path, model_dir, extra=()):
@@ -67,7 +67,8 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir
     sa, sb = load_training_state(a), load_training_state(b)
     assert _state_equal(sa["optimizer"], sb["optimizer"]) and _state_equal(sa["scheduler"], sb["scheduler"])
     assert sa["step"] == sb["step"] == 4 and sa["round"] == sb["round"]
-    assert _state_equal(sa["ranks"][0]["rng"]["torch"], sb["ranks"][0]["rng"]["torch"])
+    ra, rb = load_rank_state(a, 0), load_rank_state(b, 0)
+    assert _state_equal(ra["rng"]["torch"], rb["rng"]["torch"])
     start = load_file(Path(formatted_model_dir) / "model.safetensors")
     assert any(not torch.equal(start[k], wa[k]) for k in wa)  # training really changed the weights
 
@@ -213,21 +214,41 @@ def test_sweep_continues_past_a_failing_job(tmp_path, tiny_model_dir):
     assert "ModelLoadError" in Path(tb).read_text()
 
 
+def _one_process_module(model, step: int):
+    """The parts of a GRPOModule a checkpoint write reads, for one process under the local backend."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from grail_exp.training.backends.local import LocalBackend
+
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return SimpleNamespace(step=step, progress=SimpleNamespace(step=step), policy=model, optimizers=lambda: opt,
+                           lr_schedulers=lambda: sched, backend=LocalBackend.__new__(LocalBackend),
+                           scheme_generator=torch.Generator(), cfg=OmegaConf.create({"trainer": {"strategy": "auto"}}),
+                           update=SimpleNamespace(state_dict=dict), rollout=SimpleNamespace(state_dict=dict),
+                           tracker=None, terms=[])
+
+
 def test_disk_full_on_checkpoint_is_one_clear_error_and_leaves_no_partial_checkpoint(tmp_path, tiny_model, tiny_tokenizer,
                                                                                      monkeypatch):
     import errno
 
-    from grail_exp.checkpoint import CheckpointError, save_checkpoint
+    from grail_exp.checkpoint import CheckpointError
+    from grail_exp.training.checkpointing import write_checkpoint
 
     root = tmp_path / "checkpoints"
-    save_checkpoint(root, 1, tiny_model, tiny_tokenizer, {"step": 1})
+    position = {"round": 1, "buffer": None}
+    write_checkpoint(root, _one_process_module(tiny_model, 1), tiny_tokenizer, position, keep_last=None, export_hf=True)
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(CheckpointError, match="no space left"):
-        save_checkpoint(root, 2, tiny_model, tiny_tokenizer, {"step": 2})
+        write_checkpoint(root, _one_process_module(tiny_model, 2), tiny_tokenizer, position, keep_last=None,
+                         export_hf=True)
     assert [c.name for c in complete_checkpoints(root)] == ["step-1"] and not list(root.glob("*.tmp-*"))
 
 

@@ -218,3 +218,26 @@ def test_model_building_swaps_the_policys_linear_layers_and_marks_it(tmp_path, n
     ids = torch.tensor([[1, 2, 3, 4]])
     _, _, fwd = policy_forward(policy, ids, torch.ones_like(ids), torch.arange(4)[None], ids[:, 2:], 1.0)
     assert fwd.narrows is narrow
+
+
+def test_under_autocast_the_layer_is_the_plain_linear_layer():
+    """A trainable policy's linear layers narrow on CPU runs (model building); a bf16 autocast region over fp32 weights
+    (the supervised cold start, precision=bf16-mixed) must train as with ``torch.nn.Linear``: the same output dtype and
+    the same gradients, bit for bit (the custom backward would multiply a bf16 cotangent by the fp32 weight)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(24, 16)
+    narrowing = torch.nn.Linear(24, 16)
+    narrowing.load_state_dict(plain.state_dict())
+    narrow_linear_layers(narrowing)
+    x = torch.randn(5, 24)
+    grads = []
+    for layer in (plain, narrowing):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(xi)
+        assert y.dtype == torch.bfloat16
+        y.float().square().sum().backward()
+        grads.append((y.detach(), xi.grad, layer.weight.grad, layer.bias.grad))
+        layer.zero_grad()
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -126,7 +126,7 @@ def test_a_slurm_shape_that_disagrees_with_the_trainer_names_both_keys(tmp_path,
 
 
 CARD = ["model=qwen3_8b", "advantage=grail", "reward.num_workers=2"]
-CARD_MEM_GB = 117  # tests/test_plan.py: ceil(1.1 x (12 N + 18 V h + 3.6 GiB)) for Qwen3-8B on 4 ranks of one node
+CARD_MEM_GB = 46  # tests/test_plan.py: ceil(1.1 x (5 N + 3.6 GiB)) for Qwen3-8B on 4 ranks of one node (the load)
 
 
 def test_slurm_mem_follows_the_host_memory_plan_unless_set(tmp_path):
@@ -152,24 +152,24 @@ def test_a_slurm_mem_below_the_plan_is_refused_naming_both_numbers(tmp_path):
     from grail_exp.errors import ConfigError
     from hydra_plugins.grail_exp_launchers import slurm_mem_gb
 
-    cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.mem_gb=64", *CARD], tmp_path)
+    cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.mem_gb=32", *CARD], tmp_path)
     with pytest.raises(ConfigError) as err:
         slurm_mem_gb(instantiate(cfg.hydra.launcher).params, [(CARD, cfg)])
-    assert "hydra.launcher.mem_gb = 64" in str(err.value) and f"{CARD_MEM_GB} GB" in str(err.value), str(err.value)
+    assert "hydra.launcher.mem_gb = 32" in str(err.value) and f"{CARD_MEM_GB} GB" in str(err.value), str(err.value)
 
 
 @pytest.mark.e2e
 def test_a_slurm_mem_below_the_plan_is_refused_before_submission(tmp_path):
-    """The real launcher: `-m hydra/launcher=submitit_slurm hydra.launcher.mem_gb=64` on the card exits 2 with one line
+    """The real launcher: `-m hydra/launcher=submitit_slurm hydra.launcher.mem_gb=32` on the card exits 2 with one line
     naming both numbers, and nothing was submitted."""
     sweep = tmp_path / "sweep"
     out = subprocess.run([sys.executable, "-m", "grail_exp.run", "-m", "hydra/launcher=submitit_slurm",
-                          "hydra.launcher.mem_gb=64", *CARD, f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={sweep}"],
+                          "hydra.launcher.mem_gb=32", *CARD, f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={sweep}"],
                          env=dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db"),
                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S, cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     line = out.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "hydra.launcher.mem_gb = 64" in line and f"{CARD_MEM_GB} GB" in line, line
+    assert line.startswith("error: ") and "hydra.launcher.mem_gb = 32" in line and f"{CARD_MEM_GB} GB" in line, line
     assert not list(sweep.rglob(".submitit"))
 
 

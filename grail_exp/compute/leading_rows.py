@@ -130,10 +130,13 @@ class _NarrowingLinear(torch.autograd.Function):
 
 class RowNarrowingLinear(torch.nn.Linear):
     """``torch.nn.Linear`` (same parameters, same forward) whose backward honours ``leading_rows``. Without gradients
-    (sampling, old log-probs) it is the plain linear layer."""
+    (sampling, old log-probs) or under autocast it is the plain linear layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+        # Under autocast (the cold start's bf16 steps on fp32 weights, precision=bf16-mixed) the plain linear layer:
+        # autocast casts the operands of F.linear, and only aten's own backward knows to cast its products back.
+        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad) \
+                or torch.is_autocast_enabled(x.device.type):
             return F.linear(x, self.weight, self.bias)
         return _NarrowingLinear.apply(x, self.weight, self.bias)
 

@@ -125,11 +125,11 @@ def join_process_group() -> dict:
         return {}
     os.environ["RANK"] = str(dist.get_rank())
     os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+    from grail_exp.distributed import export_local_rank
+
+    export_local_rank()  # srun: SLURM_LOCALID (done at the job's start; here for engines built outside a job)
     if "LOCAL_RANK" not in os.environ:
-        local = os.environ.get("SLURM_LOCALID")
-        if local is None:
-            local = str(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
-        os.environ["LOCAL_RANK"] = local
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
     return {"distributed_executor_backend": "external_launcher"}
 
 

@@ -70,8 +70,8 @@ class GRPOModule(L.LightningModule):
         # Resume: the checkpoint's state (loaded in on_train_start) and this rank's half-used rollout batch (μ > 1).
         # The process group does not exist yet (Lightning creates it later): the launcher's rank picks the buffer.
         self.resume_state = resume_state
-        mine = run_state.rank_part(resume_state, launch_rank())
-        self.resume_buffer = mine.get("buffer") if mine else None
+        self.resume_part = run_state.rank_part(resume_state, launch_rank())  # this rank's own part, until restored
+        self.resume_buffer = self.resume_part.get("buffer") if self.resume_part else None
         self.position = {"round": int(resume_state["round"]) if resume_state else 0, "buffer": self.resume_buffer}
         self.last_metrics: dict[str, float] = {}
 
@@ -98,6 +98,8 @@ class GRPOModule(L.LightningModule):
         # The process group exists now (Lightning created it): check it is the configured world, then build the
         # engine inside it, then give each rank its own sampling streams.
         world.check_world_size(self.cfg.trainer)
+        if self.cfg.get("resume"):
+            run_state.check_same_resume_point(self.resume_state)
         self.records.rank = world.rank()
         if self.rollout.engine is None and self.engine_factory is not None:
             self.rollout.engine = self.engine_factory()
@@ -137,7 +139,9 @@ class GRPOModule(L.LightningModule):
     def on_train_start(self) -> None:
         self.backend.placed()  # the policy is on its device, sharded or wrapped: hooks on its parameters hold now
         if self.resume_state is not None:
-            run_state.restore(self, self.resume_state)
+            run_state.restore(self, self.resume_state, self.resume_part)
+            self.resume_part = None  # placed: release this rank's loaded part
+            probe.emit("restored", module=self)
         probe.emit("started", module=self)
         if self.start_fn is not None:
             self.start_fn()
@@ -225,13 +229,5 @@ class GRPOModule(L.LightningModule):
             raise Preempted(f"stopped by signal{where} after step {step}; checkpoint written")
 
     # ------------------------------------------------------------------ checkpoints
-    def state_for_checkpoint(self, position: dict) -> dict:
-        """Everything exact resume needs besides the weights (a collective; grail_exp/training/state.py)."""
-        return run_state.training_state(self, position)
-
-    def model_state_for_checkpoint(self) -> dict | None:
-        """The policy's full state dict when it is sharded (a collective), else None (save_pretrained reads it)."""
-        return self.backend.full_state_dict()
-
     def barrier(self) -> None:
         world.barrier()

@@ -7,7 +7,9 @@ rank instantiates it once and calls its methods, when it has them, at these poin
     started(module)                     training starts: the weights are placed (and restored, when resuming)
     rollout(module, round_index)        a rollout batch was sampled, graded and scored
     synced(backend, engine)             the engine was given the policy's current weights (rollouts and evaluations)
+    restored(module)                    a resumed run placed its checkpoint (weights, optimiser, RNG streams)
     step(module, step)                  an optimiser step was applied
+    checkpointed(module, path)          every rank wrote its part of the checkpoint at ``path``
     evaluated(module, tag, result)      an evaluation finished (the gathered ``EvalResult``, same on every rank)
 
 A probe may run collectives (all ranks reach every point in the same order) and must leave the run's RNG streams as

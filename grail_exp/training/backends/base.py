@@ -13,8 +13,9 @@ probe gradient inside the policy forward), so the operations that differ between
   ``sync_engine`` / ``generation`` use it and ``full_parameters`` to give any engine the current weights.
 - ``backward``: one micro-batch's backward; ``step``: gradient sync, global norm, clipping, the optimiser step (or its
   skip when the loss or the norm is not finite).
-- ``optimizer_state`` / ``load_optimizer_state`` / ``full_state_dict``: what a checkpoint stores and restores
-  (collectives on every rank).
+- ``shared_checkpoint`` / ``rank_checkpoint`` / ``save_shards`` / ``load_checkpoint``: what a checkpoint stores and
+  restores, each rank its own part (``grail_exp/training/checkpointing.py``); ``load_optimizer_state``
+  reads the older layout, where rank 0 held every rank's optimiser state.
 - ``placed`` and the ``after_*`` hooks: memory hygiene at the phases' boundaries (after a probe backward, a backward,
   an optimiser step, a generation), no-ops here; the local backend hands freed host heap back to the OS when the
   policy is on the CPU (``grail_exp/compute/host.py``). ``placed`` runs once the policy sits on its device, sharded or wrapped,
@@ -189,21 +190,22 @@ class UpdateBackend:
         return []
 
     @classmethod
-    def planned_checkpoint_shard(cls, cfg, n: int, b: int, world: int, rank: int) -> PlanItem:
-        """What rank ``rank`` writes to (and reads back from) a checkpoint, staged in host memory: the host planner's
-        checkpoint and resume rows (``memory.host_node_lines``). Checkpoints are written per rank, each rank at most
-        its own part of the state on the host plus one tensor's buffer; in a replicated layout rank 0 writes the
-        whole state (every rank holds the same) and the others nothing."""
+    def planned_checkpoint_shard(cls, cfg, n: int, b: int, world: int, rank: int, tensor: int) -> PlanItem:
+        """The host bytes rank ``rank`` holds at once while writing (and reading back) its part of a checkpoint
+        (``grail_exp/training/checkpointing.py``): the host planner's checkpoint and resume rows
+        (``memory.host_node_lines``). ``tensor``: elements of the largest tensor (V x h). A replicated layout: rank 0
+        writes the weights with ``save_pretrained`` (one safetensors shard of up to 50 GB, so the b-byte weights at
+        once) and the optimiser with ``torch.save``, which copies one storage at a time; the other ranks nothing."""
         if rank:
             return PlanItem("checkpoint part", 0.0, "a replica: rank 0 writes it")
-        total = sum(item.bytes for item in cls.planned_state(cfg, n, b, world))
-        return PlanItem("checkpoint part", total, "the whole model state (rank 0 writes it; planned_state's rows)")
+        return PlanItem("checkpoint part", n * b + 4 * tensor, "rank 0: the b-byte weights through save_pretrained, "
+                        "N x b, + the optimiser one storage at a time, the largest 4 B x V x h")
 
     @classmethod
     def checkpoint_holds_weights(cls, cfg) -> bool:
         """Whether each rank's checkpoint part carries its share of the weights (resume then reads no full copy);
-        False where rank 0 reads the policy's weights whole and broadcasts them, as at the start."""
-        return False
+        False where rank 0 reads the policy's weights whole and broadcasts them, as at the start (``model_in_shards``)."""
+        return cls.model_in_shards
 
     @classmethod
     def shard_options(cls, cfg, world: int) -> list[list[list[str]]]:
@@ -343,14 +345,33 @@ class UpdateBackend:
     def after_generation(self) -> None:
         """Every generation of a round has finished (the engine's caches are free)."""
 
-    # ---- checkpoints (collectives: every rank calls them)
-    def optimizer_state(self, optimizer):
+    # ---- checkpoints: each rank writes and reads its own part (grail_exp/training/checkpointing.py)
+    # True where the model's weights are in the checkpoint's shards (FSDP): the full Hugging Face weights are then an
+    # export (``trainer.export_hf_weights``), not what resume reads.
+    model_in_shards: ClassVar[bool] = False
+    # True where a checkpoint of W ranks resumes on another number of ranks (torch.distributed.checkpoint reshards).
+    reshardable: ClassVar[bool] = False
+
+    def shared_checkpoint(self, optimizer) -> dict:
+        """Entries of the shared ``training_state.pt`` (rank 0 alone calls it: no collective): the optimiser state where
+        every rank holds the same, whole one."""
+        return {}
+
+    def rank_checkpoint(self, optimizer) -> dict:
+        """Entries of this rank's ``rank-<r>.pt``, on the host (every rank calls it, no collective): its optimiser
+        partition where the state is partitioned by rank."""
+        return {}
+
+    def save_shards(self, optimizer, directory) -> None:
+        """Write the sharded model and optimiser state under ``directory`` (a collective: every rank writes its own
+        shards); nothing where the other parts hold everything."""
+
+    def load_checkpoint(self, optimizer, directory, shared: dict, own: dict | None) -> None:
+        """Restore the optimiser (and the weights, where they are in the shards) from a checkpoint of the per-rank
+        layout: ``shared`` its ``training_state.pt``, ``own`` this rank's ``rank-<r>.pt`` (None: this rank did not
+        exist when it was written), ``directory`` the checkpoint. A collective where the state is sharded."""
         raise NotImplementedError
 
     def load_optimizer_state(self, optimizer, state) -> None:
+        """Restore the optimiser from a checkpoint of the older layout (rank 0's file held every rank's state)."""
         raise NotImplementedError
-
-    def full_state_dict(self) -> dict | None:
-        """The policy's full state dict for rank 0's checkpoint, or None when ``save_pretrained`` can read the live
-        model."""
-        return None

@@ -214,12 +214,11 @@ class FSDPBackend(UpdateBackend):
                         "the root unit (embeddings, output layer) + two layers (one prefetched), b bytes (FULL_SHARD)")
 
     @classmethod
-    def planned_checkpoint_shard(cls, cfg, n, b, world, rank):
-        return PlanItem("checkpoint part", 12 * n / world, "its fp32 parameter shard + Adam moments, 12 B x N / W")
-
-    @classmethod
-    def checkpoint_holds_weights(cls, cfg):
-        return True  # the fp32 parameter shards are the weights
+    def planned_checkpoint_shard(cls, cfg, n, b, world, rank, tensor):
+        # torch.distributed.checkpoint copies one shard tensor to the host at a time; rank 0's export of the full
+        # weights is counted by the planner (one gathered fp32 tensor)
+        return PlanItem("checkpoint part", 4 * tensor / world, "one fp32 shard tensor at a time, the largest the "
+                        "embedding's 4 B x V x h / W")
 
     @classmethod
     def shard_options(cls, cfg, world):
@@ -303,24 +302,37 @@ class FSDPBackend(UpdateBackend):
         norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
         return self.clip_and_step(optimizer, params, norm, loss_finite)
 
-    def optimizer_state(self, optimizer):
-        """The full (unsharded) optimiser state, gathered to CPU."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.core.policy, raw_optimizer(optimizer),
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
     def load_optimizer_state(self, optimizer, state):
+        # The older layout: the full optimiser state in rank 0's file (its weights come from the HF files).
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(self.core.policy, raw_optimizer(optimizer), optim_state_dict=state,
                                  options=StateDictOptions(full_state_dict=True))
 
-    def full_state_dict(self):
-        """The policy's full (unsharded) state dict on CPU, for rank 0's checkpoint."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    # ---- checkpoints: model and optimiser shards through torch.distributed.checkpoint (each rank its own files,
+    # reshardable to another world size), the full Hugging Face weights an optional export
+    model_in_shards = True
+    reshardable = True
 
-        sd = get_model_state_dict(self.core.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if getattr(self.core.policy.config, "tie_word_embeddings", False):
-            sd.pop("lm_head.weight", None)  # tied: the embedding carries it, as save_pretrained writes it unsharded
-        return sd
+    def save_shards(self, optimizer, directory):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._sharded_state(optimizer), checkpoint_id=str(directory))
+
+    def load_checkpoint(self, optimizer, directory, shared, own):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from grail_exp.checkpoint import SHARDED_DIR
+
+        state = self._sharded_state(optimizer)  # this rank's live shards: DCP reads into them, resharding as needed
+        dcp.load(state, checkpoint_id=str(directory / SHARDED_DIR))
+        set_state_dict(self.core.policy, raw_optimizer(optimizer), model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    def _sharded_state(self, optimizer) -> dict:
+        """This rank's shards of the policy and its optimiser state (DTensors: DCP knows where each piece belongs)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.core.policy, raw_optimizer(optimizer))
+        return {"model": model, "optimizer": optim}

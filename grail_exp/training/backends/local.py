@@ -144,8 +144,12 @@ class LocalBackend(UpdateBackend):
         params = self.gradients(optimizer)
         return self.clip_and_step(optimizer, params, self.grad_norm(params), loss_finite)
 
-    def optimizer_state(self, optimizer):
-        return raw_optimizer(optimizer).state_dict()
+    def shared_checkpoint(self, optimizer):
+        # Every rank holds the same, whole optimiser state (one process or DDP): rank 0 writes it once.
+        return {"optimizer": raw_optimizer(optimizer).state_dict()}
+
+    def load_checkpoint(self, optimizer, directory, shared, own):
+        raw_optimizer(optimizer).load_state_dict(shared["optimizer"])
 
     def load_optimizer_state(self, optimizer, state):
         raw_optimizer(optimizer).load_state_dict(state)

@@ -241,24 +241,33 @@ def run_tags(cfg) -> dict[str, str]:
     return tags
 
 
-@functools.lru_cache(maxsize=1)
-def code_tags() -> dict[str, str]:
-    """git commit of the grail_exp checkout and whether tracked files differ from it; package versions.
+# What a run's code is: the package, its configs, the launchers and the drivers. A run writes under results/ (a
+# study's driver log, its arm folders), which must not make the code read as modified.
+CODE_PATHS = ("grail_exp", "conf", "hydra_plugins", "sweeps", "pyproject.toml", "Makefile")
 
-    ``mlflow.source.git.commit`` is MLflow's own tag (the UI shows it). Outside a git checkout (a wheel)
-    the commit is ``unknown``. Untracked files (outputs, results) do not make the tree dirty."""
-    from importlib import metadata
 
-    root = Path(__file__).resolve().parent.parent
-    commit, dirty = "unknown", "unknown"
+def code_state(root: Path) -> tuple[str, str]:
+    """(commit, dirty) of the git checkout at ``root``: dirty = "true" when a tracked file under ``CODE_PATHS``
+    differs from the commit (untracked files and results never count); ("unknown", "unknown") outside git."""
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()
-        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=30, check=True).stdout
-        dirty = "true" if status.strip() else "false"
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                 *CODE_PATHS], capture_output=True, text=True, timeout=30, check=True).stdout
+        return commit, "true" if status.strip() else "false"
     except (OSError, subprocess.SubprocessError):
-        pass
+        return "unknown", "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def code_tags() -> dict[str, str]:
+    """git commit of the grail_exp checkout and whether its code differs from it (``code_state``); package versions.
+
+    ``mlflow.source.git.commit`` is MLflow's own tag (the UI shows it). Outside a git checkout (a wheel)
+    the commit is ``unknown``."""
+    from importlib import metadata
+
+    commit, dirty = code_state(Path(__file__).resolve().parent.parent)
     tags = {"git.commit": commit, "git.dirty": dirty}
     if commit != "unknown":
         tags["mlflow.source.git.commit"] = commit
@@ -271,11 +280,12 @@ def code_tags() -> dict[str, str]:
 
 
 def uncommitted_diff() -> str:
-    """``git diff HEAD`` of the grail_exp checkout (tracked files): what a dirty tree ran beyond its commit."""
+    """``git diff HEAD`` of the code (``CODE_PATHS``) of the grail_exp checkout: what a dirty tree ran beyond its
+    commit."""
     root = Path(__file__).resolve().parent.parent
     try:
-        return subprocess.run(["git", "-C", str(root), "diff", "HEAD"], capture_output=True, text=True, timeout=60,
-                              check=True).stdout
+        return subprocess.run(["git", "-C", str(root), "diff", "HEAD", "--", *CODE_PATHS], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return f"(git diff HEAD failed: {exc})\n"
 

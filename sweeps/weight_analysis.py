@@ -142,7 +142,8 @@ def annotate(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         rows.append(dict(zip(ROLLOUT, key), correct=bool(first["correct"]), advantage=float(first["advantage"]),
                          length=int(first["length"]), n_pre=a["n_pre"], boxed=a["boxed"],
                          first_error=a["first_error"], results=a["results"]))
-    return df.assign(cls=cls, pre=pre), pd.DataFrame(rows)
+    columns = [*ROLLOUT, "correct", "advantage", "length", "n_pre", "boxed", "first_error", "results"]
+    return df.assign(cls=cls, pre=pre), pd.DataFrame(rows, columns=columns)  # the columns even with no rollout
 
 
 def population(rollouts: pd.DataFrame, wrong_only: bool = True) -> pd.DataFrame:

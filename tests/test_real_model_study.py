@@ -801,3 +801,28 @@ def test_the_design_check_fills_absent_keys_compares_the_scheme_within_itself_an
     _arm(study, "grail", 2, ones, {**grail, "rollout.draw": "inverse_cdf"})
     with pytest.raises(ConfigError, match=r"rollout.draw: multinomial in .* vs inverse_cdf"):
         _report(study, tmp_path, "seeds=[1,2,3]")
+
+
+@pytest.mark.e2e  # git in a child process (a few tenths of a second)
+def test_a_run_writing_its_results_leaves_the_code_clean(tmp_path):
+    """A study's driver appends to a tracked log under results/ while it runs: the segment's code is still the commit
+    (dirty only when a tracked file of the code differs from it)."""
+    from grail_exp.tracking import code_state
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    (tmp_path / "grail_exp").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "grail_exp" / "x.py").write_text("a = 1\n")
+    (tmp_path / "results" / "driver_log.txt").write_text("start\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    commit, dirty = code_state(tmp_path)
+    assert len(commit) == 40 and dirty == "false"
+    (tmp_path / "results" / "driver_log.txt").write_text("start\nmore\n")
+    (tmp_path / "new_untracked.py").write_text("b = 2\n")
+    assert code_state(tmp_path) == (commit, "false")
+    (tmp_path / "grail_exp" / "x.py").write_text("a = 2\n")
+    assert code_state(tmp_path) == (commit, "true")

@@ -83,29 +83,9 @@ class PreflightProbe:
         self._write("started", step=module.step, weights=fingerprint(module.backend.full_tensors()))
 
     def synced(self, backend, engine):
-        from grail_exp.data.prompting import encode_prompts
-        from grail_exp.compute.forward import position_ids_from_mask
-        from grail_exp.rollout import SamplingParams, pad_completions
-
-        module = backend.module
-        cfg = module.cfg
-        # Greedy tokens are scored by the engine at T = 1; other temperatures sample at T (both sides divide by it).
-        temperature = float(cfg.rollout.temperature)
-        params = SamplingParams(n=1, temperature=0.0 if temperature == 1.0 else temperature, max_new_tokens=12,
-                                logprobs=True)
-        prompt = encode_prompts([QUESTION], module.tokenizer, cfg.model, cfg.data.instruction)
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=devices), backend.generation(engine):  # the run's streams stay untouched
-            out = engine.generate(prompt, params)
-        rb = pad_completions(out, module.tokenizer.pad_token_id)
-        dev = module.policy.device
-        mask = rb.attention_mask.to(dev)
-        with torch.no_grad():
-            trainer, _, _ = backend.forward(module.policy, rb.input_ids.to(dev), mask, position_ids_from_mask(mask),
-                                            rb.completion_ids.to(dev))
-        m = rb.completion_mask.bool()
-        self._write("synced", tokens=out[0].token_ids, engine=rb.sampling_logprobs[m].tolist(),
-                    trainer=trainer.float().cpu()[m].tolist())
+        temperature = float(backend.module.cfg.rollout.temperature)
+        tokens, engine_lp, trainer_lp = engine_and_trainer_logprobs(backend, engine, temperature)
+        self._write("synced", tokens=tokens, engine=engine_lp.tolist(), trainer=trainer_lp.tolist())
 
     def step(self, module, step):
         self._write("step", step=step, weights=fingerprint(module.backend.full_tensors()))
@@ -132,3 +112,30 @@ def problems_by_rank(samples: list[dict], generated_by: dict[str, int], per_call
         r = str(generated_by.get(f"{b}/{i // per_call}", "?"))
         out[r] = out.get(r, 0) + 1
     return out
+
+
+def engine_and_trainer_logprobs(backend, engine, temperature: float = 1.0, max_new_tokens: int = 12):
+    """The engine's completion of the fixed ``QUESTION`` (greedy at T = 1, sampled at T otherwise: both sides divide
+    by it) and the log-probs of its tokens as the engine reported them and as the trainer's policy forward computes
+    them: (token ids, engine (T,), trainer (T,)), float32 on the CPU. The run's RNG streams are left untouched."""
+    from grail_exp.compute.forward import position_ids_from_mask
+    from grail_exp.data.prompting import encode_prompts
+    from grail_exp.rollout import SamplingParams, pad_completions
+
+    module = backend.module
+    cfg = module.cfg
+    params = SamplingParams(n=1, temperature=0.0 if temperature == 1.0 else temperature,
+                            max_new_tokens=max_new_tokens, logprobs=True)
+    prompt = encode_prompts([QUESTION], module.tokenizer, cfg.model, cfg.data.instruction)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), backend.generation(engine):
+        out = engine.generate(prompt, params)
+    rb = pad_completions(out, module.tokenizer.pad_token_id)
+    dev = module.policy.device
+    mask = rb.attention_mask.to(dev)
+    with torch.no_grad():
+        trainer, _, _ = backend.forward(module.policy, rb.input_ids.to(dev), mask, position_ids_from_mask(mask),
+                                        rb.completion_ids.to(dev))
+    m = rb.completion_mask.bool()
+    return out[0].token_ids, rb.sampling_logprobs[m].float(), trainer.float().cpu()[m]
+

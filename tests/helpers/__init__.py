@@ -14,6 +14,8 @@ imports another test file (tests/test_suite_rules.py): what a second file needs 
     architectures  the package's architecture files and a model's parameter count written out by hand
     scripted_run ``python -m grail_exp.run`` in a child process with the scripted engine: 1 process vs N gloo ranks
     card_probe   the probe every rank of the card's rehearsal loads (``GRAIL_EXP_PROBE=helpers.card_probe:CardProbe``)
+    checkpoint_probe  the checkpoint tests' probes (host memory of a write, a digest of the restored state)
+    probe_writer the probes' common base: one JSON line per point and rank
 
 This ``__init__`` imports nothing, so a child process that loads one helper pays for no other.
 """

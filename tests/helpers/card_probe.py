@@ -18,20 +18,11 @@ import os
 from pathlib import Path
 
 import torch
+from helpers.probe_writer import JsonlProbe
 
-QUESTION = "Compute 12+7."  # the fixed prompt: an arithmetic question as the run renders it
 
 
-class CardProbe:
-    def __init__(self):
-        self.dir = Path(os.environ["GRAIL_EXP_PROBE_DIR"])
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def _write(self, point: str, **data) -> None:
-        from grail_exp import world
-
-        with open(self.dir / f"rank{world.rank()}.jsonl", "a") as f:
-            f.write(json.dumps({"point": point, **data}) + "\n")
+class CardProbe(JsonlProbe):
 
     def setup(self, module):
         import torch.distributed as dist
@@ -55,26 +46,11 @@ class CardProbe:
                     questions=sorted({s[0].question for s in r.samples}))
 
     def synced(self, backend, engine):
-        from grail_exp.data.prompting import encode_prompts
-        from grail_exp.compute.forward import position_ids_from_mask
-        from grail_exp.rollout import SamplingParams, pad_completions
+        from grail_exp.preflight.probe import engine_and_trainer_logprobs
 
-        module = backend.module
-        cfg = module.cfg
-        assert cfg.rollout.temperature == 1.0  # greedy log-probs are log softmax(z) = the trainer's at T = 1
-        prompt = encode_prompts([QUESTION], module.tokenizer, cfg.model, cfg.data.instruction)
-        with torch.random.fork_rng(devices=[]), backend.generation(engine):  # the run's RNG streams stay as they were
-            out = engine.generate(prompt, SamplingParams(n=1, temperature=0.0, max_new_tokens=12, logprobs=True))
-        rb = pad_completions(out, module.tokenizer.pad_token_id)
-        dev = module.policy.device
-        mask = rb.attention_mask.to(dev)
-        with torch.no_grad():
-            trainer, _, _ = backend.forward(module.policy, rb.input_ids.to(dev), mask, position_ids_from_mask(mask),
-                                            rb.completion_ids.to(dev))
-        m = rb.completion_mask.bool()
-        engine_lp = rb.sampling_logprobs[m]
-        trainer_lp = trainer.float().cpu()[m]
-        self._write("synced", tokens=out[0].token_ids, engine=engine_lp.tolist(), trainer=trainer_lp.tolist(),
+        assert backend.module.cfg.rollout.temperature == 1.0  # greedy log-probs are log softmax(z) = the trainer's at T = 1
+        tokens, engine_lp, trainer_lp = engine_and_trainer_logprobs(backend, engine)
+        self._write("synced", tokens=tokens, engine=engine_lp.tolist(), trainer=trainer_lp.tolist(),
                     max_abs_diff=float((engine_lp - trainer_lp).abs().max()))
 
     def step(self, module, step):

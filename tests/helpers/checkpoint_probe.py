@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import torch
+from helpers.probe_writer import JsonlProbe
 
 
 def _status_kb(field: str) -> int:
@@ -32,16 +33,7 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-class _Probe:
-    def __init__(self):
-        self.dir = Path(os.environ["GRAIL_EXP_PROBE_DIR"])
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def _write(self, point: str, **data) -> None:
-        from grail_exp import world
-
-        with open(self.dir / f"rank{world.rank()}.jsonl", "a") as f:
-            f.write(json.dumps({"point": point, **data}) + "\n")
+_Probe = JsonlProbe
 
 
 class HostMemoryProbe(_Probe):

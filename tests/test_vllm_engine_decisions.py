@@ -231,7 +231,7 @@ def test_seeded_rollouts_seed_training_requests_too(fake_vllm, compose_cfg):
 
 def test_evaluation_asks_for_per_request_seeds(monkeypatch):
     """evaluate_benchmarks' sampling parameters: the common random numbers of its chunks need per-request seeds."""
-    import grail_exp.evaluate as ev
+    import grail_exp.evaluation as ev
 
     seen = []
 

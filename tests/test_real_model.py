@@ -272,7 +272,7 @@ def test_hub_id_at_the_pinned_revision_loads_through_the_hub_path(smollm2_dir, t
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)  # "main" points elsewhere: only the pinned revision can resolve
     code = (
-        "import sys; from tests.helpers.compose import compose; from grail_exp.config import validate\n"
+        "import sys; from tests.helpers.compose import compose; from grail_exp.validate import validate\n"
         "from grail_exp.models.loading import resolve_model_path, load_tokenizer, load_causal_lm\n"
         f"cfg = validate(compose(['model=smollm2_135m', 'model.name_or_path={entry.hub_id}'], __import__('pathlib')"
         f".Path(sys.argv[1])))\n"

@@ -1,6 +1,6 @@
 """The per-rank checkpoint layout in one process: the streamed HF export, the refusals before any model loads, the
 ranks' agreement on the resume point, older checkpoints, LOCAL_RANK under srun. The multi-rank halves are in
-tests/e2e/test_sharded_checkpoint.py."""
+tests/e2e/test_sharded_checkpoint_runs.py."""
 
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ class VLLMConfig:
     # per-request generator call per decoding step on GPU). rollout/vllm.py's docstring says why
     seeded_rollouts: bool = False
     # Tokens vLLM schedules per step (prefill chunks); its profile run, which it subtracts from its share before sizing
-    # the KV cache, is one forward of this many tokens (memory.py counts it). vLLM's own default on 70+ GiB GPUs is
+    # the KV cache, is one forward of this many tokens (memory/shapes.py counts it). vLLM's own default on 70+ GiB GPUs is
     # 16384, whose profile TRL found misleads the colocated engine; 4096 = TRL's and vLLM's CPU default
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 256  # sequences decoded at once at most (and the profile's sampler rows); vLLM's default below 70 GiB
@@ -415,7 +415,7 @@ class TrainerConfig:
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/compute/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
-    # GiB of one device for the memory plan (grail_exp/memory.py) when planning offline; null = torch.cuda.mem_get_info
+    # GiB of one device for the memory plan (grail_exp/memory/) when planning offline; null = torch.cuda.mem_get_info
     # of this rank's device (no CUDA device: no verdict; CPU runs are never refused). docs/memory-planner.md
     device_memory_gb: Optional[float] = None
     # Precision of the policy's token log-probs (grail_exp/compute/logprobs.py): float32 = the softmax in float32 (default);

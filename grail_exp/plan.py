@@ -4,7 +4,7 @@
     python -m grail_exp.plan model=qwen3_8b advantage=grail trainer.device_memory_gb=79  # offline: an H100 80GB
 
 The same composition as ``python -m grail_exp.run`` (overrides, recipes, experiments); prints the table of
-``grail_exp/memory.py`` and exits 1 when the plan does not fit the device (with what would), 0 otherwise, also when
+``grail_exp/memory/`` and exits 1 when the plan does not fit the device (with what would), 0 otherwise, also when
 there is no device to judge (CPU runs, no CUDA device and no ``trainer.device_memory_gb``). docs/memory-planner.md.
 """
 

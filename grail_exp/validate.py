@@ -491,7 +491,7 @@ def dist_timeout(cfg) -> list[str]:
 
 
 def memory_plan(cfg) -> list[str]:
-    """The memory plan of a valid config, before any model is loaded (grail_exp/memory.py): refused when it does
+    """The memory plan of a valid config, before any model is loaded (grail_exp/memory/): refused when it does
     not fit a device it knows."""
     from grail_exp.memory import check as check_memory_plan
 

@@ -1,5 +1,5 @@
 """``trainer.dist_timeout_s``: the timeout of every process group the run creates (Lightning's strategy, DeepSpeed's
-one-process group), by default long enough for the planned checkpoint write (grail_exp/memory.py
+one-process group), by default long enough for the planned checkpoint write (grail_exp/memory/
 ``needed_dist_timeout``), printed by the planner, refused when not positive and warned about when below the need."""
 
 from __future__ import annotations

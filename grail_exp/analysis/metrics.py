@@ -410,6 +410,28 @@ def summarize_benchmark(
     def ci(values: np.ndarray) -> MetricWithCI:
         return _with_ci(values, n_boot, alpha, seed)
 
+    nulls, truncation_rate, mean_tokens = _sample_counts(n, answers, truncated, n_tokens, extracted_none, paper)
+    return {
+        "n_problems": len(rows),
+        "n_samples": n_max,
+        "n_samples_min": n_min,
+        "n_samples_total": int(n.sum()),
+        "acc": ci(acc_pp),
+        "pass_at_k": {k: ci(v) for k, v in pass_pp.items()},
+        "maj": ci(maj_pp) if maj_pp is not None else None,
+        "nulls": nulls,
+        "truncation_rate": truncation_rate,
+        "mean_tokens": mean_tokens,
+        "ci": {"method": "percentile bootstrap over problems", "n_boot": int(n_boot),
+               "alpha": float(alpha), "seed": int(seed)},
+        "protocol": protocol,
+        "_per_problem": {"acc": acc_pp, "pass_at_k": pass_pp, "maj": maj_pp},
+    }
+
+
+def _sample_counts(n: np.ndarray, answers, truncated, n_tokens, extracted_none, paper: bool):
+    """(nulls, truncation rate, mean tokens) of a benchmark's samples, each None when its input is not given; ``n``:
+    the samples per problem the per-sample arrays must align with (``summarize_benchmark``'s arguments)."""
     nulls: int | None = None
     if extracted_none is not None:
         none_rows = _as_rows(extracted_none, "extracted_none")
@@ -435,23 +457,25 @@ def summarize_benchmark(
             mean_tokens = float(tokens.mean()) if tokens.size else 0.0
         else:
             mean_tokens = float(tokens.mean())
+    return nulls, truncation_rate, mean_tokens
 
-    return {
-        "n_problems": len(rows),
-        "n_samples": n_max,
-        "n_samples_min": n_min,
-        "n_samples_total": int(n.sum()),
-        "acc": ci(acc_pp),
-        "pass_at_k": {k: ci(v) for k, v in pass_pp.items()},
-        "maj": ci(maj_pp) if maj_pp is not None else None,
-        "nulls": nulls,
-        "truncation_rate": truncation_rate,
-        "mean_tokens": mean_tokens,
-        "ci": {"method": "percentile bootstrap over problems", "n_boot": int(n_boot),
-               "alpha": float(alpha), "seed": int(seed)},
-        "protocol": protocol,
-        "_per_problem": {"acc": acc_pp, "pass_at_k": pass_pp, "maj": maj_pp},
-    }
+
+def _combine_benchmarks(per_bench: list[np.ndarray], boot_idx: list[np.ndarray], weights: np.ndarray,
+                        alpha: float) -> tuple[MetricWithCI, MetricWithCI]:
+    """(unweighted, problem-weighted) mean of one metric over benchmarks, each with its stratified-bootstrap interval:
+    ``per_bench`` the per-problem values of each benchmark, ``boot_idx`` each benchmark's resample indices."""
+    points = np.array([float(np.mean(v)) for v in per_bench])
+    # (n_benchmarks, n_boot): each benchmark's resample means.
+    boot_means = np.stack([np.asarray(v, dtype=np.float64)[idx].mean(axis=1) for v, idx in zip(per_bench, boot_idx)])
+    out = []
+    for w in (np.full(len(per_bench), 1.0 / len(per_bench)), weights):
+        value = float(w @ points)
+        if all(np.all(v == v[0]) for v in per_bench):
+            lo = hi = value  # no variance anywhere: CI collapses as in bootstrap_ci
+        else:
+            lo, hi = _percentiles(w @ boot_means, alpha)
+        out.append(MetricWithCI(value, lo, hi))
+    return out[0], out[1]
 
 
 def _benchmark_seed(seed: int, name: str) -> np.random.SeedSequence:
@@ -511,19 +535,7 @@ def average_over_benchmarks(
     ]
 
     def combine(per_bench: list[np.ndarray]) -> tuple[MetricWithCI, MetricWithCI]:
-        points = np.array([float(np.mean(v)) for v in per_bench])
-        # (n_benchmarks, n_boot): each benchmark's resample means.
-        boot_means = np.stack([np.asarray(v, dtype=np.float64)[idx].mean(axis=1)
-                               for v, idx in zip(per_bench, boot_idx)])
-        out = []
-        for w in (np.full(len(per_bench), 1.0 / len(per_bench)), weights):
-            value = float(w @ points)
-            if all(np.all(v == v[0]) for v in per_bench):
-                lo = hi = value  # no variance anywhere: CI collapses as in bootstrap_ci
-            else:
-                lo, hi = _percentiles(w @ boot_means, alpha)
-            out.append(MetricWithCI(value, lo, hi))
-        return out[0], out[1]
+        return _combine_benchmarks(per_bench, boot_idx, weights, alpha)
 
     unweighted: dict[str, Any] = {}
     weighted: dict[str, Any] = {}

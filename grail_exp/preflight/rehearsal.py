@@ -237,7 +237,7 @@ class Rehearsal:
         return 1e-3 if dtypes <= {"float32"} else 2.0 ** -6
 
     def planned(self, ev: Evidence) -> None:
-        """The planner's peak per device and host per node for the full-depth run (grail_exp/memory.py)."""
+        """The planner's peak per device and host per node for the full-depth run (grail_exp/memory/)."""
         from grail_exp.memory import PlanError, plan
 
         try:

@@ -149,17 +149,7 @@ class UpdatePhase:
             self.backend.backward(loss)
             self.backend.after_backward()  # this micro-batch's activations, before the next one's forward
             loss_total += loss.item()
-            with torch.no_grad():
-                m = term_mask.float()
-                denom = m.sum().clamp(min=1)
-                metrics["weights/mean"] = ((w.float() * m).sum() / denom).item()
-                a_abs = adv.float().abs()
-                if a_abs.mean() > 0:
-                    metrics["weights/advantage_scale_ratio"] = \
-                        ((token_adv.abs() * m).sum() / denom / (a_abs * m).sum().div(denom)).item()
-                metrics["entropy"] = ((entropy * m).sum() / denom).item()
-            for k, v in scheme_metrics.items():
-                metrics[f"{self.scheme.name}/{k}"] = float(v)
+            metrics.update(self.weight_metrics(term_mask, w, adv, token_adv, entropy, scheme_metrics))
             if epoch == 0 and self.on_weights is not None:
                 self.on_weights(batch, s, e, w, entropy)
             n_tok = float(term_mask.sum())
@@ -198,6 +188,21 @@ class UpdatePhase:
                     "tokens/efficiency": real / max(computed, 1),
                     "scheme/recompute_per_rollout": float(self.per_rollout)})
         return avg
+
+    @torch.no_grad()
+    def weight_metrics(self, mask, w, adv, token_adv, entropy, scheme_metrics: dict) -> dict[str, float]:
+        """A micro-batch's token-weight statistics over the tokens that carry loss: the mean weight, how much the
+        weights scale |A| (``weights/advantage_scale_ratio``), the entropy, and the scheme's own diagnostics."""
+        m = mask.float()
+        denom = m.sum().clamp(min=1)
+        out = {"weights/mean": ((w.float() * m).sum() / denom).item()}
+        a_abs = adv.float().abs()
+        if a_abs.mean() > 0:
+            out["weights/advantage_scale_ratio"] = \
+                ((token_adv.abs() * m).sum() / denom / (a_abs * m).sum().div(denom)).item()
+        out["entropy"] = ((entropy * m).sum() / denom).item()
+        out.update({f"{self.scheme.name}/{k}": float(v) for k, v in scheme_metrics.items()})
+        return out
 
     @property
     def per_rollout(self) -> bool:

@@ -21,7 +21,7 @@ probe gradient inside the policy forward), so the operations that differ between
   policy is on the CPU (``grail_exp/compute/host.py``). ``placed`` runs once the policy sits on its device, sharded or wrapped,
   so hooks on its parameters are set on the parameters that train.
 - ``planned_*``, ``memory_layout``, ``shards_parameters``, ``shard_options``: the memory planner's questions
-  (``grail_exp/memory.py``), answered by the class from the config alone, before any model exists: the model state
+  (``grail_exp/memory/``), answered by the class from the config alone, before any model exists: the model state
   per rank, the gradients and gathered parameters of the update, the gradient sync, and which strategy changes put
   less on each device.
 
@@ -160,7 +160,7 @@ class UpdateBackend:
 
         return configured_world_size(cfg.trainer) > 1
 
-    # ---- the memory planner's questions (grail_exp/memory.py), per rank: n parameters, b bytes per model-dtype
+    # ---- the memory planner's questions (grail_exp/memory/), per rank: n parameters, b bytes per model-dtype
     # element, ``world`` ranks. Class-level: the plan is made before any model or process group exists.
     @classmethod
     def memory_layout(cls, cfg, world: int) -> str:

@@ -1,7 +1,8 @@
-"""Memory plan of a run, per device, before anything is loaded (the library; the CLI is ``grail_exp/plan.py``).
+"""Memory plan of a run, per device, before anything is loaded (the CLI is ``grail_exp/plan.py``; the tensors' byte
+arithmetic is ``memory/shapes.py``, the table, the refusal and the suggestions ``memory/advice.py``).
 
-``validate.py`` calls :func:`check` and refuses a run whose plan does not fit, naming keys and values that would;
-``python -m grail_exp.plan <overrides>`` prints :func:`render` of :func:`plan` (docs/memory-planner.md).
+``validate.py`` calls ``check`` and refuses a run whose plan does not fit, naming keys and values that would;
+``python -m grail_exp.plan <overrides>`` prints ``render`` of ``plan`` (docs/memory-planner.md).
 
 Per rank (one device), with N parameters, b bytes per model-dtype element, W ranks, from the shipped architecture
 (``grail_exp/data/architectures/*.json``) or the embedded model's ``model.build``:
@@ -38,6 +39,7 @@ The plan also states the process-group timeout the run needs (``needed_dist_time
 at a conservative bandwidth, grail_exp/timeouts.py; ``trainer.dist_timeout_s``).
 """
 
+
 from __future__ import annotations
 
 import math
@@ -45,106 +47,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-GiB = 2**30
-HEADROOM_FIXED = 2 * GiB  # allocator fragmentation, NCCL buffers, cuBLAS workspace, CUDA graphs
-HEADROOM_FRACTION = 0.05
-# vLLM's profile run, which it subtracts from its share before sizing the KV cache (vLLM 0.32
-# v1/worker/gpu_model_runner.py profile_run): one forward over rollout.vllm.max_num_batched_tokens tokens, then its
-# sampler over min(max_num_seqs, tokens) rows of the vocabulary. The forward's largest transient is a decoder layer's
-# MLP (gate and up projections, 2 x intermediate, and the activation, 1 x intermediate) beside ~4 hidden-size tensors
-# (residual, normed input, attention output, hidden state); the sampler holds, beyond the model-dtype logits, per
-# (row, token) the float32 logits, the top-k/top-p sort's float32 values and int64 indices and float32 probabilities
-# (24 bytes). Plus the non-torch memory vLLM measures in the profile (CUDA context growth, cuBLAS / NCCL workspaces).
-# Read from vLLM's source, not measured on a GPU (none with CUDA vLLM available): approximate.
-VLLM_SAMPLER_BYTES = 24
-VLLM_NON_TORCH_BYTES = 0.5 * GiB
-# The planner's own error: against every CUDA peak recorded so far the plan was 0.91-1.05 of the measurement
-# (results/memory_plan.md), i.e. up to 9 % under it. A plan that fits by less than 10 % of its peak is reported as tight.
-PLAN_ERROR = 0.10
-# Padded prompt length per rollout / evaluation call (HF pads a call to its longest prompt). Benchmarks: the longest
-# prompt of each shipped benchmark with the paper's instruction and chat template (Qwen3 / Llama-3 tokenizers measure
-# within 2 tokens of each other), rounded up; training sets: DeepMath-103K is not available offline, its prompts are
-# ~300 tokens (the DeepMath-103K card's statistics), 512 is the planner's pad width.
-PROMPT_TOKENS = {"arithmetic": 64, "arithmetic_val": 64, "deepmath": 512, "scrl_jsonl": 512, "math500": 800,
-                 "aime24": 400, "amc23": 256, "minerva_math": 416, "college_math_200": 384, "olympiadbench_200": 1280}
-DEFAULT_PROMPT_TOKENS = 512
-# Output layer (grail_exp/compute/logprobs.py), in fp32 (chunk, V) tensors alive at once, measured on CPU with the real
-# function (tests/test_plan.py::test_logprob_peak_matches_the_function; z and log p share one buffer): several chunks:
-# forward 4.1 (bf16 and fp32 weights alike); one chunk: 2.2 (its probabilities kept for the backward). Backward with
-# bf16 weights: 3.3 (several chunks) / 3.1 (one chunk, its kept probabilities included), plus the fp32 output-layer
-# gradient (4·V·h) and, per chunk, its bf16 + fp32 contribution (6·V·h) when that outweighs 1.65 units of the chunk's
-# tensors (measured with h = 64 ... 2,048); fp32 weights need less (2.2 / 3.1): the bf16 figures bound them.
-LOGITS_FWD_UNITS = {"multi_half": 4.1, "multi_fp32": 4.1, "single": 2.2}
-LOGITS_GRAD_OVERLAP = 1.65  # units of the chunk's tensors the output-layer gradient's per-chunk copy reuses
-# One generation step of HF generate, bytes per row and vocabulary entry: the model's bf16 logits (2), their fp32 copy
-# (4), the log-prob recorder's scaled copy and log-softmax (8) with the previous step's still pending (4), the
-# sampling probabilities (4). Against the H100 generation peaks of results/gpu.md: results/memory_plan.md.
-SCORE_BYTES = 22
-LOGITS_BWD_UNITS = {"multi": 3.3, "single": 3.1}  # single: 2.1 above the forward's kept probabilities (1.0)
-
-
-class PlanError(ValueError):
-    """A plan that cannot be made (unknown architecture); the message says what is missing."""
-
-
-# ---------------------------------------------------------------------------------------------- shapes
-@dataclass(frozen=True)
-class Shape:
-    """What the plan needs of an architecture."""
-
-    name: str
-    params: int
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    qk_norm: bool  # Qwen3's per-head q/k RMSNorms (saved activations)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, in elements (× bytes per element by the caller)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim
-
-
-def model_shape(model_cfg) -> Shape:
-    """The policy's shape: a shipped architecture (``model.architecture`` or the one whose hub id is
-    ``model.name_or_path``, with ``model.random_init_overrides``), a local directory's config.json, or the embedded
-    ``model.build``."""
-    from grail_exp.models.architectures import _by_hub_id, hf_config, load_architecture, parameter_counts
-
-    name_or_path = model_cfg.get("name_or_path")
-    arch = model_cfg.get("architecture")
-    if name_or_path is None and not arch and model_cfg.get("build") is not None:
-        b = model_cfg.build
-        c = {"model_type": "qwen3" if b.architecture == "qwen3" else "llama", "hidden_size": b.hidden_size,
-             "intermediate_size": b.intermediate_size, "vocab_size": b.vocab_size,
-             "num_attention_heads": b.num_heads, "num_key_value_heads": b.num_kv_heads,
-             "num_hidden_layers": b.num_layers, "head_dim": b.head_dim, "tie_word_embeddings": b.tie_word_embeddings}
-        return _shape(str(model_cfg.get("name", "embedded")), c, parameter_counts(c)["total"])
-    if not arch and name_or_path:
-        arch = _by_hub_id(str(name_or_path))
-        if arch is None and os.path.isfile(os.path.join(os.path.expanduser(str(name_or_path)), "config.json")):
-            arch = str(name_or_path)
-    if not arch:
-        raise PlanError(f"model.name_or_path={name_or_path!r}: no shipped architecture with this hub id and no local "
-                        "config.json; set model.architecture to one of grail_exp/data/architectures or a config.json")
-    from omegaconf import OmegaConf
-
-    overrides = model_cfg.get("random_init_overrides") if model_cfg.get("random_init") else None
-    overrides = OmegaConf.to_container(overrides, resolve=True) if OmegaConf.is_config(overrides) else overrides
-    c = hf_config(load_architecture(str(arch)), overrides or None)
-    return _shape(str(arch), c, parameter_counts(c)["total"])
-
-
-def _shape(name: str, c: dict, params: int) -> Shape:
-    return Shape(name=name, params=params, layers=c["num_hidden_layers"], hidden=c["hidden_size"],
-                 intermediate=c["intermediate_size"], heads=c["num_attention_heads"],
-                 kv_heads=c["num_key_value_heads"], head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-                 vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings")), qk_norm=c.get("model_type") == "qwen3")
+from grail_exp.memory.shapes import (GiB, _world, HEADROOM_FIXED, HEADROOM_FRACTION, PLAN_ERROR, PlanError, SCORE_BYTES,
+                                     Shape, _dtype_bytes, _positions_how, _prompt_tokens, computed_positions,
+                                     few_shot_tokens, hf_engine_kv_bytes, layer_activation_bytes, logits_bytes,
+                                     model_shape, vllm_kv_cache_bytes, vllm_profile_bytes)
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -195,16 +101,6 @@ class MemoryPlan:
         return bool(self.fits) and self.peak * (1 + PLAN_ERROR) > self.capacity - self.headroom
 
 
-def _world(t) -> int:
-    from grail_exp.world import configured_world_size
-
-    return configured_world_size(t)
-
-
-def _dtype_bytes(dtype) -> int:
-    return 4 if str(dtype) == "float32" else 2
-
-
 def device_capacity(cfg) -> tuple[Optional[float], Optional[float], str]:
     """(usable bytes, total bytes, where from) of one device; (None, None, why) when there is none to plan for."""
     t = cfg.trainer
@@ -236,44 +132,6 @@ def _probes_between_forward_and_backward(cfg) -> bool:
         return bool(SCHEMES[str(cfg.advantage.get("name"))].needs_model)
     except Exception:  # noqa: BLE001 - an unknown scheme: validate() reports it; plan the larger case
         return True
-
-
-def few_shot_tokens(model_cfg) -> int:
-    """Tokens the worked examples of ``model.few_shot`` add to every prompt: ~3 characters per token and 10 tokens of
-    chat-turn markup per example (SmolLM2's three arithmetic examples: 63 tokens; measured: 131-133-token prompts
-    against the table's 64 for arithmetic)."""
-    return sum(len(str(ex.get("question", ""))) // 3 + len(str(ex.get("answer", ""))) // 3 + 10
-               for ex in (model_cfg.get("few_shot") or []))
-
-
-def _prompt_tokens(names) -> int:
-    return max((PROMPT_TOKENS.get(str(n), DEFAULT_PROMPT_TOKENS) for n in names), default=DEFAULT_PROMPT_TOKENS)
-
-
-def layer_activation_bytes(s: Shape, b: int) -> float:
-    """Bytes autograd saves per token in one decoder layer (SDPA attention), as counted with saved-tensor hooks on the
-    real HF Qwen3 / Llama layers (tests/test_plan.py): two RMSNorms keep an fp32 copy of their input and the
-    normalised b-byte tensor (2·(4 + b)·h); q, k, v, the rotated q and k, the attention output and o_proj's input
-    (b·(4·n_h·d + 3·n_kv·d)); Qwen3's q/k norms ((4 + b)·(n_h + n_kv)·d); the SwiGLU MLP's gate, up, activation and
-    product (4·b·i)."""
-    qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    return (2 * (4 + b) * s.hidden + b * (4 * qd + 3 * kd) + ((4 + b) * (qd + kd) if s.qk_norm else 0)
-            + 4 * b * s.intermediate)
-
-
-def logits_bytes(rows: int, chunk: int, s: Shape, b: int) -> tuple[float, float, str]:
-    """(forward peak, backward peak, how) of the chunked output layer over ``rows`` completion tokens."""
-    n = min(rows, chunk)
-    unit = n * s.vocab * 4
-    multi = rows > chunk
-    fwd_u = LOGITS_FWD_UNITS["multi_half" if b == 2 else "multi_fp32"] if multi else LOGITS_FWD_UNITS["single"]
-    bwd_u = LOGITS_BWD_UNITS["multi" if multi else "single"]
-    vh = s.vocab * s.hidden
-    fwd = fwd_u * unit
-    bwd = max(bwd_u * unit, (bwd_u - LOGITS_GRAD_OVERLAP) * unit + 6 * vh) + 4 * vh
-    how = (f"{fwd_u:g} / {bwd_u:g} x ({n:,} rows x V {s.vocab:,} x 4 B), + 4·V·h fp32 output-layer gradient"
-           + (" (several chunks)" if multi else " (one chunk)"))
-    return fwd, bwd, how
 
 
 def backend_of(cfg):
@@ -433,22 +291,6 @@ def vllm_share(cfg, z: Sizes) -> tuple[float, list[Line], list[str], list[str]]:
     return reserve, lines, problems, [] if problems else [vllm_concurrency(cfg, z, reserve - z.n * vb - profile, kv)]
 
 
-def vllm_profile_bytes(cfg, s: Shape) -> tuple[float, str]:
-    """(bytes, how) of vLLM's profile run inside its share: the larger of one forward over
-    ``rollout.vllm.max_num_batched_tokens`` tokens and its sampler over min(``max_num_seqs``, tokens) rows of the
-    vocabulary, plus the non-torch memory (see ``VLLM_SAMPLER_BYTES``)."""
-    v = cfg.rollout.vllm
-    vb = _dtype_bytes(v.get("dtype") or cfg.model.dtype)
-    tokens = int(v.get("max_num_batched_tokens") or 4096)
-    rows = min(int(v.get("max_num_seqs") or 256), tokens)
-    forward = tokens * (3 * s.intermediate + 4 * s.hidden) * vb
-    sampler = rows * s.vocab * (vb + VLLM_SAMPLER_BYTES)
-    return max(forward, sampler) + VLLM_NON_TORCH_BYTES, (
-        f"max of a forward over rollout.vllm.max_num_batched_tokens {tokens:,} tokens x (3 x intermediate + 4 x hidden) "
-        f"x {vb} B ({forward / GiB:.2f}) and the sampler over {rows} rows x V x ({vb} + {VLLM_SAMPLER_BYTES}) B "
-        f"({sampler / GiB:.2f}), + {VLLM_NON_TORCH_BYTES / GiB:.1f} non-torch; inside the reserve, not added to it")
-
-
 def vllm_concurrency(cfg, z: Sizes, kv_space: float, per_sequence: float) -> str:
     """The plan's note on vLLM's KV space: how many sequences of the run's length it holds at once (capped by
     ``rollout.vllm.max_num_seqs``), against the rows one rank samples per round."""
@@ -558,63 +400,15 @@ def _sync_chunk_bytes(cfg, z: Sizes) -> float:
     return max(chunk, z.shape.vocab * z.shape.hidden * _dtype_bytes(vdtype))
 
 
-def vllm_kv_cache_bytes(cfg, max_model_len: int, block: int = 16) -> int:
-    """The KV cache a vLLM engine on CPU is given (``kv_cache_memory_bytes``; on GPU ``gpu_memory_utilization`` sizes
-    it): every row of one rollout batch at ``max_model_len`` tokens, in ``block``-token pages, in the engine's dtype,
-    x ``VLLM_CPU_PAGE_FACTOR`` (vLLM's CPU pages hold fewer tokens than the bare keys and values: SmolLM2 at 118 MB,
-    3,200 tokens instead of 5,120). With prefix caching the G rows of a prompt share its pages: room to spare."""
-    s, r, t = model_shape(cfg.model), cfg.rollout, cfg.trainer
-    rows = max(1, min(int(r.generation_batch_size), t.prompts_per_step // _world(t) * int(r.num_generations)))
-    pages = -(-int(max_model_len) // block)
-    dtype = _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
-    return int(VLLM_CPU_PAGE_FACTOR * rows * pages * block * s.kv_bytes_per_token * dtype)
-
-
-VLLM_CPU_PAGE_FACTOR = 1.6
-
-
-def computed_positions(cfg, rows: int, P: int, C: int) -> int:
-    """Positions one micro-batch of ``rows`` computes: with ``trainer.share_prompts`` each of its prompts once (rows
-    come grouped: ceil(rows / G) prompts of P − 1 positions, every row's last prompt token and completion), else every
-    row's whole sequence (grail_exp/compute/forward.py). An upper bound where the prompts share a prefix
-    (``trainer.share_prompt_prefix``) or completions end before C (the packed suffix pass): the planner does not
-    know the prompts' tokens nor the completions' lengths."""
-    from grail_exp.compute.forward import share_prompts_of
-
-    if not share_prompts_of(cfg) or P < 2:
-        return rows * (P + C)
-    groups = -(-rows // int(cfg.rollout.num_generations))
-    return groups * (P - 1) + rows * (C + 1)
-
-
-def _positions_how(cfg, rows: int, P: int, C: int) -> str:
-    from grail_exp.compute.forward import share_prompts_of
-
-    if not share_prompts_of(cfg) or P < 2:
-        return f"{rows} rows x {P + C} tokens"
-    groups = -(-rows // int(cfg.rollout.num_generations))
-    return f"{groups} prompts x {P - 1} + {rows} rows x {C + 1}: each prompt once"
-
-
-def hf_engine_kv_bytes(s: Shape, b: int, prompts: int, n: int, P: int, C: int, cpu: bool) -> tuple[float, str]:
-    """The HF engine's cache for ``prompts`` prompts x ``n`` completions (grail_exp/rollout/hf.py). On CPU (its own
-    decode loop): each prompt's keys and values once, in float32 for the decode attention, and every row's generated
-    ones in b bytes. On GPU (transformers ``generate``): every row's whole sequence in b bytes."""
-    per_token = s.kv_bytes_per_token
-    if not cpu:
-        rows = prompts * n
-        return rows * (P + C) * per_token * b, (f"{rows} rows x {P + C} tokens x {s.layers} layers x {s.kv_heads} KV "
-                                                f"heads x {s.head_dim} x 2 (K, V) x {b} B")
-    kv = prompts * P * per_token * 4 + prompts * n * C * per_token * b
-    return kv, (f"{prompts} prompts x {P} tokens x {per_token:,} (K, V) x 4 B + {prompts * n} rows x {C} generated x "
-                f"{per_token:,} x {b} B")
-
-
 # Host memory of a CPU run beyond its tensors, measured on this project's machines (docs/memory-planner.md): the
 # imported libraries (torch, transformers, Lightning, Hydra, MLflow: ~0.6 GiB of resident pages) and each grading
 # worker process (math-verify and sympy, ~0.15 GiB).
 HOST_BASELINE = 0.6 * GiB
+
+
 GRADER_WORKER = 0.15 * GiB
+
+
 HOST_HEADROOM_FIXED = 0.5 * GiB  # heap fragmentation between phases (grail_exp/compute/host.py returns what it can)
 
 
@@ -709,109 +503,6 @@ def planned_mem_gb(cfg) -> Optional[int]:
     return math.ceil(per_node * (1 + HOST_MARGIN) / GiB)
 
 
-# ---------------------------------------------------------------------------------------------- what would fit
-def _vllm_need(cfg, rows: int) -> float:
-    """gpu_memory_utilization that holds the engine's weights, its profile and the KV cache of ``rows`` sequences."""
-    s, m, r = model_shape(cfg.model), cfg.model, cfg.rollout
-    _, total, _ = device_capacity(cfg)
-    vb = _dtype_bytes(r.vllm.get("dtype") or m.dtype) if r.get("vllm") else _dtype_bytes(m.dtype)
-    T = _prompt_tokens([cfg.data.name]) + int(r.max_completion_length)
-    need = s.params * vb + vllm_profile_bytes(cfg, s)[0] + s.kv_bytes_per_token * vb * T * rows
-    return math.ceil(need / total * 100) / 100 if total else 1.0
-
-
-VLLM_SUGGESTED_SEQUENCES = 16  # a suggested vLLM fraction leaves KV room for this many sequences at once
-
-
-def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
-    """(ways to shrink the plan on the same engine, each a list of override sets from the mildest to the strongest,
-    cheapest first; switches of the engine)."""
-    t, r = cfg.trainer, cfg.rollout
-    fam: list[list[list[str]]] = []
-    fam.append([[f"trainer.logprob_chunk_tokens={v}"] for v in (2048, 1024, 512) if v < int(t.logprob_chunk_tokens)])
-    fam.append([[f"trainer.micro_batch_size={v}"] for v in (4, 2, 1) if v < int(t.micro_batch_size)])
-    if not cfg.model.get("gradient_checkpointing"):
-        fam.append([["model.gradient_checkpointing=true"]])
-    engines: list[list[str]] = []
-    if str(r.engine) != "vllm":
-        G, n = int(r.num_generations), int(cfg.eval.n)
-        fam.append([[f"rollout.generation_batch_size={v * G}"] for v in (16, 8, 4, 2, 1)
-                    if v * G < int(r.generation_batch_size)])
-        fam.append([[f"eval.batch_size={v * n}"] for v in (32, 16, 8, 4, 2, 1) if v * n < int(cfg.eval.batch_size)])
-        if device_capacity(cfg)[1] and str(t.accelerator) != "cpu":
-            engines.append(["rollout=vllm", f"rollout.vllm.gpu_memory_utilization="
-                                            f"{_vllm_need(cfg, VLLM_SUGGESTED_SEQUENCES)}"])
-    else:
-        engines.append(["rollout=hf"])
-    fam += backend_of(cfg).shard_options(cfg, _world(t))  # the strategy's own: shard more, or over more ranks
-    return [f for f in fam if f], engines
-
-
-def replan(cfg, overrides: list[str]):
-    """``cfg`` with ``key=value`` and group overrides applied as on the run's command line, as a new config: a group
-    switch offered by ``suggest`` (``trainer=fsdp_zero2``, ``rollout=hf``) is the option's file as Hydra composes it,
-    under what the run set on top of its group (``grail_exp/recompose.py``)."""
-    from grail_exp.recompose import apply_overrides
-
-    return apply_overrides(cfg, overrides)
-
-
-def _fits(cfg, overrides: list[str], margin: bool = False) -> bool:
-    """The plan with ``overrides`` fits (``margin``: and is not tight)."""
-    try:
-        q = plan(replan(cfg, overrides))
-        return bool(q.fits) and not (margin and q.tight)
-    except Exception:  # noqa: BLE001 - a candidate the planner cannot evaluate does not fit
-        return False
-
-
-def suggest(cfg, p: MemoryPlan, max_options: int = 3, margin: bool = False) -> list[list[str]]:
-    """Override sets that make the plan fit, mildest first. On the same engine: the vLLM fraction it needs (when the
-    engine cannot hold its weights: room for 16 sequences), then each single change that fits alone, else the
-    changes of every family combined, each at its mildest strength that fits (cheapest families first); then a
-    switch of the engine, if that alone fits. [] when nothing found fits. ``margin``: options whose plan is not
-    tight either (fits by at least the planner's error)."""
-    base: list[str] = []
-    if p.problems and str(cfg.rollout.engine) == "vllm":
-        base = [f"rollout.vllm.gpu_memory_utilization={_vllm_need(cfg, VLLM_SUGGESTED_SEQUENCES)}"]
-        if _fits(cfg, base, margin):
-            return [base]
-    fams, engines = _families(cfg)
-    options: list[list[str]] = []
-    for fam in fams:
-        for o in fam:
-            if _fits(cfg, base + o, margin):
-                options.append(base + o)
-                break
-    if not options:
-        combined = _combined(cfg, base, fams, margin)
-        options += [combined] if combined else []
-    options = options[: max_options - 1] if engines else options[:max_options]
-    for e in engines:  # the engine switch replaces the vLLM fraction fix
-        if _fits(cfg, e, margin):
-            options.append(e)
-    return options
-
-
-def _combined(cfg, base: list[str], fams: list, margin: bool) -> Optional[list[str]]:
-    """Each family at its strongest until the plan fits, then each relaxed back to its mildest strength (or none)
-    that still fits, the costlier families (micro-batch) before the chunk size; None when even all together do not."""
-    chosen: list[Optional[list[str]]] = []
-    flat = lambda picks: base + [o for pick in picks if pick for o in pick]  # noqa: E731
-    for fam in fams:
-        chosen.append(fam[-1])
-        if _fits(cfg, flat(chosen), margin):
-            for i in reversed(range(len(chosen))):
-                chosen[i] = next((o for o in [None, *fams[i]] if _fits(cfg, flat(chosen[:i] + [o] + chosen[i + 1:]), margin)),
-                                 chosen[i])
-            return flat(chosen)
-    return None
-
-
-def _same_hardware(option: list[str]) -> bool:
-    return not any(o.startswith("trainer.devices=") for o in option)
-
-
 # ---------------------------------------------------------------------------------------------- timeouts
 def needed_dist_timeout(cfg) -> tuple[int, str]:
     """(seconds, how): the process-group timeout this run's planned checkpoint write needs (grail_exp/timeouts.py:
@@ -832,87 +523,3 @@ def timeout_lines(cfg) -> list[str]:
     now = f"null (= {need} s)" if configured is None else f"{configured} s" + (
         ", BELOW the need" if configured < need else "")
     return [f"timeouts needed: trainer.dist_timeout_s >= {need} s (set: {now}) = {how}"]
-
-
-# ---------------------------------------------------------------------------------------------- output
-def render(p: MemoryPlan) -> str:
-    out = ["memory plan per device (GiB = 2^30 bytes)"]
-    out += [f"  {k}: {v}" for k, v in p.facts.items()]
-    out.append("")
-    out.append("| phase | item | GiB | how |")
-    out.append("|---|---|--:|---|")
-    for x in p.lines:
-        out.append(f"| {x.phase} | {x.what} | {x.bytes / GiB:.2f} | {x.how} |")
-    out.append("")
-    out.append("| phase | total GiB (state + phase + vLLM reserve) |")
-    out.append("|---|--:|")
-    for ph, v in p.phases.items():
-        out.append(f"| {ph}{' (peak)' if ph == p.peak_phase else ''} | {v / GiB:.2f} |")
-    out.append("")
-    if p.capacity is None:
-        out.append(f"device: {p.capacity_source}; no verdict")
-    else:
-        out.append(f"device: {p.capacity / GiB:.1f} GiB usable ({p.capacity_source}), headroom {p.headroom / GiB:.1f} GiB: "
-                   f"peak {p.peak / GiB:.1f} GiB ({p.peak_phase}) {'fits' if p.fits else 'DOES NOT FIT'}")
-    out += [f"problem: {x}" for x in p.problems]
-    out += p.timeouts
-    out += [f"note: {x}" for x in p.notes]
-    if p.host:
-        out += ["", "host memory per node (the node of rank 0)", "", "| phase | item | GiB | how |", "|---|---|--:|---|"]
-        out += [f"| {x.phase} | {x.what} | {x.bytes / GiB:.2f} | {x.how} |" for x in p.host]
-        out.append("")
-        out.append(f"host per node: {p.host_peak / GiB:.1f} GiB (what every rank keeps + the largest phase); SLURM "
-                   f"--mem = that + {HOST_MARGIN:.0%} = {math.ceil(p.host_peak * (1 + HOST_MARGIN) / GiB)} GB "
-                   "(hydra.launcher.mem_gb, unless set)")
-    return "\n".join(out)
-
-
-def tight_warning(cfg, p: MemoryPlan) -> Optional[str]:
-    """For a plan that fits by less than the planner's own error: one line saying so, with the mildest changes that
-    leave that margin (None for other plans)."""
-    if not p.tight:
-        return None
-    usable = p.capacity - p.headroom
-    options = suggest(cfg, p, max_options=2, margin=True)
-    if not any(_same_hardware(o) for o in options):  # also what buys the margin on the GPUs the run has
-        combined = _combined(cfg, [], [f for f in _families(cfg)[0] if all(_same_hardware(o) for o in f)], True)
-        options = ([combined] if combined else []) + options
-    fix = (f"; a margin of {PLAN_ERROR:.0%} with: " + " | ".join(" ".join(o) for o in options)) if options else ""
-    return (f"memory plan is tight: the peak {p.peak / GiB:.1f} GiB ({p.peak_phase}) fits the {usable / GiB:.1f} GiB "
-            f"usable by {(usable - p.peak) / GiB:.1f} GiB, less than the planner's own error ({PLAN_ERROR:.0%} of the "
-            f"peak, {PLAN_ERROR * p.peak / GiB:.1f} GiB; planned peaks were 0.91-1.05 of measured ones){fix}")
-
-
-def refusal(cfg, p: MemoryPlan) -> str:
-    """The one message validate() raises for a plan that does not fit: what, against what, and what would fit."""
-    usable = p.capacity - p.headroom
-    parts = list(p.problems)
-    if p.peak > usable:
-        parts.append(f"the peak per device is {p.peak / GiB:.1f} GiB ({p.peak_phase}) against {usable / GiB:.1f} GiB "
-                     f"usable ({p.capacity_source}, less {p.headroom / GiB:.1f} GiB headroom)")
-    options = suggest(cfg, p)
-    if options:
-        fix = " | ".join(" ".join(o) for o in options)
-        tail = f". It would fit with {'one of: ' if len(options) > 1 else ''}{fix}"
-    else:
-        tail = (". No change of trainer.devices, trainer.micro_batch_size, trainer.logprob_chunk_tokens, "
-                "model.gradient_checkpointing, rollout.generation_batch_size, eval.batch_size or rollout=vllm|hf fits "
-                "this device")
-    return "memory plan: " + "; ".join(parts) + tail + ". Details: python -m grail_exp.plan <the same overrides>"
-
-
-def check(cfg) -> Optional[str]:
-    """For validate(): the refusal message when the plan does not fit a known device, else None. Plans that cannot
-    be made (an architecture the planner does not know) and devices it cannot see are not refused."""
-    try:
-        p = plan(cfg)
-    except PlanError:
-        return None
-    if p.fits is False:
-        return refusal(cfg, p)
-    warning = tight_warning(cfg, p)
-    if warning:
-        import logging
-
-        logging.getLogger("grail_exp").warning(warning)
-    return None

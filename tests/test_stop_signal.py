@@ -1,4 +1,4 @@
-"""A stop signal is one decision for all ranks: the handler only records it (``training/job.py:stop_on_signal``), and
+"""A stop signal is one decision for all ranks: the handler only records it (``job.py:stop_on_signal``), and
 the ranks agree on it at one point of every optimiser step (``GRPOModule._after_step``). The 2-rank run where one rank
 alone is signalled is tests/e2e/test_stop_on_one_rank.py."""
 

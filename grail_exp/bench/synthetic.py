@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         from grail_exp.bench.real import main as real_main
 
         return real_main(bench, overrides, argv)
-    if bench.mode == "attention":  # the fused CPU attention kernel against the explicit one (bench_attention.py)
+    if bench.mode == "attention":  # the fused CPU attention kernel against the explicit one (bench/attention.py)
         from grail_exp.bench.attention import main as attention_main
 
         if not overrides:  # one attention layer per shape only

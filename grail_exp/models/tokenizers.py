@@ -138,7 +138,7 @@ def is_packaged(spec: Optional[str]) -> bool:
 
 
 def registry_entry(registry: dict, spec: str, key: str, what: str, error: type[Exception]):
-    """The entry of ``pkg:<name>`` in a registry of packaged files (tokenizers here, models in packaged_models.py);
+    """The entry of ``pkg:<name>`` in a registry of packaged files (tokenizers here, models in models/packaged.py);
     an unknown name raises ``error`` naming the key and the valid names."""
     name = spec[len(PREFIX):]
     if name not in registry:

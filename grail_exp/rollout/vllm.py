@@ -309,7 +309,7 @@ class VLLMRolloutEngine:
     def close(self) -> None:
         """Shut the engine down and free its memory; idempotent. vLLM's in-process shutdown also tears down the
         distributed state it set up in this process — under the external launcher that is the job's default process
-        group — so a trainer closes its engine only when the job ends (``training/job.py`` ``teardown``)."""
+        group — so a trainer closes its engine only when the job ends (``grail_exp/job.py`` ``teardown``)."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return

@@ -13,6 +13,10 @@ which Hydra's composed config does not keep. So:
 
 Group overrides are applied before key overrides, whatever their order, as Hydra does.
 
+Where Hydra composed this process's config (``python -m grail_exp.run`` / ``plan``: ``HydraConfig`` holds the command
+line), ``recompose`` composes the run's recorded overrides with the new ones from scratch instead — Hydra's own answer,
+without the ambiguity below; ``apply_overrides`` is the fallback for a config composed elsewhere (tests, tools).
+
 What cannot be told apart: a value set on top that equals the current option's own. It is taken to come from the
 option, so a new option that does not set the key gives it the schema's default, where Hydra would keep the value
 set on top (the paper recipe's ``rollout.vllm.gpu_memory_utilization: 0.2``, which ``rollout/vllm_paper.yaml`` also
@@ -25,6 +29,38 @@ from __future__ import annotations
 import copy
 from functools import lru_cache
 from pathlib import Path
+
+
+def recorded_overrides() -> list[str] | None:
+    """The command-line overrides Hydra composed this process's config from (``hydra.overrides.task``), or None when
+    no Hydra application composed it."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+    except Exception:  # noqa: BLE001  (no Hydra config of this process: fall back)
+        return None
+
+
+def override_key(override: str) -> str:
+    """``trainer``, ``trainer.devices``: what an override sets, without its ``+`` / ``~`` / ``++`` prefix."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def recompose(recorded: list[str], overrides: list[str], config_name: str = "config"):
+    """The run Hydra composes from ``recorded`` with ``overrides`` on top (an override of the same key replaces the
+    recorded one, as on the command line the user would run)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grail_exp.conf_path import CONFIG_DIR
+
+    merged = {override_key(o): o for o in recorded}
+    merged.update({override_key(o): o for o in overrides})
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name=config_name, overrides=list(merged.values()))
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(merged.values()))
 
 
 def apply_overrides(cfg, overrides: list[str]):

@@ -53,3 +53,31 @@ def test_the_current_option_is_the_one_that_explains_the_run():
             for o in group_options("trainer")}
     assert min(left, key=lambda o: len(left[o])) == "fsdp_zero2"  # the paper recipe's trainer
     assert {"devices", "max_steps"} <= set(left["fsdp_zero2"])
+
+
+def test_under_hydra_a_suggestion_is_recomposed_from_the_runs_own_overrides():
+    """Where Hydra composed the run (its command line in HydraConfig), ``replan`` composes that command line with the
+    suggestion from scratch: Hydra's answer exactly, also where the composed config alone is ambiguous (the paper
+    recipe's vllm.gpu_memory_utilization 0.2 survives `rollout=hf`, which the composed-config path cannot tell)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from grail_exp.conf_path import CONFIG_DIR
+    from grail_exp.config import register_configs
+    from grail_exp.memory import replan
+
+    run = ["model=qwen3_8b", "advantage=grpo", "paths.root_dir=/nonexistent"]
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=run, return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            planned = replan(cfg, ["rollout=hf"])
+            started = hydra_compose(config_name="config", overrides=[*run, "rollout=hf"])
+        finally:
+            HydraConfig.instance().cfg = None
+    assert planned.rollout.vllm.gpu_memory_utilization == 0.2 == started.rollout.vllm.gpu_memory_utilization
+    assert OmegaConf.to_container(planned) == OmegaConf.to_container(started)

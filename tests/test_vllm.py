@@ -388,8 +388,10 @@ class TestProcessedLogprobs:
         sampler_model = hf_model
         processed_engine.sync_weights(sampler_model)
         torch.manual_seed(14)
+        # per-request seeds: these draws (whose ratios under the sharper policy fall on both sides of 3) do not depend on
+        # the engine's RNG stream, which unseeded training requests share
         out = processed_engine.generate(_prompts(tokenizer, 4), SamplingParams(
-            n=4, temperature=1.0, top_k=5, max_new_tokens=24, logprobs=True))
+            n=4, temperature=1.0, top_k=5, max_new_tokens=24, logprobs=True, per_request_seeds=True))
         same, rb = _trainer_logprobs(sampler_model, out, tokenizer.pad_token_id, 1.0)
         mask = rb.completion_mask.float()
         sampler = rb.sampling_logprobs

@@ -74,6 +74,15 @@ def arm_dir(cfg) -> Path | None:
     return Path(cfg.study.dir) / arm_name(cfg) if cfg.get("study") is not None and cfg.study.get("dir") else None
 
 
+def comparable(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat configuration without what cannot change what an arm computes: ``NOT_IDENTITY``, and the settings of an
+    engine the arm does not sample with (an HF arm's ``rollout.vllm.*``, whose defaults change with vLLM's)."""
+    keep = {k: v for k, v in flat.items() if not k.startswith(NOT_IDENTITY)}
+    if keep.get("rollout.engine", "vllm") != "vllm":
+        keep = {k: v for k, v in keep.items() if not k.startswith("rollout.vllm.")}
+    return keep
+
+
 def identity(cfg) -> dict[str, Any]:
     """The flat resolved configuration minus ``NOT_IDENTITY``, as JSON values (what a restart must match)."""
     from omegaconf import OmegaConf
@@ -81,7 +90,7 @@ def identity(cfg) -> dict[str, Any]:
     from grail_exp.tracking import flatten
 
     container = OmegaConf.to_container(cfg, resolve=True)
-    flat = {k: v for k, v in flatten(container).items() if not k.startswith(NOT_IDENTITY)}
+    flat = comparable(flatten(container))
     return json.loads(json.dumps(flat, default=str))
 
 
@@ -136,7 +145,7 @@ def finished(cfg) -> dict | None:
     if folder is None or not (folder / ARM_FILE).is_file():
         return None
     record = read_arm(folder)
-    recorded = {k: v for k, v in record["config"].items() if not k.startswith(NOT_IDENTITY)}  # by an older version
+    recorded = comparable(record["config"])  # by an older version
     current = identity(cfg)
     est = cfg.get("estimator")
     defaults = schema_defaults(str(cfg.advantage.name), str(est.name) if est is not None and "name" in est else None)

@@ -18,14 +18,8 @@ import os
 from pathlib import Path
 
 import torch
+from helpers.load_rank import status_kib
 from helpers.probe_writer import JsonlProbe
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _local_bytes(t) -> int:
@@ -47,11 +41,11 @@ class HostMemoryProbe(_Probe):
         full_params = sum(p.numel() * 4 for p in module.policy.parameters())  # fp32 (FSDP's master weights)
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
-        self._write("step", step=step, rss_kb=_status_kb("VmRSS"), hwm_kb=_status_kb("VmHWM"), shard_bytes=shard,
+        self._write("step", step=step, rss_kb=status_kib("VmRSS"), hwm_kb=status_kib("VmHWM"), shard_bytes=shard,
                     full_param_bytes=full_params)
 
     def checkpointed(self, module, path):
-        self._write("checkpointed", hwm_kb=_status_kb("VmHWM"), rss_kb=_status_kb("VmRSS"))
+        self._write("checkpointed", hwm_kb=status_kib("VmHWM"), rss_kb=status_kib("VmRSS"))
 
 
 def _digest(module) -> dict:

@@ -38,6 +38,7 @@ import os
 import random
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,40 @@ def set_rng_state(state: dict) -> None:
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
+
+
+def _cuda_started() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+@contextmanager
+def random_streams_kept(*, init_cuda: bool = False):
+    """Run the block, then put back every random stream it may move: Python's and NumPy's global generators, torch's
+    CPU generator and every CUDA device's (when CUDA is initialized). Work that must not shift the run's own
+    streams (an evaluation between steps, building a cached model, an engine that seeds the globals) runs inside, so
+    the run draws the same samples whether that work happened in this process or not.
+
+    ``init_cuda``: the block will start CUDA. CUDA applies the seed queued before its initialization (the run's
+    ``seed_everything``) when it starts, so it is started here, first, where its stream can be saved and restored."""
+    if init_cuda and torch.cuda.is_available():
+        torch.cuda.init()
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        devices = list(range(torch.cuda.device_count())) if _cuda_started() else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+def seed_started_streams(seed: int) -> None:
+    """Seed torch's CPU generator and, once CUDA is initialized, every CUDA device's. Never a CUDA seed before CUDA
+    starts: ``torch.manual_seed`` would queue one that CUDA's initialization applies later, outside any
+    ``random_streams_kept``, replacing the run's own seed."""
+    torch.default_generator.manual_seed(seed)
+    if _cuda_started():
+        torch.cuda.manual_seed_all(seed)
 
 def _fsync_dir(path: Path) -> None:
     try:

@@ -24,17 +24,15 @@ import hashlib
 import json
 import logging
 import os
-import random
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grail_exp import faults
+from grail_exp.checkpoint import random_streams_kept, seed_started_streams
 from grail_exp.analysis import metrics as M
 from grail_exp.config import register_configs
 from grail_exp.data import load_benchmark
@@ -207,32 +205,6 @@ def chunk_owners(benchmarks: list[_Benchmark], world: int) -> dict[tuple[str, in
     return owners
 
 
-@contextmanager
-def _rng_streams_kept():
-    """Run the block, then put back every random stream it may move: torch's CPU generator, the generator of every
-    CUDA device (when CUDA is initialized in this process), Python's and NumPy's global ones. An evaluation between
-    two training steps then leaves the training stream drawing exactly what it would have drawn without it."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    devices = list(range(torch.cuda.device_count())) if cuda else []
-    py, npy = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=devices, device_type="cuda"):
-            yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-
-
-def _seed_chunk(seed: int) -> None:
-    """Seed the streams a chunk's sampling draws from: torch's CPU generator and, once CUDA is initialized, every CUDA
-    device's (``torch.manual_seed``). Before CUDA is initialized nothing can sample on it, and seeding it would only
-    queue a seed that CUDA's initialization applies later, outside ``_rng_streams_kept``."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
-
-
 def _my_share(benchmarks: list[_Benchmark], engine, params, tokenizer, verifier, cfg, rule, rank: int, world: int,
               desc: str) -> dict:
     """This rank's chunks (``chunk_owners``), in benchmark and chunk order: generated (or read from the cache), decoded
@@ -251,8 +223,8 @@ def _my_share(benchmarks: list[_Benchmark], engine, params, tokenizer, verifier,
             if fresh:
                 # Each chunk has its own seed (common random numbers across world sizes and resumes); every stream it
                 # moves is put back, so the training stream is left untouched.
-                with _rng_streams_kept():
-                    _seed_chunk(chunk_seed(ev.seed, b.name, c))
+                with random_streams_kept():
+                    seed_started_streams(chunk_seed(ev.seed, b.name, c))
                     got = engine.generate(b.prompts[b.span(c)], params)
                 b.cache.put(c, shas, got)
             out[(b.name, c)] = [got, fresh]

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -289,3 +290,36 @@ def test_parallel_jobs_can_create_one_sqlite_store_at_once(tmp_path):
 
     c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     assert len(c.search_runs([c.get_experiment_by_name("exp").experiment_id])) == 3
+
+
+def test_random_streams_kept_puts_back_every_global_stream_a_block_seeds_and_draws():
+    import random as pyrandom
+
+    from grail_exp.checkpoint import random_streams_kept, seed_started_streams
+
+    def draws():
+        return pyrandom.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    torch.manual_seed(11), pyrandom.seed(11), np.random.seed(11)
+    expected = draws()
+    torch.manual_seed(11), pyrandom.seed(11), np.random.seed(11)
+    with random_streams_kept():
+        seed_started_streams(0)
+        pyrandom.seed(0), np.random.seed(0)
+        draws()
+    assert draws() == expected
+
+
+def test_seeding_before_cuda_starts_queues_no_cuda_seed():
+    """``torch.manual_seed`` before CUDA initializes queues a seed that CUDA applies when it starts — after any block
+    that meant to keep the run's streams, replacing the run's own seed. ``seed_started_streams`` queues none."""
+    from grail_exp.checkpoint import seed_started_streams
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        pytest.skip("CUDA already started in this process: nothing is queued either way")
+    tracker = torch.cuda._lazy_seed_tracker
+    before = tracker.get_calls()
+    seed_started_streams(5)
+    assert tracker.get_calls() == before and torch.initial_seed() == 5
+    torch.manual_seed(5)  # the control: the plain call does queue one
+    assert tracker.get_calls() != before

@@ -826,3 +826,37 @@ def test_a_run_writing_its_results_leaves_the_code_clean(tmp_path):
     assert code_state(tmp_path) == (commit, "false")
     (tmp_path / "grail_exp" / "x.py").write_text("a = 2\n")
     assert code_state(tmp_path) == (commit, "true")
+
+
+def _one_step(tmp: Path, name: str) -> subprocess.CompletedProcess:
+    """One study arm of one step on the shipped tiny model with a 3-step cold start, its cache in ``tmp/cache``."""
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    env = {**os.environ, "GRAIL_EXP_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = ["experiment=real/chain_grpo", f"model.name_or_path={tiny}", "model.dtype=float32",
+            "model.attn_implementation=eager", "model.few_shot=[]", "model.cold_start.steps=3", "seed=3",
+            "trainer.max_steps=1", "trainer.prompts_per_step=2", "rollout.num_generations=4",
+            "trainer.micro_batch_size=8", "trainer.weights_table_every=1", "rollout.max_completion_length=24",
+            "eval.max_tokens=24", "eval.n=2", "data.num_test=8", "data.num_validation=8", "logger=none",
+            f"study.dir={tmp / name}", f"paths.root_dir={tmp / name}-run"]
+    return subprocess.run([sys.executable, "-m", "grail_exp.run", *args], capture_output=True, text=True,
+                          timeout=HANG_TIMEOUT_S, env=env, cwd=ROOT)
+
+
+@pytest.mark.e2e
+def test_the_run_that_builds_the_cold_start_samples_what_a_run_loading_it_samples(tmp_path):
+    """Building the cold start (and the shared "before" evaluation) in the job's own process leaves the job's random
+    streams where they were: the first arm of a seed, which builds both, draws the same step-1 rollouts as the next
+    arm, which reads both from the cache. (Before this held, the builder's SFT seed replaced the run's: step-1
+    rewards of GRPO and GRAIL differed in the one seed whose GRPO arm built the cold start.)"""
+    built = _one_step(tmp_path, "builds")
+    assert built.returncode == 0, (built.stdout + built.stderr)[-3000:]
+    assert "this run first builds it" in built.stdout + built.stderr
+    loaded = _one_step(tmp_path, "loads")
+    assert loaded.returncode == 0, (loaded.stdout + loaded.stderr)[-3000:]
+    assert "this run first builds it" not in loaded.stdout + loaded.stderr
+    rollouts = []
+    for name in ("builds", "loads"):
+        (arm,) = (tmp_path / name).glob("*/arm.json")
+        table = pd.read_parquet(arm.parent / "weights" / "step_000001.parquet")
+        rollouts.append(table.groupby("row")["token_id"].apply(list).tolist())
+    assert rollouts[0] and rollouts[0] == rollouts[1]

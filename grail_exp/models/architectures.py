@@ -140,6 +140,8 @@ def build_random_model(path: str | os.PathLike, dtype, attn_implementation: Opti
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from grail_exp.checkpoint import random_streams_kept, seed_started_streams
+
     marker = read_marker(path)
     config = AutoConfig.from_pretrained(str(path))
     kwargs = {"dtype": dtype}
@@ -151,9 +153,9 @@ def build_random_model(path: str | os.PathLike, dtype, attn_implementation: Opti
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     model = model.to_empty(device="cpu")
-    # fork_rng: the init seed must not shift the run's own random stream (sampling, data order).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(marker["init_seed"]))
+    # The init seed must not shift the run's own random streams (sampling, data order), nor queue a CUDA seed.
+    with random_streams_kept():
+        seed_started_streams(int(marker["init_seed"]))
         model.init_weights()
     return model
 

@@ -127,15 +127,27 @@ def ensure_cold_start(base_dir: str, cfg, load_tokenizer, load_causal_lm) -> str
 
 
 def train(base_dir: str, cfg, tokenizer, out: Path, load_causal_lm) -> dict:
-    """The supervised pass; saves the float32 model and the tokenizer into ``out``; returns the build record."""
+    """The supervised pass; saves the float32 model and the tokenizer into ``out``; returns the build record. Its seed
+    and draws stay inside: the job that builds the cold start samples what a job loading it from the cache samples."""
+    import torch
+
+    from grail_exp.checkpoint import random_streams_kept
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with random_streams_kept(init_cuda=device == "cuda"):
+        return _train(base_dir, cfg, tokenizer, out, load_causal_lm, device)
+
+
+def _train(base_dir: str, cfg, tokenizer, out: Path, load_causal_lm, device: str) -> dict:
     import torch
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
+    from grail_exp.checkpoint import seed_started_streams
+
     cs, task = cfg.model.cold_start, _task(cfg)
     t0, c0 = time.perf_counter(), time.process_time()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(cs.seed)
+    seed_started_streams(cs.seed)
     model = load_causal_lm(base_dir, OmegaConf.merge(cfg, {"model": {"dtype": "float32"}}), trainable=True).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cs.lr, weight_decay=0.0)
     losses = []

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from grail_exp.checkpoint import random_streams_kept, seed_started_streams
 from grail_exp.data.arithmetic import ArithmeticTask
 from grail_exp.errors import ConfigError
 
@@ -210,7 +211,7 @@ def build_model(build: dict, tokenizer, seed: int):
         config = LlamaConfig(**common)
     else:
         raise ConfigError(f"model.build.architecture must be 'qwen3' or 'llama', got {arch!r}")
-    torch.manual_seed(seed)
+    seed_started_streams(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     return model
 
@@ -265,7 +266,7 @@ def warm_start(model, tokenizer, task: ArithmeticTask, ws: dict, chat_template_k
     """Supervised pass until greedy validation accuracy reaches ``ws['target_accuracy']``."""
     from tqdm.auto import tqdm
 
-    torch.manual_seed(seed)
+    seed_started_streams(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=ws["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, ws["warmup_steps"])))
     val = list(task.split("validation"))[: ws["eval_problems"]]
@@ -414,12 +415,14 @@ def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_te
         t0 = time.time()
         tokenizer = build_tokenizer(build["tokenizer"], task, build["vocab_size"], warm)
         seed = build.get("seed", 0)
-        model = build_model(build, tokenizer, seed)
-        n_params = sum(p.numel() for p in model.parameters())
-        log.info("embedded model: no shipped or cached build of this spec (key %s), so this run first builds it: "
-                 "%s (cached afterwards at %s)", key,
-                 warm_start_estimate(n_params, warm) if warm["enabled"] else "no warm start, seconds", target)
-        report = warm_start(model, tokenizer, task, warm, chat_template_kwargs, instruction, seed) if warm["enabled"] else {}
+        with random_streams_kept():  # the building job samples what a job loading the cached build samples
+            model = build_model(build, tokenizer, seed)
+            n_params = sum(p.numel() for p in model.parameters())
+            log.info("embedded model: no shipped or cached build of this spec (key %s), so this run first builds it: "
+                     "%s (cached afterwards at %s)", key,
+                     warm_start_estimate(n_params, warm) if warm["enabled"] else "no warm start, seconds", target)
+            report = warm_start(model, tokenizer, task, warm, chat_template_kwargs, instruction, seed) \
+                if warm["enabled"] else {}
         tmp = root / f".tmp-{target.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, safe_serialization=True)

@@ -68,11 +68,11 @@ import logging
 import os
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from grail_exp.checkpoint import random_streams_kept
 from grail_exp.errors import ConfigError, LayoutError, MissingDependencyError
 from grail_exp.rollout.base import Completion, SamplingParams
 from grail_exp.compute.chunks import chunked
@@ -184,21 +184,6 @@ def _free_cached_blocks() -> None:
         torch.cuda.empty_cache()
 
 
-@contextmanager
-def _rng_state_kept():
-    """Restore Python's, NumPy's and torch's global RNG states (this device's CUDA one included) after the block."""
-    import random
-
-    import numpy as np
-
-    py, npy = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-    random.setstate(py)
-    np.random.set_state(npy)
-
-
 class VLLMRolloutEngine:
     def __init__(self, model_path: str, tokenizer, *, dtype: str = "float32", batch_size: int = 256,
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
@@ -235,7 +220,7 @@ class VLLMRolloutEngine:
         if rank_device is not None:
             check_engine_device(rank_device, engine_device_index(bool(group)), built=False)
         t = time.perf_counter()
-        with _rng_state_kept():  # vLLM seeds the process's global RNGs with its own seed: the run's streams stay
+        with random_streams_kept():  # vLLM seeds the process's global RNGs with its own seed: the run's streams stay
             self.llm = vllm.LLM(
                 model=str(model_path), revision=revision, tokenizer_revision=revision, dtype=dtype, seed=seed,
                 gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,

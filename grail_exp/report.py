@@ -795,7 +795,25 @@ def pairing_notes(arms: dict, cfg: DictConfig, notes: Notes) -> dict[tuple, list
                 out[(model, scheme)].append(notes.mark(
                     f"{model} × {scheme}, seed {seed}: evaluation settings differ from {cfg.baseline} "
                     f"({'; '.join(diff)}): paired by problem, but not with common random numbers"))
+            first = first_step_rewards(rec, partner)
+            if first is not None and first[0] != first[1]:
+                out[(model, scheme)].append(notes.mark(
+                    f"{model} × {scheme}, seed {seed}: step-1 training reward {first[0]:.4g} vs {first[1]:.4g} for "
+                    f"{cfg.baseline}: the two arms' first rollouts differ, so training did not start from common "
+                    f"random numbers (the same model and seed draw the same step-1 rollouts in every arm)"))
     return out
+
+
+def first_step_rewards(rec: RunRecord, partner: RunRecord) -> Optional[tuple[float, float]]:
+    """The step-1 mean training reward of two arms of a seed, when both recorded their curves. Step 1's rollouts come
+    from the shared starting weights and the seed's stream, before any scheme acted: equal in every arm of a seed."""
+    got = []
+    for r in (rec, partner):
+        h = r.history
+        if h is None or 1 not in h.index or "reward/mean" not in h:
+            return None
+        got.append(float(h.loc[1, "reward/mean"]))
+    return got[0], got[1]
 
 
 # ----------------------------------------------------------------------------------------------- rendering

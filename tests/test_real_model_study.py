@@ -153,6 +153,20 @@ def test_report_reads_a_study_folder_paired(tmp_path):
     assert "study folder" in out["markdown"]
 
 
+def test_report_flags_a_seed_whose_arms_drew_different_step1_rollouts(tmp_path):
+    """Step 1 samples from the shared starting weights with the seed's stream, before any scheme acts: a seed whose
+    arms' step-1 rewards differ gets a footnote naming both rewards; a seed whose arms agree gets none."""
+    study = tmp_path / "study"
+    half = np.tile([1, 1, 0, 0], (10, 1))
+    step1 = {("grpo", 1): 0.65625, ("grail", 1): 0.75, ("grpo", 2): 0.5, ("grail", 2): 0.5}
+    for (scheme, seed), reward in step1.items():
+        folder = _arm(study, scheme, seed, half, {})
+        pd.DataFrame({"step": [1, 2], "reward/mean": [reward, 0.9]}).to_csv(folder / "history.csv", index=False)
+    text = _report(study, tmp_path)["markdown"]
+    assert "m × grail, seed 1: step-1 training reward 0.75 vs 0.6562 for grpo" in text
+    assert "seed 2: step-1" not in text
+
+
 def test_report_plots_a_study_folder_without_asking_mlflow(tmp_path, caplog):
     """A folder arm without history.csv (recorded by an older run) has no training curves; the report still draws the
     other plots and never looks the arm up in MLflow (where it is not)."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA device (results/gpu.md records what they printed on an H100).
-#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|preflight|benchreal|study1gpu|all] [OUT_DIR]
+#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|preflight|benchreal|study1gpu|study6gpu|all] [OUT_DIR]
 # tests:   pytest -m gpu tests/gpu (bf16 masters, bf16 vs fp32, probe equality, the probe on its rows only, step and
 #          generation memory)
 # e2e:     python -m grail_exp.run with trainer=gpu (real HF generation) and trainer=fsdp at world size 1
@@ -33,6 +33,15 @@
 #          per step ($STEPS steps, default 15), the study's task, lr and evaluation (200 held-out problems x 4, one
 #          shared "before"); arms recorded in OUT_DIR/study1gpu/<arm>/, the paired table in OUT_DIR/study1gpu.md.
 #          Sized for <= 4 minutes on one H100 (not measured: no GPU was lent when it was written); not part of "all".
+# study6gpu: the study's six-seed GPU row (results/real_model_study.md §6): GRPO vs GRAIL at 32 prompts x 8, $STEPS
+#          steps (default 15), seeds $SEEDS (default 1-6), as study1gpu but trainer.deterministic=true and the arms run as
+#          $WORKERS concurrent workers on the one GPU (default 6), seed-major (a seed's two arms start together, so a
+#          cut leaves whole pairs), each recorded in OUT_DIR/study6gpu/<arm>/ the moment it finishes and skipped when
+#          the mode runs again. The first arm builds the cold start (the others wait on its lock); an arm still running at $DEADLINE_S
+#          seconds after the start (default 480) is stopped, so the step-1 table (the same first rollouts in both arms
+#          of every seed) and the report over the complete seeds are written within the lease: OUT_DIR/study6gpu.md,
+#          each arm's log in OUT_DIR/study6gpu_logs/. Not measured on a GPU when written (no GPU was lent): study1gpu's
+#          arms took 101-141 s alone on an H100; not part of "all".
 set -uo pipefail
 what=${1:-all}
 out=${2:-results/gpu}
@@ -134,26 +143,72 @@ if [[ $what == preflight ]]; then
     cp /tmp/preflight/$trainer/preflight.md "$out/preflight_$trainer.md" 2>/dev/null
   done
 fi
-if [[ $what == study1gpu ]]; then
-  start=$(date +%s)
-  src=${SMOLLM2_PATH:?set SMOLLM2_PATH to SmolLM2-135M-Instruct.Q4_1.gguf (or a converted model directory)}
+smollm2_study_model() {  # sets model (converted once from the GGUF file) and lr (the study's lr.json, or LR) for $1
+  local src=${SMOLLM2_PATH:?set SMOLLM2_PATH to SmolLM2-135M-Instruct.Q4_1.gguf (or a converted model directory)}
   model=$src
   if [[ -f $src ]]; then  # the GGUF file: de-quantise it once, as pkg:smollm2 does (grail_exp/models/packaged.py)
-    model=/tmp/study1gpu/smollm2
+    model=/tmp/$1/smollm2
     [[ -f $model/config.json ]] || $PY -c "import sys; from pathlib import Path; from grail_exp.models.packaged import convert_gguf; print(convert_gguf(Path(sys.argv[1]), Path(sys.argv[2])), 'parameters')" "$src" "$model"
   fi
   lr=${LR:-$($PY -c "import json, glob; f = sorted(glob.glob('results/real_model_study/*/lr.json')); print(json.load(open(f[-1]))['lr'] if f else '')")}
+}
+# The study's task, lr and evaluation at 32 prompts x 8 on one GPU (study1gpu and study6gpu).
+GPU_STUDY=(trainer.prompts_per_step=32 trainer.micro_batch_size=64 rollout.generation_batch_size=256 eval.batch_size=800
+           trainer.checkpoint_every=0 trainer.save_final_checkpoint=false trainer.eval_before_training=true)
+if [[ $what == study1gpu ]]; then
+  start=$(date +%s)
+  smollm2_study_model study1gpu
   logger=""; $PY -c "import mlflow" 2>/dev/null || logger=logger=none  # a bare GPU image: the arms' curves still recorded
   echo "study1gpu: model $model, lr ${lr:-the recipe default}, ${logger:-MLflow}, $(( $(date +%s) - start )) s so far"
   # shellcheck disable=SC2086  # EXTRA: further overrides, word-split (the CPU smoke test of this mode uses it)
   $PY -m grail_exp.run -m seed=1 experiment=real/chain_grpo,real/chain_grail,real/chain_oar_g trainer=${TRAINER:-gpu} \
-      "model.name_or_path=$model" ${lr:+optim.lr=$lr} trainer.max_steps=${STEPS:-15} trainer.prompts_per_step=32 \
-      trainer.micro_batch_size=64 rollout.generation_batch_size=256 eval.batch_size=800 \
-      trainer.checkpoint_every=0 trainer.save_final_checkpoint=false trainer.eval_before_training=true \
+      "model.name_or_path=$model" ${lr:+optim.lr=$lr} trainer.max_steps=${STEPS:-15} "${GPU_STUDY[@]}" \
       "study.dir=$out/study1gpu" paths.root_dir=/tmp/study1gpu hydra.sweep.dir=/tmp/study1gpu/sweep \
       'hydra.sweep.subdir=${advantage.name}_s${seed}' $logger ${EXTRA:-} 2>&1 | tee "$out/study1gpu.log" | grep -v "it/s\]" | tail -30
   $PY -m grail_exp.report "runs.dir=$out/study1gpu" design_check.strict=true 'schemes=[grpo,grail,oar_g]' 'seeds=[1]' \
       'metrics=[acc,pass@n]' "output.dir=$out" output.name=study1gpu log_to=none paths.root_dir=/tmp/study1gpu \
       "output.title='SmolLM2-135M-Instruct on arithmetic chains, one H100, seed 1, 32 x 8 per step'" 2>&1 | tail -30
   echo "study1gpu: $(( $(date +%s) - start )) s in all"
+fi
+if [[ $what == study6gpu ]]; then
+  start=$(date +%s)
+  smollm2_study_model study6gpu
+  deadline=$(( start + ${DEADLINE_S:-480} ))
+  arms_dir=$out/study6gpu logs=$out/study6gpu_logs
+  mkdir -p "$arms_dir" "$logs"
+  # shellcheck disable=SC2206  # EXTRA: further overrides, word-split (the CPU smoke test of this mode uses it)
+  common=(trainer=${TRAINER:-gpu} "model.name_or_path=$model" ${lr:+optim.lr=$lr} trainer.max_steps=${STEPS:-15}
+          "${GPU_STUDY[@]}" trainer.deterministic=true logger=none "study.dir=$arms_dir" ${EXTRA:-})
+  echo "study6gpu: model $model, lr ${lr:-the recipe default}, ${WORKERS:-6} workers, $(( $(date +%s) - start )) s so far"
+  run_arm() {  # seed scheme: one arm, stopped at the deadline; its log in $logs
+    local left=$(( deadline - $(date +%s) )) t0
+    t0=$(date +%s)
+    if (( left <= 0 )); then echo "study6gpu: $2 seed $1 not started (deadline)"; return 0; fi
+    OMP_NUM_THREADS=${ARM_THREADS:-2} timeout --signal=TERM --kill-after=30 "$left" $PY -m grail_exp.run "seed=$1" \
+        "experiment=real/chain_$2" "${common[@]}" "paths.root_dir=/tmp/study6gpu/$2_s$1" > "$logs/$2_s$1.log" 2>&1
+    echo "study6gpu: $2 seed $1 exit $? after $(( $(date +%s) - t0 )) s"
+  }
+  export -f run_arm
+  export deadline logs PY
+  export COMMON="$(declare -p common)"
+  for seed in ${SEEDS:-1 2 3 4 5 6}; do for scheme in grpo grail; do echo "$seed $scheme"; done; done |
+      xargs -P "${WORKERS:-6}" -n 2 bash -c 'eval "$COMMON"; run_arm "$@"' _
+  complete=$($PY - "$arms_dir" "$out/study6gpu_first_rollouts.md" <<'PYEOF'
+import contextlib, io, sys
+from grail_exp.analysis.study import first_rollouts
+table = io.StringIO()
+with contextlib.redirect_stdout(table):
+    r = first_rollouts(sys.argv[1], ["grpo", "grail"])
+table.write(f"\nsame first rollouts (step-1 rewards) in every complete seed: {'yes' if r['equal'] else 'NO'}\n")
+open(sys.argv[2], "w").write(table.getvalue())
+print(",".join(r["complete"]))
+PYEOF
+)
+  cat "$out/study6gpu_first_rollouts.md"
+  if [[ -n $complete ]]; then
+    $PY -m grail_exp.report "runs.dir=$arms_dir" design_check.strict=true 'schemes=[grpo,grail]' "seeds=[$complete]" \
+        'metrics=[acc,pass@n]' "output.dir=$out" output.name=study6gpu log_to=none paths.root_dir=/tmp/study6gpu \
+        "output.title='SmolLM2-135M-Instruct on arithmetic chains, one GPU, 32 x 8 per step, ${STEPS:-15} steps'" 2>&1 | tail -4
+  fi
+  echo "study6gpu: complete seeds [${complete}], $(( $(date +%s) - start )) s in all"
 fi

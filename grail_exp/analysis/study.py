@@ -325,3 +325,38 @@ def choose_lr(folder: str | os.PathLike, out: str | os.PathLike, expected: list[
     log.info("learning rate chosen: %s (%s = %.3f)", choice["lr"], metric, rows[0]["value"])
     print(json.dumps(choice))
     return choice
+
+
+def first_rollouts(directory: str | os.PathLike, schemes: list[str]) -> dict:
+    """Per seed of a study folder: each scheme's step-1 mean training reward (``history.csv``), whether the seed is
+    complete (an arm of every scheme in ``schemes``) and whether its arms drew the same first rollouts (equal step-1
+    rewards: step 1 samples from the shared starting weights with the seed's stream, before any scheme acts).
+    Printed as one table and returned as ``{"seeds": {seed: {...}}, "complete": [...], "equal": bool}``."""
+    seeds: dict[str, dict] = {}
+    for folder, arm in read_study(directory):
+        path = folder / "history.csv"
+        reward = None
+        if path.is_file():
+            import pandas as pd
+
+            h = pd.read_csv(path, index_col="step")
+            reward = float(h.loc[1, "reward/mean"]) if 1 in h.index and "reward/mean" in h else None
+        seeds.setdefault(str(arm["seed"]), {})[arm["scheme"]] = reward
+    out = {}
+    for seed in sorted(seeds, key=lambda s: (len(s), s)):
+        got = seeds[seed]
+        complete = all(s in got for s in schemes)
+        rewards = {got[s] for s in schemes if got.get(s) is not None}
+        out[seed] = {"step1_reward": got, "complete": complete, "equal": complete and len(rewards) == 1}
+    result = {"seeds": out, "complete": [s for s, r in out.items() if r["complete"]],
+              "equal": all(r["equal"] for r in out.values() if r["complete"])}
+    print("| seed | " + " | ".join(f"{s} step-1 reward" for s in schemes) + " | complete | same first rollouts |")
+    print("|--:|" + "--:|" * len(schemes) + "---|---|")
+    for seed, r in out.items():
+        cells = [DASH if r["step1_reward"].get(s) is None else f"{r['step1_reward'][s]:.4f}" for s in schemes]
+        print(f"| {seed} | " + " | ".join(cells) + f" | {'yes' if r['complete'] else 'no'} | "
+              + ("yes" if r["equal"] else ("no" if r["complete"] else DASH)) + " |")
+    return result
+
+
+DASH = "—"

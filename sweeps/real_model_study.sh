@@ -15,7 +15,7 @@
 #     each arm is recorded in $RES/<arm>/ (arm.json, samples, curves, weight tables) the moment it finishes;
 #     a restart skips recorded arms and continues the stopped one from its last checkpoint (every 10 steps).
 #  3. the report: python -m grail_exp.report runs.dir=$RES design_check.strict=true -> $RES/report.{md,tex,json}
-#     and plots; GRAIL's weight profile and heatmaps -> $RES/weights/.
+#     and plots; GRAIL's weight profile and heatmaps -> $RES/weights/; each seed's step-1 rewards -> $RES/first_rollouts.md.
 #
 # Knobs (environment): STUDY (name; default real_model_study), RES (results folder, committed; default
 # results/real_model_study/$STUDY), OUT (run dirs and checkpoints; default outputs/real_model_study/$STUDY), SEEDS,
@@ -79,5 +79,8 @@ if has report; then
     if compgen -G "$RES/*-grail-s*/weights" > /dev/null; then
         $PY sweeps/real_model_weights.py "$RES"/*-grail-s* --out "$RES/weights" --min-length 40 --max-length 150
     fi
-    note "phase report: written to $RES/report.md"
+    # Each seed's step-1 training reward per arm: equal within a seed (the arms' first rollouts are common random numbers)
+    $PY -c "import sys; from grail_exp.analysis.study import first_rollouts; first_rollouts(sys.argv[1], sys.argv[2].split())" \
+        "$RES" "$SCHEMES" > "$RES/first_rollouts.md"
+    note "phase report: written to $RES/report.md (and first_rollouts.md)"
 fi

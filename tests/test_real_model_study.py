@@ -324,7 +324,10 @@ def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_o
         assert seg["git_commit"] == head and seg["git_dirty"] in ("true", "false")
         if seg["git_dirty"] == "true":  # a dirty tree's segment carries its diff, hashed with the arm's files
             assert seg["diff"] in grail["files"] or seg["diff"] in grpo["files"]
-    # common random numbers: one "before" evaluation, sampled once, shared by both arms
+    # common random numbers: the same step-1 rollouts in both arms (GRPO's job built the cold start, GRAIL's read it)
+    first_rows = (res / "first_rollouts.md").read_text().splitlines()
+    assert first_rows[2].startswith("| 1 | ") and first_rows[2].endswith("| yes | yes |"), first_rows
+    # and one "before" evaluation, sampled once, shared by both arms
     before = [pd.read_parquet(res / f"smollm2_135m-{s}-s1" / "samples_before.parquet") for s in ("grpo", "grail")]
     pd.testing.assert_frame_equal(before[0], before[1])
     (cache,) = [p for p in (tmp_path / "cache" / "evals").glob("arithmetic-*.jsonl")]

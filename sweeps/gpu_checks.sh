@@ -41,7 +41,9 @@
 #          seconds after the start (default 480) is stopped, so the step-1 table (the same first rollouts in both arms
 #          of every seed) and the report over the complete seeds are written within the lease: OUT_DIR/study6gpu.md,
 #          each arm's log in OUT_DIR/study6gpu_logs/. Not measured on a GPU when written (no GPU was lent): study1gpu's
-#          arms took 101-141 s alone on an H100; not part of "all".
+#          arms took 101-141 s alone on an H100; not part of "all". An arm that stops with "does not have a
+#          deterministic implementation" names a CUDA op torch cannot run deterministically: DETERMINISTIC=false runs
+#          without (and the step-1 table then says whether the pairs still started alike).
 set -uo pipefail
 what=${1:-all}
 out=${2:-results/gpu}
@@ -178,13 +180,13 @@ if [[ $what == study6gpu ]]; then
   mkdir -p "$arms_dir" "$logs"
   # shellcheck disable=SC2206  # EXTRA: further overrides, word-split (the CPU smoke test of this mode uses it)
   common=(trainer=${TRAINER:-gpu} "model.name_or_path=$model" ${lr:+optim.lr=$lr} trainer.max_steps=${STEPS:-15}
-          "${GPU_STUDY[@]}" trainer.deterministic=true logger=none "study.dir=$arms_dir" ${EXTRA:-})
+          "${GPU_STUDY[@]}" "trainer.deterministic=${DETERMINISTIC:-true}" logger=none "study.dir=$arms_dir" ${EXTRA:-})
   echo "study6gpu: model $model, lr ${lr:-the recipe default}, ${WORKERS:-6} workers, $(( $(date +%s) - start )) s so far"
   run_arm() {  # seed scheme: one arm, stopped at the deadline; its log in $logs
     local left=$(( deadline - $(date +%s) )) t0
     t0=$(date +%s)
     if (( left <= 0 )); then echo "study6gpu: $2 seed $1 not started (deadline)"; return 0; fi
-    OMP_NUM_THREADS=${ARM_THREADS:-2} timeout --signal=TERM --kill-after=30 "$left" $PY -m grail_exp.run "seed=$1" \
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=${ARM_THREADS:-2} timeout --signal=TERM --kill-after=30 "$left" $PY -m grail_exp.run "seed=$1" \
         "experiment=real/chain_$2" "${common[@]}" "paths.root_dir=/tmp/study6gpu/$2_s$1" > "$logs/$2_s$1.log" 2>&1
     echo "study6gpu: $2 seed $1 exit $? after $(( $(date +%s) - t0 )) s"
   }

@@ -118,6 +118,7 @@ def engine_and_trainer_logprobs(backend, engine, temperature: float = 1.0, max_n
     """The engine's completion of the fixed ``QUESTION`` (greedy at T = 1, sampled at T otherwise: both sides divide
     by it) and the log-probs of its tokens as the engine reported them and as the trainer's policy forward computes
     them: (token ids, engine (T,), trainer (T,)), float32 on the CPU. The run's RNG streams are left untouched."""
+    from grail_exp.checkpoint import random_streams_kept
     from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.data.prompting import encode_prompts
     from grail_exp.rollout import SamplingParams, pad_completions
@@ -127,8 +128,7 @@ def engine_and_trainer_logprobs(backend, engine, temperature: float = 1.0, max_n
     params = SamplingParams(n=1, temperature=0.0 if temperature == 1.0 else temperature,
                             max_new_tokens=max_new_tokens, logprobs=True)
     prompt = encode_prompts([QUESTION], module.tokenizer, cfg.model, cfg.data.instruction)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), backend.generation(engine):
+    with random_streams_kept(), backend.generation(engine):
         out = engine.generate(prompt, params)
     rb = pad_completions(out, module.tokenizer.pad_token_id)
     dev = module.policy.device

@@ -807,13 +807,10 @@ def pairing_notes(arms: dict, cfg: DictConfig, notes: Notes) -> dict[tuple, list
 def first_step_rewards(rec: RunRecord, partner: RunRecord) -> Optional[tuple[float, float]]:
     """The step-1 mean training reward of two arms of a seed, when both recorded their curves. Step 1's rollouts come
     from the shared starting weights and the seed's stream, before any scheme acted: equal in every arm of a seed."""
-    got = []
-    for r in (rec, partner):
-        h = r.history
-        if h is None or 1 not in h.index or "reward/mean" not in h:
-            return None
-        got.append(float(h.loc[1, "reward/mean"]))
-    return got[0], got[1]
+    from grail_exp.analysis.study import step1_reward
+
+    got = step1_reward(rec.history), step1_reward(partner.history)
+    return None if None in got else got
 
 
 # ----------------------------------------------------------------------------------------------- rendering

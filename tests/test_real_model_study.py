@@ -167,6 +167,23 @@ def test_report_flags_a_seed_whose_arms_drew_different_step1_rollouts(tmp_path):
     assert "seed 2: step-1" not in text
 
 
+def test_first_rollouts_table_marks_unequal_incomplete_and_equal_seeds(tmp_path, capsys):
+    from grail_exp.analysis.study import first_rollouts
+
+    study = tmp_path / "study"
+    half = np.tile([1, 1, 0, 0], (10, 1))
+    for (scheme, seed), reward in {("grpo", 1): 0.5, ("grail", 1): 0.75, ("grpo", 2): 0.25, ("grail", 2): 0.25,
+                                   ("grpo", 3): 0.5}.items():
+        folder = _arm(study, scheme, seed, half, {})
+        pd.DataFrame({"step": [1], "reward/mean": [reward]}).to_csv(folder / "history.csv", index=False)
+    got = first_rollouts(study, ["grpo", "grail"])
+    assert got["complete"] == ["1", "2"] and got["equal"] is False
+    assert [got["seeds"][s]["equal"] for s in ("1", "2", "3")] == [False, True, False]
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2:] == ["| 1 | 0.5000 | 0.7500 | yes | no |", "| 2 | 0.2500 | 0.2500 | yes | yes |",
+                        "| 3 | 0.5000 | — | no | — |"]
+
+
 def test_report_plots_a_study_folder_without_asking_mlflow(tmp_path, caplog):
     """A folder arm without history.csv (recorded by an older run) has no training curves; the report still draws the
     other plots and never looks the arm up in MLflow (where it is not)."""

@@ -46,6 +46,7 @@ from grail_exp.errors import UserError
 log = logging.getLogger("grail_exp.analysis.study")
 
 ARM_FILE = "arm.json"
+DASH = "—"
 # Flat config keys (prefixes) that may change between a study's start and its restart: where files go, how runs are
 # logged, how many threads compute, whether to resume, which recipe files stated the values (recipe.*: the resolved
 # values themselves are the identity, wherever they were stated), where freed heap is returned, whether a
@@ -327,6 +328,13 @@ def choose_lr(folder: str | os.PathLike, out: str | os.PathLike, expected: list[
     return choice
 
 
+def step1_reward(history) -> float | None:
+    """The mean training reward of step 1 in an arm's curves (a DataFrame indexed by step), or None without it."""
+    if history is None or 1 not in history.index or "reward/mean" not in history:
+        return None
+    return float(history.loc[1, "reward/mean"])
+
+
 def first_rollouts(directory: str | os.PathLike, schemes: list[str]) -> dict:
     """Per seed of a study folder: each scheme's step-1 mean training reward (``history.csv``), whether the seed is
     complete (an arm of every scheme in ``schemes``) and whether its arms drew the same first rollouts (equal step-1
@@ -335,13 +343,12 @@ def first_rollouts(directory: str | os.PathLike, schemes: list[str]) -> dict:
     seeds: dict[str, dict] = {}
     for folder, arm in read_study(directory):
         path = folder / "history.csv"
-        reward = None
+        history = None
         if path.is_file():
             import pandas as pd
 
-            h = pd.read_csv(path, index_col="step")
-            reward = float(h.loc[1, "reward/mean"]) if 1 in h.index and "reward/mean" in h else None
-        seeds.setdefault(str(arm["seed"]), {})[arm["scheme"]] = reward
+            history = pd.read_csv(path, index_col="step")
+        seeds.setdefault(str(arm["seed"]), {})[arm["scheme"]] = step1_reward(history)
     out = {}
     for seed in sorted(seeds, key=lambda s: (len(s), s)):
         got = seeds[seed]
@@ -358,5 +365,3 @@ def first_rollouts(directory: str | os.PathLike, schemes: list[str]) -> dict:
               + ("yes" if r["equal"] else ("no" if r["complete"] else DASH)) + " |")
     return result
 
-
-DASH = "—"

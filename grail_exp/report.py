@@ -156,6 +156,17 @@ class DesignCheck:
 
 
 @dataclass
+class DecisionConfig:
+    """A decision rule declared before a study's seeds ran, applied to each row's primary comparison
+    (grail_exp/analysis/stats.py ``declared_rule``): "beats" only if at least ``min_same_sign`` of the ``seeds``
+    paired seeds have Δ > 0 and the seed-level t interval lies above 0; "is worse" by the mirror rule; otherwise
+    "not settled". Not applied until ``seeds`` seeds are paired. null = no rule declared (no line in the report)."""
+
+    seeds: Optional[int] = None  # the number of seeds the rule was declared for
+    min_same_sign: Optional[int] = None  # seeds whose Δ must share the claimed sign
+
+
+@dataclass
 class ReportConfig:
     """Schema of ``python -m grail_exp.report`` (conf/report.yaml)."""
 
@@ -186,6 +197,7 @@ class ReportConfig:
         "eval.seed", "eval.n", "eval.temperature", "eval.top_p", "eval.top_k", "eval.max_tokens", "eval.sampling",
         "benchmark.limit", "benchmark.olympiad_gold"])
     design_check: DesignCheck = field(default_factory=DesignCheck)
+    decision: DecisionConfig = field(default_factory=DecisionConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     log_to: str = "auto"  # auto (the parent run if runs.parent_run_id, else a new report run) | report | parent | none
@@ -206,6 +218,21 @@ def validate_report(cfg: DictConfig) -> None:
         errors.append("metrics: empty")
     if cfg.primary_metric is not None and not _METRIC.match(str(cfg.primary_metric)):
         errors.append(f"primary_metric = {cfg.primary_metric!r}: not acc | maj | pass@<k> | pass@n (or null)")
+    rule = cfg.decision
+    if (rule.seeds is None) != (rule.min_same_sign is None):
+        errors.append(f"decision.seeds = {rule.seeds}, decision.min_same_sign = {rule.min_same_sign}: set both "
+                      "(a declared rule) or neither")
+    elif rule.seeds is not None:
+        if rule.seeds < 2 or not 1 <= rule.min_same_sign <= rule.seeds:
+            errors.append(f"decision.seeds = {rule.seeds}, decision.min_same_sign = {rule.min_same_sign}: need "
+                          "seeds >= 2 and 1 <= min_same_sign <= seeds")
+        if not _has_primary(cfg):
+            primary = "null" if cfg.primary_metric is None else cfg.primary_metric
+            errors.append(f"decision: the rule applies to the primary comparison, but primary_metric = {primary} "
+                          f"is not one of metrics = {list(cfg.metrics)}")
+        if cfg.seeds is not None and len(cfg.seeds) != rule.seeds:
+            errors.append(f"decision.seeds = {rule.seeds}, but seeds lists {len(cfg.seeds)}: "
+                          f"{list(cfg.seeds)}")
     if cfg.average not in ("unweighted", "weighted"):
         errors.append(f"average = {cfg.average!r}: must be unweighted or weighted")
     if cfg.log_to not in ("auto", "report", "parent", "none"):
@@ -731,10 +758,11 @@ def _primary_column(table: MetricTable) -> str:
     return AVG if AVG in table.columns else table.columns[0]
 
 
-def apply_holm(tables: list[MetricTable], cfg: DictConfig) -> None:
+def apply_primary_and_holm(tables: list[MetricTable], cfg: DictConfig) -> None:
     """Per row (model × scheme): mark the declared primary comparison (``primary_metric`` on the avg column, or the
-    only benchmark) and Holm-adjust the seed-level p-values (t and sign-flip, separately) over every other
-    comparison of the row that has them (two or more seeds), across metrics and benchmark columns."""
+    only benchmark), apply the declared decision rule to it (``decision``, when set), and Holm-adjust the seed-level
+    p-values (t and sign-flip, separately) over every other comparison of the row that has them (two or more
+    seeds), across metrics and benchmark columns."""
     rows: dict[tuple, list] = defaultdict(list)
     for t in tables:
         for r in t.rows:
@@ -746,6 +774,8 @@ def apply_holm(tables: list[MetricTable], cfg: DictConfig) -> None:
                     continue
                 d.primary = cfg.primary_metric is not None and t.spec == str(cfg.primary_metric) \
                     and c == _primary_column(t)
+                if d.primary and cfg.decision.seeds is not None:
+                    d.decision = _decide(d, r, cfg)
                 if not d.primary and d.seed_level():
                     rows[(r.model, r.scheme)].append(d)
     for family in rows.values():
@@ -753,6 +783,16 @@ def apply_holm(tables: list[MetricTable], cfg: DictConfig) -> None:
         flip_adj = stats.holm([d.seed_flip_p for d in family])
         for d, tp, fp in zip(family, t_adj, flip_adj):
             d.seed_t_p_holm, d.seed_flip_p_holm = tp, fp
+
+
+def _decide(d: stats.PairedResult, row: Row, cfg: DictConfig) -> dict:
+    rule = cfg.decision
+    if d.n_seeds > rule.seeds:
+        raise ConfigError(f"decision.seeds = {rule.seeds}: {row.model} × {row.scheme} has {d.n_seeds} paired seeds "
+                          f"({', '.join(map(str, row.paired_seeds))}); the rule was declared for {rule.seeds} "
+                          "(select the declared ones with seeds=[...])")
+    result = stats.declared_rule(d.seed_deltas, d.seed_t_lo, d.seed_t_hi, rule.seeds, rule.min_same_sign)
+    return {**result.__dict__, "text": result.text(row.scheme, cfg.baseline)}
 
 
 def generation_table(arms: dict, cfg: DictConfig) -> list[dict]:
@@ -902,6 +942,18 @@ def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, he
                            f"{t_text} | {flip_text} | {holm_text} | {_p(d.p_value)} | {d.n_seeds} | "
                            f"{d.n_problems} |")
         out.append("")
+        decided = [(r, d) for r in t.rows for c in t.columns
+                   if (d := r.cells[c].delta) is not None and d.decision is not None]
+        if decided:
+            rule = cfg.decision
+            out += [f"Declared rule on the primary comparison (decision.seeds, decision.min_same_sign): a scheme "
+                    f"beats {cfg.baseline} only if at least {rule.min_same_sign} of {rule.seeds} seeds have Δ > 0 "
+                    f"and the seed-level {conf} % t interval lies above 0 (is worse: the mirror rule); otherwise "
+                    f"not settled.", ""]
+            out += [f"- {r.model} × {r.scheme}: {d.decision['text']}; t interval [{_pct(d.seed_t_lo, True)}, "
+                    f"{_pct(d.seed_t_hi, True)}]" if d.seed_t_lo is not None else
+                    f"- {r.model} × {r.scheme}: {d.decision['text']}" for r, d in decided]
+            out.append("")
     if generation:
         out += _generation_markdown(generation)
     out.append(_legend(cfg, tables))
@@ -1176,7 +1228,7 @@ def build_report(cfg: DictConfig) -> dict:
             raise ConfigError(f"no usable run among the {len(raw)} selected at {where} (filters: "
                               f"{OmegaConf.to_container(cfg.runs, resolve=True)}); notes: {notes.texts}")
         tables = build_tables(arms, row_notes, cfg, notes)
-        apply_holm(tables, cfg)
+        apply_primary_and_holm(tables, cfg)
         generation = generation_table(arms, cfg)
 
         title = cfg.output.title or f"Paired comparison vs {cfg.baseline}"

@@ -20,7 +20,8 @@
 # Knobs (environment): STUDY (name; default real_model_study), RES (results folder, committed; default
 # results/real_model_study/$STUDY), OUT (run dirs and checkpoints; default outputs/real_model_study/$STUDY), SEEDS,
 # SCHEMES, LRS, LR_STEPS, LR, THREADS (torch threads; default: torch's), PY (the interpreter), PHASES (default
-# "lr study report"). Each phase's start and end go to $RES/driver_log.txt (the wall times of the study).
+# "lr study report"), DECISION ("<seeds> <min_same_sign>": the study's declared rule, applied by the report).
+# Each phase's start and end go to $RES/driver_log.txt (the wall times of the study).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -72,10 +73,15 @@ if has report; then
     parent=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['run_id'])" \
         "$OUT/study/mlflow_parent_run.json" 2>/dev/null || true)
     log_to=$([[ -n "$parent" ]] && echo "log_to=parent runs.parent_run_id=$parent" || echo "log_to=none")
+    rule=()
+    if [[ -n "${DECISION:-}" ]]; then
+        read -r rule_seeds rule_min <<< "$DECISION"
+        rule=("decision.seeds=$rule_seeds" "decision.min_same_sign=$rule_min")
+    fi
     # shellcheck disable=SC2086
     $PY -m grail_exp.report "runs.dir=$RES" design_check.strict=true "schemes=[$(csv $SCHEMES)]" \
         "seeds=[$(csv $SEEDS)]" 'metrics=[acc,pass@n]' "output.dir=$RES" output.name=report \
-        "output.title='SmolLM2-135M-Instruct on arithmetic chains, study $STUDY'" $log_to
+        "output.title='SmolLM2-135M-Instruct on arithmetic chains, study $STUDY'" $log_to "${rule[@]}"
     if compgen -G "$RES/*-grail-s*/weights" > /dev/null; then
         $PY sweeps/real_model_weights.py "$RES"/*-grail-s* --out "$RES/weights" --min-length 40 --max-length 150
     fi

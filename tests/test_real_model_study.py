@@ -760,11 +760,14 @@ def test_an_added_key_set_away_from_its_default_is_still_a_different_arm(tmp_pat
 @pytest.mark.slow
 def test_driver_skips_every_committed_arm_and_reports_them(tmp_path):
     """sweeps/real_model_study.sh over a copy of the committed study: the study phase trains nothing (every arm
-    'already finished'), the report phase's strict design check accepts the arms (recorded by older code)."""
+    'already finished'), the report phase's strict design check accepts the arms (recorded by older code), and a
+    DECISION rule reaches the report: round one's GRAIL seeds read +1.0, −7.6, −5.1 (results/real_model_study.md
+    §5), so "all 3 of 3 positive" is not met: not settled."""
     study = _committed_study(tmp_path)
     seeds = " ".join(_complete_seeds(study))
     e = {**os.environ, "PY": sys.executable, "RES": str(study), "OUT": str(tmp_path / "out"), "SEEDS": seeds,
-         "PHASES": "study report", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "OMP_NUM_THREADS": "1",
+         "PHASES": "study report", "DECISION": "3 3", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+         "OMP_NUM_THREADS": "1",
          "PYTHONPATH": str(ROOT), "GRAIL_EXP_CACHE": str(tmp_path / "cache")}
     e.pop("GRAIL_EXP_FAULT", None)
     done = subprocess.run(["bash", str(ROOT / "sweeps" / "real_model_study.sh"), f"paths.root_dir={tmp_path}"],
@@ -775,6 +778,8 @@ def test_driver_skips_every_committed_arm_and_reports_them(tmp_path):
     assert "starting fresh" not in log and "resuming from" not in log
     assert "phase report: written" in (study / "driver_log.txt").read_text()
     assert "not comparable" not in log
+    assert seeds == "1 2 3"  # round one, whole
+    assert "× grail: 1 of 3 seeds positive, 2 negative -> not settled by 3 seeds" in (study / "report.md").read_text()
 
 
 def _arm_commits() -> list[tuple[str, str, dict]]:

@@ -405,11 +405,13 @@ def test_design_limits_a_models_rows_and_expected_seeds(store):
 # ------------------------------------------------------------------------------------------------ seed-level stars
 def _study(root, seeds, grail_correct, benches=("b1", "b2"), problems=10, n=4, extra=None):
     """A study folder (grail_exp/analysis/study.py layout): grpo answers 2 of 4 samples of every problem, grail
-    ``grail_correct`` of 4, per seed; optional per-sample columns ``extra`` (name -> value per (scheme, seed))."""
+    ``grail_correct`` of 4 (or ``grail_correct[seed]``), per seed; optional per-sample columns ``extra``
+    (name -> value per (scheme, seed))."""
     import hashlib
 
     for seed in seeds:
-        for scheme, k in (("grpo", 2), ("grail", grail_correct)):
+        k_grail = grail_correct[seed] if isinstance(grail_correct, dict) else grail_correct
+        for scheme, k in (("grpo", 2), ("grail", k_grail)):
             folder = root / f"m-{scheme}-s{seed}"
             folder.mkdir(parents=True)
             rows = [{"benchmark": b, "problem_index": i, "sample_index": j, "correct": j < k, "extracted": "1",
@@ -468,6 +470,56 @@ def test_three_seeds_never_star_whatever_the_problems_say(tmp_path):
     assert "*" not in next(line for line in out["markdown"].splitlines() if line.startswith("| m | grail | 3 |"))
     assert "3 seeds: 0.250" in out["markdown"] and "these trained models only" in out["markdown"]
 
+
+
+RULE = ("decision.seeds=6", "decision.min_same_sign=5")
+
+
+def test_the_declared_rule_decides_the_primary_comparison_from_the_seeds(tmp_path):
+    """grail answers 3 of 4 (+25 points vs grpo's 2 of 4) in seeds 1-5 and 1 of 4 (−25) in seed 6. By hand: mean
+    16.6667, sd 20.4124 (sum of squared deviations 5 × 8.3333² + 41.6667² = 2083.33, over 5), se 8.3333,
+    t_(0.975, 5) = 2.570582 -> half-width 21.4215, interval [−4.7548, +38.0882]: 5 of 6 positive, but the
+    interval contains 0: not settled. Six seeds of +25: sd 0, interval
+    [+25, +25]: beats; six of −25: worse. The pass@4 table carries no rule (secondary)."""
+    seeds = [1, 2, 3, 4, 5, 6]
+    mixed = _study_report(_study(tmp_path / "mixed", seeds, {1: 3, 2: 3, 3: 3, 4: 3, 5: 3, 6: 1}), tmp_path, seeds,
+                          *RULE)
+    d = _grail_row(mixed, "acc")["cells"]["avg"]["delta"]
+    assert (d["seed_t_lo"], d["seed_t_hi"]) == (pytest.approx(-0.047548, abs=2e-6), pytest.approx(0.380882, abs=2e-6))
+    assert d["decision"]["verdict"] == "not settled"
+    assert (d["decision"]["positive"], d["decision"]["negative"]) == (5, 1)
+    assert "- m × grail: 5 of 6 seeds positive, 1 negative -> not settled by 6 seeds; t interval [-4.8, +38.1]" \
+        in mixed["markdown"]
+    assert "at least 5 of 6 seeds have Δ > 0" in mixed["markdown"]
+    assert all(c["delta"]["decision"] is None for c in _grail_row(mixed, "pass@n")["cells"].values())
+    better = _study_report(_study(tmp_path / "better", seeds, 3), tmp_path, seeds, *RULE)
+    assert "- m × grail: 6 of 6 seeds positive, 0 negative -> grail beats grpo" in better["markdown"]
+    worse = _study_report(_study(tmp_path / "worse", seeds, 1), tmp_path, seeds, *RULE)
+    assert _grail_row(worse, "acc")["cells"]["avg"]["delta"]["decision"]["verdict"] == "worse"
+    assert "grail is worse than grpo" in worse["markdown"]
+    plain = _study_report(_study(tmp_path / "plain", seeds, 3), tmp_path, seeds)  # no rule declared: no line
+    assert "Declared rule" not in plain["markdown"]
+
+
+def test_the_declared_rule_waits_for_its_seeds_and_refuses_a_bad_declaration(tmp_path):
+    """Three of six declared seeds: the rule says so instead of deciding. Bad declarations are named."""
+    study = _study(tmp_path / "study", [1, 2, 3], 3)
+    out = _study_report(study, tmp_path, [1, 2, 3, 4, 5, 6], *RULE)
+    assert "- m × grail: 3 of 3 seeds positive, 0 negative: not applied yet (3 of the 6 declared seeds paired)" \
+        in out["markdown"]
+    from grail_exp.config import ConfigError
+    from grail_exp.report import validate_report
+
+    with pytest.raises(ConfigError, match="set both"):
+        validate_report(compose(["decision.seeds=6"], None, config_name="report"))
+    with pytest.raises(ConfigError, match=r"need seeds >= 2 and 1 <= min_same_sign <= seeds"):
+        validate_report(compose(["decision.seeds=6", "decision.min_same_sign=7"], None, config_name="report"))
+    with pytest.raises(ConfigError, match=r"decision.seeds = 6, but seeds lists 3"):
+        validate_report(compose([*RULE, "seeds=[1,2,3]"], None, config_name="report"))
+    with pytest.raises(ConfigError, match="primary_metric = null is not one of metrics"):
+        validate_report(compose([*RULE, "primary_metric=null"], None, config_name="report"))
+    with pytest.raises(ConfigError, match=r"has 3 paired seeds \(1, 2, 3\); the rule was declared for 2"):
+        _study_report(study, tmp_path, [1, 2, 3], "decision.seeds=2", "decision.min_same_sign=2", "seeds=null")
 
 def test_one_seed_reads_problems_only_and_never_stars(tmp_path):
     out = _study_report(_study(tmp_path / "study", [1], 3, benches=("arithmetic",)), tmp_path, [1])

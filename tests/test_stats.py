@@ -211,6 +211,32 @@ def test_holm_by_hand():
     assert holm([0.2]) == [0.2]
 
 
+
+def test_declared_rule_by_hand():
+    """At least 5 of 6 seeds on one side and the t interval on that side (the interval is given, so each clause is
+    tested on its own); a zero difference counts for neither side; fewer seeds than declared: not applied."""
+    from grail_exp.analysis.stats import declared_rule
+
+    d = [1.0, 2.0, 3.0, 4.0, 5.0, -1.0]
+    assert declared_rule(d, 0.5, 4.0, 6, 5).verdict == "better"
+    assert declared_rule(d, -0.2, 4.0, 6, 5).verdict == "not settled"  # 5 of 6, interval across 0
+    assert declared_rule(d, 0.5, 4.0, 6, 6).verdict == "not settled"  # 5 of 6 short of a declared 6
+    assert declared_rule([-x for x in d], -4.0, -0.5, 6, 5).verdict == "worse"
+    assert declared_rule([-x for x in d], 0.5, 4.0, 6, 5).verdict == "not settled"  # negative seeds, interval above
+    assert declared_rule([0.0, 1, 1, 1, 1, 1], 0.1, 1.0, 6, 5).verdict == "better"
+    zeros = declared_rule([0.0, 0.0, 1, 1, 1, 1], 0.1, 1.0, 6, 5)
+    assert (zeros.verdict, zeros.positive, zeros.negative) == ("not settled", 4, 0)
+    partial = declared_rule([5.0, 6.0, 7.0], 2.0, 10.0, 6, 5)
+    assert partial.verdict == "not applied"
+    assert partial.text("grail", "grpo") == ("3 of 3 seeds positive, 0 negative: not applied yet (3 of the 6 "
+                                             "declared seeds paired)")
+    assert declared_rule(d, 0.5, 4.0, 6, 5).text("grail", "grpo") == \
+        "5 of 6 seeds positive, 1 negative -> grail beats grpo"
+    with pytest.raises(ValueError, match="declared for 6"):
+        declared_rule(d + [1.0], 0.5, 4.0, 6, 5)
+    with pytest.raises(ValueError, match="min_same_sign must be in 1..declared_seeds"):
+        declared_rule(d, 0.5, 4.0, 6, 7)
+
 def test_a_star_needs_both_seed_tests_and_an_interval_without_zero():
     """Six seeds of +1 point on every problem: seed t p = 0 (no spread), seed sign-flip p = 2/64 < 0.05 and the
     interval is [+1, +1]: a star. Three such seeds: the seed sign-flip cannot go below 0.25, no star."""

@@ -274,6 +274,51 @@ def holm(p_values: Sequence[float]) -> list[float]:
     return out.tolist()
 
 
+
+@dataclass
+class Decision:
+    """A declared decision rule applied to the per-seed differences (:func:`declared_rule`)."""
+
+    verdict: str  # better | worse | not settled | not applied (fewer paired seeds than declared)
+    positive: int  # seeds with d_s > 0
+    negative: int  # seeds with d_s < 0
+    n_seeds: int  # paired seeds the rule saw
+    declared_seeds: int
+    min_same_sign: int
+
+    def text(self, scheme: str, baseline: str) -> str:
+        counts = f"{self.positive} of {self.n_seeds} seeds positive, {self.negative} negative"
+        if self.verdict == "not applied":
+            return f"{counts}: not applied yet ({self.n_seeds} of the {self.declared_seeds} declared seeds paired)"
+        said = {"better": f"{scheme} beats {baseline}", "worse": f"{scheme} is worse than {baseline}",
+                "not settled": f"not settled by {self.n_seeds} seeds"}[self.verdict]
+        return f"{counts} -> {said}"
+
+
+def declared_rule(per_seed: Sequence[float], t_lo: float | None, t_hi: float | None, declared_seeds: int,
+                  min_same_sign: int) -> Decision:
+    """A study's rule declared before its seeds ran: the scheme is **better** only if at least ``min_same_sign`` of
+    the per-seed differences d_s are > 0 *and* the seed-level t interval [t_lo, t_hi] lies above 0; **worse** by the
+    mirror rule (at least ``min_same_sign`` below 0 and the interval below 0); otherwise **not settled**. A zero d_s
+    counts for neither side. Applied only once ``declared_seeds`` seeds are paired (fewer: **not applied**, so a
+    partial study never reads as decided); more paired seeds than declared is refused (the rule was not declared for
+    them)."""
+    if not 1 <= min_same_sign <= declared_seeds:
+        raise ValueError(f"min_same_sign must be in 1..declared_seeds ({declared_seeds}), got {min_same_sign}")
+    d = np.asarray(per_seed, dtype=np.float64)
+    if d.size > declared_seeds:
+        raise ValueError(f"{d.size} paired seeds, but the rule was declared for {declared_seeds}")
+    pos, neg = int((d > 0).sum()), int((d < 0).sum())
+    if d.size < declared_seeds or t_lo is None or t_hi is None:
+        verdict = "not applied"
+    elif pos >= min_same_sign and t_lo > 0:
+        verdict = "better"
+    elif neg >= min_same_sign and t_hi < 0:
+        verdict = "worse"
+    else:
+        verdict = "not settled"
+    return Decision(verdict, pos, neg, int(d.size), declared_seeds, min_same_sign)
+
 @dataclass
 class PairedResult:
     """Everything a table cell of Δ(X vs baseline) reports (fractions, not percent)."""
@@ -301,6 +346,7 @@ class PairedResult:
     primary: bool = False
     seed_t_p_holm: float | None = None
     seed_flip_p_holm: float | None = None
+    decision: dict | None = None  # set by the report on the primary comparison when a rule is declared (Decision)
 
     def seed_level(self) -> bool:
         """Whether seed-level tests exist (two or more paired seeds)."""

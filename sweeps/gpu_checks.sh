@@ -39,7 +39,9 @@
 #          cut leaves whole pairs), each recorded in OUT_DIR/study6gpu/<arm>/ the moment it finishes and skipped when
 #          the mode runs again. The first arm builds the cold start (the others wait on its lock); an arm still running at $DEADLINE_S
 #          seconds after the start (default 480) is stopped, so the step-1 table (the same first rollouts in both arms
-#          of every seed) and the report over the complete seeds are written within the lease: OUT_DIR/study6gpu.md,
+#          of every seed) and the report over the seeds (incomplete ones footnoted; with six seeds the declared rule
+#          "at least 5 of 6 positive and the t interval above 0" applied, DECISION="<seeds> <min>" to change it)
+#          are written within the lease: OUT_DIR/study6gpu.md,
 #          each arm's log in OUT_DIR/study6gpu_logs/. Not measured on a GPU when written (no GPU was lent): study1gpu's
 #          arms took 101-141 s alone on an H100; not part of "all". An arm that stops with "does not have a
 #          deterministic implementation" names a CUDA op torch cannot run deterministically: DETERMINISTIC=false runs
@@ -207,10 +209,16 @@ print(",".join(r["complete"]))
 PYEOF
 )
   cat "$out/study6gpu_first_rollouts.md"
+  # The report over the declared seeds (a seed cut by the deadline is footnoted) with the study's declared rule
+  # (results/real_model_study.md §6: at least 5 of 6 seeds positive and the t interval above 0), DECISION to change it
+  seeds=(${SEEDS:-1 2 3 4 5 6})
+  rule=${DECISION-$( (( ${#seeds[@]} == 6 )) && echo "6 5")}
   if [[ -n $complete ]]; then
-    $PY -m grail_exp.report "runs.dir=$arms_dir" design_check.strict=true 'schemes=[grpo,grail]' "seeds=[$complete]" \
+    $PY -m grail_exp.report "runs.dir=$arms_dir" design_check.strict=true 'schemes=[grpo,grail]' \
+        "seeds=[$(IFS=,; echo "${seeds[*]}")]" ${rule:+decision.seeds=${rule% *} decision.min_same_sign=${rule#* }} \
         'metrics=[acc,pass@n]' "output.dir=$out" output.name=study6gpu log_to=none paths.root_dir=/tmp/study6gpu \
         "output.title='SmolLM2-135M-Instruct on arithmetic chains, one GPU, 32 x 8 per step, ${STEPS:-15} steps'" 2>&1 | tail -4
+    grep -A3 "^Declared rule" "$out/study6gpu.md" || true
   fi
   echo "study6gpu: complete seeds [${complete}], $(( $(date +%s) - start )) s in all"
 fi

@@ -427,14 +427,14 @@ def test_gpu_mode_study1gpu_runs_end_to_end_on_a_cpu(tmp_path):
 def test_gpu_mode_study6gpu_runs_its_workers_and_checks_the_first_rollouts_on_a_cpu(tmp_path):
     """sweeps/gpu_checks.sh study6gpu with trainer=cpu, the shipped tiny model and a toy budget: two seeds' GRPO and
     GRAIL arms as two concurrent workers (the first builds the cold start while the other waits on its lock), each
-    recorded; both arms of each seed drew the same step-1 rollouts; the report covers the complete seeds. Run again,
-    every arm is skipped."""
+    recorded; both arms of each seed drew the same step-1 rollouts; the report covers the seeds and applies the
+    DECISION rule. Run again, every arm is skipped."""
     tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
     extra = ("model.dtype=float32 model.attn_implementation=eager model.few_shot=[] trainer.prompts_per_step=2 "
              "trainer.micro_batch_size=16 rollout.max_completion_length=16 eval.max_tokens=16 data.num_test=8 "
              "eval.batch_size=64 rollout.generation_batch_size=64 model.cold_start.steps=2")
     env = {**os.environ, "PY": sys.executable, "SMOLLM2_PATH": str(tiny), "TRAINER": "cpu", "STEPS": "1",
-           "SEEDS": "1 2", "WORKERS": "2", "ARM_THREADS": "1", "EXTRA": extra, "LR": "1e-4",
+           "SEEDS": "1 2", "WORKERS": "2", "ARM_THREADS": "1", "EXTRA": extra, "LR": "1e-4", "DECISION": "2 2",
            "GRAIL_EXP_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
     out = tmp_path / "out"
 
@@ -453,7 +453,9 @@ def test_gpu_mode_study6gpu_runs_its_workers_and_checks_the_first_rollouts_on_a_
     assert "every complete seed: yes" in table and "complete seeds [1,2]" in log, log[-2000:]
     builds = [f.name for f in (out / "study6gpu_logs").iterdir() if "this run first builds it" in f.read_text()]
     assert len(builds) == 1, builds
-    assert "| smollm2_135m | grail" in (out / "study6gpu.md").read_text()
+    report = (out / "study6gpu.md").read_text()
+    assert "| smollm2_135m | grail" in report
+    assert "at least 2 of 2 seeds have Δ > 0" in report and "- smollm2_135m × grail: " in report
     run()  # the same command again: every arm is recorded, so every worker skips it
     assert all("already finished" in f.read_text() for f in (out / "study6gpu_logs").iterdir())
 

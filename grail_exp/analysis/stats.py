@@ -274,7 +274,6 @@ def holm(p_values: Sequence[float]) -> list[float]:
     return out.tolist()
 
 
-
 @dataclass
 class Decision:
     """A declared decision rule applied to the per-seed differences (:func:`declared_rule`)."""
@@ -318,6 +317,7 @@ def declared_rule(per_seed: Sequence[float], t_lo: float | None, t_hi: float | N
     else:
         verdict = "not settled"
     return Decision(verdict, pos, neg, int(d.size), declared_seeds, min_same_sign)
+
 
 @dataclass
 class PairedResult:

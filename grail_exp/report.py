@@ -942,18 +942,7 @@ def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, he
                            f"{t_text} | {flip_text} | {holm_text} | {_p(d.p_value)} | {d.n_seeds} | "
                            f"{d.n_problems} |")
         out.append("")
-        decided = [(r, d) for r in t.rows for c in t.columns
-                   if (d := r.cells[c].delta) is not None and d.decision is not None]
-        if decided:
-            rule = cfg.decision
-            out += [f"Declared rule on the primary comparison (decision.seeds, decision.min_same_sign): a scheme "
-                    f"beats {cfg.baseline} only if at least {rule.min_same_sign} of {rule.seeds} seeds have Δ > 0 "
-                    f"and the seed-level {conf} % t interval lies above 0 (is worse: the mirror rule); otherwise "
-                    f"not settled.", ""]
-            out += [f"- {r.model} × {r.scheme}: {d.decision['text']}; t interval [{_pct(d.seed_t_lo, True)}, "
-                    f"{_pct(d.seed_t_hi, True)}]" if d.seed_t_lo is not None else
-                    f"- {r.model} × {r.scheme}: {d.decision['text']}" for r, d in decided]
-            out.append("")
+        out += _decision_markdown(t, cfg, conf)
     if generation:
         out += _generation_markdown(generation)
     out.append(_legend(cfg, tables))
@@ -961,6 +950,23 @@ def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, he
         out += ["", "Notes:", ""]
         out += [f"- <sup>{letter(i)}</sup> {t}" for i, t in enumerate(notes.texts)]
     return "\n".join(out) + "\n"
+
+
+def _decision_markdown(table: MetricTable, cfg: DictConfig, conf: int) -> list[str]:
+    """The declared rule and its verdict per row, under the table that holds the primary comparison (else nothing)."""
+    decided = [(r, d) for r in table.rows for c in table.columns
+               if (d := r.cells[c].delta) is not None and d.decision is not None]
+    if not decided:
+        return []
+    rule = cfg.decision
+    out = [f"Declared rule on the primary comparison (decision.seeds, decision.min_same_sign): a scheme beats "
+           f"{cfg.baseline} only if at least {rule.min_same_sign} of {rule.seeds} seeds have Δ > 0 and the seed-level "
+           f"{conf} % t interval lies above 0 (is worse: the mirror rule); otherwise not settled.", ""]
+    for r, d in decided:
+        interval = (f"; t interval [{_pct(d.seed_t_lo, True)}, {_pct(d.seed_t_hi, True)}]"
+                    if d.seed_t_lo is not None else "")
+        out.append(f"- {r.model} × {r.scheme}: {d.decision['text']}{interval}")
+    return out + [""]
 
 
 def _generation_markdown(generation: list[dict]) -> list[str]:

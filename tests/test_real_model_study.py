@@ -937,3 +937,58 @@ def test_the_run_that_builds_the_cold_start_samples_what_a_run_loading_it_sample
         table = pd.read_parquet(arm.parent / "weights" / "step_000001.parquet")
         rollouts.append(table.groupby("row")["token_id"].apply(list).tolist())
     assert rollouts[0] and rollouts[0] == rollouts[1]
+
+
+def _short_arm(tmp: Path, name: str, eval_every: int) -> subprocess.CompletedProcess:
+    """A 4-step GRAIL study arm on the shipped tiny model, evaluating every ``eval_every`` steps (0: only at the end)."""
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    env = {**os.environ, "GRAIL_EXP_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = [f"model.name_or_path={tiny}", "advantage=grail", "seed=5", "trainer.max_steps=4",
+            f"trainer.eval_every={eval_every}", "trainer.prompts_per_step=4", "rollout.num_generations=4",
+            "trainer.micro_batch_size=8", "trainer.weights_table_every=1", "rollout.max_completion_length=64",
+            "eval.max_tokens=64", "eval.n=2", "benchmark.limit=6", "logger=none",
+            f"study.dir={tmp / name}", f"paths.root_dir={tmp / name}-run", f"hydra.run.dir={tmp / name}-run/run"]
+    return subprocess.run([sys.executable, "-m", "grail_exp.run", *args], capture_output=True, text=True,
+                          timeout=HANG_TIMEOUT_S, env=env, cwd=ROOT)
+
+
+@pytest.mark.e2e
+def test_an_evaluation_inside_training_leaves_the_training_trajectory_unchanged(tmp_path):
+    """Evaluating at steps 1, 2 and 3 of a 4-step run (sampling with its own chunk seeds, on the live policy) changes
+    nothing the training draws or computes: every step's rollouts and the final weights equal those of the same run
+    evaluated only at the end, bit for bit. So arms that evaluate at intermediate checkpoints pair with arms that do
+    not, and the evaluations are recorded in the arm (``samples_step<N>.parquet``)."""
+    from safetensors.torch import load_file
+
+    runs = {name: _short_arm(tmp_path, name, every) for name, every in (("every", 1), ("end", 0))}
+    for name, done in runs.items():
+        assert done.returncode == 0, (name, (done.stdout + done.stderr)[-3000:])
+    arms = {name: next((tmp_path / name).glob("*/arm.json")).parent for name in runs}
+    # the weight tables hold the steps with informative groups (a group of equal rewards has no weights to show)
+    steps = [sorted(p.name for p in (arms[name] / "weights").glob("step_*.parquet")) for name in runs]
+    assert steps[0] == steps[1] and steps[0], steps
+    for step in steps[0]:
+        tables = [pd.read_parquet(arms[name] / "weights" / step) for name in runs]
+        assert tables[0]["token_id"].tolist() == tables[1]["token_id"].tolist(), step
+        assert tables[0]["weight"].tolist() == tables[1]["weight"].tolist(), step
+    curves = [pd.read_csv(arms[name] / "history.csv") for name in runs]
+    assert (curves[0]["grad_norm"] > 0).sum() >= 2, curves[0]  # the policy moved: there was a trajectory to change
+    for column in ("reward/mean", "loss", "grad_norm", "completions/mean_length"):
+        assert curves[0][column].tolist() == curves[1][column].tolist(), column
+    weights = [load_file(tmp_path / f"{name}-run" / "run" / "checkpoints" / "step-4" / "model.safetensors")
+               for name in runs]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch_equal(weights[0][k], weights[1][k]) for k in weights[0]), "final weights differ"
+    recorded = sorted(p.name for p in arms["every"].glob("samples_*.parquet"))
+    assert recorded == ["samples_before.parquet", "samples_final.parquet", "samples_step1.parquet",
+                        "samples_step2.parquet", "samples_step3.parquet"], recorded
+    assert sorted(p.name for p in arms["end"].glob("samples_*.parquet")) == ["samples_before.parquet",
+                                                                             "samples_final.parquet"]
+    record = json.loads((arms["every"] / "arm.json").read_text())
+    assert not Path(record["run_dir"]).is_absolute(), record["run_dir"]
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

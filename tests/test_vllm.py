@@ -379,26 +379,40 @@ class TestProcessedLogprobs:
 
     def test_sequence_ratio_by_hand_and_masked_above_3(self, processed_engine, tokenizer, hf_model):
         """rollout=vllm_paper's correction on real processed log-probs: w_i = exp(Σ_t (old − sampler)) on every token
-        of sequence i, 0 when above 3 (TRL's sequence_mask, clip_max 3). Same weights: w_i = Π_t M_t <= 1. A policy
-        that moved since sampling (here: sharper, as a stale sampler would see it) gives ratios on both sides of 3."""
+        of sequence i, 0 when above 3 (TRL's sequence_mask, clip_max 3). Same weights: w_i = Π_t M_t <= 1.
+
+        A policy that moved since sampling, constructed so that its ratios fall on both sides of 3 whatever tokens
+        this CPU's vLLM build samples: on every other sequence it adds C to the logit of the sampled token at each
+        position (the moved policy puts ~all its mass on what was sampled there), so that sequence's ratio is
+        ~1 / p_sampler(sequence), > 3 for any sequence the sampler drew with probability < 1/3; every other sequence
+        keeps the sampler's weights (ratio Π_t M_t <= 1). Any policy's ratio is <= 1 / p_sampler (old <= 1 per
+        token), so a sequence drawn with probability >= 1/3 can never cross 3: the boosted ones are chosen below it."""
         import math
 
+        from grail_exp.compute.forward import completion_logits
         from grail_exp.loss import is_weights
 
         sampler_model = hf_model
         processed_engine.sync_weights(sampler_model)
         torch.manual_seed(14)
-        # per-request seeds: these draws (whose ratios under the sharper policy fall on both sides of 3) do not depend on
-        # the engine's RNG stream, which unseeded training requests share
         out = processed_engine.generate(_prompts(tokenizer, 4), SamplingParams(
             n=4, temperature=1.0, top_k=5, max_new_tokens=24, logprobs=True, per_request_seeds=True))
         same, rb = _trainer_logprobs(sampler_model, out, tokenizer.pad_token_id, 1.0)
         mask = rb.completion_mask.float()
         sampler = rb.sampling_logprobs
-        sharper = copy.deepcopy(sampler_model)
+        sequence_logp = [sum(sampler[i, t].item() for t in range(len(out[i].token_ids))) for i in range(len(out))]
+        # boosted: every other sequence whose sampled probability is below 1/(3e): its ratio lands above 3 by a margin
+        boost = [i % 2 == 0 and lp < -math.log(3.0) - 1.0 for i, lp in enumerate(sequence_logp)]
+        assert any(boost), ("no even-indexed sequence was drawn with probability < 1/(3e): nothing can cross 3",
+                            sequence_logp)
+        C = 50.0  # logit boost: 1 - softmax mass on the sampled token <= V · e^(-C + logit range) ~ 0 in fp32
+        pos = (rb.attention_mask.cumsum(1) - 1).clamp(min=0)
         with torch.no_grad():
-            sharper.model.norm.weight.mul_(3.0)  # logits x 3: likely tokens gain, unlikely ones lose
-        moved = _trainer_logprobs(sharper, out, tokenizer.pad_token_id, 1.0)[0]
+            z = completion_logits(sampler_model, rb.input_ids, rb.attention_mask, pos, rb.completion_ids.shape[1],
+                                  1.0).float()
+        bias = torch.zeros_like(z).scatter_(-1, rb.completion_ids.unsqueeze(-1), C)
+        bias *= torch.tensor(boost, dtype=z.dtype)[:, None, None]
+        moved = torch.log_softmax(z + bias, -1).gather(-1, rb.completion_ids.unsqueeze(-1)).squeeze(-1)
         for old, expect_masked in ((same, False), (moved, True)):
             w, _ = is_weights(old, sampler, mask, "sequence_mask", None, 3.0)
             ratios = []
@@ -409,7 +423,12 @@ class TestProcessedLogprobs:
                 want = 0.0 if ratio > 3.0 else ratio
                 assert torch.allclose(w[i, :n], torch.full((n,), want), rtol=1e-4, atol=1e-6), (i, ratio, w[i, :n])
             if expect_masked:
-                assert any(r > 3.0 for r in ratios) and any(r <= 3.0 for r in ratios), ratios
+                for i, r in enumerate(ratios):  # by construction: 1/p_sampler > 3e when boosted, Π_t M_t otherwise
+                    if boost[i]:
+                        assert r > 3.0 and math.isclose(r, math.exp(-sequence_logp[i]), rel_tol=1e-3), (i, r)
+                    else:
+                        assert r <= 1 + 1e-3, (i, r)
+                assert not all(boost), boost  # both sides of 3 are present
             else:
                 assert max(ratios) <= 1 + 1e-3 and min(ratios) < 0.99, ratios  # Π_t M_t: top-5 drops mass
 

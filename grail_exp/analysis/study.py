@@ -11,11 +11,15 @@ training job
 2. otherwise trains as usual (``resume=auto`` continues its last checkpoint), and after its final evaluation writes
    the arm's folder, atomically (a temporary folder renamed into place, ``arm.json`` inside it):
 
-   ``arm.json``               model, scheme, seed, run ids, the starting weights' sha256, the flat resolved
+   ``arm.json``               model, scheme, seed, run ids, the run directory (relative to ``paths.root_dir``), the
+                              starting weights' sha256, the flat resolved
                               configuration (what pairing is checked on), the metrics before / after, phase times
    ``samples_before.parquet`` the evaluation before training, one row per sample (benchmark, problem_index,
                               sample_index, correct, extracted, n_tokens, completion, ...)
    ``samples_final.parquet``  the evaluation after training, same columns
+   ``samples_step<N>.parquet`` each evaluation inside training (``trainer.eval_every``), same columns; it draws from
+                              its own chunk seeds and puts every random stream back, so it changes nothing the training
+                              computes (tested: the same arm with and without them trains bit-identically)
    ``history.csv``            the training curves (one row per optimiser step), from the run's MLflow metrics
                               (with ``logger=none``: the metrics the run logged, kept in memory)
    ``weights/step_*.parquet`` the per-token weight tables the loss used (positional profile, heatmaps)
@@ -205,10 +209,8 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for tag in ("before", "final"):
-        src = run_dir / "eval" / tag / "samples.parquet"
-        if src.is_file():
-            shutil.copy2(src, tmp / f"samples_{tag}.parquet")
+    for src in sorted((run_dir / "eval").glob("*/samples.parquet")):  # before, final and each step<N> in training
+        shutil.copy2(src, tmp / f"samples_{src.parent.name}.parquet")
     before = run_dir / "eval" / "before" / "metrics.json"
     if before.is_file() and not any(k.startswith("eval_before/") for k in metrics):  # evaluated before a resume
         metrics = {**metrics, **{k.replace("eval/", "eval_before/", 1): v for k, v in json.loads(before.read_text()).items()}}
@@ -228,7 +230,7 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
     record = {
         "arm": folder.name, "model": str(cfg.model.name), "scheme": str(cfg.advantage.name), "seed": str(cfg.seed),
         "status": "FINISHED", "run_id": getattr(tracker, "run_id", None),
-        "parent_run_id": _parent_of(tracker), "run_dir": str(run_dir),
+        "parent_run_id": _parent_of(tracker), "run_dir": _portable(run_dir, cfg.paths.root_dir),
         "start_weights_sha256": start_sha256, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "code": code_tags(), "segments": segments, "metrics": metrics, "config": identity(cfg),
         "files": {f.relative_to(tmp).as_posix(): _file_sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()},
@@ -239,6 +241,13 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
     os.replace(tmp, folder)
     log.info("study: arm %s recorded in %s", folder.name, folder)
     return folder
+
+
+def _portable(path: Path, root: str) -> str:
+    """``path`` as a record that travels: relative to the project root when inside it, else its last two parts
+    (never an absolute path of the machine that wrote it)."""
+    path, root_path = Path(path).resolve(), Path(root).resolve()
+    return path.relative_to(root_path).as_posix() if path.is_relative_to(root_path) else Path(*path.parts[-2:]).as_posix()
 
 
 SEGMENTS_FILE = "study_segments.jsonl"

@@ -20,7 +20,9 @@
 # Knobs (environment): STUDY (name; default real_model_study), RES (results folder, committed; default
 # results/real_model_study/$STUDY), OUT (run dirs and checkpoints; default outputs/real_model_study/$STUDY), SEEDS,
 # SCHEMES, LRS, LR_STEPS, LR, THREADS (torch threads; default: torch's), PY (the interpreter), PHASES (default
-# "lr study report"), DECISION ("<seeds> <min_same_sign>": the study's declared rule, applied by the report).
+# "lr study report"), DECISION ("<seeds> <min_same_sign>": the study's declared rule, applied by the report),
+# START_SHA (the declared starting weights' sha256 or its prefix: checked before the first arm trains; a mismatch
+# stops the driver with exit 2 before anything is recorded).
 # Each phase's start and end go to $RES/driver_log.txt (the wall times of the study).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +63,12 @@ if has study; then
     [[ -f "$RES/lr.json" ]] || { echo "no $RES/lr.json: run the lr phase first, or set LR=<value>" >&2; exit 2; }
     lr=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['lr'])" "$RES/lr.json")
     experiments=$(for s in $SCHEMES; do printf 'real/chain_%s,' "$s"; done)
+    if [[ -n "${START_SHA:-}" ]]; then
+        first=${SCHEMES%% *}
+        sha=$($PY sweeps/check_start_weights.py --expect "$START_SHA" "experiment=real/chain_$first" "$@") \
+            || { note "phase study: refused (starting weights are not $START_SHA)"; exit 2; }
+        note "phase study: starting weights sha256 $sha (declared $START_SHA)"
+    fi
     note "phase study: start (seeds $SEEDS, schemes $SCHEMES, lr $lr)"
     $PY -m grail_exp.run -m "seed=$(csv $SEEDS)" "experiment=${experiments%,}" "optim.lr=$lr" resume=auto \
         "study.dir=$RES" hydra.sweep.dir="$OUT/study" 'hydra.sweep.subdir=${advantage.name}_s${seed}' \

@@ -292,10 +292,9 @@ def test_choose_lr_takes_the_best_validation_value_and_the_smaller_on_ties(tmp_p
 
 
 # ------------------------------------------------------------------------------------------------ the driver
-def _driver(tmp: Path, fault: str | None = None, **env) -> subprocess.CompletedProcess:
+def _driver(tmp: Path, fault: str | None = None, extra: tuple[str, ...] = (), **env) -> subprocess.CompletedProcess:
     """sweeps/real_model_study.sh at toy scale: the shipped tiny model's weights in the study's configuration
-    (2 steps of 2 prompts x 2, 8 test problems x 2 samples), everything under ``tmp``."""
-    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    (2 steps of 2 prompts x 2, 8 test problems x 2 samples), everything under ``tmp``; ``extra``: more overrides."""
     e = {**os.environ, "PY": sys.executable, "STUDY": "toy", "RES": str(tmp / "res"), "OUT": str(tmp / "out"),
          "SEEDS": "1", "SCHEMES": "grpo grail", "LR": "1e-4", "PHASES": "lr study report",
          "GRAIL_EXP_CACHE": str(tmp / "cache"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db",
@@ -303,13 +302,18 @@ def _driver(tmp: Path, fault: str | None = None, **env) -> subprocess.CompletedP
     e.pop("GRAIL_EXP_FAULT", None)
     if fault:
         e["GRAIL_EXP_FAULT"] = fault
-    toy = [f"model.name_or_path={tiny}", "model.dtype=float32", "model.attn_implementation=eager", "model.few_shot=[]",
-           "trainer.max_steps=2", "trainer.prompts_per_step=2", "rollout.num_generations=2",
-           "trainer.micro_batch_size=4", "trainer.checkpoint_every=1", "trainer.weights_table_every=1",
-           "rollout.max_completion_length=24", "eval.max_tokens=24", "eval.n=2", "data.num_test=8",
-           "data.num_validation=8", f"paths.root_dir={tmp}"]
-    return subprocess.run(["bash", str(ROOT / "sweeps" / "real_model_study.sh"), *toy], capture_output=True,
-                          text=True, timeout=HANG_TIMEOUT_S, env=e, cwd=ROOT)
+    return subprocess.run(["bash", str(ROOT / "sweeps" / "real_model_study.sh"), *_toy(tmp), *extra],
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=e, cwd=ROOT)
+
+
+def _toy(tmp: Path) -> list[str]:
+    """The toy scale's overrides (every job of the driver gets them)."""
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    return [f"model.name_or_path={tiny}", "model.dtype=float32", "model.attn_implementation=eager", "model.few_shot=[]",
+            "trainer.max_steps=2", "trainer.prompts_per_step=2", "rollout.num_generations=2",
+            "trainer.micro_batch_size=4", "trainer.checkpoint_every=1", "trainer.weights_table_every=1",
+            "rollout.max_completion_length=24", "eval.max_tokens=24", "eval.n=2", "data.num_test=8",
+            "data.num_validation=8", f"paths.root_dir={tmp}"]
 
 
 @pytest.mark.e2e
@@ -363,6 +367,25 @@ def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_o
     assert report["tables"][0]["rows"][1]["cells"]["arithmetic"]["delta"]["n_problems"] == 8
     assert (res / "weights" / "grail_weights_profile.md").is_file()
     assert "phase study: end (2 arms recorded)" in (res / "driver_log.txt").read_text()
+
+
+@pytest.mark.e2e
+def test_driver_checks_the_declared_starting_weights_before_the_first_arm(tmp_path):
+    """START_SHA: the driver builds (or reads) the starting weights first and stops with exit 2, naming both sha256,
+    before any arm trains when they are not the declared ones; the sha it names is the one the check accepts."""
+    cheap = ("model.cold_start.steps=3",)
+    refused = _driver(tmp_path, START_SHA="0000dead", PHASES="study", extra=cheap)
+    log = refused.stdout + refused.stderr
+    assert refused.returncode == 2, log[-3000:]
+    assert "but the study declared 0000dead" in log, log[-3000:]
+    assert not (tmp_path / "out" / "study").exists() and not list((tmp_path / "res").glob("*/arm.json"))
+    assert "refused (starting weights are not 0000dead)" in (tmp_path / "res" / "driver_log.txt").read_text()
+    actual = re.search(r"sha256 ([0-9a-f]{64}), but", log).group(1)
+    env = {**os.environ, "GRAIL_EXP_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    accepted = subprocess.run([sys.executable, "sweeps/check_start_weights.py", "--expect", actual[:8],
+                               "experiment=real/chain_grpo", *_toy(tmp_path), *cheap],
+                              capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=env, cwd=ROOT)
+    assert accepted.returncode == 0 and accepted.stdout.strip() == actual, accepted.stderr[-3000:]
 
 
 @pytest.mark.e2e

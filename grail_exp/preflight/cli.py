@@ -33,6 +33,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from grail_exp.preflight.rehearsal import Rehearsal
     from grail_exp.preflight.report import exit_code, render
 
+    from grail_exp.distributed import export_local_rank
+
+    export_local_rank()  # before the rehearsal's validate() plans against a device (grail_exp/memory/nvml.py)
     run_args, mine = split_argv(list(sys.argv[1:] if argv is None else argv))
     opts = options(mine)
     where = Path(opts.dir or f"preflight-{time.strftime('%Y%m%d-%H%M%S')}").resolve()

@@ -78,13 +78,21 @@ def single_device(accelerator: str, devices) -> torch.device:
     ``trainer.devices``: the first device Lightning's accelerator parses from ``devices`` (``cuda:0`` for
     ``devices=1``, ``cuda:2`` for ``devices=[2]``), or the CPU. ``gpu`` means CUDA here (NCCL, vLLM); ``auto`` is
     CUDA when a CUDA device is visible. Asks no CUDA context into being (the device count comes from NVML)."""
-    from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator
+    from lightning.pytorch.accelerators import AcceleratorRegistry
 
-    name = str(accelerator)
-    if name == "auto":
-        name = "cuda" if CUDAAccelerator.is_available() else "cpu"
-    name = {"gpu": "cuda"}.get(name, name)
+    name = device_type(accelerator)
     if name == "cpu":
         return torch.device("cpu")
     acc = AcceleratorRegistry.get(name)
     return acc.get_parallel_devices(acc.parse_devices(devices))[0]
+
+
+def device_type(accelerator: str) -> str:
+    """The device type ``trainer.accelerator`` trains on: ``cpu``, ``cuda`` for ``gpu`` / ``cuda``, and for ``auto``
+    CUDA when a CUDA device is visible (counted through NVML: no context), else the CPU."""
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    name = str(accelerator)
+    if name == "auto":
+        return "cuda" if CUDAAccelerator.is_available() else "cpu"
+    return {"gpu": "cuda"}.get(name, name)

@@ -44,7 +44,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     header = [f"preflight of: python -m grail_exp.run {' '.join(run_args)}",
               f"rehearsal in {where} (commands and logs: train.cmd/.log, resume.cmd/.log)",
               f"{ev.world} rank(s), {ev.layers_run} of {ev.layers_full} decoder layers; full depth = measured "
-              f"{ev.formula}"]
+              f"{ev.formula}",
+              f"final evaluation: {rehearsal.eval_limit} problems per benchmark (benchmark.limit; "
+              f"preflight.eval_limit={rehearsal.opts.eval_limit})"]
     if rehearsal.dropped:
         header.append(f"overrides the rehearsal sets itself (ignored): {' '.join(rehearsal.dropped)}")
     for name, run in (("training", ev.train), ("resumed", ev.resume)):

@@ -116,3 +116,32 @@ def test_a_run_writes_its_metrics_plots_and_study_arm_after_the_teardown(tmp_pat
     assert "training_curves.png" in plots, (plots, tail)
     (arm,) = (tmp_path / "study").glob("*/arm.json")
     assert json.loads(arm.read_text())["metrics"]["train/steps"] == 2
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_gpu_checks_cardchecks_mode_on_the_cpu(tmp_path):
+    """`bash sweeps/gpu_checks.sh cardchecks` (on one GPU) with CARDCHECKS_DRY=1: the teardown check and the CUDA
+    context check run on the CPU with the shipped tiny model, the preflight's card command is composed. On the CPU the
+    teardown's copy is a no-op either way, but what each teardown leaves is not: Lightning's keeps the optimiser state
+    (copied to the CPU), the project's frees it; the task started as srun's local rank 1 exports LOCAL_RANK=1 before
+    validate() and initialises no CUDA."""
+    from omegaconf import OmegaConf
+
+    env = {**os.environ, "CARDCHECKS_DRY": "1", "CARDCHECKS_TMP": str(tmp_path / "tmp"), "PY": sys.executable,
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(["bash", str(ROOT / "sweeps" / "gpu_checks.sh"), "cardchecks", str(tmp_path / "out")],
+                         env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    tail = (out.stdout + out.stderr)[-3000:]
+    assert out.returncode == 0, tail
+    teardown = {x["mode"]: x for x in map(json.loads, (tmp_path / "out" / "teardown.jsonl").read_text().splitlines())}
+    assert teardown["device"]["optimizer_state_entries_after_fit"] == 0, tail
+    assert teardown["device"]["optimizer_state_devices_closed"] == ["cpu"]
+    assert teardown["lightning"]["optimizer_state_entries_after_fit"] > 0
+    assert teardown["lightning"]["optimizer_state_devices_after_fit"] == ["cpu"]
+    assert {x["policy_device_after_fit"] for x in teardown.values()} == {"cpu"}
+    contexts = [json.loads(x) for x in (tmp_path / "out" / "cuda_context.jsonl").read_text().splitlines()]
+    assert [c["mode"] for c in contexts] == ["nvml", "cuda"], tail
+    assert all(c["local_rank"] == "1" and c["cuda_initialized"] is False for c in contexts)
+    job = OmegaConf.load(tmp_path / "out" / "preflight_card_job.yaml")
+    assert (job.trainer.strategy, job.trainer.devices, job.model.name) == ("fsdp", 1, "qwen3_8b")

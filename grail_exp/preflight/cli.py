@@ -45,8 +45,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"rehearsal in {where} (commands and logs: train.cmd/.log, resume.cmd/.log)",
               f"{ev.world} rank(s), {ev.layers_run} of {ev.layers_full} decoder layers; full depth = measured "
               f"{ev.formula}",
-              f"final evaluation: {rehearsal.eval_limit} problems per benchmark (benchmark.limit; "
-              f"preflight.eval_limit={rehearsal.opts.eval_limit})"]
+              f"final evaluation: {rehearsal.eval_limit} problems per benchmark ("
+              + ("preflight.eval_limit" if rehearsal.opts.eval_limit is not None else
+                 "the fewest, at least 4, that give every rank a chunk") + ")"]
     if rehearsal.dropped:
         header.append(f"overrides the rehearsal sets itself (ignored): {' '.join(rehearsal.dropped)}")
     for name, run in (("training", ev.train), ("resumed", ev.resume)):

@@ -76,7 +76,8 @@ class PreflightProbe:
         from grail_exp import world
 
         engine = module.rollout.engine
-        device = str(module.policy.device)
+        # the device Lightning placed this rank on (a rank that receives rank 0's weights holds a meta skeleton here)
+        device = str(module.trainer.strategy.root_device)
         engine_bytes = 0
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             device = f"cuda:{torch.cuda.current_device()}"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from grail_exp.preflight.checks import Evidence, RunOutcome, backend_devices, run_checks
-from grail_exp.preflight.probe import fingerprint, problems_by_rank
+from grail_exp.preflight.probe import fingerprint, problems_by_chunk, problems_by_rank
 from grail_exp.preflight.report import exit_code, failure_lines, render
 
 GiB = 2**30
@@ -193,6 +193,7 @@ def test_problems_per_rank_from_the_chunks():
     (rank 0); two samples each."""
     samples = [{"benchmark": "b", "problem_index": i, "sample_index": j} for i in range(5) for j in range(2)]
     assert problems_by_rank(samples, {"b/0": 0, "b/1": 1, "b/2": 0}, 2) == {"0": 3, "1": 2}
+    assert problems_by_chunk(samples, 2) == {"b/0": 2, "b/1": 2, "b/2": 1}
 
 
 def test_the_weights_fingerprint_sees_one_changed_value():

@@ -587,7 +587,7 @@ class PreflightConfig:
     stop_rank: int = 1  # the rank the stop signal (SIGTERM) is sent to, during the resumed run's first step (clamped to the world)
     stop_timeout_s: float = 600.0  # bound from the signal to the job's end; past it the job is killed and the check fails
     run_timeout_s: float = 7200.0  # bound on each rehearsal run (a hang before the signal)
-    eval_limit: Optional[int] = 4  # problems per benchmark in the final evaluation; null = the run's benchmark.limit
+    eval_limit: Optional[int] = None  # problems per benchmark in the final evaluation; null = the fewest (at least 4) that give every rank a chunk of eval.batch_size / eval.n problems
     logprob_tolerance: Optional[float] = None  # engine vs trainer: |d| <= tol x (1 + |log p|); null = 1e-3 in float32, 2^-6 in 16-bit
     dir: Optional[str] = None  # the rehearsal's runs, probes and logs; null = ./preflight-<date>-<time>
 

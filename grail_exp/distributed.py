@@ -26,6 +26,8 @@ from datetime import timedelta
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from grail_exp.device_teardown import DeviceResidentSingleDeviceStrategy, DeviceResidentTeardown, single_device
+
 
 def launch_rank() -> int:
     """The global rank of this process as the launcher set it, before any process group exists: torchrun / SLURM
@@ -56,8 +58,9 @@ def export_local_rank() -> None:
         os.environ["LOCAL_RANK"] = local
 
 
-class GradSyncDDPStrategy(DDPStrategy):
-    """DDP's launching, process group and device placement; the update backend reduces the gradients itself."""
+class GradSyncDDPStrategy(DeviceResidentTeardown, DDPStrategy):
+    """DDP's launching, process group and device placement; the update backend reduces the gradients itself. Its
+    teardown leaves the model and the optimiser state on the device (grail_exp/device_teardown.py)."""
 
     strategy_name = "grail_ddp"
 
@@ -83,11 +86,12 @@ def dist_timeout(cfg) -> timedelta:
 
 
 def build_strategy(cfg):
-    """The Lightning strategy for ``trainer.strategy``: ``auto`` (one process) as Lightning's own; every other
-    update backend's name launches its ranks as DDP does (the backend then shards, wraps or reduces by itself), its
-    process group created with ``dist_timeout``."""
+    """The Lightning strategy for ``trainer.strategy``: ``auto`` (one process) as Lightning's own single-device
+    strategy on the device it would pick; every other update backend's name launches its ranks as DDP does (the backend
+    then shards, wraps or reduces by itself), its process group created with ``dist_timeout``. Neither copies the model
+    or the optimiser state to the host at the end of the fit (grail_exp/device_teardown.py)."""
     t = cfg.trainer
     name = str(t.strategy)
     if name == "auto":
-        return name
+        return DeviceResidentSingleDeviceStrategy(device=single_device(t.accelerator, t.devices))
     return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"), timeout=dist_timeout(cfg))

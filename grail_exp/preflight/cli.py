@@ -33,6 +33,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from grail_exp.preflight.rehearsal import Rehearsal
     from grail_exp.preflight.report import exit_code, render
 
+    from grail_exp.distributed import export_local_rank
+
+    export_local_rank()  # before the rehearsal's validate() plans against a device (grail_exp/memory/nvml.py)
     run_args, mine = split_argv(list(sys.argv[1:] if argv is None else argv))
     opts = options(mine)
     where = Path(opts.dir or f"preflight-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -41,7 +44,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     header = [f"preflight of: python -m grail_exp.run {' '.join(run_args)}",
               f"rehearsal in {where} (commands and logs: train.cmd/.log, resume.cmd/.log)",
               f"{ev.world} rank(s), {ev.layers_run} of {ev.layers_full} decoder layers; full depth = measured "
-              f"{ev.formula}"]
+              f"{ev.formula}",
+              f"final evaluation: {rehearsal.eval_limit} problems per benchmark ("
+              + ("preflight.eval_limit" if rehearsal.opts.eval_limit is not None else
+                 "the fewest, at least 4, that give every rank a chunk") + ")"]
     if rehearsal.dropped:
         header.append(f"overrides the rehearsal sets itself (ignored): {' '.join(rehearsal.dropped)}")
     for name, run in (("training", ev.train), ("resumed", ev.resume)):

@@ -3,13 +3,17 @@ run writes what it did, one JSON line per probe point (grail_exp/training/probe.
 ``$GRAIL_EXP_PROBE_DIR/rank<r>.jsonl``; the preflight's checks judge the run by these files.
 
 Every record carries the rank, the time, the peak memory so far (this device's CUDA allocator; the process's
-resident set) and this process's collectives by device (``world.collective_devices``). Besides:
+resident set), the resident set now, and this process's collectives by device (``world.collective_devices``).
+Besides:
 
-- ``setup``: the world (size, rank, backend), this process's pid and host, the rank's device, the engine;
+- ``setup``: the world (size, rank, backend), this process's pid and host, the rank's device, the engine, and what
+  the CUDA allocator holds once the engine is built (the engine's share: nothing else is on the device yet, the
+  policy is moved there after ``setup``; vLLM sizes it by ``gpu_memory_utilization``, not by the model's depth);
 - ``started``: a fingerprint of the full weights once they are placed (restored, when resuming);
 - ``synced``: the engine's log-probs of a fixed completion against the trainer's forward on the same tokens;
 - ``step``: the step and a fingerprint of the full weights;
-- ``evaluated``: which rank generated each chunk, how many problems each rank graded, a digest of the gathered result.
+- ``evaluated``: which rank generated each chunk, the problems in each chunk and each rank's, a digest of the gathered
+  result.
 
 A stop signal delivered by the preflight: at step ``$GRAIL_EXP_PREFLIGHT_STOP_STEP`` the rank
 ``$GRAIL_EXP_PREFLIGHT_STOP_RANK`` writes its record, then waits until the preflight has sent it SIGTERM (the file
@@ -62,7 +66,7 @@ class PreflightProbe:
 
         rec = {"point": point, "rank": world.rank(), "time": time.time(),
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-               "collectives": world.collective_devices(), **data}
+               "rss_bytes": resident_bytes(), "collectives": world.collective_devices(), **data}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rec["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
         with open(self.dir / f"rank{world.rank()}.jsonl", "a") as f:
@@ -72,12 +76,15 @@ class PreflightProbe:
         from grail_exp import world
 
         engine = module.rollout.engine
-        device = str(module.policy.device)
+        # the device Lightning placed this rank on (a rank that receives rank 0's weights holds a meta skeleton here)
+        device = str(module.trainer.strategy.root_device)
+        engine_bytes = 0
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             device = f"cuda:{torch.cuda.current_device()}"
+            engine_bytes = torch.cuda.memory_allocated()
         self._write("setup", world_size=world.world_size(), backend=world.backend_name(), pid=os.getpid(),
                     host=socket.gethostname(), device=device, local_rank=os.environ.get("LOCAL_RANK"),
-                    engine=type(engine).__name__)
+                    engine=type(engine).__name__, engine_cuda_bytes=engine_bytes)
 
     def started(self, module):
         self._write("started", step=module.step, weights=fingerprint(module.backend.full_tensors()))
@@ -101,17 +108,36 @@ class PreflightProbe:
         digest = hashlib.sha256(json.dumps([s.get("completion") for s in result.samples]).encode()).hexdigest()
         per_call = max(1, int(module.cfg.eval.batch_size) // int(module.cfg.eval.n))
         self._write("evaluated", tag=tag, generated_by=chunks, samples=len(result.samples), digest=digest,
-                    problems_by_rank=problems_by_rank(result.samples, chunks, per_call))
+                    problems_by_rank=problems_by_rank(result.samples, chunks, per_call),
+                    chunk_problems=problems_by_chunk(result.samples, per_call))
+
+
+def problems_by_chunk(samples: list[dict], per_call: int) -> dict[str, int]:
+    """``<benchmark>/<chunk>`` -> its distinct problems: a problem's chunk is its index // the problems per generate
+    call (grail_exp/evaluation.py)."""
+    out: dict[str, int] = {}
+    for b, i in sorted({(s["benchmark"], int(s["problem_index"])) for s in samples}):
+        key = f"{b}/{i // per_call}"
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def problems_by_rank(samples: list[dict], generated_by: dict[str, int], per_call: int) -> dict[str, int]:
-    """rank -> distinct problems whose completions that rank generated: a problem's chunk is its index // the
-    problems per generate call, and ``generated_by`` names each ``<benchmark>/<chunk>``'s rank ("?" when unnamed)."""
+    """rank -> distinct problems whose completions that rank generated (``generated_by`` names each
+    ``<benchmark>/<chunk>``'s rank; "?" when unnamed)."""
     out: dict[str, int] = {}
-    for b, i in sorted({(s["benchmark"], int(s["problem_index"])) for s in samples}):
-        r = str(generated_by.get(f"{b}/{i // per_call}", "?"))
-        out[r] = out.get(r, 0) + 1
+    for key, n in problems_by_chunk(samples, per_call).items():
+        r = str(generated_by.get(key, "?"))
+        out[r] = out.get(r, 0) + n
     return out
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (Linux ``/proc/self/statm``; 0 where there is none)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def engine_and_trainer_logprobs(backend, engine, temperature: float = 1.0, max_new_tokens: int = 12):

@@ -1,13 +1,16 @@
 """The rehearsal: the user's run, shrunk in depth, run twice in its real layout, watched through the probe.
 
 1. **training run**: ``python -m grail_exp.run <the overrides> <shrunk depth>`` for ``preflight.rounds`` rollout
-   batches, its final checkpoint and its final evaluation (every sync, step, evaluation and collective recorded);
+   batches, its final checkpoint and its final evaluation on a slice of each benchmark that gives every rank work
+   (``eval_slice``; every sync, step, evaluation and collective recorded);
 2. **resumed run**: the same command with ``resume=auto`` and three more rollout batches; once rank
    ``preflight.stop_rank`` reports the first resumed step, the preflight sends that process SIGTERM (the pid its probe
    recorded) and waits at most ``preflight.stop_timeout_s`` for the whole job to end.
 
 Both run as ``python -m grail_exp.run`` does on this node (Lightning starts the node's ranks); the preflight reads the
-probe files, the checkpoints and the exit codes into ``checks.Evidence``.
+probe files, the checkpoints and the exit codes into ``checks.Evidence``, with what the run itself would use: its
+process-group backend and device type, its process-group timeout (``distributed.dist_timeout``: the key, or the
+planned checkpoint's rule when it is null). A config of several nodes is refused: the rehearsal runs one node.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from grail_exp.errors import ConfigError
 from grail_exp.preflight.probe import SIGNAL_FILE, STOP_RANK, STOP_STEP
 from grail_exp.preflight.checks import Evidence, RunOutcome
 
@@ -82,6 +86,41 @@ def shrink_overrides(cfg, layers: Optional[int]) -> list[str]:
     return out
 
 
+EVAL_PROBLEMS = 4  # problems per benchmark the final evaluation wants at least (more when ranks would sit idle)
+
+
+def eval_slice(sizes: list[int], per_call: int, world: int) -> int:
+    """Problems per benchmark (``benchmark.limit``) of the rehearsal's final evaluation: the fewest, at least
+    ``EVAL_PROBLEMS``, that cut the benchmarks (``sizes`` problems each) into at least ``world`` chunks of
+    ``per_call`` problems, so that the evaluation's whole-chunk assignment gives every rank one; all of them when even
+    that leaves ranks without a chunk. The chunks stay the run's own (``eval.batch_size / eval.n`` problems)."""
+
+    def chunks(limit: int) -> int:
+        return sum(-(-min(limit, s) // per_call) for s in sizes)
+
+    limit, most = EVAL_PROBLEMS, max(sizes, default=0)
+    while chunks(limit) < world and limit < most:
+        # one problem into the next chunk of every benchmark that has one more
+        limit = min(per_call * -(-limit // per_call) + 1, most)
+    return limit
+
+
+def run_layout(cfg) -> tuple[str, str]:
+    """(process-group backend, device type) the run itself will use: Lightning's strategy as the run builds it —
+    ``trainer.process_group_backend``, else NCCL on CUDA and gloo on the CPU; "none" for one process without a
+    group."""
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    from grail_exp.device_teardown import device_type
+    from grail_exp.distributed import build_strategy
+
+    device = device_type(cfg.trainer.accelerator)
+    strategy = build_strategy(cfg)
+    if not isinstance(strategy, ParallelStrategy):
+        return "none", device
+    return str(strategy.process_group_backend or ("nccl" if device == "cuda" else "gloo")), device
+
+
 def steps_per_round(cfg) -> int:
     return int(cfg.loss.num_iterations) * int(cfg.trainer.get("mini_batches_per_rollout", 1) or 1)
 
@@ -116,10 +155,13 @@ class Rehearsal:
 
     def __init__(self, overrides: list[str], opts, dir_: Path):
         self.opts, self.dir = opts, dir_
-        forced = set(FORCED) - ({"benchmark.limit"} if opts.eval_limit is None else set())
-        self.dropped = [o for o in overrides if override_key(o) in forced]
-        self.user = [o for o in overrides if override_key(o) not in forced]
+        self.dropped = [o for o in overrides if override_key(o) in FORCED]
+        self.user = [o for o in overrides if override_key(o) not in FORCED]
         self.full = compose(overrides)
+        nodes = int(self.full.trainer.get("num_nodes", 1) or 1)
+        if nodes > 1:
+            raise ConfigError(f"trainer.num_nodes={nodes}: the preflight rehearses one node; run it on each node with "
+                              "trainer.num_nodes=1 (the same trainer.devices)")
         self.shrink = shrink_overrides(self.full, opts.layers)
         self.small = compose([*self.user, *self.shrink])
         from grail_exp.validate import validate
@@ -132,13 +174,21 @@ class Rehearsal:
         self.world = configured_world_size(self.full.trainer)
         self.ranks_per_node = devices_per_node(self.full.trainer.devices)
         self.stop_rank = min(int(opts.stop_rank), self.world - 1)
+        self.eval_limit = int(opts.eval_limit) if opts.eval_limit is not None else self.auto_eval_limit()
+        self.run_backend, self.run_device = run_layout(self.full)
+
+    def auto_eval_limit(self) -> int:
+        """``eval_slice`` of the run's benchmarks (as its own ``benchmark.limit`` cuts them) and chunking."""
+        from grail_exp.data.benchmarks import load_benchmark
+
+        ev = self.small.eval
+        sizes = [len(load_benchmark(name, self.small)) for name in self.small.benchmark.names]
+        return eval_slice(sizes, max(1, int(ev.batch_size) // int(ev.n)), self.world)
 
     def command(self, extra: list[str]) -> list[str]:
         common = ["trainer.checkpoint_every=0", "trainer.save_final_checkpoint=true", "trainer.eval_at_end=true",
                   "trainer.eval_before_training=false", "trainer.eval_every=0", "trainer.save_weights_only_every=0",
-                  f"hydra.run.dir={self.dir / 'run'}"]
-        if self.opts.eval_limit is not None:
-            common.append(f"benchmark.limit={int(self.opts.eval_limit)}")
+                  f"hydra.run.dir={self.dir / 'run'}", f"benchmark.limit={self.eval_limit}"]
         return [sys.executable, "-m", "grail_exp.run", *self.user, *self.shrink, *common, *extra]
 
     def run(self) -> Evidence:
@@ -220,9 +270,10 @@ class Rehearsal:
                       layers_run=model_shape(self.small.model).layers, layers_full=model_shape(self.full.model).layers,
                       params_run=model_shape(self.small.model).params, params_full=model_shape(self.full.model).params,
                       steps_train=self.steps_train, train=train, resume=resume, stop=stop,
-                      logprob_tolerance=self.tolerance(), cuda=cuda)
+                      logprob_tolerance=self.tolerance(), cuda=cuda, run_backend=self.run_backend,
+                      run_device=self.run_device)
         self.planned(ev)
-        ev.dist_timeout_s = self.dist_timeout_s()
+        ev.dist_timeout_s, ev.dist_timeout_how = self.dist_timeout()
         ev.launcher_mem_gb = self.launcher_mem_gb()
         return ev
 
@@ -256,14 +307,16 @@ class Rehearsal:
                 top = max(host, key=lambda x: x.bytes)
                 ev.planned_host_node_bytes, ev.planned_host_how = top.bytes, f"the planner's largest host row: {top.what}"
 
-    def dist_timeout_s(self) -> float:
-        """``trainer.dist_timeout_s`` when the config has it, else torch's default process-group timeout."""
-        value = self.full.trainer.get("dist_timeout_s")
-        if value:
-            return float(value)
-        from torch.distributed.constants import default_pg_timeout
+    def dist_timeout(self) -> tuple[float, str]:
+        """(seconds, where from) of the run's process-group timeout, by the run's own rule
+        (``distributed.dist_timeout``): ``trainer.dist_timeout_s``, or when null what the full-depth model's planned
+        checkpoint needs (grail_exp/timeouts.py)."""
+        from grail_exp.distributed import dist_timeout
 
-        return default_pg_timeout.total_seconds()
+        seconds = dist_timeout(self.full).total_seconds()
+        if self.full.trainer.get("dist_timeout_s") is not None:
+            return seconds, ""
+        return seconds, "null: the planned checkpoint's rule, grail_exp/timeouts.py"
 
     def launcher_mem_gb(self) -> Optional[float]:
         try:

@@ -147,10 +147,12 @@ class GRPOModule(L.LightningModule):
             self.start_fn()
 
     def on_train_end(self) -> None:
-        # Still inside fit: the policy is on its device and the process group exists (Lightning's teardown then moves
-        # the module to CPU), so the final checkpoint and evaluation run here, on every rank.
+        # Still inside fit: the policy is on its device and the process group exists, so the final checkpoint and
+        # evaluation run here, on every rank. The strategy's teardown comes next: it frees the optimiser state and
+        # copies nothing to the host (grail_exp/device_teardown.py).
         if self.end_fn is not None:
             self.end_fn()
+        probe.emit("closed", module=self)
 
     # ------------------------------------------------------------------ the step
     def training_step(self, round_index, batch_idx):

@@ -11,6 +11,8 @@ rank instantiates it once and calls its methods, when it has them, at these poin
     step(module, step)                  an optimiser step was applied
     checkpointed(module, path)          every rank wrote its part of the checkpoint at ``path``
     evaluated(module, tag, result)      an evaluation finished (the gathered ``EvalResult``, same on every rank)
+    closed(module)                      the closing (final checkpoint and evaluation) is done; the strategy's
+                                        teardown comes next
 
 A probe may run collectives (all ranks reach every point in the same order) and must leave the run's RNG streams as
 it found them. Unset (every real run): ``emit`` returns at once.

@@ -60,6 +60,7 @@ from grail_exp.analysis import stats
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, LoggerConfig, PathsConfig, register_configs
 from grail_exp.errors import DataError
+from grail_exp.portable import portable_text
 
 log = logging.getLogger("grail_exp.report")
 
@@ -1238,9 +1239,11 @@ def build_report(cfg: DictConfig) -> dict:
         generation = generation_table(arms, cfg)
 
         title = cfg.output.title or f"Paired comparison vs {cfg.baseline}"
-        used = {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed, "artifact": rec.artifact}
+        root = cfg.paths.root_dir  # the pages get committed: paths relative to the project (grail_exp/portable.py)
+        used = {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed,
+                             "artifact": portable_text(rec.artifact, root) if rec.artifact else rec.artifact}
                 for seeds in arms.values() for rec in seeds.values()}
-        header = (f"## {title}\n\n{len(used)} runs from {where}"
+        header = (f"## {title}\n\n{len(used)} runs from {portable_text(where, root)}"
                   + (f", children of run {cfg.runs.parent_run_id}" if cfg.runs.parent_run_id else "")
                   + (f", tags {dict(cfg.runs.tags)}" if cfg.runs.tags else "")
                   + (f" ({len(ignored)} other runs ignored: no model/scheme)" if ignored else "") + ".")

@@ -64,7 +64,7 @@ import numpy as np
 
 __all__ = ["PairedResult", "benchmark_weights", "paired_delta", "paired_bootstrap", "sign_flip_test",
            "seed_spread", "compare_paired", "t_two_sided_p", "t_quantile", "seed_t_test", "seed_sign_flip",
-           "seed_sign_flip_min_p", "holm", "declared_rule", "normal_cdf", "chi2_sf", "chi2_quantile",
+           "seed_sign_flip_min_p", "nonzero_seeds", "holm", "declared_rule", "normal_cdf", "chi2_sf", "chi2_quantile",
            "sd_interval", "t_power", "paired_t_power", "seeds_needed", "detectable_effect", "SdRatio",
            "sd_ratio_bootstrap"]
 
@@ -264,13 +264,15 @@ def seed_sign_flip_min_p(per_seed: Sequence[float] | int) -> float:
     """The smallest p the exact seed-level sign-flip test can reach: 2 / 2^m with m the number of **non-zero**
     per-seed differences (flipping a zero changes nothing, so two zeros among six seeds leave 2 / 2^4 = 0.125, not
     0.031); 1 when m <= 1. An int is a count of seeds taken as all non-zero."""
-    if isinstance(per_seed, (int, np.integer)):
-        m = int(per_seed)
-    else:
-        d = np.asarray(per_seed, dtype=np.float64)
-        tol = 1e-12 * max(1.0, float(np.abs(d).sum())) if d.size else 0.0  # zero within rounding, as the test's ties
-        m = int((np.abs(d) > tol).sum())
+    m = int(per_seed) if isinstance(per_seed, (int, np.integer)) else nonzero_seeds(per_seed)
     return 1.0 if m <= 1 else 2.0 / 2 ** m
+
+
+def nonzero_seeds(per_seed: Sequence[float]) -> int:
+    """The per-seed differences that are not 0 within rounding (the sign-flip test's tolerance for ties)."""
+    d = np.asarray(per_seed, dtype=np.float64)
+    tol = 1e-12 * max(1.0, float(np.abs(d).sum())) if d.size else 0.0
+    return int((np.abs(d) > tol).sum())
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
@@ -453,39 +455,46 @@ class Decision:
     n_seeds: int  # paired seeds the rule saw
     declared_seeds: int
     min_same_sign: int
+    holm_p: float | None = None  # the Holm-adjusted seed-level t p over a declared family, when there is one
+    alpha: float = 0.05
 
     def text(self, scheme: str, baseline: str) -> str:
         counts = f"{self.positive} of {self.n_seeds} seeds positive, {self.negative} negative"
+        holm = "" if self.holm_p is None else f", Holm-adjusted p {self.holm_p:.3f}"
         if self.verdict == "not applied":
-            return f"{counts}: not applied yet ({self.n_seeds} of the {self.declared_seeds} declared seeds paired)"
+            return (f"{counts}{holm}: not applied yet ({self.n_seeds} of the {self.declared_seeds} declared seeds "
+                    "paired)")
         said = {"better": f"{scheme} beats {baseline}", "worse": f"{scheme} is worse than {baseline}",
                 "not settled": f"not settled by {self.n_seeds} seeds"}[self.verdict]
-        return f"{counts} -> {said}"
+        return f"{counts}{holm} -> {said}"
 
 
 def declared_rule(per_seed: Sequence[float], t_lo: float | None, t_hi: float | None, declared_seeds: int,
-                  min_same_sign: int) -> Decision:
+                  min_same_sign: int, holm_p: float | None = None, alpha: float = 0.05) -> Decision:
     """A study's rule declared before its seeds ran: the scheme is **better** only if at least ``min_same_sign`` of
     the per-seed differences d_s are > 0 *and* the seed-level t interval [t_lo, t_hi] lies above 0; **worse** by the
     mirror rule (at least ``min_same_sign`` below 0 and the interval below 0); otherwise **not settled**. A zero d_s
     counts for neither side. Applied only once ``declared_seeds`` seeds are paired (fewer: **not applied**, so a
     partial study never reads as decided); more paired seeds than declared is refused (the rule was not declared for
-    them)."""
+    them). With ``holm_p`` (the comparison's seed-level t p, Holm-adjusted over a family of primary comparisons
+    declared with the rule), "better" and "worse" also need ``holm_p < alpha``: an adjustment only makes claims
+    harder."""
     if not 1 <= min_same_sign <= declared_seeds:
         raise ValueError(f"min_same_sign must be in 1..declared_seeds ({declared_seeds}), got {min_same_sign}")
     d = np.asarray(per_seed, dtype=np.float64)
     if d.size > declared_seeds:
         raise ValueError(f"{d.size} paired seeds, but the rule was declared for {declared_seeds}")
     pos, neg = int((d > 0).sum()), int((d < 0).sum())
+    family_ok = holm_p is None or holm_p < alpha
     if d.size < declared_seeds or t_lo is None or t_hi is None:
         verdict = "not applied"
-    elif pos >= min_same_sign and t_lo > 0:
+    elif pos >= min_same_sign and t_lo > 0 and family_ok:
         verdict = "better"
-    elif neg >= min_same_sign and t_hi < 0:
+    elif neg >= min_same_sign and t_hi < 0 and family_ok:
         verdict = "worse"
     else:
         verdict = "not settled"
-    return Decision(verdict, pos, neg, int(d.size), declared_seeds, min_same_sign)
+    return Decision(verdict, pos, neg, int(d.size), declared_seeds, min_same_sign, holm_p, alpha)
 
 
 @dataclass

@@ -1075,6 +1075,9 @@ def spread_section(arms: dict, main: dict, cfg: DictConfig) -> list[dict]:
     endpoint needs per ``power.effects`` at ``power.level`` (at the sd and at its interval's ends), and the declared
     rule ``spread.rule_ratio`` on the point estimates."""
     sp, alpha, level = cfg.spread, cfg.stats.alpha, cfg.power.level
+    for seeds in arms.values():  # every arm has B's evaluations (refused naming spread.steps), read once here
+        for rec in seeds.values():
+            endpoint_samples(rec, sp.steps, "spread.steps")
     other, _ = folder_comparisons(_variant(cfg, endpoint__steps=[int(x) for x in sp.steps]), arms)
     out = []
     for key, (row, da) in main.items():

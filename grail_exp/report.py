@@ -1467,7 +1467,8 @@ def _legend(cfg: DictConfig, tables: Optional[list[MetricTable]] = None) -> str:
     s = cfg.stats
     counts = _smallest_seed_counts(tables or [])
     reach = "; ".join(f"{n} seeds: {_p(stats.seed_sign_flip_min_p(m))}" if m == n else
-                      f"{n} seeds of which {n - m} have Δ = 0: {_p(stats.seed_sign_flip_min_p(m))}"
+                      f"{n} seeds of which {n - m} {'has' if n - m == 1 else 'have'} Δ = 0: "
+                      f"{_p(stats.seed_sign_flip_min_p(m))}"
                       for n, m in counts if n > 1)
     primary = (f"the declared primary comparison is {cfg.primary_metric} on the {AVG} column (or the only "
                f"benchmark), used as it is; every other comparison of a row is Holm-adjusted over the row's "

@@ -1363,14 +1363,13 @@ def _range_text(values: list) -> str:
     return f"{point} [{lo}, {hi}]"
 
 
-def _spread_markdown(spread: list[dict], cfg: DictConfig) -> list[str]:
+def _spread_markdown(spread: list[dict], cfg: DictConfig, label: str) -> list[str]:
     if not spread:
         return []
     a_name, b_name = cfg.endpoint.name or "A", cfg.spread.name or "B"
     a_text = _endpoint_text(cfg.endpoint.steps, None)
     b_text = _endpoint_text(cfg.spread.steps, None)
     conf, level = int(round(100 * (1 - cfg.stats.alpha))), int(round(100 * cfg.power.level))
-    label = f"{cfg.primary_metric} ({AVG} column, or the only benchmark)"
     out = [f"### Seed spread of the primary comparison: endpoint {b_name} against endpoint {a_name}", "",
            f"Per paired seed, Δ = {label} of the scheme − {cfg.baseline}, in points, under endpoint {a_name} "
            f"({a_text}) and endpoint {b_name} ({b_text}); an arm's last step is its final evaluation. sd: sample sd "
@@ -1417,13 +1416,13 @@ def _num(x: float) -> str:
     return f"{x:g}"
 
 
-def _pooled_markdown(pooled: list[dict], cfg: DictConfig) -> list[str]:
+def _pooled_markdown(pooled: list[dict], cfg: DictConfig, label: str) -> list[str]:
     if not pooled:
         return []
     conf, level = int(round(100 * (1 - cfg.stats.alpha))), int(round(100 * cfg.power.level))
     out = [f"### Pooled over study folders (descriptive, no verdict)", "",
-           f"Per paired seed, Δ = {cfg.primary_metric} of the scheme − {cfg.baseline} in points "
-           f"({_endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)}), from this folder and pooled.dirs, each read "
+           f"Per paired seed, Δ = {label} of the scheme − {cfg.baseline} in points, "
+           f"{_endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)}, from this folder and pooled.dirs, each read "
            f"with this report's settings. t interval: {conf} %, df = n − 1; sd with its {conf} % chi-square interval; "
            f"detectable: the smallest effect the two-sided paired t test over the n pooled seeds at α "
            f"{cfg.stats.alpha} detects with {level} % power, at the sd [at the ends of its interval].", ""]
@@ -1736,7 +1735,10 @@ def build_report(cfg: DictConfig) -> dict:
             header += (f"\n\nEvery per-problem value is {_endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)} "
                        f"(endpoint.steps; an arm's last step, trainer.max_steps, is its final evaluation). The table "
                        f"of what the arms generated is the final evaluation's.")
-        sections = (_family_markdown(family, cfg) + _spread_markdown(spread, cfg) + _pooled_markdown(pooled, cfg))
+        label = next((f"{t.label} ({_primary_column(t)} column)" for t in tables if t.spec == str(cfg.primary_metric)),
+                     str(cfg.primary_metric))
+        sections = (_family_markdown(family, cfg) + _spread_markdown(spread, cfg, label)
+                    + _pooled_markdown(pooled, cfg, label))
         md = render_markdown(tables, notes, cfg, header, generation, sections)
         tex = render_latex(tables, notes, cfg, title)
         payload = to_json(tables, notes, used, cfg)

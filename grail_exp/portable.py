@@ -38,6 +38,21 @@ HEADS: list[tuple[re.Pattern, str]] = [
 ]
 
 
+def code_root() -> Path:
+    """The checkout (or installation) the running code comes from: the folder that holds ``grail_exp/``."""
+    return Path(__file__).resolve().parents[1]
+
+
+def resolve_recorded(path: str) -> str:
+    """A path as a record names it, back to one this machine can open: an absolute path or one that exists from the
+    working directory as it is, else a relative path under :func:`code_root` when it exists there (a record written
+    relative to the project read from another working directory); anything else unchanged (a hub id, a placeholder)."""
+    p = Path(path)
+    if p.is_absolute() or p.exists() or not (code_root() / p).exists():
+        return path
+    return str(code_root() / p)
+
+
 def _roots(root: str | os.PathLike | None, extra: tuple = ()) -> list[str]:
     """The project root (and any other checkouts of it), as absolute strings without a trailing slash, longest first
     so that a nested root wins."""

@@ -126,3 +126,19 @@ def test_a_study_arm_records_its_model_directory_portable_and_is_still_skipped(t
     elsewhere = compose(["model.name_or_path=/tmp/models/other", f"study.dir={tmp_path}/study"], tmp_path)
     with pytest.raises(Exception, match=r"model.name_or_path: '<tmp>/models/smollm2_hf' vs '<tmp>/models/other'"):
         finished(elsewhere)
+
+
+def test_a_recorded_path_inside_the_code_checkout_is_relative_and_opens_again(tmp_path, monkeypatch):
+    """The shipped tiny model's directory lies in the code's checkout, not under paths.root_dir: recorded relative to
+    the checkout, and resolve_recorded opens it again from any working directory."""
+    from helpers.compose import compose
+
+    from grail_exp.analysis.study import identity
+    from grail_exp.portable import resolve_recorded
+
+    tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
+    recorded = identity(compose([f"model.name_or_path={tiny}"], tmp_path))["model.name_or_path"]
+    assert recorded == "grail_exp/data/embedded/tiny"
+    monkeypatch.chdir(tmp_path)
+    assert Path(resolve_recorded(recorded)) == tiny
+    assert resolve_recorded("<tmp>/smollm2_hf") == "<tmp>/smollm2_hf" and resolve_recorded("pkg:smollm2") == "pkg:smollm2"

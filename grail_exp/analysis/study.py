@@ -91,18 +91,20 @@ def comparable(flat: dict[str, Any]) -> dict[str, Any]:
 def identity(cfg) -> dict[str, Any]:
     """The flat resolved configuration minus ``NOT_IDENTITY``, as JSON values (what a restart must match). A value
     that is an absolute path (a model directory) is written as it travels (grail_exp/portable.py: relative to
-    ``paths.root_dir``, or with its machine-specific head named), so the record commits without a machine's paths
-    and a restart compares like with like."""
+    ``paths.root_dir`` or to the code's checkout, or with its machine-specific head named), so the record commits
+    without a machine's paths and a restart compares like with like; a reader opens such a path with
+    ``grail_exp.portable.resolve_recorded``."""
     from omegaconf import OmegaConf
 
-    from grail_exp.portable import portable_text
+    from grail_exp.portable import code_root, portable_text
     from grail_exp.tracking import flatten
 
     container = OmegaConf.to_container(cfg, resolve=True)
     flat = comparable(flatten(container))
     root = cfg.paths.root_dir if cfg.get("paths") is not None and cfg.paths.get("root_dir") else None
     values = json.loads(json.dumps(flat, default=str))
-    return {k: portable_text(v, root) if isinstance(v, str) else v for k, v in values.items()}
+    # the project is paths.root_dir and the checkout the code runs from (a shipped model directory lies in the latter)
+    return {k: portable_text(v, root, (code_root(),)) if isinstance(v, str) else v for k, v in values.items()}
 
 
 def differences(a: dict, b: dict, limit: int = 12) -> list[str]:

@@ -195,6 +195,7 @@ def test_a_checkpoint_averaged_endpoint_by_hand(tmp_path):
     assert "| m | grail | 2 | 62.5 (+20.8) |" in md
     assert "an arm's last step, trainer.max_steps, is its final evaluation" in md
     assert out["payload"]["endpoint"] == {"steps": [40, 50, 60], "name": "B"}
+    assert "acc@4, endpoint B (the mean of the evaluations at steps 40, 50, 60) (\\%)" in out["latex"]
     # the records it names are relative to the project (paths.root_dir = tmp_path)
     assert "runs from the study folder study." in md
     assert out["payload"]["runs"]["run-grpo-1"]["artifact"] == "study/m-grpo-s1/samples_final.parquet"

@@ -47,6 +47,7 @@ def machine_paths(files: list[Path]) -> list[str]:
     return found
 
 
+@pytest.mark.e2e  # asks git which files are committed (a child process); quick: ~1 s
 def test_no_committed_file_under_results_or_docs_names_a_machine_path():
     """A record names paths relative to the repository (or a placeholder such as <tmp>), never /root, /home/...,
     /tmp, /work, /Users or C:\\Users of the machine that wrote it."""

@@ -60,6 +60,7 @@ from grail_exp.analysis import stats
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, LoggerConfig, PathsConfig, register_configs
 from grail_exp.errors import DataError
+from grail_exp.portable import portable_text
 
 log = logging.getLogger("grail_exp.report")
 
@@ -164,6 +165,54 @@ class DecisionConfig:
 
     seeds: Optional[int] = None  # the number of seeds the rule was declared for
     min_same_sign: Optional[int] = None  # seeds whose Δ must share the claimed sign
+    # none | holm: the rows' primary comparisons (and those of family_dirs) are one family, Holm-adjusted over their
+    # seed-level t p-values; "beats" / "is worse" then also need the adjusted p below stats.alpha
+    multiplicity: str = "none"
+    # other study folders whose primary comparisons belong to the family (read with this report's settings and
+    # seeds); a comparison not yet decidable there (fewer paired seeds than declared) counts as p = 1
+    family_dirs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EndpointConfig:
+    """Which evaluations of an arm each per-problem value comes from (a study folder's arms record one per
+    ``trainer.eval_every`` steps, grail_exp/analysis/study.py): null = the final evaluation alone; a list of steps =
+    the per-problem value averaged over those evaluations (acc@n averaged over checkpoints). Step N is read from
+    ``samples_step<N>.parquet``, except an arm's last step (its ``trainer.max_steps``), which is its final
+    evaluation, ``samples_final.parquet`` (an evaluation inside training skips the last step: the final one is it)."""
+
+    steps: Optional[list[int]] = None  # e.g. [40, 50, 60]
+    name: Optional[str] = None  # its name in the report, e.g. B; null: "the final evaluation" / "steps 40, 50, 60"
+
+
+@dataclass
+class PowerConfig:
+    """Power statements (the spread and pooled sections): the two-sided paired t test over seeds at ``stats.alpha``,
+    its power from the noncentral t (grail_exp/analysis/stats.py ``t_power``)."""
+
+    level: float = 0.8  # the power a seed count must reach
+    effects: list[float] = field(default_factory=lambda: [3.0, 5.0])  # percentage points: seeds needed for each
+
+
+@dataclass
+class SpreadConfig:
+    """The seed spread of each row's primary comparison under the report's endpoint (A) and under a second one (B):
+    both sds with chi-square intervals, sd_B / sd_A with a seed-bootstrap interval, the seeds each endpoint needs
+    (``power``). null steps: no section."""
+
+    steps: Optional[list[int]] = None  # endpoint B's evaluations, e.g. [40, 50, 60] (the endpoint.steps convention)
+    name: Optional[str] = None  # e.g. B
+    rule_ratio: Optional[float] = None  # a rule declared beforehand: "B when sd_B <= rule_ratio · sd_A" (e.g. 0.5)
+    n_boot: int = 10_000  # seed-bootstrap resamples of the ratio
+    seed: int = 0  # its generator's seed
+
+
+@dataclass
+class PooledConfig:
+    """Secondary, descriptive: each row's per-seed primary Δ (the report's endpoint) pooled with the same comparison
+    in other study folders (mean, t interval, the effect detectable at ``power.level``); no verdict."""
+
+    dirs: list[str] = field(default_factory=list)  # e.g. [results/real_model_study/six_seeds]
 
 
 @dataclass
@@ -198,6 +247,10 @@ class ReportConfig:
         "benchmark.limit", "benchmark.olympiad_gold"])
     design_check: DesignCheck = field(default_factory=DesignCheck)
     decision: DecisionConfig = field(default_factory=DecisionConfig)
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    power: PowerConfig = field(default_factory=PowerConfig)
+    spread: SpreadConfig = field(default_factory=SpreadConfig)
+    pooled: PooledConfig = field(default_factory=PooledConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     log_to: str = "auto"  # auto (the parent run if runs.parent_run_id, else a new report run) | report | parent | none
@@ -207,6 +260,43 @@ class ReportConfig:
 
 register_configs()
 ConfigStore.instance().store(name="report_schema", node=ReportConfig)
+
+
+def _steps_errors(key: str, steps) -> list[str]:
+    if steps is None:
+        return []
+    steps = list(steps)
+    if not steps or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in steps) \
+            or len(set(steps)) != len(steps):
+        return [f"{key} = {steps}: a list of distinct optimiser steps >= 1 (e.g. [40, 50, 60]), or null"]
+    return []
+
+
+def _endpoint_errors(cfg: DictConfig) -> list[str]:
+    """The checkpoint-averaged endpoint, the spread and pooled sections and the family of a declared rule: keys that
+    read a study folder's evaluations inside training or other study folders."""
+    errors = _steps_errors("endpoint.steps", cfg.endpoint.steps) + _steps_errors("spread.steps", cfg.spread.steps)
+    folders = {"endpoint.steps": cfg.endpoint.steps is not None, "spread.steps": cfg.spread.steps is not None,
+               "pooled.dirs": bool(cfg.pooled.dirs), "decision.family_dirs": bool(cfg.decision.family_dirs)}
+    for key, used in folders.items():
+        if used and cfg.runs.dir is None:
+            errors.append(f"{key}: needs runs.dir (a study folder): MLflow runs are read at their final evaluation")
+    for key in ("spread.steps", "pooled.dirs", "decision.family_dirs"):
+        if folders[key] and not _has_primary(cfg):
+            errors.append(f"{key}: works on the primary comparison, but primary_metric = {cfg.primary_metric} is not "
+                          f"one of metrics = {list(cfg.metrics)}")
+    for key in ("pooled.dirs", "decision.family_dirs"):
+        for d in OmegaConf.select(cfg, key) or []:
+            if not Path(str(d)).expanduser().is_dir():
+                errors.append(f"{key}: {str(d)!r} is no directory (a study folder)")
+    if not 0 < cfg.power.level < 1 or not cfg.power.effects or any(e <= 0 for e in cfg.power.effects):
+        errors.append(f"power.level = {cfg.power.level}, power.effects = {list(cfg.power.effects)}: need 0 < level < 1"
+                      " and effects > 0 (percentage points)")
+    if cfg.spread.rule_ratio is not None and cfg.spread.rule_ratio <= 0:
+        errors.append(f"spread.rule_ratio = {cfg.spread.rule_ratio}: must be > 0 (or null)")
+    if cfg.spread.n_boot < 1:
+        errors.append(f"spread.n_boot = {cfg.spread.n_boot}: must be >= 1")
+    return errors
 
 
 def validate_report(cfg: DictConfig) -> None:
@@ -233,6 +323,15 @@ def validate_report(cfg: DictConfig) -> None:
         if cfg.seeds is not None and len(cfg.seeds) != rule.seeds:
             errors.append(f"decision.seeds = {rule.seeds}, but seeds lists {len(cfg.seeds)}: "
                           f"{list(cfg.seeds)}")
+    if rule.multiplicity not in ("none", "holm"):
+        errors.append(f"decision.multiplicity = {rule.multiplicity!r}: must be none or holm")
+    elif rule.multiplicity == "holm" and rule.seeds is None:
+        errors.append("decision.multiplicity = holm: adjusts a declared rule's verdicts; declare the rule too "
+                      "(decision.seeds, decision.min_same_sign)")
+    if rule.family_dirs and rule.multiplicity != "holm":
+        errors.append(f"decision.family_dirs = {list(rule.family_dirs)}: a family is adjusted by "
+                      "decision.multiplicity=holm; set it")
+    errors += _endpoint_errors(cfg)
     if cfg.average not in ("unweighted", "weighted"):
         errors.append(f"average = {cfg.average!r}: must be unweighted or weighted")
     if cfg.log_to not in ("auto", "report", "parent", "none"):
@@ -276,6 +375,7 @@ class RunRecord:
     history: Any = None  # a study folder's training curves (DataFrame indexed by step); MLflow runs: fetched
     weights_dir: Optional[Path] = None  # a study folder's weight tables; MLflow runs: downloaded
     folder: Optional[Path] = None  # the study folder's arm this record was read from (nothing of it is in MLflow)
+    frames: dict = field(default_factory=dict)  # a study arm's evaluations read so far, by step (endpoint.steps)
 
 
 def letter(i: int) -> str:
@@ -601,7 +701,7 @@ def build_tables(arms: dict, row_notes: dict, cfg: DictConfig, notes: Notes) -> 
     tables = []
     for spec in cfg.metrics:
         # per arm, per seed: {benchmark: (idx, values, n)}
-        values = {arm: {seed: per_problem_values(rec.samples, spec) for seed, rec in seeds.items()}
+        values = {arm: {seed: endpoint_values(rec, spec, cfg.endpoint.steps) for seed, rec in seeds.items()}
                   for arm, seeds in arms.items()}
         found = sorted({str(b) for seeds in arms.values() for rec in seeds.values() for b in rec.samples["benchmark"]},
                        key=lambda b: (PAPER_ORDER.index(b) if b in PAPER_ORDER else len(PAPER_ORDER), b))
@@ -620,9 +720,107 @@ def build_tables(arms: dict, row_notes: dict, cfg: DictConfig, notes: Notes) -> 
                                           f"with fewer count as missing"))
         rows = [_row(model, scheme, arms, values, row_notes, benches, cfg, notes)
                 for model in models for scheme in _planned(model, schemes, cfg)]
+        for model in models:
+            _baseline_over_paired_seeds([r for r in rows if r.model == model], values, benches, cfg, notes)
         # one benchmark: its column already is the average
         tables.append(MetricTable(spec, label, benches + ([AVG] if len(benches) > 1 else []), rows, table_notes))
     return tables
+
+
+def endpoint_samples(rec: RunRecord, steps, key: str = "endpoint.steps") -> list:
+    """A study arm's evaluations at ``steps`` (EndpointConfig: step N is ``samples_step<N>.parquet``, the arm's last
+    step ``trainer.max_steps`` its final evaluation ``samples_final.parquet``), read once; a step the arm did not
+    evaluate is refused, naming ``key``, the arm and the steps it has."""
+    import pandas as pd
+
+    last = rec.params.get("trainer.max_steps")
+    last = int(float(last)) if last not in (None, "None") else None
+    out = []
+    for step in steps:
+        step = int(step)
+        if step not in rec.frames:
+            path = None
+            if step == last:
+                rec.frames[step] = rec.samples
+            elif rec.folder is not None and (rec.folder / f"samples_step{step}.parquet").is_file():
+                path = rec.folder / f"samples_step{step}.parquet"
+                rec.frames[step] = pd.read_parquet(path)
+            else:
+                have = sorted(int(f.stem[len("samples_step"):]) for f in rec.folder.glob("samples_step*.parquet")) \
+                    if rec.folder is not None else []
+                have_text = ", ".join([str(h) for h in have] + ([f"{last} (final)"] if last is not None else []))
+                where = rec.folder if rec.folder is not None else f"run {rec.run_id}"
+                raise ConfigError(f"{key} = {[int(x) for x in steps]}: {rec.model} × {rec.scheme}, seed {rec.seed} "
+                                  f"({where}) has no evaluation at step {step} (it has: {have_text or 'none'}); "
+                                  f"declare steps every arm evaluated (trainer.eval_every) or leave the arm out")
+            if path is not None:
+                need = {"benchmark", "problem_index", "sample_index", "correct"} - set(rec.frames[step].columns)
+                if need:
+                    raise DataError(f"{path}: lacks columns {sorted(need)}")
+        out.append(rec.frames[step])
+    return out
+
+
+def endpoint_values(rec: RunRecord, spec: str, steps, key: str = "endpoint.steps") -> dict:
+    """``per_problem_values`` of the arm's endpoint: the final evaluation (``steps`` null), else each problem's value
+    averaged over the evaluations at ``steps`` (acc@n averaged over checkpoints). Every evaluation must hold the same
+    problems of the same benchmarks."""
+    if steps is None:
+        return per_problem_values(rec.samples, spec)
+    per = [per_problem_values(frame, spec) for frame in endpoint_samples(rec, steps, key)]
+    out = {}
+    for bench, (idx, _, _) in per[0].items():
+        parts = [p.get(bench) for p in per]
+        if any(p is None or not np.array_equal(p[0], idx) for p in parts) or any(set(p) != set(per[0]) for p in per):
+            raise DataError(f"{key} = {[int(x) for x in steps]}: {rec.model} × {rec.scheme}, seed {rec.seed} evaluated "
+                            f"other problems or benchmarks at these steps; the endpoint averages one problem's values")
+        out[bench] = (idx, np.mean([p[1] for p in parts], axis=0), max(p[2] for p in parts))
+    return out
+
+
+def _endpoint_text(steps, name: Optional[str]) -> str:
+    what = "the final evaluation" if steps is None else \
+        "the mean of the evaluations at steps " + ", ".join(str(int(x)) for x in steps)
+    return f"endpoint {name} ({what})" if name else what
+
+
+def _baseline_over_paired_seeds(rows: list, values: dict, benches: list, cfg, notes: Notes) -> None:
+    """A study in progress: the baseline row shows its value over the seeds the other rows are paired on, so that
+    baseline + Δ reads as the other row's value. One paired set shared by every other row: the baseline's cells over
+    it, with a footnote giving the value over all its seeds; several sets: all seeds, with a footnote per row giving
+    the baseline over that row's paired seeds."""
+    base = next((r for r in rows if r.baseline), None)
+    if base is None or not base.seeds:
+        return
+    sets = {r.scheme: tuple(r.paired_seeds) for r in rows if not r.baseline and r.paired_seeds}
+    partial = {k: v for k, v in sets.items() if set(v) != set(base.seeds)}
+    if not partial:
+        return
+    model, mine = base.model, values.get((base.model, cfg.baseline), {})
+
+    def cells_over(seeds) -> dict:
+        out = {b: _bench_cell(b, mine, {}, list(seeds), [], True, model, cfg.baseline, cfg, Notes()) for b in benches}
+        if len(benches) > 1:
+            out[AVG] = _avg_cell(benches, mine, {}, list(seeds), [], True, model, cfg.baseline, cfg, Notes())
+        return out
+
+    def listing(cells: dict) -> str:
+        return ", ".join(f"{c} {_pct(cell.value)}" if len(cells) > 1 else _pct(cell.value)
+                         for c, cell in cells.items())
+
+    if len(set(sets.values())) == 1:
+        paired = next(iter(sets.values()))
+        everything = {c: base.cells[c] for c in base.cells}
+        base.notes.append(notes.mark(
+            f"{model} × {cfg.baseline}: over the seeds paired with the other rows ({', '.join(paired)}), so that "
+            f"its value + Δ is theirs; over all its {len(base.seeds)} seeds: {listing(everything)}"))
+        base.cells = {**cells_over(paired)}
+        base.paired_seeds = list(paired)
+        return
+    for scheme, paired in partial.items():
+        base.notes.append(notes.mark(
+            f"{model} × {cfg.baseline} over the seeds paired with {scheme} ({', '.join(paired)}): "
+            f"{listing(cells_over(paired))}"))
 
 
 def _planned(model: str, schemes: list[str], cfg) -> list[str]:
@@ -785,14 +983,178 @@ def apply_primary_and_holm(tables: list[MetricTable], cfg: DictConfig) -> None:
             d.seed_t_p_holm, d.seed_flip_p_holm = tp, fp
 
 
-def _decide(d: stats.PairedResult, row: Row, cfg: DictConfig) -> dict:
+def _decide(d: stats.PairedResult, row: Row, cfg: DictConfig, holm_p: Optional[float] = None) -> dict:
     rule = cfg.decision
     if d.n_seeds > rule.seeds:
         raise ConfigError(f"decision.seeds = {rule.seeds}: {row.model} × {row.scheme} has {d.n_seeds} paired seeds "
                           f"({', '.join(map(str, row.paired_seeds))}); the rule was declared for {rule.seeds} "
                           "(select the declared ones with seeds=[...])")
-    result = stats.declared_rule(d.seed_deltas, d.seed_t_lo, d.seed_t_hi, rule.seeds, rule.min_same_sign)
+    result = stats.declared_rule(d.seed_deltas, d.seed_t_lo, d.seed_t_hi, rule.seeds, rule.min_same_sign,
+                                 holm_p=holm_p, alpha=cfg.stats.alpha)
     return {**result.__dict__, "text": result.text(row.scheme, cfg.baseline)}
+
+
+# ----------------------------------------------------------------------------------------------- the primary comparison
+# Each row's primary comparison (primary_metric on the avg column, or the only benchmark) per seed: under a second
+# endpoint of the same arms (spread), and in other study folders (pooled, decision.family_dirs). Every one is built
+# as the report builds its own tables, from a copy of the report's configuration with a few keys replaced.
+def primary_comparisons(tables: list[MetricTable]) -> dict[tuple, tuple[Row, stats.PairedResult]]:
+    """``{(model, scheme): (row, PairedResult)}`` of the rows' primary comparisons (after apply_primary_and_holm)."""
+    out = {}
+    for t in tables:
+        for r in t.rows:
+            for c in t.columns:
+                d = None if r.baseline else r.cells[c].delta
+                if d is not None and d.primary:
+                    out[(r.model, r.scheme)] = (r, d)
+    return out
+
+
+def _variant(cfg: DictConfig, **keys) -> DictConfig:
+    """A copy of ``cfg`` with ``keys`` (dotted, ``__`` for ``.``) replaced, reading only what the primary comparison
+    needs: its metric, no rule, family, spread or pooled sections of its own, no plots."""
+    import copy
+
+    sub = copy.deepcopy(cfg)
+    base = {"metrics": [str(cfg.primary_metric)], "decision.seeds": None, "decision.min_same_sign": None,
+            "decision.multiplicity": "none", "decision.family_dirs": [], "spread.steps": None, "pooled.dirs": []}
+    for k, v in {**base, **{k.replace("__", "."): v for k, v in keys.items()}}.items():
+        OmegaConf.update(sub, k, v, merge=False)
+    return sub
+
+
+def folder_comparisons(cfg: DictConfig, arms: Optional[dict] = None) -> tuple[dict, dict]:
+    """(comparisons, arms) of the study folder ``cfg.runs.dir`` (or of ``arms``) under ``cfg``: strict design check,
+    tables, primary comparisons (with ``cfg``'s rule, when it declares one)."""
+    notes = Notes()
+    if arms is None:
+        arms, _, _ = select_study_arms(cfg, notes)
+        check_design(arms, cfg)
+    tables = build_tables(arms, defaultdict(list), cfg, notes)
+    apply_primary_and_holm(tables, cfg)
+    return primary_comparisons(tables), arms
+
+
+def apply_family(tables: list[MetricTable], cfg: DictConfig) -> list[dict]:
+    """``decision.multiplicity=holm``: the rows' primary comparisons and those of ``decision.family_dirs`` (read with
+    this report's settings, seeds and rule) are one family. Their seed-level t p-values are Holm-adjusted (a
+    comparison the rule cannot apply to yet, fewer paired seeds than declared, counts as p = 1, the most
+    conservative value it could take), and every decision is re-taken with its adjusted p: "beats" / "is worse" need
+    it below stats.alpha. Returns the family's members (this report's rows first)."""
+    if cfg.decision.multiplicity != "holm":
+        return []
+    members = [("", row, d) for row, d in primary_comparisons(tables).values() if d.decision is not None]
+    for folder in cfg.decision.family_dirs:
+        comps, _ = folder_comparisons(_variant(cfg, runs__dir=str(folder), decision__seeds=cfg.decision.seeds,
+                                               decision__min_same_sign=cfg.decision.min_same_sign))
+        members += [(portable_text(str(folder), cfg.paths.root_dir), row, d) for row, d in comps.values()
+                    if d.decision is not None]
+    counted = [1.0 if d.decision["verdict"] == "not applied" or d.seed_t_p is None else d.seed_t_p
+               for _, row, d in members]
+    out = []
+    for (folder, row, d), p, adj in zip(members, counted, stats.holm(counted)):
+        d.decision = _decide(d, row, cfg, holm_p=adj)
+        out.append({"folder": folder or None, "model": row.model, "scheme": row.scheme, "n_seeds": d.n_seeds,
+                    "seed_t_p": d.seed_t_p, "counted_p": p, "holm_p": adj, "verdict": d.decision["verdict"],
+                    "text": d.decision["text"]})
+    return out
+
+
+def _points(x) -> np.ndarray:
+    return 100 * np.asarray(x, dtype=np.float64)
+
+
+def _needed(effects, sd: float, lo: float, hi: float, level: float, alpha: float) -> dict:
+    return {str(e): [stats.seeds_needed(e, x, level, alpha) for x in (sd, lo, hi)] for e in effects}
+
+
+def spread_section(arms: dict, main: dict, cfg: DictConfig) -> list[dict]:
+    """``spread.steps``: per row, the per-seed primary Δ (points) under the report's endpoint (A) and under
+    ``spread.steps`` (B) on the same paired seeds; sd_A, sd_B (ddof 1) with chi-square intervals, sd_B / sd_A with
+    its seed-bootstrap percentile interval (grail_exp/analysis/stats.py ``sd_ratio_bootstrap``), the seeds each
+    endpoint needs per ``power.effects`` at ``power.level`` (at the sd and at its interval's ends), and the declared
+    rule ``spread.rule_ratio`` on the point estimates."""
+    sp, alpha, level = cfg.spread, cfg.stats.alpha, cfg.power.level
+    for seeds in arms.values():  # every arm has B's evaluations (refused naming spread.steps), read once here
+        for rec in seeds.values():
+            endpoint_samples(rec, sp.steps, "spread.steps")
+    other, _ = folder_comparisons(_variant(cfg, endpoint__steps=[int(x) for x in sp.steps]), arms)
+    out = []
+    for key, (row, da) in main.items():
+        if key not in other:
+            continue
+        db = other[key][1]
+        a, b = _points(da.seed_deltas), _points(db.seed_deltas)
+        entry = {"model": row.model, "scheme": row.scheme, "seeds": list(row.paired_seeds), "a": a.tolist(),
+                 "b": b.tolist()}
+        if a.size < 2:
+            out.append({**entry, "note": f"{a.size} paired seed: no spread"})
+            continue
+        for name, x in (("a", a), ("b", b)):
+            sd = float(x.std(ddof=1))
+            lo, hi = stats.sd_interval(sd, x.size, alpha)
+            entry[f"sd_{name}"], entry[f"sd_{name}_interval"] = sd, [lo, hi]
+            entry[f"needed_{name}"] = _needed(cfg.power.effects, sd, lo, hi, level, alpha)
+        if entry["sd_a"] > 0:
+            r = stats.sd_ratio_bootstrap(a, b, n_boot=sp.n_boot, seed=sp.seed, alpha=alpha)
+            entry["ratio"] = {"value": r.ratio, "lo": r.lo, "hi": r.hi, "kept": r.kept, "dropped": r.dropped}
+        else:
+            entry["ratio"] = None
+        if sp.rule_ratio is not None:
+            entry["rule"] = {"ratio": float(sp.rule_ratio), "holds": entry["sd_b"] <= sp.rule_ratio * entry["sd_a"]}
+        out.append(entry)
+    return out
+
+
+POOLED_KEYS = ["start_weights.sha256", "optim.lr", "trainer.max_steps", "trainer.prompts_per_step"]
+
+
+def pooled_section(arms: dict, main: dict, cfg: DictConfig) -> list[dict]:
+    """``pooled.dirs``: per row, its per-seed primary Δ (points, the report's endpoint) followed by the same
+    comparison's in each folder (read with this report's settings, every seed there); the pooled mean, sd with its
+    chi-square interval, t interval (df = n − 1) and the effect detectable at ``power.level`` with n seeds (at the sd
+    and at its interval's ends), and which of ``POOLED_KEYS`` and ``pairing_params`` differ between the folders.
+    Descriptive: no verdict."""
+    alpha, level = cfg.stats.alpha, cfg.power.level
+    parts: dict[tuple, list] = {key: [(portable_text(str(cfg.runs.dir), cfg.paths.root_dir), row.paired_seeds,
+                                       _points(d.seed_deltas))] for key, (row, d) in main.items()}
+    params = [_folder_params(arms, cfg)]
+    for folder in cfg.pooled.dirs:
+        comps, their_arms = folder_comparisons(_variant(cfg, runs__dir=str(folder), seeds=None))
+        params.append(_folder_params(their_arms, cfg))
+        for key, (row, d) in comps.items():
+            if key in parts:
+                parts[key].append((portable_text(str(folder), cfg.paths.root_dir), row.paired_seeds,
+                                   _points(d.seed_deltas)))
+    differ = {k: sorted({p.get(k, "<absent>") for p in params}) for k in POOLED_KEYS + list(cfg.pairing_params)
+              if len({p.get(k, "<absent>") for p in params}) > 1}
+    out = []
+    for (model, scheme), got in parts.items():
+        d = np.concatenate([x for _, _, x in got])
+        entry = {"model": model, "scheme": scheme, "n": int(d.size), "differ": differ,
+                 "folders": [{"folder": f, "seeds": list(seeds), "deltas": x.tolist(),
+                              "mean": float(x.mean()) if x.size else None} for f, seeds, x in got]}
+        if d.size >= 2:
+            t = stats.seed_t_test(d, alpha)
+            sd = float(d.std(ddof=1))
+            lo, hi = stats.sd_interval(sd, d.size, alpha)
+            entry.update(mean=float(d.mean()), sd=sd, sd_interval=[lo, hi], t_lo=t.lo, t_hi=t.hi, df=t.df,
+                         detectable=[stats.detectable_effect(x, d.size, level, alpha) for x in (sd, lo, hi)])
+        out.append(entry)
+    return out
+
+
+def _folder_params(arms: dict, cfg: DictConfig) -> dict:
+    """The baseline arms' values of the keys compared between pooled folders (the first arm that has each)."""
+    out: dict = {}
+    for (model, scheme), seeds in arms.items():
+        if scheme != cfg.baseline:
+            continue
+        for rec in seeds.values():
+            for k in POOLED_KEYS + list(cfg.pairing_params):
+                if k in rec.params and k not in out:
+                    out[k] = str(rec.params[k])
+    return out
 
 
 def generation_table(arms: dict, cfg: DictConfig) -> list[dict]:
@@ -882,7 +1244,7 @@ def _main_cell(cell: Cell, row: Row, alpha: float, mark) -> str:
 def _seeds_text(row: Row) -> str:
     if not row.seeds:
         return "0"
-    if row.baseline or len(row.paired_seeds) == len(row.seeds):
+    if len(row.paired_seeds) == len(row.seeds):
         return str(len(row.seeds))
     return f"{len(row.seeds)} ({len(row.paired_seeds)} paired)"
 
@@ -904,12 +1266,13 @@ def _seed_tests_text(d: stats.PairedResult) -> tuple[str, str, str]:
 
 
 def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, header: str,
-                    generation: Optional[list[dict]] = None) -> str:
+                    generation: Optional[list[dict]] = None, sections: Optional[list[str]] = None) -> str:
     alpha = cfg.stats.alpha
     mark = lambda n: f"<sup>{n}</sup>"  # noqa: E731
     out = [header, ""]
     for t in tables:
-        out += [f"### {t.label} (%)" + "".join(mark(n) for n in t.notes), ""]
+        at = "" if cfg.endpoint.steps is None else f", {_endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)}"
+        out += [f"### {t.label} (%){at}" + "".join(mark(n) for n in t.notes), ""]
         head = ["model", "scheme", "seeds"] + t.columns
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "|".join(["---", "---", "--:"] + ["--:"] * len(t.columns)) + "|")
@@ -943,6 +1306,7 @@ def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, he
                            f"{d.n_problems} |")
         out.append("")
         out += _decision_markdown(t, cfg, conf)
+    out += sections or []
     if generation:
         out += _generation_markdown(generation)
     out.append(_legend(cfg, tables))
@@ -959,14 +1323,127 @@ def _decision_markdown(table: MetricTable, cfg: DictConfig, conf: int) -> list[s
     if not decided:
         return []
     rule = cfg.decision
+    family = (f" and its seed-level t p, Holm-adjusted over the declared family of primary comparisons "
+              f"(decision.multiplicity = holm, below), is below {cfg.stats.alpha}" if rule.multiplicity == "holm" else "")
     out = [f"Declared rule on the primary comparison (decision.seeds, decision.min_same_sign): a scheme beats "
            f"{cfg.baseline} only if at least {rule.min_same_sign} of {rule.seeds} seeds have Δ > 0 and the seed-level "
-           f"{conf} % t interval lies above 0 (is worse: the mirror rule); otherwise not settled.", ""]
+           f"{conf} % t interval lies above 0{family} (is worse: the mirror rule); otherwise not settled.", ""]
     for r, d in decided:
         interval = (f"; t interval [{_pct(d.seed_t_lo, True)}, {_pct(d.seed_t_hi, True)}]"
                     if d.seed_t_lo is not None else "")
         out.append(f"- {r.model} × {r.scheme}: {d.decision['text']}{interval}")
     return out + [""]
+
+
+def _family_markdown(family: list[dict], cfg: DictConfig) -> list[str]:
+    if not family:
+        return []
+    out = [f"### Multiplicity: the declared family of primary comparisons (decision.multiplicity = holm)", "",
+           f"The {len(family)} primary comparisons below are adjusted as one family by Holm's method over their "
+           f"seed-level t p-values at familywise α {cfg.stats.alpha}; a comparison the rule cannot apply to yet (fewer "
+           f"paired seeds than the {cfg.decision.seeds} declared) counts as p = 1, the most conservative value it "
+           f"could take. A verdict other than \"not settled\" needs the rule's clauses and an adjusted p below "
+           f"{cfg.stats.alpha}.", "",
+           "| comparison | paired seeds | seed-level t p | counted as | Holm-adjusted p | the declared rule |",
+           "|---|--:|--:|--:|--:|---|"]
+    for m in family:
+        where = f"{m['folder']}: " if m["folder"] else ""
+        raw = DASH if m["seed_t_p"] is None else _p(m["seed_t_p"])
+        out.append(f"| {where}{m['model']} × {m['scheme']} | {m['n_seeds']} | {raw} | {_p(m['counted_p'])} | "
+                   f"{_p(m['holm_p'])} | {m['verdict']} |")
+    return out + [""]
+
+
+def _signed(x: float, digits: int = 2) -> str:
+    return f"{x:+.{digits}f}"
+
+
+def _range_text(values: list) -> str:
+    point, lo, hi = values
+    return f"{point} [{lo}, {hi}]"
+
+
+def _spread_markdown(spread: list[dict], cfg: DictConfig, label: str) -> list[str]:
+    if not spread:
+        return []
+    a_name, b_name = cfg.endpoint.name or "A", cfg.spread.name or "B"
+    a_text = _endpoint_text(cfg.endpoint.steps, None)
+    b_text = _endpoint_text(cfg.spread.steps, None)
+    conf, level = int(round(100 * (1 - cfg.stats.alpha))), int(round(100 * cfg.power.level))
+    out = [f"### Seed spread of the primary comparison: endpoint {b_name} against endpoint {a_name}", "",
+           f"Per paired seed, Δ = {label} of the scheme − {cfg.baseline}, in points, under endpoint {a_name} "
+           f"({a_text}) and endpoint {b_name} ({b_text}); an arm's last step is its final evaluation. sd: sample sd "
+           f"(ddof 1) over the seeds with its {conf} % chi-square interval. Ratio sd_{b_name} / sd_{a_name}: "
+           f"{conf} % seed-bootstrap percentile interval ({cfg.spread.n_boot} resamples of the seeds with "
+           f"replacement, each seed's two Δ together, generator seed {cfg.spread.seed}; resamples with "
+           f"sd_{a_name} = 0 dropped and counted). Seeds needed: the smallest n whose two-sided paired t test at "
+           f"α {cfg.stats.alpha} has {level} % power (noncentral t), at the sd [at the ends of its interval].", ""]
+    for e in spread:
+        out += [f"{e['model']} × {e['scheme']}:", "", f"| seed | Δ, endpoint {a_name} | Δ, endpoint {b_name} |",
+                "|--:|--:|--:|"]
+        out += [f"| {seed} | {_signed(x)} | {_signed(y)} |" for seed, x, y in zip(e["seeds"], e["a"], e["b"])]
+        out.append("")
+        if "note" in e:
+            out += [e["note"], ""]
+            continue
+        out += [f"| endpoint | mean Δ | sd [{conf} % χ²] | "
+                + " | ".join(f"seeds for {_num(x)} points at {level} %" for x in cfg.power.effects) + " |",
+                "|---|--:|--:|" + "--:|" * len(cfg.power.effects)]
+        for key, name in (("a", a_name), ("b", b_name)):
+            lo, hi = e[f"sd_{key}_interval"]
+            needed = " | ".join(_range_text(e[f"needed_{key}"][str(x)]) for x in cfg.power.effects)
+            mean = float(np.mean(e[key]))
+            out.append(f"| {name} | {_signed(mean)} | {e[f'sd_{key}']:.2f} [{lo:.2f}, {hi:.2f}] | {needed} |")
+        r = e["ratio"]
+        out.append("")
+        if r is None:
+            out.append(f"sd_{b_name} / sd_{a_name}: undefined (sd_{a_name} = 0).")
+        else:
+            out.append(f"sd_{b_name} / sd_{a_name} = {r['value']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}] ({r['kept']} "
+                       f"resamples kept, {r['dropped']} dropped with sd_{a_name} = 0).")
+        if e.get("rule") is not None:
+            k = e["rule"]["ratio"]
+            verdict = "holds" if e["rule"]["holds"] else "does not hold"
+            sign = "≤" if e["rule"]["holds"] else ">"
+            out.append(f"Declared rule (spread.rule_ratio = {_num(k)}: endpoint {b_name} when sd_{b_name} ≤ {_num(k)} "
+                       f"× sd_{a_name}, on the point estimates): sd_{b_name} {e['sd_b']:.2f} {sign} {_num(k)} × "
+                       f"{e['sd_a']:.2f} = {k * e['sd_a']:.2f}: **{verdict}**.")
+        out.append("")
+    return out
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _pooled_markdown(pooled: list[dict], cfg: DictConfig, label: str) -> list[str]:
+    if not pooled:
+        return []
+    conf, level = int(round(100 * (1 - cfg.stats.alpha))), int(round(100 * cfg.power.level))
+    out = [f"### Pooled over study folders (descriptive, no verdict)", "",
+           f"Per paired seed, Δ = {label} of the scheme − {cfg.baseline} in points, "
+           f"{_endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)}, from this folder and pooled.dirs, each read "
+           f"with this report's settings. t interval: {conf} %, df = n − 1; sd with its {conf} % chi-square interval; "
+           f"detectable: the smallest effect the two-sided paired t test over the n pooled seeds at α "
+           f"{cfg.stats.alpha} detects with {level} % power, at the sd [at the ends of its interval].", ""]
+    for e in pooled:
+        out += [f"{e['model']} × {e['scheme']}:", "", "| folder | seeds | per-seed Δ | mean |", "|---|---|---|--:|"]
+        for f in e["folders"]:
+            deltas = ", ".join(_signed(x) for x in f["deltas"])
+            mean = DASH if f["mean"] is None else _signed(f["mean"])
+            out.append(f"| {f['folder']} | {', '.join(map(str, f['seeds']))} | {deltas} | {mean} |")
+        out.append("")
+        if "mean" in e:
+            lo, hi = e["sd_interval"]
+            det = e["detectable"]
+            out.append(f"Pooled, n = {e['n']}: mean Δ {_signed(e['mean'])}, t interval [{_signed(e['t_lo'])}, "
+                       f"{_signed(e['t_hi'])}] (df {e['df']}); sd {e['sd']:.2f} [{lo:.2f}, {hi:.2f}]; detectable at "
+                       f"{level} % power with {e['n']} seeds: {det[0]:.1f} points [{det[1]:.1f}, {det[2]:.1f}].")
+        if e["differ"]:
+            out.append("The folders differ in: " + "; ".join(f"{k} ({', '.join(v)})" for k, v in e["differ"].items())
+                       + ".")
+        out.append("")
+    return out
 
 
 def _generation_markdown(generation: list[dict]) -> list[str]:
@@ -979,15 +1456,19 @@ def _generation_markdown(generation: list[dict]) -> list[str]:
     return out + [""]
 
 
-def _smallest_seed_counts(tables: list[MetricTable]) -> list[int]:
-    return sorted({r.cells[c].delta.n_seeds for t in tables for r in t.rows for c in t.columns
-                   if r.cells[c].delta is not None})
+def _smallest_seed_counts(tables: list[MetricTable]) -> list[tuple[int, int]]:
+    """(seeds, seeds with a non-zero Δ) of every Δ in the tables, distinct, sorted."""
+    return sorted({(r.cells[c].delta.n_seeds, stats.nonzero_seeds(r.cells[c].delta.seed_deltas)) for t in tables
+                   for r in t.rows for c in t.columns if r.cells[c].delta is not None})
 
 
 def _legend(cfg: DictConfig, tables: Optional[list[MetricTable]] = None) -> str:
     s = cfg.stats
     counts = _smallest_seed_counts(tables or [])
-    reach = "; ".join(f"{n} seed{'s' if n > 1 else ''}: {_p(stats.seed_sign_flip_min_p(n))}" for n in counts if n > 1)
+    reach = "; ".join(f"{n} seeds: {_p(stats.seed_sign_flip_min_p(m))}" if m == n else
+                      f"{n} seeds of which {n - m} {'has' if n - m == 1 else 'have'} Δ = 0: "
+                      f"{_p(stats.seed_sign_flip_min_p(m))}"
+                      for n, m in counts if n > 1)
     primary = (f"the declared primary comparison is {cfg.primary_metric} on the {AVG} column (or the only "
                f"benchmark), used as it is; every other comparison of a row is Holm-adjusted over the row's "
                f"comparisons across metrics and benchmarks (t and sign-flip separately)"
@@ -1003,7 +1484,7 @@ def _legend(cfg: DictConfig, tables: Optional[list[MetricTable]] = None) -> str:
             f"{' and' if s.resample_seeds else ' fixed,'} problems resampled, stratified by benchmark; {s.n_boot} "
             f"replicates). Seed-level tests, on the per-seed Δ (the unit of replication of a training scheme): "
             f"paired t with df = seeds − 1 and its t interval, and the exact sign-flip over all 2^seeds sign "
-            f"assignments, whose smallest attainable two-sided p is 2 / 2^seeds"
+            f"assignments, whose smallest attainable two-sided p is 2 / 2^m for m seeds with a non-zero Δ"
             + (f" ({reach})" if reach else "") + f"; {primary}. Per-problem p (these trained models only): "
             f"two-sided paired sign-flip test on the seed-averaged per-problem differences, stratified by "
             f"benchmark (exact up to {s.exact_max} non-zero problems, else {s.n_perm} random flips); it holds the "
@@ -1040,7 +1521,8 @@ def render_latex(tables: list[MetricTable], notes: Notes, cfg: DictConfig, title
     mark = lambda n: rf"\textsuperscript{{{n}}}"  # noqa: E731
     out = [f"% {latex_escape(title)} -- generated by python -m grail_exp.report; needs \\usepackage{{booktabs}}"]
     for t in tables:
-        lab = latex_escape(t.label)
+        lab = latex_escape(t.label + ("" if cfg.endpoint.steps is None else
+                                      f", {_endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)}"))
         out += [r"\begin{table}[t]", r"\centering", r"\small",
                 rf"\caption{{{lab}{''.join(mark(n) for n in t.notes)} (\%) per model and scheme; "
                 rf"in parentheses $\Delta$ vs "
@@ -1235,20 +1717,37 @@ def build_report(cfg: DictConfig) -> dict:
                               f"{OmegaConf.to_container(cfg.runs, resolve=True)}); notes: {notes.texts}")
         tables = build_tables(arms, row_notes, cfg, notes)
         apply_primary_and_holm(tables, cfg)
+        family = apply_family(tables, cfg)
+        main = primary_comparisons(tables)
+        spread = spread_section(arms, main, cfg) if cfg.spread.steps is not None else []
+        pooled = pooled_section(arms, main, cfg) if cfg.pooled.dirs else []
         generation = generation_table(arms, cfg)
 
         title = cfg.output.title or f"Paired comparison vs {cfg.baseline}"
-        used = {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed, "artifact": rec.artifact}
+        root = cfg.paths.root_dir  # the pages get committed: paths relative to the project (grail_exp/portable.py)
+        used = {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed,
+                             "artifact": portable_text(rec.artifact, root) if rec.artifact else rec.artifact}
                 for seeds in arms.values() for rec in seeds.values()}
-        header = (f"## {title}\n\n{len(used)} runs from {where}"
+        header = (f"## {title}\n\n{len(used)} runs from {portable_text(where, root)}"
                   + (f", children of run {cfg.runs.parent_run_id}" if cfg.runs.parent_run_id else "")
                   + (f", tags {dict(cfg.runs.tags)}" if cfg.runs.tags else "")
                   + (f" ({len(ignored)} other runs ignored: no model/scheme)" if ignored else "") + ".")
-        md = render_markdown(tables, notes, cfg, header, generation)
+        if cfg.endpoint.steps is not None:
+            header += (f"\n\nEvery per-problem value is {_endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)} "
+                       f"(endpoint.steps; an arm's last step, trainer.max_steps, is its final evaluation). The table "
+                       f"of what the arms generated is the final evaluation's.")
+        label = next((f"{t.label} ({_primary_column(t)} column)" for t in tables if t.spec == str(cfg.primary_metric)),
+                     str(cfg.primary_metric))
+        sections = (_family_markdown(family, cfg) + _spread_markdown(spread, cfg, label)
+                    + _pooled_markdown(pooled, cfg, label))
+        md = render_markdown(tables, notes, cfg, header, generation, sections)
         tex = render_latex(tables, notes, cfg, title)
         payload = to_json(tables, notes, used, cfg)
         payload["generation"] = generation
         payload["ignored"] = ignored
+        payload.update({k: v for k, v in (("endpoint", OmegaConf.to_container(cfg.endpoint, resolve=True)
+                                            if cfg.endpoint.steps is not None else None),
+                                           ("family", family), ("spread", spread), ("pooled", pooled)) if v})
 
         out = Path(cfg.output.dir).expanduser()
         out.mkdir(parents=True, exist_ok=True)

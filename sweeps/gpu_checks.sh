@@ -62,6 +62,9 @@ what=${1:-all}
 out=${2:-results/gpu}
 mkdir -p "$out"
 PY=${PY:-python3}
+# What goes under $out is committed: logs and tables pass through grail_exp/portable.py, which writes every absolute
+# path relative to the project or names its machine-specific head (<tmp>, <home>, <site-packages>)
+record() { $PY -m grail_exp.portable | tee "$1"; }
 export PYTHONUNBUFFERED=1 GRAIL_EXP_CACHE=${GRAIL_EXP_CACHE:-/tmp/grail_exp_cache}
 QWEN=(model=qwen3_8b recipe=demo model.random_init=true model.tokenizer_name_or_path=pkg:qwen3)  # demo: one-GPU checks, not the paper's 4-GPU recipe
 SMALL="model.random_init_overrides={num_hidden_layers: 2, hidden_size: 1024, intermediate_size: 3072, num_attention_heads: 16, num_key_value_heads: 8}"
@@ -123,7 +126,7 @@ if [[ $what == cardchecks ]]; then
 fi
 
 if [[ $what == card1gpu && ${CARD1GPU_DRY:-0} == 1 ]]; then  # CPU: the composition and the plan, nothing runs
-  $PY -m grail_exp.plan "${CARD[@]}" trainer.device_memory_gb=79 | tee "$out/card1gpu_plan.txt" | tail -14 || exit 1
+  $PY -m grail_exp.plan "${CARD[@]}" trainer.device_memory_gb=79 | record "$out/card1gpu_plan.txt" | tail -14 || exit 1
   $PY -m grail_exp.run "${CARD[@]}" --cfg job > "$out/card1gpu_job.yaml" || exit 1
   exit 0
 fi
@@ -132,14 +135,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 if [[ $what == tests || $what == all ]]; then
-  $PY -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$out/tests.log"
+  $PY -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | record "$out/tests.log"
 fi
 if [[ $what == e2e || $what == all ]]; then
   /usr/bin/time -v $PY -m grail_exp.run "${QWEN[@]}" "$SMALL" trainer=gpu advantage=grail "${RUN[@]}" \
-      paths.root_dir=/tmp/e2e_gpu hydra.run.dir=/tmp/e2e_gpu/run 2>&1 | tee "$out/e2e_gpu.log" | grep -v "it/s\]" | tail -25
+      paths.root_dir=/tmp/e2e_gpu hydra.run.dir=/tmp/e2e_gpu/run 2>&1 | record "$out/e2e_gpu.log" | grep -v "it/s\]" | tail -25
   PYTHONPATH="$PWD/tests:${PYTHONPATH:-}" $PY -m grail_exp.run "${QWEN[@]}" "$SMALL" trainer=fsdp trainer.devices=1 \
       advantage=grail advantage.symmetry=both rollout.engine=helpers.fakes:ScriptedEngine "${RUN[@]}" \
-      paths.root_dir=/tmp/e2e_fsdp hydra.run.dir=/tmp/e2e_fsdp/run 2>&1 | tee "$out/e2e_fsdp.log" | grep -v "it/s\]" | tail -25
+      paths.root_dir=/tmp/e2e_fsdp hydra.run.dir=/tmp/e2e_fsdp/run 2>&1 | record "$out/e2e_fsdp.log" | grep -v "it/s\]" | tail -25
   ls -la /tmp/e2e_gpu/run/checkpoints/* /tmp/e2e_fsdp/run/checkpoints/* 2>&1 | tail -12
 fi
 if [[ $what == bench || $what == all ]]; then
@@ -167,11 +170,11 @@ if [[ $what == bench8b ]]; then
       json="$out/bench_qwen3_8b_width.json" markdown="$out/bench_qwen3_8b_width.md" 2>&1 | grep -v "it/s\]" | tail -12
 fi
 if [[ $what == card1gpu ]]; then
-  $PY -m grail_exp.plan "${CARD[@]}" | tee "$out/card1gpu_plan.txt" | tail -14
+  $PY -m grail_exp.plan "${CARD[@]}" | record "$out/card1gpu_plan.txt" | tail -14
   rm -rf /tmp/card1gpu
   /usr/bin/time -v timeout 240 $PY -m grail_exp.run "${CARD[@]}" paths.root_dir=/tmp/card1gpu \
-      hydra.run.dir=/tmp/card1gpu/run 2>&1 | tee "$out/card1gpu.log" | grep -v "it/s\]" | tail -20
-  $PY - "$out/card1gpu_plan.txt" /tmp/card1gpu/run/metrics.json <<'PYEOF' | tee "$out/card1gpu_vs_plan.md"
+      hydra.run.dir=/tmp/card1gpu/run 2>&1 | record "$out/card1gpu.log" | grep -v "it/s\]" | tail -20
+  $PY - "$out/card1gpu_plan.txt" /tmp/card1gpu/run/metrics.json <<'PYEOF' | record "$out/card1gpu_vs_plan.md"
 import json, re, sys
 plan = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| (\w+)(?: \(peak\))? \| ([\d.]+) \|$", open(sys.argv[1]).read(), re.M)}
 m = json.load(open(sys.argv[2]))["metrics"]
@@ -213,7 +216,7 @@ if [[ $what == study1gpu ]]; then
   $PY -m grail_exp.run -m seed=1 experiment=real/chain_grpo,real/chain_grail,real/chain_oar_g trainer=${TRAINER:-gpu} \
       "model.name_or_path=$model" ${lr:+optim.lr=$lr} trainer.max_steps=${STEPS:-15} "${GPU_STUDY[@]}" \
       "study.dir=$out/study1gpu" paths.root_dir=/tmp/study1gpu hydra.sweep.dir=/tmp/study1gpu/sweep \
-      'hydra.sweep.subdir=${advantage.name}_s${seed}' $logger ${EXTRA:-} 2>&1 | tee "$out/study1gpu.log" | grep -v "it/s\]" | tail -30
+      'hydra.sweep.subdir=${advantage.name}_s${seed}' $logger ${EXTRA:-} 2>&1 | record "$out/study1gpu.log" | grep -v "it/s\]" | tail -30
   $PY -m grail_exp.report "runs.dir=$out/study1gpu" design_check.strict=true 'schemes=[grpo,grail,oar_g]' 'seeds=[1]' \
       'metrics=[acc,pass@n]' "output.dir=$out" output.name=study1gpu log_to=none paths.root_dir=/tmp/study1gpu \
       "output.title='SmolLM2-135M-Instruct on arithmetic chains, one H100, seed 1, 32 x 8 per step'" 2>&1 | tail -30
@@ -234,8 +237,8 @@ if [[ $what == study6gpu ]]; then
     t0=$(date +%s)
     if (( left <= 0 )); then echo "study6gpu: $2 seed $1 not started (deadline)"; return 0; fi
     CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=${ARM_THREADS:-2} timeout --signal=TERM --kill-after=30 "$left" $PY -m grail_exp.run "seed=$1" \
-        "experiment=real/chain_$2" "${common[@]}" "paths.root_dir=/tmp/study6gpu/$2_s$1" > "$logs/$2_s$1.log" 2>&1
-    echo "study6gpu: $2 seed $1 exit $? after $(( $(date +%s) - t0 )) s"
+        "experiment=real/chain_$2" "${common[@]}" "paths.root_dir=/tmp/study6gpu/$2_s$1" 2>&1 | $PY -m grail_exp.portable > "$logs/$2_s$1.log"
+    echo "study6gpu: $2 seed $1 exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
   }
   export -f run_arm
   export deadline logs PY

@@ -22,7 +22,8 @@
 # SCHEMES, LRS, LR_STEPS, LR, THREADS (torch threads; default: torch's), PY (the interpreter), PHASES (default
 # "lr study report"), DECISION ("<seeds> <min_same_sign>": the study's declared rule, applied by the report),
 # START_SHA (the declared starting weights' sha256 or its prefix: checked before the first arm trains; a mismatch
-# stops the driver with exit 2 before anything is recorded).
+# stops the driver with exit 2 before anything is recorded), REPORT_ARGS (further report overrides, word-split, e.g.
+# "endpoint.name=A spread.steps=[40,50,60] spread.rule_ratio=0.5 pooled.dirs=[results/real_model_study/six_seeds]").
 # Each phase's start and end go to $RES/driver_log.txt (the wall times of the study).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,7 +90,7 @@ if has report; then
     # shellcheck disable=SC2086
     $PY -m grail_exp.report "runs.dir=$RES" design_check.strict=true "schemes=[$(csv $SCHEMES)]" \
         "seeds=[$(csv $SEEDS)]" 'metrics=[acc,pass@n]' "output.dir=$RES" output.name=report \
-        "output.title='SmolLM2-135M-Instruct on arithmetic chains, study $STUDY'" $log_to "${rule[@]}"
+        "output.title='SmolLM2-135M-Instruct on arithmetic chains, study $STUDY'" $log_to "${rule[@]}" ${REPORT_ARGS:-}
     if compgen -G "$RES/*-grail-s*/weights" > /dev/null; then
         $PY sweeps/real_model_weights.py "$RES"/*-grail-s* --out "$RES/weights" --min-length 40 --max-length 150
     fi

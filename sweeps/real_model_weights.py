@@ -61,8 +61,9 @@ def tokenizer_for(folder: Path):
     from transformers import AutoTokenizer
 
     from grail_exp.models.packaged import is_packaged_model, resolve
+    from grail_exp.portable import resolve_recorded
 
-    name = json.loads(record.read_text())["config"]["model.name_or_path"]
+    name = resolve_recorded(json.loads(record.read_text())["config"]["model.name_or_path"])  # recorded portable
     if is_packaged_model(name):
         import os
 

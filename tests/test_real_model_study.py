@@ -110,20 +110,41 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _arm(root: Path, scheme: str, seed: int, correct: np.ndarray, config: dict, start: str = "w0") -> Path:
-    """A study arm folder as grail_exp.analysis.study.write_arm lays it out, from a (problems, n) correctness grid."""
+def _arm(root: Path, scheme: str, seed: int, correct: np.ndarray, config: dict, start: str = "w0",
+         steps: dict | None = None) -> Path:
+    """A study arm folder as grail_exp.analysis.study.write_arm lays it out, from a (problems, n) correctness grid of
+    the final evaluation and, optionally, ``steps`` = {step: grid} of evaluations inside training
+    (samples_step<N>.parquet)."""
     folder = root / f"m-{scheme}-s{seed}"
     folder.mkdir(parents=True)
-    rows = [{"benchmark": "arithmetic", "problem_index": i, "sample_index": j, "correct": bool(correct[i, j]),
-             "extracted": str(int(correct[i, j]))} for i in range(correct.shape[0]) for j in range(correct.shape[1])]
-    pd.DataFrame(rows).to_parquet(folder / "samples_final.parquet", index=False)
+
+    def write(grid, name):
+        rows = [{"benchmark": "arithmetic", "problem_index": i, "sample_index": j, "correct": bool(grid[i, j]),
+                 "extracted": str(int(grid[i, j]))} for i in range(grid.shape[0]) for j in range(grid.shape[1])]
+        pd.DataFrame(rows).to_parquet(folder / name, index=False)
+        return name
+
+    names = [write(correct, "samples_final.parquet")] + [write(g, f"samples_step{k}.parquet")
+                                                         for k, g in (steps or {}).items()]
     record = {"arm": folder.name, "model": "m", "scheme": scheme, "seed": str(seed), "status": "FINISHED",
               "run_id": f"run-{scheme}-{seed}", "start_weights_sha256": start, "metrics": {},
               "config": {"seed": seed, "eval.n": correct.shape[1], "optim.lr": 3e-5, "data.train_seed": seed,
                          **config},
-              "files": {"samples_final.parquet": _sha(folder / "samples_final.parquet")}}
+              "files": {name: _sha(folder / name) for name in names}}
     (folder / "arm.json").write_text(json.dumps(record))
     return folder
+
+
+def _grid(problems: int, n: int, k: int) -> np.ndarray:
+    """(problems, n) correctness: the first k samples of every problem right (acc@n = k/n on every problem)."""
+    return np.tile(np.arange(n) < k, (problems, 1))
+
+
+def _stepped_arm(root: Path, scheme: str, seed: int, k40: int, k50: int, k60: int, **kw) -> Path:
+    """An arm of 60 steps evaluated at steps 40, 50 and 60 (the final evaluation) on 4 problems x 4 samples, with
+    k40, k50, k60 of the 4 samples of every problem right."""
+    return _arm(root, scheme, seed, _grid(4, 4, k60), {"trainer.max_steps": 60},
+                steps={40: _grid(4, 4, k40), 50: _grid(4, 4, k50)}, **kw)
 
 
 def _report(study: Path, tmp: Path, *extra: str):
@@ -151,6 +172,197 @@ def test_report_reads_a_study_folder_paired(tmp_path):
     assert delta["delta"] == pytest.approx(0.125) and delta["n_seeds"] == 2 and delta["n_problems"] == 10
     assert row["cells"]["arithmetic"]["value"] == pytest.approx(0.625)
     assert "study folder" in out["markdown"]
+
+
+def test_a_checkpoint_averaged_endpoint_by_hand(tmp_path):
+    """endpoint.steps=[40,50,60]: acc@4 per problem averaged over the evaluations at steps 40, 50 and 60 (step 60 =
+    the final evaluation, samples_final.parquet). grpo: 1, 2, 2 of 4 right at steps 40, 50, 60 in both seeds ->
+    (0.25 + 0.5 + 0.5) / 3 = 5/12. grail seed 1: 3, 2, 4 -> 3/4; seed 2: 2, 2, 2 -> 1/2. Per-seed Δ 1/3 and 1/12,
+    Δ = 5/24 = +20.8 points; grail's cell (3/4 + 1/2) / 2 = 62.5. The final evaluation alone: Δ 1/2 and 0, +25.0."""
+    study = tmp_path / "study"
+    for seed in (1, 2):
+        _stepped_arm(study, "grpo", seed, 1, 2, 2)
+    _stepped_arm(study, "grail", 1, 3, 2, 4)
+    _stepped_arm(study, "grail", 2, 2, 2, 2)
+    out = _report(study, tmp_path, "endpoint.steps=[40,50,60]", "endpoint.name=B")
+    row = next(r for r in out["payload"]["tables"][0]["rows"] if r["scheme"] == "grail")
+    delta = row["cells"]["arithmetic"]["delta"]
+    assert delta["delta"] == pytest.approx(5 / 24, abs=1e-12)
+    assert delta["seed_deltas"] == [pytest.approx(1 / 3, abs=1e-12), pytest.approx(1 / 12, abs=1e-12)]
+    assert row["cells"]["arithmetic"]["value"] == pytest.approx(0.625, abs=1e-12)
+    md = out["markdown"]
+    assert "### acc@4 (%), endpoint B (the mean of the evaluations at steps 40, 50, 60)" in md
+    assert "| m | grail | 2 | 62.5 (+20.8) |" in md
+    assert "an arm's last step, trainer.max_steps, is its final evaluation" in md
+    assert out["payload"]["endpoint"] == {"steps": [40, 50, 60], "name": "B"}
+    assert "acc@4, endpoint B (the mean of the evaluations at steps 40, 50, 60) (\\%)" in out["latex"]
+    # the records it names are relative to the project (paths.root_dir = tmp_path)
+    assert "runs from the study folder study." in md
+    assert out["payload"]["runs"]["run-grpo-1"]["artifact"] == "study/m-grpo-s1/samples_final.parquet"
+    final = _report(study, tmp_path, "output.name=final")
+    d_final = next(r for r in final["payload"]["tables"][0]["rows"] if r["scheme"] == "grail")
+    assert d_final["cells"]["arithmetic"]["delta"]["delta"] == pytest.approx(0.25, abs=1e-12)
+
+
+def test_a_declared_step_an_arm_lacks_is_refused_naming_the_key_and_the_arm(tmp_path):
+    from grail_exp.config import ConfigError
+    from grail_exp.report import validate_report
+
+    study = tmp_path / "study"
+    for scheme in ("grpo", "grail"):
+        for seed in (1, 2):
+            _stepped_arm(study, scheme, seed, 2, 2, 2)
+    with pytest.raises(ConfigError, match=r"endpoint.steps = \[30, 60\]: m × (grail|grpo), seed 1 \(.*m-\1-s1\) has "
+                                          r"no evaluation at step 30 \(it has: 40, 50, 60 \(final\)\)"):
+        _report(study, tmp_path, "endpoint.steps=[30,60]")
+    with pytest.raises(ConfigError, match=r"spread.steps = \[45\]: m × gr\w+, seed 1 .* no evaluation at step 45"):
+        _report(study, tmp_path, "spread.steps=[45]")
+    with pytest.raises(ConfigError, match=r"endpoint.steps: needs runs.dir \(a study folder\)"):
+        validate_report(compose(["endpoint.steps=[40,50,60]"], None, config_name="report"))
+    with pytest.raises(ConfigError, match=r"endpoint.steps = \[40, 40\]: a list of distinct optimiser steps"):
+        validate_report(compose([f"runs.dir={study}", "endpoint.steps=[40,40]"], None, config_name="report"))
+
+
+def _three_seed_spread_study(root: Path) -> Path:
+    """grpo right on 2 of 4 samples at steps 40, 50, 60 in seeds 1-3; grail per seed (steps 40, 50, 60):
+    seed 1: 2, 2, 4; seed 2: 3, 3, 1; seed 3: 2, 3, 2 (of 4)."""
+    for seed, ks in zip((1, 2, 3), ((2, 2, 4), (3, 3, 1), (2, 3, 2))):
+        _stepped_arm(root, "grpo", seed, 2, 2, 2)
+        _stepped_arm(root, "grail", seed, *ks)
+    return root
+
+
+def test_the_seed_spread_of_two_endpoints_and_the_declared_rule_by_hand(tmp_path):
+    """Endpoint A = the final evaluation: per-seed Δ (points) 50, −25, 0 = 25·(2, −1, 0): sd_A = 25·√(7/3) = 38.188.
+    Endpoint B = steps 40, 50, 60: grail's means 2/3, 7/12, 7/12 against 1/2: Δ 50/3, 25/3, 25/3 = (25/3)·(2, 1, 1):
+    sd_B = (25/3)·√(1/3) = 4.811. sd_B / sd_A = (1/3)/√7 = 0.12599. The rule 0.5: 4.81 <= 19.09, holds; the rule
+    0.1: 4.81 > 3.82, does not. The bootstrap, the chi-square intervals and the seeds needed are stats.py's
+    functions (tested there) on these hand-computed vectors."""
+    from grail_exp.analysis import stats
+
+    study = _three_seed_spread_study(tmp_path / "study")
+    out = _report(study, tmp_path, "seeds=[1,2,3]", "spread.steps=[40,50,60]", "spread.rule_ratio=0.5",
+                  "endpoint.name=A", "spread.name=B")
+    (e,) = out["payload"]["spread"]
+    a_hand, b_hand = [50.0, -25.0, 0.0], [50 / 3, 25 / 3, 25 / 3]
+    assert e["seeds"] == ["1", "2", "3"]
+    assert e["a"] == [pytest.approx(x, abs=1e-9) for x in a_hand]
+    assert e["b"] == [pytest.approx(x, abs=1e-9) for x in b_hand]
+    assert e["sd_a"] == pytest.approx(25 * np.sqrt(7 / 3), rel=1e-12)
+    assert e["sd_b"] == pytest.approx(25 / 3 * np.sqrt(1 / 3), rel=1e-12)
+    ratio = stats.sd_ratio_bootstrap(a_hand, b_hand, n_boot=10_000, seed=0)
+    assert e["ratio"]["value"] == pytest.approx(1 / 3 / np.sqrt(7), rel=1e-12)
+    assert (e["ratio"]["lo"], e["ratio"]["hi"], e["ratio"]["dropped"]) == (
+        pytest.approx(ratio.lo, rel=1e-9), pytest.approx(ratio.hi, rel=1e-9), ratio.dropped)
+    lo, hi = stats.sd_interval(e["sd_a"], 3)
+    assert e["sd_a_interval"] == [pytest.approx(lo), pytest.approx(hi)]
+    assert e["needed_a"]["3.0"] == [stats.seeds_needed(3.0, x) for x in (e["sd_a"], lo, hi)]
+    assert e["rule"] == {"ratio": 0.5, "holds": True}
+    md = out["markdown"]
+    assert "### Seed spread of the primary comparison: endpoint B against endpoint A" in md
+    assert "| 2 | -25.00 | +8.33 |" in md
+    assert f"sd_B / sd_A = 0.13 [{ratio.lo:.2f}, {ratio.hi:.2f}] ({ratio.kept} resamples kept, {ratio.dropped} " \
+           "dropped with sd_A = 0)." in md
+    assert "sd_B 4.81 ≤ 0.5 × 38.19 = 19.09: **holds**." in md
+    strict = _report(study, tmp_path, "seeds=[1,2,3]", "spread.steps=[40,50,60]", "spread.rule_ratio=0.1",
+                     "output.name=strict")
+    assert "sd_B 4.81 > 0.1 × 38.19 = 3.82: **does not hold**." in strict["markdown"]
+
+
+def test_the_pooled_comparison_over_two_study_folders_by_hand(tmp_path):
+    """This folder's per-seed Δ at the final evaluation, 50, −25, 0 (the study above), pooled with another folder's
+    seeds 4 and 5 (+25, −25; other starting weights): d = (50, −25, 0, 25, −25), mean 5, squared deviations
+    2025 + 900 + 25 + 400 + 900 = 4250, sd √(4250/4) = 32.596, t interval 5 ± 2.776445·32.596/√5 (the t table's
+    t_{0.975,4}). The detectable effect at 80 % with five seeds: scipy's noncentral t solved by bisection."""
+    from scipy.stats import nct, t as student_t
+
+    study = _three_seed_spread_study(tmp_path / "study")
+    other = tmp_path / "round2"
+    for seed, k in ((4, 3), (5, 1)):
+        _arm(other, "grpo", seed, _grid(4, 4, 2), {"trainer.max_steps": 60}, start="w1")
+        _arm(other, "grail", seed, _grid(4, 4, k), {"trainer.max_steps": 60}, start="w1")
+    out = _report(study, tmp_path, "seeds=[1,2,3]", f"pooled.dirs=[{other}]")
+    (e,) = out["payload"]["pooled"]
+    assert [f["deltas"] for f in e["folders"]] == [[pytest.approx(50), pytest.approx(-25), pytest.approx(0)],
+                                                   [pytest.approx(25), pytest.approx(-25)]]
+    assert [f["folder"] for f in e["folders"]] == ["study", "round2"]
+    sd = np.sqrt(4250 / 4)
+    assert (e["n"], e["mean"], e["sd"]) == (5, pytest.approx(5.0), pytest.approx(sd, rel=1e-12))
+    half = 2.776445 * sd / np.sqrt(5)
+    assert (e["t_lo"], e["t_hi"]) == (pytest.approx(5 - half, abs=1e-4), pytest.approx(5 + half, abs=1e-4))
+    c = student_t.ppf(0.975, 4)
+    lo, hi = 0.0, 20.0  # ncp with power 0.8, by bisection on scipy's noncentral t
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if nct.sf(c, 4, mid) + nct.cdf(-c, 4, mid) < 0.8 else (lo, mid)
+    assert e["detectable"][0] == pytest.approx(lo * sd / np.sqrt(5), rel=1e-6)
+    assert e["differ"] == {"start_weights.sha256": ["w0", "w1"]}
+    md = out["markdown"]
+    assert "| round2 | 4, 5 | +25.00, -25.00 | +0.00 |" in md
+    assert f"Pooled, n = 5: mean Δ +5.00, t interval [{5 - half:+.2f}, {5 + half:+.2f}] (df 4)" in md
+    assert "The folders differ in: start_weights.sha256 (w0, w1)." in md
+
+
+def _hundred(k: int) -> np.ndarray:
+    """100 problems x 1 sample, the first k right: acc@1 = k %."""
+    return (np.arange(100) < k)[:, None]
+
+
+def test_holm_over_a_declared_family_of_primary_comparisons_by_hand(tmp_path):
+    """grail − grpo per seed (points) 2, 3, 1, 4, −1, 3 over six seeds: 5 positive, t = 2.7386 (df 5), p = 0.0409
+    (scipy), the t interval above 0: the declared rule (6, 5) says "beats". Declared as one family with a second
+    folder whose comparison has only 3 of the 6 seeds (not decidable: counted as p = 1), Holm doubles the smaller p:
+    0.0818 > 0.05, so the verdict becomes "not settled"; the partial one keeps "not applied"."""
+    from scipy.stats import t as student_t
+
+    study, partial = tmp_path / "study", tmp_path / "partial"
+    for seed, d in zip(range(1, 7), (2, 3, 1, 4, -1, 3)):
+        _arm(study, "grpo", seed, _hundred(50), {})
+        _arm(study, "grail", seed, _hundred(50 + d), {})
+    for seed in range(1, 7):
+        _arm(partial, "grpo", seed, _hundred(50), {})
+    for seed in (1, 2, 3):
+        _arm(partial, "grail", seed, _hundred(60), {})
+    seeds, rule = "seeds=[1,2,3,4,5,6]", ("decision.seeds=6", "decision.min_same_sign=5")
+    alone = _report(study, tmp_path, seeds, *rule)
+    assert "- m × grail: 5 of 6 seeds positive, 1 negative -> grail beats grpo" in alone["markdown"]
+    out = _report(study, tmp_path, seeds, *rule, "decision.multiplicity=holm", f"decision.family_dirs=[{partial}]",
+                  "output.name=family")
+    p = 2 * student_t.sf(2 / (np.sqrt(16 / 5) / np.sqrt(6)), 5)
+    mine, theirs = out["payload"]["family"]
+    assert (mine["seed_t_p"], mine["counted_p"], mine["holm_p"]) == (
+        pytest.approx(p, rel=1e-9), pytest.approx(p, rel=1e-9), pytest.approx(2 * p, rel=1e-9))
+    assert (theirs["folder"], theirs["counted_p"], theirs["holm_p"], theirs["verdict"]) == (
+        "partial", 1.0, 1.0, "not applied")
+    assert mine["verdict"] == "not settled"
+    md = out["markdown"]
+    assert f"- m × grail: 5 of 6 seeds positive, 1 negative, Holm-adjusted p {2 * p:.3f} -> not settled by 6 seeds" \
+        in md
+    assert "### Multiplicity: the declared family of primary comparisons (decision.multiplicity = holm)" in md
+    assert "| partial: m × grail | 3 | <0.001 | 1.000 | 1.000 | not applied |" in md
+    assert "Holm-adjusted over the declared family of primary comparisons (decision.multiplicity = holm, below), " \
+           "is below 0.05" in md
+    from grail_exp.config import ConfigError
+    from grail_exp.report import validate_report
+
+    with pytest.raises(ConfigError, match="decision.multiplicity = holm: adjusts a declared rule's verdicts"):
+        validate_report(compose(["decision.multiplicity=holm"], None, config_name="report"))
+
+
+def test_a_study_in_progress_shows_the_baseline_over_the_paired_seeds(tmp_path):
+    """grpo seeds 1, 2, 3 right on 2, 2, 4 of 4 samples (all three: 66.7), grail seeds 1, 2 on 3 of 4: paired on
+    seeds 1 and 2, where grpo reads 50.0, so the row reads 50.0 + 25.0 = 75.0; the footnote keeps 66.7."""
+    study = tmp_path / "study"
+    for seed, k in ((1, 2), (2, 2), (3, 4)):
+        _arm(study, "grpo", seed, _grid(10, 4, k), {})
+    for seed in (1, 2):
+        _arm(study, "grail", seed, _grid(10, 4, 3), {})
+    md = _report(study, tmp_path, "seeds=[1,2,3]")["markdown"]
+    assert re.search(r"\| m \| grpo \(baseline\)<sup>(\w)</sup> \| 3 \(2 paired\) \| 50.0 \|", md), md
+    letter = re.search(r"grpo \(baseline\)<sup>(\w)</sup>", md).group(1)
+    assert f"- <sup>{letter}</sup> m × grpo: over the seeds paired with the other rows (1, 2), so that its value + Δ " \
+           "is theirs; over all its 3 seeds: 66.7" in md
+    assert "| m | grail<sup>" in md and "| 2 (2 paired) |" not in md and " 75.0 (+25.0) |" in md
 
 
 def test_report_flags_a_seed_whose_arms_drew_different_step1_rollouts(tmp_path):

@@ -390,7 +390,10 @@ def test_design_limits_a_models_rows_and_expected_seeds(store):
     assert any("no finished run" in notes[k] for k in _row(acc, "tiny_llama", "grail")["notes"])  # planned, absent
     assert not any("tiny_llama × oar_g" in t for t in notes.values())
     tiny_grpo = [notes[k] for k in _row(acc, "tiny", "grpo")["notes"]]
-    assert tiny_grpo == ["tiny × grpo: seed(s) 3 missing"]  # other models keep the top-level seeds
+    # other models keep the top-level seeds; grail pairs seeds 1, 2 and oar_g seed 1 only: the baseline over oar_g's
+    # paired seed is footnoted (seed 1's grpo, as tiny_llama's grpo seed 1 reads in docs/report.md: 50.0, 55.6)
+    assert tiny_grpo == ["tiny × grpo: seed(s) 3 missing",
+                         "tiny × grpo over the seeds paired with oar_g (1): math500 50.0, aime24 55.6, avg 52.8"]
     assert "Planned cells (others not run by design): tiny_llama: grpo, grail × seeds 1, 2." in out["markdown"]
 
     bad = compose(["+design={tiny_llama: {schemes: [grail]}}", "models=[tiny]"], None, config_name="report")

@@ -250,3 +250,129 @@ def test_a_star_needs_both_seed_tests_and_an_interval_without_zero():
     assert not six.significant(0.05)
     six.primary = True
     assert six.significant(0.05)
+
+
+# ------------------------------------------------------------------------------------------ spread and power
+def test_the_smallest_sign_flip_p_counts_non_zero_seeds_only():
+    """Flipping a zero changes no sum: six seeds of which two are 0 have 2^4 distinct patterns, so the smallest p is
+    2/16 = 0.125, not 2/64 (round two's pass@4: GRAIL's seeds 2 and 4 read Δ = 0). The exact test agrees: with the
+    four non-zero Δ of one sign, only the all-+ and all-− patterns of those four reach |Σ|, 2 × 4 of the 64."""
+    from grail_exp.analysis.stats import seed_sign_flip, seed_sign_flip_min_p
+
+    d = [8.0, 0.0, -1.0, 0.0, -19.5, -12.5]
+    assert seed_sign_flip_min_p(d) == 0.125
+    assert seed_sign_flip_min_p([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == 2 / 64
+    assert seed_sign_flip_min_p([0.0, 0.0, 1.0]) == 1.0  # one non-zero seed: either sign reaches it
+    assert seed_sign_flip_min_p(6) == 2 / 64  # a count: all non-zero
+    same_sign = [2.0, 0.0, 3.0, 0.0, 1.0, 4.0]
+    assert seed_sign_flip(same_sign) == 8 / 64 == seed_sign_flip_min_p(same_sign) == _brute_force_seed_flip(same_sign)
+    res = compare_paired({"b": np.array(d)[:, None] * np.ones((6, 4))}, n_boot=50)
+    assert res.seed_flip_min_p == 0.125
+
+
+def test_chi_square_quantiles_and_the_sd_interval_against_the_tables():
+    """χ² quantiles from the printed tables (e.g. NIST/SEMATECH e-Handbook 1.3.6.7.4): df 5: 0.831 and 12.833,
+    df 11: 3.816 and 21.920; to full precision against scipy. The sd interval of six values with sd 10: 10·√(5/12.8325)
+    = 6.2421 to 10·√(5/0.83121) = 24.5261."""
+    from scipy.stats import chi2
+
+    from grail_exp.analysis.stats import chi2_quantile, chi2_sf, sd_interval
+
+    assert round(chi2_quantile(0.025, 5), 3) == 0.831 and round(chi2_quantile(0.975, 5), 3) == 12.833
+    assert round(chi2_quantile(0.025, 11), 3) == 3.816 and round(chi2_quantile(0.975, 11), 3) == 21.920
+    for df in (1, 2, 3, 5, 6, 11, 40, 999, 1000):
+        for x in (0.05, 0.9, 4.0, 17.0, float(df), 3.0 * df):
+            assert chi2_sf(x, df) == pytest.approx(chi2.sf(x, df), rel=1e-10, abs=1e-300)
+        assert chi2_quantile(0.975, df) == pytest.approx(chi2.ppf(0.975, df), rel=1e-10)
+    lo, hi = sd_interval(10.0, 6)
+    assert (lo, hi) == (pytest.approx(10 * np.sqrt(5 / 12.832502), rel=1e-6),
+                        pytest.approx(10 * np.sqrt(5 / 0.8312116), rel=1e-6))
+    assert (round(lo, 4), round(hi, 4)) == (6.2421, 24.5261)
+
+
+def test_t_power_against_published_values_and_scipy():
+    """R's documented example power.t.test(n = 20, delta = 1) (two-sample, sd 1, α 0.05: df 38, ncp √10) prints
+    power = 0.8689528 (its default counts the upper tail only; the lower adds 2.3e-7); the one-sample (6.5e-7)
+    power.t.test(n = 10, delta = 1, type = "one.sample") 0.8030962. G*Power's one-sample / paired t test, two-tailed
+    α 0.05, power 0.80: dz = 0.5 needs N = 34 (actual power 0.8078), dz = 0.8 N = 15, dz = 0.2 N = 199. And scipy's
+    noncentral t over a grid, to 1e-8."""
+    from scipy.stats import nct, t as student_t
+
+    from grail_exp.analysis.stats import paired_t_power, seeds_needed, t_power
+
+    assert t_power(np.sqrt(10), 38) == pytest.approx(0.8689528, abs=3e-7)
+    assert paired_t_power(1.0, 1.0, 10) == pytest.approx(0.8030962, abs=1e-6)  # + the lower tail, 6.5e-7
+    assert [seeds_needed(d, 1.0) for d in (0.5, 0.8, 0.2)] == [34, 15, 199]
+    assert round(paired_t_power(0.5, 1.0, 34), 4) == 0.8078
+    for df in (1, 2, 5, 11, 38, 300):
+        c = student_t.ppf(0.975, df)
+        for ncp in (0.0, 0.7, 2.0, 3.5, 6.0):
+            ref = nct.sf(c, df, ncp) + nct.cdf(-c, df, ncp)
+            assert t_power(ncp, df) == pytest.approx(ref, abs=1e-8), (df, ncp)
+
+
+def test_power_at_six_seeds_by_brute_force_monte_carlo():
+    """Independent of any t law: draw 200,000 sets of six per-seed differences N(14.5, 10.11²), run the two-sided
+    paired t test at the table's t_{0.975, 5} = 2.5706 and count rejections. The rate is the power at n = 6: within
+    4.5 binomial standard errors of t_power's, and near 0.8 (14.5 points is the effect six seeds detect at 80 %
+    power at round two's sd of 10.11)."""
+    from grail_exp.analysis.stats import detectable_effect, paired_t_power
+
+    rng = np.random.default_rng(12345)
+    reps, n, effect, sd = 200_000, 6, 14.5, 10.11
+    x = rng.normal(effect, sd, size=(reps, n))
+    t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / np.sqrt(n))
+    rate = float((np.abs(t) > 2.5706).mean())
+    power = paired_t_power(effect, sd, n)
+    se = np.sqrt(power * (1 - power) / reps)
+    assert abs(rate - power) < 4.5 * se + 1e-4  # + the table quantile's rounding
+    assert 0.79 < power < 0.81
+    assert detectable_effect(sd, n) == pytest.approx(14.5, abs=0.05)
+    assert paired_t_power(detectable_effect(sd, n), sd, n) == pytest.approx(0.8, abs=1e-8)
+
+
+def test_seeds_needed_is_the_smallest_n_reaching_the_power():
+    """Round two's GRAIL − GRPO seed sd, 10.1114 points: a 3-point effect at 80 % needs 92 seeds (the power at 91 is
+    below 0.8, at 92 above it, scipy's noncentral t), 5 points 35; the sd's own 95 % interval [6.31, 24.80] gives
+    37 to 539 seeds for 3 points."""
+    from scipy.stats import nct, t as student_t
+
+    from grail_exp.analysis.stats import sd_interval, seeds_needed
+
+    def scipy_power(effect, sd, n):
+        c = student_t.ppf(0.975, n - 1)
+        ncp = effect * np.sqrt(n) / sd
+        return nct.sf(c, n - 1, ncp) + nct.cdf(-c, n - 1, ncp)
+
+    sd = 10.1114
+    n3 = seeds_needed(3.0, sd)
+    assert n3 == 92 and scipy_power(3.0, sd, 91) < 0.8 <= scipy_power(3.0, sd, 92)
+    assert seeds_needed(5.0, sd) == 35
+    lo, hi = sd_interval(sd, 6)
+    assert (seeds_needed(3.0, lo), seeds_needed(3.0, hi)) == (37, 539)
+    assert seeds_needed(3.0, 0.0) == 2  # no spread: the smallest test there is
+    with pytest.raises(ValueError, match="effect of 0"):
+        seeds_needed(0.0, sd)
+
+
+def test_sd_ratio_bootstrap_on_a_case_enumerated_by_hand():
+    """a = (0, 0, 2), b = (1, 3, 4), three seeds: all 27 resamples. sd(a) = 0 when seed 3 is missing or alone
+    (2^3 + 1 = 9 dropped). The other 18 all have sd(a) = √(4/3) ({0,0,2} or {0,2,2}); sd(b) of their b's:
+    {1,1,4} √3, {1,3,4} √(7/3), {3,3,4} √(1/3), {1,4,4} √3, {3,4,4} √(1/3), so the ratios are 1.5 (6 resamples),
+    √(7/4) = 1.3229 (6) and 0.5 (6). The 2.5 % and 97.5 % points (linear, positions 0.425 and 16.575 of 0..17) are
+    0.5 and 1.5; the ratio on the data √(7/3)/√(4/3) = √(7/4). With 10,000 random resamples the dropped share is
+    9/27 within 5 binomial sds, and the interval the same."""
+    from grail_exp.analysis.stats import sd_ratio_bootstrap
+
+    a, b = [0.0, 0.0, 2.0], [1.0, 3.0, 4.0]
+    every = np.array(list(itertools.product(range(3), repeat=3)))
+    exact = sd_ratio_bootstrap(a, b, draws=every)
+    assert exact.ratio == pytest.approx(np.sqrt(7 / 4), rel=1e-12)
+    assert (exact.kept, exact.dropped) == (18, 9)
+    assert (exact.lo, exact.hi) == (pytest.approx(0.5, rel=1e-12), pytest.approx(1.5, rel=1e-12))
+    drawn = sd_ratio_bootstrap(a, b, n_boot=10_000, seed=0)
+    assert drawn.kept + drawn.dropped == 10_000
+    assert abs(drawn.dropped - 10_000 / 3) < 5 * np.sqrt(10_000 * (1 / 3) * (2 / 3))
+    assert (drawn.lo, drawn.hi) == (pytest.approx(0.5), pytest.approx(1.5))
+    with pytest.raises(ValueError, match="sd\\(a\\) is 0"):
+        sd_ratio_bootstrap([1.0, 1.0], [0.0, 1.0])

@@ -45,8 +45,9 @@ averaged over problems and benchmarks as Δ is), s = 1..S. Two tests of E[d] = 0
   Student's t with df = S − 1 (its CDF in closed form for integer df, Abramowitz & Stegun 26.7.3–4), and the
   t interval mean(d) ± t_{1−α/2, S−1} · sd(d) / √S;
 * the exact seed-level sign-flip test: p = #{ε ∈ {±1}^S : |Σ ε_s d_s| ≥ |Σ d_s|} / 2^S over all 2^S sign
-  assignments (no normality assumption). Its smallest attainable p is 2 / 2^S (3 seeds: 0.25, 6 seeds: 0.031):
-  with few seeds it cannot reject at 5 %, whatever the data, and the report says so.
+  assignments (no normality assumption). Its smallest attainable p is 2 / 2^m with m the non-zero d_s (3 seeds:
+  0.25, 6 seeds: 0.031, 6 seeds of which two are 0: 0.125): with few seeds it cannot reject at 5 %, whatever the
+  data, and the report says so.
 
 The report stars a difference only when both seed-level p-values are below α (Holm-adjusted outside the declared
 primary comparison, :func:`holm`) and the two-level bootstrap interval excludes 0. With one seed there is no
@@ -63,7 +64,9 @@ import numpy as np
 
 __all__ = ["PairedResult", "benchmark_weights", "paired_delta", "paired_bootstrap", "sign_flip_test",
            "seed_spread", "compare_paired", "t_two_sided_p", "t_quantile", "seed_t_test", "seed_sign_flip",
-           "seed_sign_flip_min_p", "holm"]
+           "seed_sign_flip_min_p", "nonzero_seeds", "holm", "declared_rule", "normal_cdf", "chi2_sf", "chi2_quantile",
+           "sd_interval", "t_power", "paired_t_power", "seeds_needed", "detectable_effect", "SdRatio",
+           "sd_ratio_bootstrap"]
 
 
 def _as_matrices(diffs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -257,9 +260,19 @@ def seed_sign_flip(per_seed: Sequence[float]) -> float | None:
     return float((np.abs(signs @ d) >= abs(d.sum()) - tol).mean())
 
 
-def seed_sign_flip_min_p(n_seeds: int) -> float:
-    """The smallest p the exact seed-level sign-flip test can reach with ``n_seeds`` seeds: 2 / 2^S (1 for S <= 1)."""
-    return 1.0 if n_seeds <= 1 else 2.0 / 2 ** n_seeds
+def seed_sign_flip_min_p(per_seed: Sequence[float] | int) -> float:
+    """The smallest p the exact seed-level sign-flip test can reach: 2 / 2^m with m the number of **non-zero**
+    per-seed differences (flipping a zero changes nothing, so two zeros among six seeds leave 2 / 2^4 = 0.125, not
+    0.031); 1 when m <= 1. An int is a count of seeds taken as all non-zero."""
+    m = int(per_seed) if isinstance(per_seed, (int, np.integer)) else nonzero_seeds(per_seed)
+    return 1.0 if m <= 1 else 2.0 / 2 ** m
+
+
+def nonzero_seeds(per_seed: Sequence[float]) -> int:
+    """The per-seed differences that are not 0 within rounding (the sign-flip test's tolerance for ties)."""
+    d = np.asarray(per_seed, dtype=np.float64)
+    tol = 1e-12 * max(1.0, float(np.abs(d).sum())) if d.size else 0.0
+    return int((np.abs(d) > tol).sum())
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
@@ -274,6 +287,164 @@ def holm(p_values: Sequence[float]) -> list[float]:
     return out.tolist()
 
 
+# ----------------------------------------------------------------------------------- seed spread and power
+# How many seeds a comparison needs, and what the seeds one has can detect: the seed-level paired t test above, at
+# the spread the per-seed differences show. Pure numpy + math: the chi-square law in closed form for integer df
+# (Abramowitz & Stegun 26.4.4-5), the noncentral t power by numerical integration over the sample sd.
+
+
+def normal_cdf(x):
+    """Φ(x) = erfc(−x/√2) / 2, elementwise."""
+    return 0.5 * np.vectorize(math.erfc, otypes=[float])(-np.asarray(x, dtype=np.float64) / math.sqrt(2.0))
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(χ²_df >= x) for integer ``df`` >= 1 (Abramowitz & Stegun 26.4.4 / 26.4.5), summed in log space so large df
+    do not underflow: even df, e^(−x/2) Σ_{k<df/2} (x/2)^k / k!; odd df, 2 Q(√x) + 2 φ(√x) Σ_{r=1}^{(df−1)/2}
+    x^(r−½) / (1·3···(2r−1)) with Q the normal upper tail and φ the normal density."""
+    if df < 1 or int(df) != df:
+        raise ValueError(f"df must be a positive integer, got {df}")
+    if x <= 0:
+        return 1.0
+    if df % 2 == 0:
+        logs = [-x / 2 + k * math.log(x / 2) - math.lgamma(k + 1) for k in range(df // 2)]
+        base = 0.0
+    else:
+        r = np.arange(1, (df - 1) // 2 + 1)
+        # log 2φ(√x) + (r − ½) log x − log(1·3···(2r−1)),  1·3···(2r−1) = (2r)! / (2^r r!)
+        logs = [math.log(2) - x / 2 - 0.5 * math.log(2 * math.pi) + (k - 0.5) * math.log(x)
+                - (math.lgamma(2 * k + 1) - k * math.log(2) - math.lgamma(k + 1)) for k in r]
+        base = math.erfc(math.sqrt(x / 2))  # 2 Q(√x)
+    if logs:
+        top = max(logs)
+        base += math.exp(top) * sum(math.exp(v - top) for v in logs)
+    return float(min(1.0, max(0.0, base)))
+
+
+def chi2_quantile(prob: float, df: int) -> float:
+    """The ``prob`` quantile (0 < prob < 1) of χ²_df: bisection on :func:`chi2_sf` to 1e-12 relative."""
+    if not 0 < prob < 1:
+        raise ValueError(f"prob must be in (0, 1), got {prob}")
+    lo, hi = 0.0, float(df) + 10 * math.sqrt(2 * df) + 10
+    while chi2_sf(hi, df) > 1 - prob:
+        hi *= 2
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi2_sf(mid, df) > 1 - prob else (lo, mid)
+    return (lo + hi) / 2
+
+
+def sd_interval(sd: float, n: int, alpha: float = 0.05) -> tuple[float, float]:
+    """The 1 − α interval of a normal population's sd from the sample sd of ``n`` values: sd·√((n−1)/χ²_{1−α/2,n−1})
+    to sd·√((n−1)/χ²_{α/2,n−1}). Six values give [0.62, 2.45] × sd, twelve [0.71, 1.70] × sd."""
+    if n < 2:
+        raise ValueError(f"an sd interval needs n >= 2 values, got {n}")
+    df = n - 1
+    return (sd * math.sqrt(df / chi2_quantile(1 - alpha / 2, df)), sd * math.sqrt(df / chi2_quantile(alpha / 2, df)))
+
+
+def t_power(ncp: float, df: int, alpha: float = 0.05) -> float:
+    """Power of the two-sided level-α t test with ``df`` degrees of freedom when the statistic is noncentral t with
+    noncentrality ``ncp``: P(|T'| > c), c = t_{1−α/2, df}. With T' = (Z + ncp) / U, U = √(χ²_df / df) independent of
+    Z ~ N(0, 1), P(|T'| > c) = ∫ [Φ(ncp − c u) + Φ(−ncp − c u)] g(u) du, g the density of U,
+    g(u) = 2 (df/2)^(df/2) / Γ(df/2) · u^(df−1) e^(−df u²/2); the integral by Simpson's rule on 4,000 intervals
+    over the range holding all but a negligible part of U's mass."""
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if not math.isfinite(ncp):
+        return 1.0
+    c = t_quantile(1 - alpha / 2, int(df))
+    spread = 10 / math.sqrt(df)
+    u = np.linspace(max(0.0, 1 - spread), 1 + spread + (4.0 if df < 4 else 0.0), 4001)
+    half = df / 2
+    log_norm = math.log(2) + half * math.log(half) - math.lgamma(half)
+    g = np.zeros_like(u)
+    pos = u > 0
+    g[pos] = np.exp(log_norm + (df - 1) * np.log(u[pos]) - half * u[pos] ** 2)
+    if df == 1:  # u^0 = 1 at u = 0
+        g[~pos] = math.exp(log_norm)
+    f = (normal_cdf(ncp - c * u) + normal_cdf(-ncp - c * u)) * g
+    h = u[1] - u[0]
+    integral = h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+    return float(min(1.0, max(0.0, integral)))
+
+
+def paired_t_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
+    """Power of the two-sided paired t test over ``n`` seeds to detect a mean difference ``effect`` when the per-seed
+    differences have sd ``sd``: :func:`t_power` with ncp = effect √n / sd and df = n − 1."""
+    if n < 2:
+        raise ValueError(f"a paired t test needs n >= 2, got {n}")
+    ncp = math.inf if sd == 0 else abs(effect) * math.sqrt(n) / sd
+    return t_power(ncp, n - 1, alpha)
+
+
+def seeds_needed(effect: float, sd: float, power: float = 0.8, alpha: float = 0.05, max_n: int = 10**7) -> int:
+    """The smallest n >= 2 whose two-sided paired t test (level α) detects ``effect`` with at least ``power`` at the
+    seed sd ``sd`` (:func:`paired_t_power`, which grows with n): doubling, then bisection."""
+    if effect == 0:
+        raise ValueError("no number of seeds detects an effect of 0")
+    if paired_t_power(effect, sd, 2, alpha) >= power:
+        return 2
+    lo, hi = 2, 4
+    while paired_t_power(effect, sd, hi, alpha) < power:
+        lo, hi = hi, hi * 2
+        if hi > max_n:
+            raise ValueError(f"more than {max_n} seeds needed for effect {effect} at sd {sd}")
+    while hi - lo > 1:  # power(lo) < target <= power(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if paired_t_power(effect, sd, mid, alpha) < power else (lo, mid)
+    return hi
+
+
+def detectable_effect(sd: float, n: int, power: float = 0.8, alpha: float = 0.05) -> float:
+    """The smallest mean difference the two-sided paired t test over ``n`` seeds (level α) detects with ``power`` at
+    the seed sd ``sd``: ncp solving :func:`t_power` (ncp, n − 1) = power by bisection, times sd / √n."""
+    if n < 2:
+        raise ValueError(f"a paired t test needs n >= 2, got {n}")
+    lo, hi = 0.0, 1.0
+    while t_power(hi, n - 1, alpha) < power:
+        hi *= 2
+    while hi - lo > 1e-10 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_power(mid, n - 1, alpha) < power else (lo, mid)
+    return (lo + hi) / 2 * sd / math.sqrt(n)
+
+
+@dataclass
+class SdRatio:
+    """sd(b) / sd(a) of paired per-seed values and its seed-bootstrap percentile interval (:func:`sd_ratio_bootstrap`)."""
+
+    ratio: float
+    lo: float
+    hi: float
+    kept: int  # resamples with sd(a) > 0
+    dropped: int  # resamples with sd(a) = 0 (the ratio is undefined there)
+
+
+def sd_ratio_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 10_000, seed: int = 0,
+                       alpha: float = 0.05, draws: np.ndarray | None = None) -> SdRatio:
+    """The ratio of sample sds sd(b) / sd(a) (ddof = 1) of per-seed values a_s, b_s measured on the same seeds, and
+    its 1 − α seed-bootstrap percentile interval: each resample draws the S seeds with replacement (the pair
+    (a_s, b_s) together; ``np.random.default_rng(seed).integers(0, S, (n_boot, S))``, or the index rows ``draws``),
+    recomputes both sds, and keeps sd(b) / sd(a); resamples with sd(a) = 0 (within rounding) are dropped and
+    counted. The interval is ``np.quantile`` (linear) of the kept ratios at α/2 and 1 − α/2."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size < 2:
+        raise ValueError(f"need two per-seed vectors of the same length >= 2, got {a.shape} and {b.shape}")
+    tol = 1e-12 * max(1.0, float(np.abs(a).max()))
+    sd_a = float(a.std(ddof=1))
+    if sd_a <= tol:
+        raise ValueError("sd(a) is 0 on the data: the ratio is undefined")
+    if draws is None:
+        draws = np.random.default_rng(seed).integers(0, a.size, size=(int(n_boot), a.size))
+    draws = np.asarray(draws)
+    sa, sb = a[draws].std(axis=1, ddof=1), b[draws].std(axis=1, ddof=1)
+    keep = sa > tol
+    ratios = sb[keep] / sa[keep]
+    lo, hi = np.quantile(ratios, [alpha / 2, 1 - alpha / 2]) if ratios.size else (math.nan, math.nan)
+    return SdRatio(float(b.std(ddof=1)) / sd_a, float(lo), float(hi), int(keep.sum()), int((~keep).sum()))
+
+
 @dataclass
 class Decision:
     """A declared decision rule applied to the per-seed differences (:func:`declared_rule`)."""
@@ -284,39 +455,46 @@ class Decision:
     n_seeds: int  # paired seeds the rule saw
     declared_seeds: int
     min_same_sign: int
+    holm_p: float | None = None  # the Holm-adjusted seed-level t p over a declared family, when there is one
+    alpha: float = 0.05
 
     def text(self, scheme: str, baseline: str) -> str:
         counts = f"{self.positive} of {self.n_seeds} seeds positive, {self.negative} negative"
+        holm = "" if self.holm_p is None else f", Holm-adjusted p {self.holm_p:.3f}"
         if self.verdict == "not applied":
-            return f"{counts}: not applied yet ({self.n_seeds} of the {self.declared_seeds} declared seeds paired)"
+            return (f"{counts}{holm}: not applied yet ({self.n_seeds} of the {self.declared_seeds} declared seeds "
+                    "paired)")
         said = {"better": f"{scheme} beats {baseline}", "worse": f"{scheme} is worse than {baseline}",
                 "not settled": f"not settled by {self.n_seeds} seeds"}[self.verdict]
-        return f"{counts} -> {said}"
+        return f"{counts}{holm} -> {said}"
 
 
 def declared_rule(per_seed: Sequence[float], t_lo: float | None, t_hi: float | None, declared_seeds: int,
-                  min_same_sign: int) -> Decision:
+                  min_same_sign: int, holm_p: float | None = None, alpha: float = 0.05) -> Decision:
     """A study's rule declared before its seeds ran: the scheme is **better** only if at least ``min_same_sign`` of
     the per-seed differences d_s are > 0 *and* the seed-level t interval [t_lo, t_hi] lies above 0; **worse** by the
     mirror rule (at least ``min_same_sign`` below 0 and the interval below 0); otherwise **not settled**. A zero d_s
     counts for neither side. Applied only once ``declared_seeds`` seeds are paired (fewer: **not applied**, so a
     partial study never reads as decided); more paired seeds than declared is refused (the rule was not declared for
-    them)."""
+    them). With ``holm_p`` (the comparison's seed-level t p, Holm-adjusted over a family of primary comparisons
+    declared with the rule), "better" and "worse" also need ``holm_p < alpha``: an adjustment only makes claims
+    harder."""
     if not 1 <= min_same_sign <= declared_seeds:
         raise ValueError(f"min_same_sign must be in 1..declared_seeds ({declared_seeds}), got {min_same_sign}")
     d = np.asarray(per_seed, dtype=np.float64)
     if d.size > declared_seeds:
         raise ValueError(f"{d.size} paired seeds, but the rule was declared for {declared_seeds}")
     pos, neg = int((d > 0).sum()), int((d < 0).sum())
+    family_ok = holm_p is None or holm_p < alpha
     if d.size < declared_seeds or t_lo is None or t_hi is None:
         verdict = "not applied"
-    elif pos >= min_same_sign and t_lo > 0:
+    elif pos >= min_same_sign and t_lo > 0 and family_ok:
         verdict = "better"
-    elif neg >= min_same_sign and t_hi < 0:
+    elif neg >= min_same_sign and t_hi < 0 and family_ok:
         verdict = "worse"
     else:
         verdict = "not settled"
-    return Decision(verdict, pos, neg, int(d.size), declared_seeds, min_same_sign)
+    return Decision(verdict, pos, neg, int(d.size), declared_seeds, min_same_sign, holm_p, alpha)
 
 
 @dataclass
@@ -340,7 +518,7 @@ class PairedResult:
     seed_t_lo: float | None = None  # the t interval of the mean per-seed Δ
     seed_t_hi: float | None = None
     seed_flip_p: float | None = None
-    seed_flip_min_p: float = 1.0  # the smallest p the seed sign-flip can reach with n_seeds (2 / 2^S)
+    seed_flip_min_p: float = 1.0  # the smallest p the seed sign-flip can reach: 2 / 2^(non-zero per-seed Δ)
     # set by the report: whether this is the declared primary comparison, and Holm-adjusted seed-level p-values
     # over the other comparisons of its row (None for the primary one, and with one seed)
     primary: bool = False
@@ -381,4 +559,4 @@ def compare_paired(diffs: Mapping[str, np.ndarray], average: str = "unweighted",
     return PairedResult(boot.estimate, boot.lo, boot.hi, p, method, per_seed, mean, sd, n_seeds,
                         int(sum(m.shape[1] for m in d.values())), seed_t=t.t, seed_df=t.df, seed_t_p=t.p,
                         seed_t_lo=t.lo, seed_t_hi=t.hi, seed_flip_p=flip,
-                        seed_flip_min_p=seed_sign_flip_min_p(n_seeds))
+                        seed_flip_min_p=seed_sign_flip_min_p(per_seed))

@@ -89,14 +89,22 @@ def comparable(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def identity(cfg) -> dict[str, Any]:
-    """The flat resolved configuration minus ``NOT_IDENTITY``, as JSON values (what a restart must match)."""
+    """The flat resolved configuration minus ``NOT_IDENTITY``, as JSON values (what a restart must match). A value
+    that is an absolute path (a model directory) is written as it travels (grail_exp/portable.py: relative to
+    ``paths.root_dir`` or to the code's checkout, or with its machine-specific head named), so the record commits
+    without a machine's paths and a restart compares like with like; a reader opens such a path with
+    ``grail_exp.portable.resolve_recorded``."""
     from omegaconf import OmegaConf
 
+    from grail_exp.portable import code_root, portable_text
     from grail_exp.tracking import flatten
 
     container = OmegaConf.to_container(cfg, resolve=True)
     flat = comparable(flatten(container))
-    return json.loads(json.dumps(flat, default=str))
+    root = cfg.paths.root_dir if cfg.get("paths") is not None and cfg.paths.get("root_dir") else None
+    values = json.loads(json.dumps(flat, default=str))
+    # the project is paths.root_dir and the checkout the code runs from (a shipped model directory lies in the latter)
+    return {k: portable_text(v, root, (code_root(),)) if isinstance(v, str) else v for k, v in values.items()}
 
 
 def differences(a: dict, b: dict, limit: int = 12) -> list[str]:
@@ -200,6 +208,7 @@ def _history(tracker) -> "Any":
 
 def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tracker) -> Path:
     """The finished arm's folder (see the module docstring), written into a temporary folder and renamed into place."""
+    from grail_exp.portable import portable_path
     from grail_exp.tracking import code_tags
 
     folder = arm_dir(cfg)
@@ -230,7 +239,7 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
     record = {
         "arm": folder.name, "model": str(cfg.model.name), "scheme": str(cfg.advantage.name), "seed": str(cfg.seed),
         "status": "FINISHED", "run_id": getattr(tracker, "run_id", None),
-        "parent_run_id": _parent_of(tracker), "run_dir": _portable(run_dir, cfg.paths.root_dir),
+        "parent_run_id": _parent_of(tracker), "run_dir": portable_path(run_dir, cfg.paths.root_dir),
         "start_weights_sha256": start_sha256, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "code": code_tags(), "segments": segments, "metrics": metrics, "config": identity(cfg),
         "files": {f.relative_to(tmp).as_posix(): _file_sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()},
@@ -241,13 +250,6 @@ def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tr
     os.replace(tmp, folder)
     log.info("study: arm %s recorded in %s", folder.name, folder)
     return folder
-
-
-def _portable(path: Path, root: str) -> str:
-    """``path`` as a record that travels: relative to the project root when inside it, else its last two parts
-    (never an absolute path of the machine that wrote it)."""
-    path, root_path = Path(path).resolve(), Path(root).resolve()
-    return path.relative_to(root_path).as_posix() if path.is_relative_to(root_path) else Path(*path.parts[-2:]).as_posix()
 
 
 SEGMENTS_FILE = "study_segments.jsonl"

@@ -60,7 +60,7 @@ from grail_exp.analysis import stats
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, LoggerConfig, PathsConfig, register_configs
 from grail_exp.errors import DataError
-from grail_exp.portable import portable_text
+from grail_exp.analysis.portable import portable_text
 
 log = logging.getLogger("grail_exp.report")
 
@@ -1724,7 +1724,7 @@ def build_report(cfg: DictConfig) -> dict:
         generation = generation_table(arms, cfg)
 
         title = cfg.output.title or f"Paired comparison vs {cfg.baseline}"
-        root = cfg.paths.root_dir  # the pages get committed: paths relative to the project (grail_exp/portable.py)
+        root = cfg.paths.root_dir  # the pages get committed: paths relative to the project (grail_exp/analysis/portable.py)
         used = {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed,
                              "artifact": portable_text(rec.artifact, root) if rec.artifact else rec.artifact}
                 for seeds in arms.values() for rec in seeds.values()}

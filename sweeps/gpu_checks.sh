@@ -62,9 +62,9 @@ what=${1:-all}
 out=${2:-results/gpu}
 mkdir -p "$out"
 PY=${PY:-python3}
-# What goes under $out is committed: logs and tables pass through grail_exp/portable.py, which writes every absolute
+# What goes under $out is committed: logs and tables pass through grail_exp/analysis/portable.py, which writes every absolute
 # path relative to the project or names its machine-specific head (<tmp>, <home>, <site-packages>)
-record() { $PY -m grail_exp.portable | tee "$1"; }
+record() { $PY -m grail_exp.analysis.portable | tee "$1"; }
 export PYTHONUNBUFFERED=1 GRAIL_EXP_CACHE=${GRAIL_EXP_CACHE:-/tmp/grail_exp_cache}
 QWEN=(model=qwen3_8b recipe=demo model.random_init=true model.tokenizer_name_or_path=pkg:qwen3)  # demo: one-GPU checks, not the paper's 4-GPU recipe
 SMALL="model.random_init_overrides={num_hidden_layers: 2, hidden_size: 1024, intermediate_size: 3072, num_attention_heads: 16, num_key_value_heads: 8}"
@@ -237,7 +237,7 @@ if [[ $what == study6gpu ]]; then
     t0=$(date +%s)
     if (( left <= 0 )); then echo "study6gpu: $2 seed $1 not started (deadline)"; return 0; fi
     CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=${ARM_THREADS:-2} timeout --signal=TERM --kill-after=30 "$left" $PY -m grail_exp.run "seed=$1" \
-        "experiment=real/chain_$2" "${common[@]}" "paths.root_dir=/tmp/study6gpu/$2_s$1" 2>&1 | $PY -m grail_exp.portable > "$logs/$2_s$1.log"
+        "experiment=real/chain_$2" "${common[@]}" "paths.root_dir=/tmp/study6gpu/$2_s$1" 2>&1 | $PY -m grail_exp.analysis.portable > "$logs/$2_s$1.log"
     echo "study6gpu: $2 seed $1 exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
   }
   export -f run_arm

@@ -61,7 +61,7 @@ def tokenizer_for(folder: Path):
     from transformers import AutoTokenizer
 
     from grail_exp.models.packaged import is_packaged_model, resolve
-    from grail_exp.portable import resolve_recorded
+    from grail_exp.analysis.portable import resolve_recorded
 
     name = resolve_recorded(json.loads(record.read_text())["config"]["model.name_or_path"])  # recorded portable
     if is_packaged_model(name):

@@ -1,6 +1,6 @@
 """Records that travel: no committed file under results/ or docs/ names a path of the machine that wrote it, and the
 writers of such records (study arms, benchmark JSON / Markdown, report pages, GPU logs) write portable paths
-(grail_exp/portable.py)."""
+(grail_exp/analysis/portable.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from grail_exp.portable import main as portable_main
-from grail_exp.portable import portable_path, portable_text
+from grail_exp.analysis.portable import main as portable_main
+from grail_exp.analysis.portable import portable_path, portable_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ def test_no_committed_file_under_results_or_docs_names_a_machine_path():
     files = _committed()
     assert len(files) > 100, "the scan found almost nothing to scan"
     found = machine_paths(files)
-    assert not found, "absolute machine paths in committed records (rewrite with grail_exp.portable):\n" + \
+    assert not found, "absolute machine paths in committed records (rewrite with grail_exp.analysis.portable):\n" + \
         "\n".join(found[:40])
 
 
@@ -135,7 +135,7 @@ def test_a_recorded_path_inside_the_code_checkout_is_relative_and_opens_again(tm
     from helpers.compose import compose
 
     from grail_exp.analysis.study import identity
-    from grail_exp.portable import resolve_recorded
+    from grail_exp.analysis.portable import resolve_recorded
 
     tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
     recorded = identity(compose([f"model.name_or_path={tiny}"], tmp_path))["model.name_or_path"]

@@ -90,13 +90,13 @@ def comparable(flat: dict[str, Any]) -> dict[str, Any]:
 
 def identity(cfg) -> dict[str, Any]:
     """The flat resolved configuration minus ``NOT_IDENTITY``, as JSON values (what a restart must match). A value
-    that is an absolute path (a model directory) is written as it travels (grail_exp/portable.py: relative to
+    that is an absolute path (a model directory) is written as it travels (grail_exp/analysis/portable.py: relative to
     ``paths.root_dir`` or to the code's checkout, or with its machine-specific head named), so the record commits
     without a machine's paths and a restart compares like with like; a reader opens such a path with
-    ``grail_exp.portable.resolve_recorded``."""
+    ``grail_exp.analysis.portable.resolve_recorded``."""
     from omegaconf import OmegaConf
 
-    from grail_exp.portable import code_root, portable_text
+    from grail_exp.analysis.portable import code_root, portable_text
     from grail_exp.tracking import flatten
 
     container = OmegaConf.to_container(cfg, resolve=True)
@@ -208,7 +208,7 @@ def _history(tracker) -> "Any":
 
 def write_arm(cfg, *, run_dir: Path, start_sha256: str | None, metrics: dict, tracker) -> Path:
     """The finished arm's folder (see the module docstring), written into a temporary folder and renamed into place."""
-    from grail_exp.portable import portable_path
+    from grail_exp.analysis.portable import portable_path
     from grail_exp.tracking import code_tags
 
     folder = arm_dir(cfg)

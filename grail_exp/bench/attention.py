@@ -149,9 +149,9 @@ def main(bench: DictConfig, argv: list[str], policy: tuple | None = None) -> dic
                f"{p['share_prompts']}), median s over {bench.repeats} alternating batches: fused {p['fused_s']:.2f}, "
                f"`max_scores` = {p['max_scores']}: {p['explicit_s']:.2f} ({p['ratio']:.2f}x).\n")
     print(md)
-    from grail_exp.portable import portable_text
+    from grail_exp.analysis.portable import portable_text
 
-    if bench.json:  # committed records: paths relative to the project (grail_exp/portable.py)
+    if bench.json:  # committed records: paths relative to the project (grail_exp/analysis/portable.py)
         Path(bench.json).write_text(portable_text(json.dumps(out, indent=2) + "\n"))
     if bench.markdown:
         Path(bench.markdown).write_text(portable_text(f"`python -m grail_exp.bench {' '.join(argv)}`\n\n{md}"))

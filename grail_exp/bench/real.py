@@ -426,8 +426,8 @@ def main(bench, overrides: list[str], argv: list[str]) -> dict:
 def write_outputs(bench, payload: dict, context: str, table: str) -> None:
     """``json=``: the whole payload; ``markdown=``: the command line, one line of context and the table. Both are
     records that get committed: every absolute path in them (the command's ``json=/tmp/...``, a model directory) is
-    written relative to the project or with its machine-specific head named (grail_exp/portable.py)."""
-    from grail_exp.portable import portable_text
+    written relative to the project or with its machine-specific head named (grail_exp/analysis/portable.py)."""
+    from grail_exp.analysis.portable import portable_text
 
     if bench.json:
         Path(bench.json).parent.mkdir(parents=True, exist_ok=True)

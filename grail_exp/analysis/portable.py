@@ -5,7 +5,7 @@ wrote them.
     portable_path("/home/me/grail_exp/outputs/run", root="/home/me/grail_exp")  -> "outputs/run"
     portable_text("json=/tmp/bench/a.json from sqlite:////home/me/grail_exp/results/mlflow.db", root=...)
         -> "json=<tmp>/bench/a.json from sqlite:///results/mlflow.db"
-    python -m grail_exp.portable [--root DIR] < log > results/gpu/x.log      # a filter for shell pipelines
+    python -m grail_exp.analysis.portable [--root DIR] < log > results/gpu/x.log      # a filter for shell pipelines
 
 A path inside the project (``root``, default the current directory) becomes relative to it (the root itself ``.``);
 an SQLite URI to a file inside it stays an SQLite URI with a relative path (``sqlite:///results/mlflow.db``, which
@@ -40,7 +40,7 @@ HEADS: list[tuple[re.Pattern, str]] = [
 
 def code_root() -> Path:
     """The checkout (or installation) the running code comes from: the folder that holds ``grail_exp/``."""
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]  # grail_exp/analysis/portable.py
 
 
 def resolve_recorded(path: str) -> str:
@@ -93,7 +93,7 @@ def portable_text(text: str, root: str | os.PathLike | None = None, other_roots:
 def main(argv: list[str] | None = None) -> None:
     """A filter: stdin to stdout with every line made portable (``--root`` the project, default the current
     directory; ``--also`` other checkouts of it)."""
-    parser = argparse.ArgumentParser(prog="python -m grail_exp.portable", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m grail_exp.analysis.portable", description=main.__doc__)
     parser.add_argument("--root", default=None)
     parser.add_argument("--also", action="append", default=[])
     args = parser.parse_args(argv)

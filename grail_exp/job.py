@@ -85,6 +85,12 @@ def stop_signals():
     stops = StopSignals().install()
     try:
         yield stops
+    except BaseException as exc:
+        if stops.stopped_by and not isinstance(exc, StoppedBySignal):
+            # The way out of a stop before training failed on the way (Lightning's teardown of a rank's empty
+            # skeleton, a peer's store gone): it is still that stop, with its line and exit code.
+            raise StoppedBySignal(stops.stopped_by, stops.stage) from exc
+        raise
     finally:
         stops.uninstall()
 

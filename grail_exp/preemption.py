@@ -132,7 +132,8 @@ class StopSignals:
         self.stage = "start-up"  # what the job does before training, for the line
         self.on_request: Callable[[int], None] | None = None  # training: records a request (the module's)
         self.received: list[int] = []  # every stop signal delivered, in order (counted by the watcher)
-        self._raised = False
+        self._handled = 0  # signals the main thread's handler has seen
+        self.stopped_by = 0  # the signal that ended the job before training (its handler raised StoppedBySignal)
         self._previous: dict = {}
         self._fds: tuple[int, int] | None = None
         self._old_wakeup = -1
@@ -186,10 +187,12 @@ class StopSignals:
     # ------------------------------------------------------------------ the main thread's handler
     def _handler(self, signum: int, frame) -> None:
         name = signal_name(signum)
-        if self.phase == "starting":
-            if not self._raised:  # once: the way out (closing the tracker, the engine) must not be interrupted again
-                self._raised = True
-                raise StoppedBySignal(signum, self.stage)
+        self._handled += 1
+        if self._handled > 1:  # a second signal: the watcher thread ends the process
+            return
+        if self.phase == "starting":  # once: the way out (closing the tracker, the engine) is not interrupted again
+            self.stopped_by = signum
+            raise StoppedBySignal(signum, self.stage)
         elif self.phase == "training":
             log.warning("%s received: finishing the current optimiser step, then checkpointing (every rank); %s "
                         "again ends at once", name, name)

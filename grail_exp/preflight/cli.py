@@ -61,7 +61,7 @@ def stops_end_the_rehearsal():
     """SIGTERM and SIGINT (``timeout``, Ctrl-C, SLURM) end the preflight through its ``finally`` blocks, which end the
     rehearsal's process group (``Rehearsal._end_group``): without this a SIGTERM killed the preflight outright and left
     the run's ranks behind, orphaned. One line; exit 128 + the signal."""
-    from grail_exp.preemption import exit_code, signal_name
+    from grail_exp.preemption import exit_code, exit_now, signal_name
 
     class Stopped(BaseException):
         pass
@@ -78,7 +78,7 @@ def stops_end_the_rehearsal():
         signum = stop.args[0]
         print(f"preflight stopped by {signal_name(signum)}: the rehearsal's processes were ended", file=sys.stderr,
               flush=True)
-        sys.exit(exit_code(signum))
+        exit_now(exit_code(signum))
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)

@@ -13,6 +13,7 @@ machine) and far below what the code before this change took (the process group'
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -232,3 +233,25 @@ def test_the_reaper_ends_what_a_library_started_when_its_parent_is_killed(tmp_pa
         assert _left_after([child, reaper], GONE_BOUND_S) == []
     finally:
         _kill_all([proc.pid] + [read_pid(f) for f in files if f.exists()])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
+def test_vllms_own_processes_die_with_their_killed_parent(tmp_path):
+    """vLLM's engine out of process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``): its engine core and worker are vLLM's
+    processes, on which no parent-death signal can be set; SIGKILL of the process that built the engine leaves none of
+    them (the reaper). Without it vLLM 0.32's engine core and worker ran on, re-parented to init."""
+    proc = subprocess.Popen([sys.executable, "-m", "helpers.stop_child", "vllm", str(tmp_path)],
+                            env=_env(VLLM_CPU_KVCACHE_SPACE="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    ready = tmp_path / "engine.ready"
+    try:
+        _wait_for([ready], proc)
+        started = [int(p) for p in ready.read_text().split()]
+        assert started, "the engine started no process of its own: not out of process"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=HANG_TIMEOUT_S)
+        assert _left_after(started, GONE_BOUND_S) == []
+    finally:
+        _kill_all([proc.pid] + ([int(p) for p in ready.read_text().split()] if ready.exists() else []))

@@ -7,7 +7,9 @@ then waits there; the test reads the pids it needs from the files (``read_pid``)
 - ``pool``: a grading pool whose one worker is busy with a job that writes ``worker.ready`` (its pid) and sleeps;
   the test SIGKILLs this process: the worker must go too;
 - ``reaper``: a child it started without any parent-death arrangement (``sleep``), as a library would, and a
-  ``preemption.Reaper``; the test SIGKILLs this process: the reaper must end the child.
+  ``preemption.Reaper``; the test SIGKILLs this process: the reaper must end the child;
+- ``vllm``: a vLLM engine out of process (``engine.ready`` lists the processes vLLM started); the test SIGKILLs this
+  process: they must go too.
 """
 
 from __future__ import annotations
@@ -70,6 +72,24 @@ def reaper(folder: Path) -> None:
     time.sleep(WAIT_S)
 
 
+def vllm_engine(folder: Path) -> None:
+    """vLLM's engine out of process (its engine core and worker: processes vLLM starts), on the embedded model."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    from transformers import AutoTokenizer
+
+    from grail_exp.preemption import own_descendants
+    from grail_exp.rollout.vllm import VLLMRolloutEngine
+
+    model = Path(__file__).resolve().parents[2] / "grail_exp" / "data" / "embedded" / "tiny"
+    before = own_descendants()
+    engine = VLLMRolloutEngine(str(model), AutoTokenizer.from_pretrained(model), max_model_len=256,
+                               gpu_memory_utilization=0.05)
+    started = own_descendants() - before - {engine._reaper.proc.pid}
+    (folder / "engine.ready.tmp").write_text(" ".join(map(str, sorted(started))))
+    os.replace(folder / "engine.ready.tmp", folder / "engine.ready")
+    time.sleep(WAIT_S)
+
+
 if __name__ == "__main__":
     mode, where = sys.argv[1], Path(sys.argv[2])
-    {"twice": twice, "pool": pool, "reaper": reaper}[mode](where)
+    {"twice": twice, "pool": pool, "reaper": reaper, "vllm": vllm_engine}[mode](where)

@@ -306,7 +306,7 @@ def follow_parent() -> bool:
 
 def launcher_speaks() -> bool:
     """Whether this process is a rank that Lightning's launcher started beside itself (``started_by_parent``, local
-    rank > 0): the launcher, in the same terminal or job, prints the line of a stop before training for the node."""
+    rank > 0): the launcher, in the same terminal or job, prints the line of a stop for the node."""
     return started_by_parent() and os.environ.get("LOCAL_RANK", "0") != "0"
 
 

@@ -71,9 +71,10 @@ def stopped(exc: BaseException, cfg: DictConfig, multirun: bool = False) -> int:
     from grail_exp.errors import Preempted
     from grail_exp.preemption import before_training_line, exit_code, launcher_speaks, signal_name
 
+    if launcher_speaks():  # a rank that Lightning's launcher started beside itself: the launcher prints the line
+        return exit_code(exc.signum)
     if not isinstance(exc, Preempted):
-        if not launcher_speaks():  # a rank whose launcher speaks for it says nothing
-            print(before_training_line(exc.signum, exc.stage), file=sys.stderr, flush=True)
+        print(before_training_line(exc.signum, exc.stage), file=sys.stderr, flush=True)
         return exit_code(exc.signum)
     from grail_exp.checkpoint import latest_checkpoint
 

@@ -409,6 +409,10 @@ class TrainerConfig:
     # Seconds a rank waits in a collective before the process group aborts the run (every group the run creates);
     # null = what the planned checkpoint write needs: max(1800, 2 x its bytes / 100 MB/s) (memory.needed_dist_timeout)
     dist_timeout_s: Optional[int] = None
+    # Seconds the ranks that arrived wait for the others when the process group forms (a node that never started, a
+    # wrong trainer.num_nodes / trainer.devices or master address); then one line names who arrived. It must cover the
+    # ranks' different start-ups: rank 0 reads the weights while the others build empty skeletons (docs/reliability.md)
+    rendezvous_timeout_s: int = 600
     sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
     # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/training/backends/deepspeed.py), e.g. zero_optimization
     deepspeed: Optional[Any] = None

@@ -50,7 +50,24 @@ class RunStopped(Exception):
 
 
 class Preempted(RuntimeError):
-    """Raised after SIGTERM once the current optimiser step is done and a checkpoint is written."""
+    """Raised on every rank once the ranks agreed on a stop signal (SIGTERM, SIGINT, submitit's) at the end of
+    optimiser ``step`` and its checkpoint is written. ``signum``: the signal (the largest number any rank received,
+    so SIGTERM over SIGINT); ``here``: whether this rank received one itself."""
+
+    def __init__(self, message: str, signum: int = 15, step: int | None = None, here: bool = True):
+        super().__init__(message)
+        self.signum, self.step, self.here = int(signum), step, here
+
+
+class StoppedBySignal(BaseException):
+    """A stop signal before the first optimiser step (model load, rendezvous, engine build, the evaluation before
+    training): no step to agree on and nothing to save, so the job ends at once (``grail_exp.preemption``).
+    ``stage``: what the job was doing. A ``BaseException``, as ``KeyboardInterrupt``: no ``except Exception`` on the
+    way out holds it up."""
+
+    def __init__(self, signum: int, stage: str):
+        super().__init__(f"signal {signum} during {stage}")
+        self.signum, self.stage = int(signum), stage
 
 
 @contextmanager

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from grail_exp.validate import validate
-from grail_exp.errors import Preempted, RunStopped
+from grail_exp.errors import Preempted, RunStopped, StoppedBySignal
 
 log = logging.getLogger("grail_exp")
 
@@ -72,7 +70,35 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     """The whole job; returns the final metrics (flat dict) plus phase timings.
 
     ``on_eval(step, metrics)`` is called after each in-training evaluation (every ``trainer.eval_every`` steps)
-    with its flat metrics; it may raise ``errors.RunStopped`` to end the run early (Optuna pruning)."""
+    with its flat metrics; it may raise ``errors.RunStopped`` to end the run early (Optuna pruning).
+
+    A stop signal before the first optimiser step raises ``errors.StoppedBySignal`` at once; during training, the
+    ranks stop together after a step with its checkpoint (``errors.Preempted``): ``stop_signals``."""
+    with stop_signals():
+        return _train(cfg, on_eval)
+
+
+@contextmanager
+def stop_signals():
+    """The job's stop signals from its first line to its last (grail_exp/preemption.py: what each signal does in each
+    phase). A rank started by a parent grail_exp process (Lightning's launcher, the preflight) dies with it."""
+    from grail_exp.preemption import StopSignals, follow_parent
+
+    follow_parent()
+    stops = StopSignals().install()
+    try:
+        yield stops
+    except BaseException as exc:
+        if stops.stopped_by and not isinstance(exc, StoppedBySignal):
+            # The way out of a stop before training failed on the way (Lightning's teardown of a rank's empty
+            # skeleton, a peer's store gone): it is still that stop, with its line and exit code.
+            raise StoppedBySignal(stops.stopped_by, stops.stage) from exc
+        raise
+    finally:
+        stops.uninstall()
+
+
+def _train(cfg: DictConfig, on_eval: Callable | None) -> dict:
     import lightning as L
     import torch
 
@@ -81,6 +107,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
     from grail_exp.tracking import NullTracker, build_tracker
 
     from grail_exp.analysis import study
+    from grail_exp.preemption import set_stage
 
     _quiet_lightning()
     done = study.finished(cfg)  # a restarted study: this arm is already recorded with this configuration
@@ -104,6 +131,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
         study.record_segment(cfg, Path(cfg.paths.output_dir), int(state["step"]) if state else 0)
     try:
         _log_start(cfg, tracker, state, ckpt)
+        set_stage("loading the model")
         parts = build_parts(cfg, ckpt, state, tracker, phases, t0)
         evaluator = Evaluator(cfg, parts, tracker, phases, on_eval)
         module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, None, parts.source,
@@ -124,7 +152,7 @@ def train(cfg: DictConfig, on_eval: Callable | None = None) -> dict:
         finish(cfg, module, tracker, phases, t0, evaluator.tables, results, parts.start_sha256)
         status = "FINISHED"
         return results
-    except (Preempted, RunStopped):
+    except (Preempted, RunStopped, StoppedBySignal):
         status = "KILLED"
         raise
     except BaseException:
@@ -264,6 +292,9 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
                                                      "share_prompts": share_prompts_of(cfg)})
 
     def engine_factory():  # called by every rank in the module's setup, once the process group exists
+        from grail_exp.preemption import set_stage
+
+        set_stage("building the rollout engine")
         t = time.perf_counter()
         engine = build_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size, cfg=cfg,
                               model_path=policy_path, push_policy=False)  # synced before every rollout / evaluation
@@ -294,9 +325,11 @@ class Evaluator:
     def __call__(self, tag: str, step: int) -> dict[str, float]:
         from grail_exp.evaluation import evaluate_benchmarks, log_eval_result
         from grail_exp.rollout.base import release
+        from grail_exp.preemption import set_stage
         from grail_exp.training import probe
         from grail_exp import world
 
+        set_stage(f"the evaluation ({tag})")  # named by a stop before training: the evaluation before it
         t = time.perf_counter()
         p, m = self.parts, self.module
         engine, backend = m.rollout.engine, m.backend
@@ -488,34 +521,47 @@ def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: di
 
 @contextmanager
 def stop_on_signal(module, trainer):
-    """During ``trainer``'s fit, SIGTERM (what SLURM sends before preemption) and submitit's USR2 in its jobs only
-    record a stop request on ``module``; at the end of each optimiser step the ranks agree on it
-    (``GRPOModule._after_step``): when any rank got one, every rank checkpoints that step and stops
-    (grail_exp/preemption.py). Lightning installs no signal handlers of its own in this fit."""
-    from grail_exp.preemption import stop_signals
+    """During ``trainer``'s fit: the job's stop signals (``preemption.StopSignals``) switch from "starting" to
+    "training" once the fit has started (the weights placed, the evaluation before training done), so that from the
+    first optimiser step on a signal only records a stop request on ``module``; at the end of each optimiser step the
+    ranks agree on it (``GRPOModule._after_step``): when any rank got one, every rank checkpoints that step and stops.
+    After the last step (the final checkpoint and evaluation) they are "closing". Lightning installs no signal
+    handlers of its own in this fit."""
+    from grail_exp.preemption import StopSignals, current
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    stops, own = current(), None
+    if stops is None:  # a fit outside ``train`` (tests): the signals for this fit only
+        stops = own = StopSignals().install()
 
-    def handler(signum, frame):
+    def request(signum: int) -> None:
         # Record, never act: a handler runs wherever this rank's main thread happens to be, and the other ranks may
         # have got no signal at all, so anything that communicates must wait for the step's agreement point.
-        log.warning("%s received: finishing the current optimiser step, then checkpointing (every rank)",
-                    signal.Signals(signum).name)
-        module.stop_requested = True
+        module.stop_signal = signum
+
+    start_fn, end_fn = module.start_fn, module.end_fn
+
+    def started() -> None:
+        if start_fn is not None:
+            start_fn()
+        stops.training(request)
+
+    def closing() -> None:
+        stops.closing()
+        if end_fn is not None:
+            end_fn()
 
     # Lightning's handlers would each break that agreement: its SIGTERM handler broadcasts from inside the handler (a
     # collective on the signalled rank alone, wherever it happens to be: the ranks hang) and leaves a flag that ends
     # the fit with exit 0 and no checkpoint; under SLURM its USR1 handler saves and requeues a Lightning checkpoint
-    # that this project never resumes from. The stop is this module's.
+    # that this project never resumes from; Ctrl-C's KeyboardInterrupt ends its fit with exit 1. The stop is the job's.
     trainer._signal_connector.register_signal_handlers = lambda: None
-    previous = {sig: signal.signal(sig, handler) for sig in stop_signals()}
+    module.start_fn, module.end_fn = started, closing
     try:
         yield
     finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
+        module.start_fn, module.end_fn = start_fn, end_fn
+        if own is not None:
+            own.uninstall()
 
 
 def write_summary(cfg: DictConfig, results: dict, tables: dict, tracker) -> None:

@@ -576,8 +576,8 @@ def run_trial(trial, tcfg: DictConfig, metric: str, inherited: set, info) -> flo
     re-queued with resume=auto); a failure is recorded in ``info`` and raised (Optuna marks the trial FAIL)."""
     import optuna
 
-    from grail_exp.errors import Preempted
-    from grail_exp.preemption import hand_back_to_submitit
+    from grail_exp.errors import Preempted, StoppedBySignal
+    from grail_exp.preemption import exit_code, hand_back_to_submitit
     from grail_exp.job import run
 
     def on_eval(step: int, metrics: dict) -> None:
@@ -594,11 +594,12 @@ def run_trial(trial, tcfg: DictConfig, metric: str, inherited: set, info) -> flo
         value = run(tcfg, on_eval=on_eval)
         if value is None or not math.isfinite(value):
             raise RuntimeError(f"the run did not produce a finite {metric} (got {value})")
-    except Preempted:
-        # SIGTERM (or submitit's USR2): the run has checkpointed. Leave the trial RUNNING, so that it goes
-        # stale and is re-queued with resume=auto when the study restarts (or submitit requeues this worker).
+    except (Preempted, StoppedBySignal) as exc:
+        # A stop signal (SIGTERM, Ctrl-C, submitit's USR2): the run has checkpointed (or had not started training).
+        # Leave the trial RUNNING, so that it goes stale and is re-queued with resume=auto when the study restarts (or
+        # submitit requeues this worker).
         hand_back_to_submitit()  # in a submitit job this requeues the worker and exits here
-        raise SystemExit(143)
+        raise SystemExit(exit_code(exc.signum))
     except _Pruned as exc:
         faults.tune_kill("run_ended", trial.number, "PRUNED")
         log.info("trial %d %s", trial.number, exc)

@@ -237,6 +237,9 @@ def trainer(cfg) -> list[str]:
     timeout = t.get("dist_timeout_s")
     _check(e, timeout is None or timeout > 0, "trainer.dist_timeout_s", timeout,
            "must be > 0 seconds, or null for what the planned checkpoint write needs (python -m grail_exp.plan)")
+    rendezvous = t.get("rendezvous_timeout_s", 600)
+    _check(e, rendezvous is not None and rendezvous > 0, "trainer.rendezvous_timeout_s", rendezvous,
+           "must be > 0 seconds: how long the ranks that arrived wait for the others when the process group forms")
     _check(e, not cfg.study.dir or t.eval_at_end, "trainer.eval_at_end", t.eval_at_end,
            f"must be true in a study (study.dir={cfg.study.dir}): each arm is recorded with its final evaluation")
     return e

@@ -102,6 +102,13 @@ def any_true(flag: bool) -> bool:
     return bool(all_reduce_max(t).item())
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest of every rank's integer ``value`` (a MAX all-reduce of one int64 on the group's device); ``value``
+    itself without a process group. Every rank must call it at the same point."""
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    return int(all_reduce_max(t).item())
+
+
 def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """``x`` from rank ``src`` on every rank, in place (travelling on the group's device)."""
     if not _initialized():

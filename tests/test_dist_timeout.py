@@ -112,3 +112,30 @@ def test_a_timeout_below_the_planned_checkpoint_write_is_warned_about_and_a_non_
     assert not [r for r in caplog.records if "trainer.dist_timeout_s" in r.getMessage()]
     with pytest.raises(ConfigError, match=r"trainer\.dist_timeout_s = 0: must be > 0"):
         validate(compose_cfg([*base, "trainer.dist_timeout_s=0"]))
+
+
+def test_a_non_positive_rendezvous_timeout_is_refused_naming_the_key(compose_cfg):
+    with pytest.raises(ConfigError, match=r"trainer\.rendezvous_timeout_s = 0: must be > 0"):
+        validate(compose_cfg(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+                              "trainer.rendezvous_timeout_s=0"]))
+
+
+def test_the_line_of_a_world_that_did_not_form_names_who_arrived_by_node():
+    """8 ranks, 2 per node; ranks 0, 1 (host a) and 4 (host c) arrived. Written out by hand: node n holds ranks 2n and
+    2n + 1."""
+    from grail_exp.distributed import RENDEZVOUS_KEY, _not_formed
+
+    hosts = {0: "a", 1: "a", 4: "c"}
+
+    class Store:  # what _not_formed reads of the rendezvous store
+        def check(self, keys):
+            return int(keys[0].rsplit("rank", 1)[1]) in hosts
+
+        def get(self, key):
+            assert key.startswith(RENDEZVOUS_KEY)
+            return hosts[int(key.rsplit("rank", 1)[1])].encode()
+
+    line = _not_formed(Store(), world_size=8, ranks_per_node=2, timeout_s=600, keys="KEYS")
+    assert line == ("the process group did not form within 600 s (trainer.rendezvous_timeout_s): 3 of 8 ranks arrived "
+                    "(node 0 (a) ranks 0,1, node 2 (c) rank 4); missing: node 1 ranks 2,3, node 2 rank 5, node 3 "
+                    "ranks 6,7. Check KEYS")

@@ -1,10 +1,11 @@
-"""A stop signal is one decision for all ranks: the handler only records it (``job.py:stop_on_signal``), and
-the ranks agree on it at one point of every optimiser step (``GRPOModule._after_step``). The 2-rank run where one rank
-alone is signalled is tests/e2e/test_stop_on_one_rank.py."""
+"""A stop signal during training is one decision for all ranks: the handler only records it
+(``job.py:stop_on_signal``), and the ranks agree on it at one point of every optimiser step
+(``GRPOModule._after_step``); before training it ends the job at once (``preemption.StopSignals``). The 2-rank run
+where one rank alone is signalled is tests/e2e/test_stop_on_one_rank.py; the stops that end processes,
+tests/e2e/test_stops.py."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from types import SimpleNamespace
@@ -12,35 +13,69 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from grail_exp.errors import Preempted
+from helpers.tolerances import HANG_TIMEOUT_S
+from grail_exp.errors import Preempted, StoppedBySignal
+from grail_exp.preemption import StopSignals, before_training_line, current, exit_code, set_stage
 from grail_exp import world
 from grail_exp.training.module import GRPOModule
 
 
-def test_the_signal_is_recorded_and_lightning_installs_no_handler_of_its_own():
+def test_in_training_a_signal_is_recorded_and_lightning_installs_no_handler_of_its_own():
     """Lightning's SIGTERM handler broadcasts from inside the handler (a collective on the signalled rank alone) and
-    leaves a flag that ends the fit with exit 0 and no checkpoint: under ``stop_on_signal`` it is never installed
-    (the fit's registration, called here as ``trainer.fit`` does, installs nothing) and the signal only sets the
-    module's request."""
+    leaves a flag that ends the fit with exit 0 and no checkpoint; its Ctrl-C ends the fit with exit 1. Under
+    ``stop_on_signal`` neither is installed (the fit's registration, called here as ``trainer.fit`` does, installs
+    nothing) and, once the fit has started (``start_fn``, as ``on_train_start`` calls it), SIGTERM and SIGINT only set
+    the module's request."""
     import lightning as L
 
     from grail_exp.job import stop_on_signal
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    module = SimpleNamespace(stop_requested=False)
-    before = signal.getsignal(signal.SIGTERM)
-    with stop_on_signal(module, trainer):
-        ours = signal.getsignal(signal.SIGTERM)
-        trainer._signal_connector.register_signal_handlers()  # what the fit does before its first batch
-        assert signal.getsignal(signal.SIGTERM) is ours
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)  # the handler runs between bytecodes of this thread, at the latest here
-        assert module.stop_requested and trainer.received_sigterm is False
-    assert signal.getsignal(signal.SIGTERM) is before
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for sig in (signal.SIGINT, signal.SIGTERM):  # one fit each: a second signal would end this process at once
+        module = SimpleNamespace(stop_signal=0, start_fn=None, end_fn=None)
+        with stop_on_signal(module, trainer):
+            ours = signal.getsignal(signal.SIGTERM)
+            trainer._signal_connector.register_signal_handlers()  # what the fit does before its first batch
+            assert signal.getsignal(signal.SIGTERM) == ours and signal.getsignal(signal.SIGINT) == ours
+            module.start_fn()  # the fit has started: the first optimiser step may begin
+            signal.raise_signal(sig)  # the handler runs before raise_signal returns
+            assert module.stop_signal == sig and trainer.received_sigterm is False
+            _counted(sig)
+        assert {s: signal.getsignal(s) for s in before} == before
 
 
-def _module(events: list, stop_requested: bool):
+def _counted(sig: int) -> None:
+    """Wait until the watcher thread has counted ``sig`` (so that the uninstall that follows does not race it)."""
+    end = time.monotonic() + HANG_TIMEOUT_S
+    while current().received != [sig]:
+        assert time.monotonic() < end and len(current().received) < 2
+        time.sleep(0.01)
+
+
+def test_before_training_a_stop_signal_ends_the_job_at_once():
+    """Before the first optimiser step there is nothing to agree on or save: the signal raises ``StoppedBySignal``
+    where the main thread is, naming what the job was doing, for the entry point's line and exit code."""
+    stops = StopSignals().install()
+    try:
+        set_stage("the rendezvous (waiting for every rank)")
+        with pytest.raises(StoppedBySignal) as stopped:
+            signal.raise_signal(signal.SIGINT)
+        assert stopped.value.signum == signal.SIGINT and "rendezvous" in stopped.value.stage
+        assert before_training_line(signal.SIGINT, stopped.value.stage) == (
+            "stopped by SIGINT before training started (during the rendezvous (waiting for every rank)): nothing to "
+            "save; exit 130")
+    finally:
+        stops.uninstall()
+    assert current() is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_exit_codes_are_the_shells():
+    assert exit_code(signal.SIGTERM) == 143 and exit_code(signal.SIGINT) == 130
+
+
+def _module(events: list, stop_signal: int):
     """What ``_after_step`` touches of a module, every call recorded in ``events``: no evaluation, checkpoints only
     on a stop (``checkpoint_every=0``), a round of one optimiser step."""
     cfg = OmegaConf.create({"trainer": {"log_every": 1, "max_steps": 5, "eval_every": 0, "checkpoint_every": 0,
@@ -48,7 +83,7 @@ def _module(events: list, stop_requested: bool):
     quiet = SimpleNamespace(progress_line=lambda *a: None, log_sample_table=lambda *a: None,
                             log_weight_table=lambda *a: None)
     return SimpleNamespace(
-        cfg=cfg, rank=0, stop_requested=stop_requested, evaluate_fn=None, weights_fn=None, records=quiet,
+        cfg=cfg, rank=0, stop_signal=stop_signal, evaluate_fn=None, weights_fn=None, records=quiet,
         rollout=SimpleNamespace(verifier=SimpleNamespace(counters={}), samples=[]),
         update=SimpleNamespace(steps_per_rollout=1), tracker=SimpleNamespace(log_metrics=lambda *a, **k: None),
         log_dict=lambda *a, **k: None, checkpoint_fn=lambda position: events.append(("checkpoint", position["round"])))
@@ -58,25 +93,27 @@ def _after_step(module, step: int = 2) -> None:
     GRPOModule._after_step(module, step, {"loss": 0.5}, None, {"reward/mean": 0.25}, round_index=step - 1, index=0)
 
 
-@pytest.mark.parametrize("here, elsewhere", [(False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("here, elsewhere", [(0, signal.SIGTERM), (signal.SIGINT, 0), (signal.SIGINT, signal.SIGTERM)])
 def test_every_rank_checkpoints_and_stops_when_any_rank_asked(monkeypatch, here, elsewhere):
     """The request is reduced over the ranks before the checkpoint decision (the other rank emulated through
-    ``world.any_true``): this rank checkpoints the step and stops whether it or another rank got the signal."""
+    ``world.max_over_ranks``): this rank checkpoints the step and stops whether it or another rank got the signal,
+    with the largest signal number asked (SIGTERM over SIGINT: one exit code on every rank)."""
     events: list = []
-    monkeypatch.setattr(world, "any_true", lambda flag: events.append(("agree", flag)) or flag or elsewhere)
+    monkeypatch.setattr(world, "max_over_ranks", lambda sig: events.append(("agree", sig)) or max(sig, elsewhere))
     module = _module(events, here)
     with pytest.raises(Preempted, match="after step 2") as stopped:
         _after_step(module)
     assert events == [("agree", here), ("checkpoint", 2)]  # agreed first; then the checkpoint of round 2's end
-    assert ("on another rank" in str(stopped.value)) is not here
+    assert stopped.value.signum == max(here, elsewhere) and stopped.value.step == 2
+    assert stopped.value.here is bool(here) and ("on another rank" in str(stopped.value)) is not bool(here)
 
 
 def test_no_request_anywhere_trains_on_and_still_agrees_every_step(monkeypatch):
     """Without a request on any rank the step ends normally, and the agreement is still made (one collective per step,
     on every rank: a rank that skipped it would pair its next collective with another rank's agreement)."""
     events: list = []
-    monkeypatch.setattr(world, "any_true", lambda flag: events.append(("agree", flag)) or flag)
-    module = _module(events, False)
+    monkeypatch.setattr(world, "max_over_ranks", lambda sig: events.append(("agree", sig)) or sig)
+    module = _module(events, 0)
     for step in (1, 2, 3):
         _after_step(module, step)
-    assert events == [("agree", False)] * 3
+    assert events == [("agree", 0)] * 3

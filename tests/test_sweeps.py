@@ -219,12 +219,12 @@ def test_stop_signals_include_submitits_only_in_its_jobs(monkeypatch):
     from grail_exp.preemption import hand_back_to_submitit, stop_signals
 
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
-    assert stop_signals() == [signal.SIGTERM]
+    assert stop_signals() == [signal.SIGTERM, signal.SIGINT]
     assert hand_back_to_submitit() is False  # outside submitit: nothing to hand back
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
-    assert stop_signals() == [signal.SIGTERM, signal.SIGUSR2]
+    assert stop_signals() == [signal.SIGTERM, signal.SIGINT, signal.SIGUSR2]
     monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", "USR1")
-    assert stop_signals() == [signal.SIGTERM, signal.SIGUSR1]
+    assert stop_signals() == [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
     # inside a job, the signal goes back to whatever handler submitit installed
     got = []
     previous = signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))

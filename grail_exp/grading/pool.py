@@ -21,7 +21,9 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
+import threading
 import time
 import weakref
 from collections import deque
@@ -39,11 +41,22 @@ class Failed:
     status: str
 
 
-def _worker_main(conn, work: Callable, init: Callable | None) -> None:
+def _worker_main(conn, work: Callable, init: Callable | None, parent: int | None = None,
+                 from_main_thread: bool = True) -> None:
     """Worker loop: run ``init()``, report ready, then answer each job ``args`` with ``work(*args)``; exit on EOF/None.
 
-    Module-level so that it pickles under the ``spawn`` start method.
+    Module-level so that it pickles under the ``spawn`` start method. The worker dies with its ``parent`` however the
+    parent ends (SIGKILL included; a busy worker never reads the pipe's EOF): a parent-death signal when the parent
+    started it from its main thread, else a thread watching the parent's pid (the signal would come when the starting
+    thread ends).
     """
+    from grail_exp.preemption import die_with_parent, watch_parent
+
+    if parent is not None:
+        if from_main_thread:
+            die_with_parent(parent)
+        else:
+            watch_parent(parent)
     # Ctrl-C goes to the whole process group; the parent decides what happens to workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if init is not None:
@@ -147,7 +160,8 @@ class WorkerPool:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=_worker_main,
-            args=(child_conn, self.work, self.init),
+            args=(child_conn, self.work, self.init, os.getpid(),
+                  threading.current_thread() is threading.main_thread()),
             name=f"{self.name}-worker",
             daemon=True,  # multiprocessing also kills daemons at exit
         )

@@ -3,8 +3,10 @@ docstring says what it does)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -58,3 +60,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(text, flush=True)
     (where / "preflight.md").write_text(text + "\n")
     return exit_code(results)
+
+
+@contextmanager
+def stops_end_the_rehearsal():
+    """SIGTERM and SIGINT (``timeout``, Ctrl-C, SLURM) end the preflight through its ``finally`` blocks, which end the
+    rehearsal's process group (``Rehearsal._end_group``): without this a SIGTERM killed the preflight outright and left
+    the run's ranks behind, orphaned. One line; exit 128 + the signal."""
+    from grail_exp.preemption import exit_code, exit_now, signal_name
+
+    class Stopped(BaseException):
+        pass
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the way out must not be interrupted
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    except Stopped as stop:
+        signum = stop.args[0]
+        print(f"preflight stopped by {signal_name(signum)}: the rehearsal's processes were ended", file=sys.stderr,
+              flush=True)
+        exit_now(exit_code(signum))
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)

@@ -207,9 +207,14 @@ class Rehearsal:
 
     def launch(self, name: str, extra: list[str], ckpt_root: Path, stop: Optional[dict] = None) -> RunOutcome:
         """One run as a child process group; with ``stop``, SIGTERM to that rank's pid once it reports that step."""
+        from grail_exp.preemption import DIE_WITH_PID
+
         probe_dir = self.dir / f"probe_{name}"
         probe_dir.mkdir(parents=True, exist_ok=True)
+        # The run dies with the preflight however it ends (SIGKILL included: preemption.follow_parent), and its ranks
+        # and workers with the run; a preflight that ends by itself ends the run's process group (_end_group).
         env = dict(os.environ, GRAIL_EXP_PROBE=PROBE, GRAIL_EXP_PROBE_DIR=str(probe_dir))
+        env[DIE_WITH_PID] = str(os.getpid())
         if stop:
             env.update({STOP_RANK: str(stop["rank"]), STOP_STEP: str(stop["step"])})
         before = checkpoints(ckpt_root)

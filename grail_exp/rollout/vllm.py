@@ -73,6 +73,7 @@ from pathlib import Path
 import torch
 
 from grail_exp.checkpoint import random_streams_kept
+from grail_exp.preemption import Reaper, own_descendants
 from grail_exp.errors import ConfigError, LayoutError, MissingDependencyError
 from grail_exp.rollout.base import Completion, SamplingParams
 from grail_exp.compute.chunks import chunked
@@ -220,6 +221,7 @@ class VLLMRolloutEngine:
         if rank_device is not None:
             check_engine_device(rank_device, engine_device_index(bool(group)), built=False)
         t = time.perf_counter()
+        children_before = own_descendants()
         with random_streams_kept():  # vLLM seeds the process's global RNGs with its own seed: the run's streams stay
             self.llm = vllm.LLM(
                 model=str(model_path), revision=revision, tokenizer_revision=revision, dtype=dtype, seed=seed,
@@ -232,6 +234,9 @@ class VLLMRolloutEngine:
         if rank_device is not None:
             check_engine_device(rank_device, torch.cuda.current_device(), built=True)
         self.in_process = engine_in_process(self.llm)  # after the build: vLLM decides it (engine_in_process)
+        # An engine out of process (vLLM's engine core and workers) would outlive this process if it were killed
+        # (SIGKILL, a lost rank): a reaper then kills the processes the build started (grail_exp/preemption.py).
+        self._reaper = Reaper() if own_descendants() - children_before else None
         self.start_seconds = time.perf_counter() - t
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self._scale = 1.0  # the temperature currently folded into the logits (1/T)
@@ -307,6 +312,9 @@ class VLLMRolloutEngine:
         finally:
             del llm
             _free_cached_blocks()
+            reaper, self._reaper = getattr(self, "_reaper", None), None
+            if reaper is not None:  # the engine's processes are gone: the reaper has nothing left to do
+                reaper.release()
 
     # ------------------------------------------------------------------ sampling
     def _fold_temperature(self, temperature: float) -> None:

@@ -53,7 +53,7 @@ class GRPOModule(L.LightningModule):
         # (vLLM) must be built once Lightning's process group exists, on every rank.
         self.engine_factory = engine_factory
         self._prompts_checked = False
-        self.stop_requested = False  # set by the SIGTERM handler
+        self.stop_signal = 0  # the stop signal this rank received during training (set by the job's handler)
         self.progress = Progress(step=int(resume_state["step"]) if resume_state else 0)
         # Stochastic schemes (OAR-G's noise) draw from their own seeded stream: reproducible, and independent of the
         # sampling RNG. Saved and restored with checkpoints.
@@ -215,10 +215,12 @@ class GRPOModule(L.LightningModule):
         self.position = {"round": round_index + 1 if done_round else round_index,
                          "buffer": None if done_round else run_state.pack_buffer(batch, stats, round_index, index + 1)}
         faults.term_at_step(step, cfg.advantage.name, self.rank)  # test-only (GRAIL_EXP_FAULT)
+        faults.int_at_step(step, cfg.advantage.name, self.rank)
         # The one point where a stop request counts, the same on every rank: a signal may reach one rank only, or the
         # ranks at different moments, and ranks that decided apart would run different collectives and hang. All stop
-        # when any asked; a signal landing after this point is acted on at the next step's.
-        stop = world.any_true(self.stop_requested)
+        # when any asked (with the largest signal number asked: SIGTERM over SIGINT, one exit code for every rank); a
+        # signal landing after this point is acted on at the next step's.
+        stop = world.max_over_ranks(self.stop_signal)
         every = cfg.trainer.checkpoint_every
         if self.checkpoint_fn and (stop or (every and step % every == 0)):
             self.checkpoint_fn(self.position)
@@ -227,8 +229,9 @@ class GRPOModule(L.LightningModule):
         if self.weights_fn and every and step % every == 0:
             self.weights_fn(step)
         if stop:
-            where = "" if self.stop_requested else " on another rank"
-            raise Preempted(f"stopped by signal{where} after step {step}; checkpoint written")
+            where = "" if self.stop_signal else " on another rank"
+            raise Preempted(f"stopped by signal{where} after step {step}; checkpoint written", signum=stop, step=step,
+                            here=bool(self.stop_signal))
 
     # ------------------------------------------------------------------ checkpoints
     def barrier(self) -> None:

@@ -254,6 +254,7 @@ def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_pa
                if t.state == TrialState.RUNNING]
     killed_trial = dead.number
     assert dead.intermediate_values  # it had reported, and was being pruned
+    assert dead.params["model.name_or_path"] == str(tiny_model_dir)  # the constructed trial, whatever was sampled
     _, children = _children(client, tmp_path)
     (child,) = [r for r in children if r.data.tags["optuna.trial_number"] == str(killed_trial)]
     assert child.info.status == "KILLED" and "optuna.state" not in child.data.tags  # killed inside the window

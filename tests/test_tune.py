@@ -175,18 +175,28 @@ def able_model_dir(tmp_path_factory):
                                  tmp_path_factory.mktemp("able_cache"))
 
 
-def _study_args(model_dir):
+def _study_args(model_dir, untrained_dir):
     """Three optimiser steps per trial, validation reports after steps 1 and 2, each trial with its own seed
     (tune.seed_per_trial): with one seed, two or three Adam steps (sign-like at first) leave the trials'
-    models so alike that the common-random-number evaluation gives equal values, and ties are never pruned."""
+    models so alike that the common-random-number evaluation gives equal values, and ties are never pruned.
+
+    Which values the warm-started trials report depends on the CPU (the warm start's trajectory and every draw do),
+    so the pruning the test needs is constructed: the model is searched too, and the third enqueued trial starts from
+    the untrained model, which solves nothing (a validation value of 0 at every report). Once the first two trials
+    (the warm-started model: >= 12 % greedy, so some of 128 sampled answers are right) have completed with values
+    above 0 at step 1, the median pruner prunes it there, and its retry after the first kill on its inherited report."""
+    models = f"['{model_dir}', '{untrained_dir}']"
     return [f"model.name_or_path={model_dir}", *EASY_TASK, "optim.lr=5e-4", "trainer.max_steps=3",
             "trainer.eval_every=1", "trainer.prompts_per_step=4", "rollout.num_generations=4",
             "trainer.micro_batch_size=16", "rollout.max_completion_length=20", "benchmark.limit=64", "eval.n=2",
             "eval.max_tokens=20", "reward.num_workers=0", "trainer.save_final_checkpoint=false",
             "trainer.log_entropy=false", "trainer.sample_table_every=0", "tune.n_trials=6", "tune.seed_per_trial=true",
             "tune.sampler.n_startup_trials=2", "tune.pruner.n_startup_trials=2", "tune.heartbeat_interval_s=1",
-            f"tune.grace_period_s={GRACE_S}", "tune.enqueue=[{advantage.saliency_temperature: 1.0}, "
-            "{advantage.saliency_temperature: 0.1}, {advantage.saliency_temperature: 10.0}]"]
+            f"tune.grace_period_s={GRACE_S}",
+            f"++tune.params={{model.name_or_path: {{type: categorical, choices: {models}}}}}",  # + the temperature's
+            f"tune.enqueue=[{{advantage.saliency_temperature: 1.0, model.name_or_path: '{model_dir}'}}, "
+            f"{{advantage.saliency_temperature: 0.1, model.name_or_path: '{model_dir}'}}, "
+            f"{{advantage.saliency_temperature: 10.0, model.name_or_path: '{untrained_dir}'}}]"]
 
 
 def _killed_worker(tmp_path, args, point: str, log_name: str = "worker.log"):
@@ -226,7 +236,7 @@ def _assert_stores_agree(study, client, tmp_path):
 
 
 @pytest.mark.e2e
-def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_path, able_model_dir):
+def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_path, able_model_dir, tiny_model_dir):
     """Two workers die with SIGKILL, each between the two stores' writes of a pruned trial (deterministic fault
     injection, no timer): the first after run() ended the trial's MLflow run as KILLED and before Optuna stored
     PRUNED; the second after Optuna stored PRUNED and before the MLflow run got its tags. The third worker finishes
@@ -236,7 +246,7 @@ def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_pa
 
     from grail_exp.tune import optimize
 
-    args = _study_args(able_model_dir)
+    args = _study_args(able_model_dir, tiny_model_dir)
     storage = f"sqlite:///{tmp_path}/results/optuna.db"
     client = MlflowClient(f"sqlite:///{tmp_path}/results/mlflow.db")
     _killed_worker(tmp_path, args, "run_ended:PRUNED", "worker1.log")
@@ -244,6 +254,7 @@ def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_pa
                if t.state == TrialState.RUNNING]
     killed_trial = dead.number
     assert dead.intermediate_values  # it had reported, and was being pruned
+    assert dead.params["model.name_or_path"] == str(tiny_model_dir)  # the constructed trial, whatever was sampled
     _, children = _children(client, tmp_path)
     (child,) = [r for r in children if r.data.tags["optuna.trial_number"] == str(killed_trial)]
     assert child.info.status == "KILLED" and "optuna.state" not in child.data.tags  # killed inside the window

@@ -21,13 +21,13 @@ from grail_exp.config import ConfigError
 from grail_exp.validate import validate
 from grail_exp.rollout import SamplingParams, build_engine
 
-from helpers.tolerances import HANG_TIMEOUT_S
+from helpers.greedy import assert_same_greedy
+from helpers.tolerances import HANG_TIMEOUT_S, MODEL_REORDER
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (vLLM's default: 4)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 REPO = Path(__file__).resolve().parents[1]
-TOL = 1e-4  # |logp_vllm - logp_trainer| in fp32 (measured max ~1e-6; different kernels, same math)
 
 
 # ---------------------------------------------------------------------------------------------- config (no vLLM)
@@ -118,6 +118,13 @@ def _trainer_logprobs(model, completions, pad_id, temperature):
     return lp, rb
 
 
+def _excess(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """|got - want| in units of its bound, on the masked tokens. fp32 on both sides in different kernels (vLLM's CPU
+    build, the HF forward): a log-prob moves by <= MODEL_REORDER of its scale (tests/helpers/tolerances.py), the bound
+    of the card's rehearsal too. Measured with the AVX-512 and the AVX2 kernels: |got - want| <= 8e-6."""
+    return ((got - want).abs() / (MODEL_REORDER * (1 + want.abs())))[mask]
+
+
 # ---------------------------------------------------------------------------------------------- engine
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here: `make test-vllm` runs these in .venv-vllm")
@@ -153,10 +160,10 @@ class TestEngine:
         ours = engine.generate(prompts, params)
         hf = HFRolloutEngine(model, tokenizer).generate(prompts, params)
         twice = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=40))
-        assert [c.token_ids for c in twice] == [c.token_ids for c in ours for _ in range(2)]  # prompt-major
-        assert [c.token_ids for c in ours] == [c.token_ids for c in hf]
-        assert [c.truncated for c in ours] == [c.truncated for c in hf]
-        assert sum(len(c.token_ids) for c in ours) > 20  # a real comparison, not empty strings
+        # token for token, up to a near-tie of the argmax (helpers/greedy.py: which of two tied tokens an engine
+        # picks depends on the processor); > 20 tokens compared, not empty strings
+        assert_same_greedy(model, twice, [c for c in ours for _ in range(2)])  # prompt-major
+        assert_same_greedy(model, ours, hf)
 
     @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (1.3, 20, 0.8)])
     def test_logprobs_match_the_trainer(self, engine, tokenizer, hf_model, temperature, top_k, top_p):
@@ -167,11 +174,10 @@ class TestEngine:
             n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=24, logprobs=True))
         want, rb = _trainer_logprobs(model, out, tokenizer.pad_token_id, temperature)
         m = rb.completion_mask.bool()
-        diff = (rb.sampling_logprobs - want).abs()[m]
-        assert diff.max().item() < TOL, diff.max().item()
+        excess = _excess(rb.sampling_logprobs, want, m)
+        assert excess.max().item() <= 1, (rb.sampling_logprobs - want).abs()[m].max().item()
         if top_k or top_p < 1:
             # The renormalised top-k/top-p log-prob (vLLM's processed_logprobs) differs: the check can fail.
-            assert (rb.sampling_logprobs[m] - want[m]).abs().max().item() < TOL
             assert not torch.allclose(want[m], torch.zeros_like(want[m]), atol=1e-3)
 
     def test_tied_lm_head_is_synced(self, engine, tokenizer, hf_model):
@@ -187,7 +193,7 @@ class TestEngine:
                                                                     logprobs=True))
         want, rb = _trainer_logprobs(hf_model, out, tokenizer.pad_token_id, 1.0)
         m = rb.completion_mask.bool()
-        assert (rb.sampling_logprobs - want).abs()[m].max().item() < TOL
+        assert _excess(rb.sampling_logprobs, want, m).max().item() <= 1
 
     def test_named_parameters_push_leaves_a_stale_output_layer(self, engine, tokenizer, hf_model):
         """The negative control of the test above: vLLM 0.32 does not re-tie lm_head on reload."""
@@ -201,7 +207,7 @@ class TestEngine:
                                                                     logprobs=True))
         want, rb = _trainer_logprobs(hf_model, out, tokenizer.pad_token_id, 1.0)
         m = rb.completion_mask.bool()
-        assert (rb.sampling_logprobs - want).abs()[m].mean().item() > 100 * TOL
+        assert (_excess(rb.sampling_logprobs, want, m) > 1).float().mean().item() > 0.5  # the check fails on most
 
     def test_push_through_a_safetensors_directory(self, engine, tokenizer, hf_model):
         """The multiprocess fallback (weights written to disk, one file per chunk, read by the worker) gives the same
@@ -214,7 +220,7 @@ class TestEngine:
         out = engine.generate(_prompts(tokenizer, 2), SamplingParams(n=1, temperature=0.0, max_new_tokens=16,
                                                                     logprobs=True))
         want, rb = _trainer_logprobs(model, out, tokenizer.pad_token_id, 1.0)
-        assert (rb.sampling_logprobs - want).abs()[rb.completion_mask.bool()].max().item() < TOL
+        assert _excess(rb.sampling_logprobs, want, rb.completion_mask.bool()).max().item() <= 1
 
     @pytest.mark.parametrize("per_request_seeds", [True, None])
     def test_seeds_come_from_torch_rng(self, engine, tokenizer, hf_model, per_request_seeds):
@@ -265,7 +271,7 @@ class TestEngine:
         out = engine.generate(_prompts(tokenizer, 2), SamplingParams(n=2, temperature=1.0, max_new_tokens=16,
                                                                     logprobs=True))
         want, rb = _trainer_logprobs(model, out, tokenizer.pad_token_id, 1.0)
-        assert (rb.sampling_logprobs - want).abs()[rb.completion_mask.bool()].max().item() < TOL
+        assert _excess(rb.sampling_logprobs, want, rb.completion_mask.bool()).max().item() <= 1
 
     def test_build_engine_from_config_syncs_the_live_policy(self, engine, compose_cfg, model_dir, tokenizer, hf_model):
         """build_engine('vllm') starts from the directory, then pushes the (here: changed) policy."""
@@ -288,8 +294,8 @@ class TestEngine:
             params = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)
             from grail_exp.rollout.hf import HFRolloutEngine
 
-            assert [c.token_ids for c in e.generate(prompts, params)] == \
-                   [c.token_ids for c in HFRolloutEngine(model, tokenizer).generate(prompts, params)]
+            hf = HFRolloutEngine(model, tokenizer).generate(prompts, params)
+            assert_same_greedy(model, e.generate(prompts, params), hf)
         finally:
             e.close()
 
@@ -368,14 +374,16 @@ class TestProcessedLogprobs:
             z = completion_logits(model, rb.input_ids, rb.attention_mask, pos, rb.completion_ids.shape[1], temperature)
         want = _kept_logsoftmax(z.float(), top_k, top_p).gather(-1, rb.completion_ids.unsqueeze(-1)).squeeze(-1)
         got = rb.sampling_logprobs
-        assert (got - want).abs()[m].max().item() < TOL
+        assert _excess(got, want, m).max().item() <= 1
         drop = (got - raw)[m]  # = -log M_t >= 0: the renormalisation is visible, not a no-op
-        assert drop.min().item() > -TOL and drop.max().item() > 1e-2
+        assert (drop >= -MODEL_REORDER * (1 + raw[m].abs())).all() and drop.max().item() > 1e-2
         with torch.no_grad():
             _, _, fwd = policy_forward(model, rb.input_ids, rb.attention_mask, pos, rb.completion_ids, temperature)
             log_mass = kept_log_mass(predicting_window(fwd.hidden, rb.prompt_ids.shape[1], rb.completion_ids.shape[1]),
                                      fwd.head_weight, fwd.head_bias, top_k, top_p, temperature)
-        assert ((raw - got) - log_mass).abs()[m].max().item() < 2 * TOL  # old - processed = log M_t
+        # old - processed = log M_t; three fp32 computations (HF, vLLM, the chunked kept mass), each within its bound
+        bound = MODEL_REORDER * (3 + raw.abs() + got.abs() + log_mass.abs())
+        assert (((raw - got) - log_mass).abs() <= bound)[m].all()
 
     def test_sequence_ratio_by_hand_and_masked_above_3(self, processed_engine, tokenizer, hf_model):
         """rollout=vllm_paper's correction on real processed log-probs: w_i = exp(Σ_t (old − sampler)) on every token

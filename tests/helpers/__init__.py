@@ -16,6 +16,9 @@ imports another test file (tests/test_suite_rules.py): what a second file needs 
     card_probe   the probe every rank of the card's rehearsal loads (``GRAIL_EXP_PROBE=helpers.card_probe:CardProbe``)
     checkpoint_probe  the checkpoint tests' probes (host memory of a write, a digest of the restored state)
     probe_writer the probes' common base: one JSON line per point and rank
+    greedy       two engines' greedy completions compared token by token, up to a near-tie of the argmax
+    emulate_avx2 not a module: a folder whose ``sitecustomize`` makes vLLM choose the kernels of a CPU without AVX-512
+                 when put on ``PYTHONPATH`` (emulating another CPU: docs/developer.md, "Tests that sample")
 
 This ``__init__`` imports nothing, so a child process that loads one helper pays for no other.
 """

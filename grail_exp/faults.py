@@ -9,6 +9,7 @@ hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls th
     GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]        training/module.py: SIGTERM at the end of optimiser step N
     GRAIL_EXP_FAULT=int_at_step:<N>[:<scheme>]         training/module.py: SIGINT (Ctrl-C) there instead
     GRAIL_EXP_FAULT=ready_at:<point>:<dir>             distributed.py, point ``rendezvous``: write <dir>/<point>.rank<R>
+    GRAIL_EXP_FAULT=hold_at:<point>:<dir>              the same, then wait there until signalled
     GRAIL_EXP_FAULT=kill_after_step:<N>[:<scheme>]     training/module.py: SIGKILL after step N's checkpoint decision
     GRAIL_EXP_FAULT=tune_kill:<point>[:<trial|state>]  tune: SIGKILL at a point of a trial's life (tune.CRASH_POINTS)
     answers "__sleep__:<s>" / "__crash__"              rewards.py's grading worker: hang <s> seconds / die
@@ -16,7 +17,8 @@ hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls th
 The step faults take a further ``:rank<R>`` (e.g. ``term_at_step:1:rank1``): only data-parallel rank R fires,
 as when a signal reaches one rank of a job. ``ready_at`` marks a point where a process waits by itself (a rank at
 the rendezvous of a world that cannot form): the file holds the process's pid, so that a test signals a process it
-knows is there.
+knows is there. ``hold_at`` keeps the process at that point after writing its file (a world that would form, held
+there: the preflight's rehearsal ranks, whose world is always one node).
 
 Each fault logs one ``GRAIL_EXP_FAULT: ...`` warning first (tests look for it). Standard library only: the grading
 workers import this module.
@@ -102,16 +104,18 @@ def int_at_step(step: int, scheme: str, rank: int = 0) -> None:
 
 def ready_at(point: str, rank: int = 0) -> None:
     """``ready_at:<point>:<dir>``: at ``point`` write ``<dir>/<point>.rank<R>`` (atomically) holding this process's
-    pid, and go on."""
+    pid, and go on; ``hold_at:<point>:<dir>``: the same, then stay there until a signal ends the process."""
     name, _, rest = _fault().partition(":")
     want, _, folder = rest.partition(":")
-    if name != "ready_at" or want != point or not folder:
+    if name not in ("ready_at", "hold_at") or want != point or not folder:
         return
-    log.warning("GRAIL_EXP_FAULT: ready_at %s on rank %d (pid %d)", point, rank, os.getpid())
+    log.warning("GRAIL_EXP_FAULT: %s %s on rank %d (pid %d)", name, point, rank, os.getpid())
     path = os.path.join(folder, f"{point}.rank{rank}")
     with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
     os.replace(path + ".tmp", path)
+    while name == "hold_at":
+        time.sleep(0.1)  # short slices: the stop handler runs between them
 
 
 def kill_after_step(step: int, scheme: str, rank: int = 0) -> None:

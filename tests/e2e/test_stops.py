@@ -168,17 +168,18 @@ def _equal(a, b) -> bool:
 
 
 def test_sigkill_of_the_preflight_leaves_no_rank_behind(tmp_path, pinned_model_dir):
-    """The preflight of a world that cannot form (its run's ranks 0 and 1 wait at the rendezvous): SIGKILL to the
-    preflight (nothing of it runs after) leaves no rank: the run dies with the preflight (parent-death signal), rank 1
-    with the run. Before: both ranks ran on, orphaned, ignoring SIGTERM and SIGINT."""
+    """The preflight's rehearsal with its ranks 0 and 1 held at the rendezvous (``hold_at``: the preflight rehearses
+    one node, so its world would form): SIGKILL to the preflight (nothing of it runs after) leaves no rank: the run
+    dies with the preflight (parent-death signal), rank 1 with the run. Before: both ranks ran on, orphaned, ignoring
+    SIGTERM and SIGINT."""
     ready = tmp_path / "ready"
     ready.mkdir()
     args = [sys.executable, "-m", "grail_exp.preflight", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-            "trainer.num_nodes=2", "logger=none", "rollout.engine=helpers.fakes:ScriptedEngine",
+            "logger=none", "rollout.engine=helpers.fakes:ScriptedEngine",
             f"model.name_or_path={pinned_model_dir}", "trainer.prompts_per_step=4", "rollout.num_generations=4",
             "trainer.micro_batch_size=8", "reward.num_workers=0", f"paths.root_dir={tmp_path}",
             f"preflight.dir={tmp_path / 'pf'}"]
-    proc = subprocess.Popen(args, env=_env(**{faults.ENV: f"ready_at:rendezvous:{ready}"}), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(args, env=_env(**{faults.ENV: f"hold_at:rendezvous:{ready}"}), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     ranks = [ready / "rendezvous.rank0", ready / "rendezvous.rank1"]
     try:

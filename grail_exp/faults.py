@@ -5,13 +5,15 @@ Every function here is a no-op unless the environment variable ``GRAIL_EXP_FAULT
 hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls them at the marked points:
 
     GRAIL_EXP_FAULT=stall_checkpoint:<N>               training/checkpointing.py: hang mid-write of step N's checkpoint
+    GRAIL_EXP_FAULT=raise_in_checkpoint:<N>[:rank<R>]  training/checkpointing.py: RuntimeError in a rank's own part of
+                                                       step N's checkpoint
     GRAIL_EXP_FAULT=kill_eval_after_chunks:<N>         evaluate: SIGKILL right after the N-th cached chunk
     GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]        training/module.py: SIGTERM at the end of optimiser step N
     GRAIL_EXP_FAULT=kill_after_step:<N>[:<scheme>]     training/module.py: SIGKILL after step N's checkpoint decision
     GRAIL_EXP_FAULT=tune_kill:<point>[:<trial|state>]  tune: SIGKILL at a point of a trial's life (tune.CRASH_POINTS)
     answers "__sleep__:<s>" / "__crash__"              rewards.py's grading worker: hang <s> seconds / die
 
-The two step faults take a further ``:rank<R>`` (e.g. ``term_at_step:1:rank1``): only data-parallel rank R fires,
+The two step faults and ``raise_in_checkpoint`` take a further ``:rank<R>`` (e.g. ``term_at_step:1:rank1``): only data-parallel rank R fires,
 as when a signal reaches one rank of a job.
 
 Each fault logs one ``GRAIL_EXP_FAULT: ...`` warning first (tests look for it). Standard library only: the grading
@@ -49,6 +51,19 @@ def stall_checkpoint(step: int) -> None:
     parent, end = os.getppid(), time.monotonic() + 3600
     while os.getppid() == parent and time.monotonic() < end:
         time.sleep(0.5)
+
+
+class InjectedFault(RuntimeError):
+    """The error ``raise_in_checkpoint`` raises: a bug or a failure no handler expects, on one rank."""
+
+
+def raise_in_checkpoint(step: int, rank: int) -> None:
+    """``raise_in_checkpoint:<N>[:rank<R>]``: raise ``InjectedFault`` (a ``RuntimeError``, not an ``OSError``) while
+    this rank writes its own part of step N's checkpoint (on every rank, or only on rank R): the other ranks must learn
+    it at the checkpoint's agreement point instead of waiting for this rank until the process group's timeout."""
+    if _at_step("raise_in_checkpoint", step, "", rank):
+        log.warning("GRAIL_EXP_FAULT: raise_in_checkpoint at step %d on rank %d", step, rank)
+        raise InjectedFault(f"GRAIL_EXP_FAULT raise_in_checkpoint at step {step} on rank {rank}")
 
 
 _chunks_put = 0  # evaluation chunks this process has cached

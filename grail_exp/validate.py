@@ -20,6 +20,7 @@ from grail_exp.errors import ConfigError
 SCHEDULE_UNITS = ("optimizer_step", "rollout_batch")  # optim.schedule_unit
 HUB_MODEL_MAX_LR = 1e-5  # above this, a pretrained hub model needs optim.allow_high_lr=true
 VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+EXPORT_HF_WEIGHTS = ("final", "every")  # trainer.export_hf_weights
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -227,6 +228,9 @@ def trainer(cfg) -> list[str]:
            t.get("save_weights_only_every"), "must be >= 0 (0 = no trajectory)")
     _check(e, t.keep_last_checkpoints is None or t.keep_last_checkpoints >= 1, "trainer.keep_last_checkpoints",
            t.keep_last_checkpoints, "must be >= 1 or null")
+    _check(e, t.get("export_hf_weights", "final") in EXPORT_HF_WEIGHTS, "trainer.export_hf_weights",
+           t.get("export_hf_weights"), "must be final (the full Hugging Face weights in the final checkpoint only) or "
+           "every (in every checkpoint); resume reads the shards either way")
     share = t.get("share_prompts", "auto")
     _check(e, t.get("share_prompt_prefix", "auto") in ("auto", True, False), "trainer.share_prompt_prefix",
            t.get("share_prompt_prefix"), "must be auto, true or false")

@@ -65,17 +65,22 @@ def test_slurm_launcher_config_composes_into_a_valid_sbatch_script(tmp_path, mon
     (tmp_path / "bin" / "srun").write_text("#!/bin/sh\n")
     (tmp_path / "bin" / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    params = dict(launcher.params)
+    from hydra_plugins.grail_exp_launchers import submission_params
+
+    params = submission_params(dict(launcher.params), [([], cfg)])  # what launch() submits
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm",
                                      slurm_max_num_timeout=params.pop("max_num_timeout"))
     params.pop("submitit_folder")
     base = set(OmegaConf.structured(BaseQueueConf).keys())  # the plugin's own renaming (its launch())
     executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
     script = executor._executor._make_submission_file_text("python -c pass", "uid")
+    # the demo's model (trainer=ddp on 8 ranks): its plan is far below the 600 s floor of the stop signal's lead
     for flag in ("--signal=USR2@600", "--partition=gpu", "--gpus-per-node=8", "--ntasks-per-node=8",
                  "--cpus-per-task=8", "--mem=64GB", "--time=1440", "--nodes=1"):
         assert f"#SBATCH {flag}\n" in script, flag
     assert executor._executor.max_num_timeout == 3
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit=1" in srun.split(), srun  # a task that dies ends the job's other tasks
 
 
 PAPER_RUNS = [f"experiment=paper/{m}_{s}" for m in ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b",

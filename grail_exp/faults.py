@@ -5,16 +5,16 @@ Every function here is a no-op unless the environment variable ``GRAIL_EXP_FAULT
 hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls them at the marked points:
 
     GRAIL_EXP_FAULT=stall_checkpoint:<N>               training/checkpointing.py: hang mid-write of step N's checkpoint
-    GRAIL_EXP_FAULT=raise_in_checkpoint:<N>[:rank<R>]  training/checkpointing.py: RuntimeError in a rank's own part of
-                                                       step N's checkpoint
+    GRAIL_EXP_FAULT=raise_in_checkpoint:<N>[:rank<R>]  training/checkpointing.py: a RuntimeError in a rank's own
+                                                       part of step N's checkpoint
     GRAIL_EXP_FAULT=kill_eval_after_chunks:<N>         evaluate: SIGKILL right after the N-th cached chunk
     GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]        training/module.py: SIGTERM at the end of optimiser step N
     GRAIL_EXP_FAULT=kill_after_step:<N>[:<scheme>]     training/module.py: SIGKILL after step N's checkpoint decision
     GRAIL_EXP_FAULT=tune_kill:<point>[:<trial|state>]  tune: SIGKILL at a point of a trial's life (tune.CRASH_POINTS)
     answers "__sleep__:<s>" / "__crash__"              rewards.py's grading worker: hang <s> seconds / die
 
-The two step faults and ``raise_in_checkpoint`` take a further ``:rank<R>`` (e.g. ``term_at_step:1:rank1``): only data-parallel rank R fires,
-as when a signal reaches one rank of a job.
+The two step faults and ``raise_in_checkpoint`` take a further ``:rank<R>`` (e.g. ``term_at_step:1:rank1``): only
+data-parallel rank R fires, as when a signal reaches one rank of a job.
 
 Each fault logs one ``GRAIL_EXP_FAULT: ...`` warning first (tests look for it). Standard library only: the grading
 workers import this module.

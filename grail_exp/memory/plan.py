@@ -531,7 +531,8 @@ def planned_step_seconds(cfg) -> tuple[float, str]:
     rows = max(1, t.prompts_per_step * cfg.rollout.num_generations // z.world)
     tokens = rows * z.T
     rollout = 2 + (1 if needs_reference(cfg) else 0)  # generation, old log-probs, the reference's
-    update = (3 + (1 if cfg.model.get("gradient_checkpointing") else 0)) / max(1, int(t.get("mini_batches_per_rollout", 1)))
+    passes = 3 + (1 if cfg.model.get("gradient_checkpointing") else 0)  # forward + backward (+ the replayed forward)
+    update = passes / max(1, int(t.get("mini_batches_per_rollout", 1)))  # one optimiser step: 1/k of the rows
     rate = PLANNED_STEP_FLOPS_PER_S["cpu" if z.cpu else "gpu"]
     seconds = 2 * z.n * tokens * (rollout + update) / rate
     return seconds, (f"2 x N {z.n:,} x {rows} rows x {z.T} tokens x ({rollout} rollout passes + {update:g} of an "

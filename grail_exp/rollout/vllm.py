@@ -5,10 +5,10 @@ with vLLM's dummy weights (``load_format="dummy"``, as verl builds its rollout e
 files — four ranks would otherwise each read the 16 GB checkpoint at the start, or the export on resume, only to have
 it overwritten — and refuses to generate until the first ``load_weights`` has filled it. The trainer gives it the
 policy's weights before every rollout and evaluation (the evaluation before training and the first rollout, resumed
-or not, included), ``grail_exp.evaluate`` right after building it. Each refresh is ``load_weights(chunks)``: the update backend streams the policy's full
-parameters (gathered from the ranks' shards under FSDP) in the engine's dtype, ``rollout.vllm.sync_chunk_mb`` at a
-time, and vLLM loads them as they come (one ``reload_weights`` call consuming a generator); then the prefix cache is
-reset so no KV entry of the old weights is reused. The names are the state dict's (``state_dict`` and not
+or not, included), ``grail_exp.evaluate`` right after building it. Each refresh is ``load_weights(chunks)``: the
+update backend streams the policy's full parameters (gathered from the ranks' shards under FSDP) in the engine's
+dtype, ``rollout.vllm.sync_chunk_mb`` at a time, and vLLM loads them as they come (one ``reload_weights`` call
+consuming a generator); then the prefix cache is reset so no KV entry of the old weights is reused. The names are the state dict's (``state_dict`` and not
 ``named_parameters``: a tied ``lm_head.weight`` is missing from the latter and vLLM would keep a stale output layer).
 ``sync_weights(model)`` does the same from an unsharded model (tests, ``grail_exp.evaluate``).
 

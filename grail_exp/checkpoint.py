@@ -166,9 +166,11 @@ def write_dir_atomically(final: Path, write, what: str = "checkpoint", stale: st
     try:
         write(tmp)
         seal(tmp, final)
-    except OSError as exc:
+    except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_error(exc, what, final) from exc
+        if isinstance(exc, OSError):
+            raise write_error(exc, what, final) from exc
+        raise
     return final
 
 
@@ -306,7 +308,8 @@ def write_safetensors_streaming(path: Path, specs: list[tuple[str, torch.dtype, 
     """A safetensors file written one tensor at a time: ``specs`` (name, dtype, shape) in file order make the header,
     then each tensor of ``tensors`` (``(name, tensor)`` in the same order) is appended as it arrives. At most one tensor
     is held beyond the caller's: a sharded model's full weights stream through without the whole state dict existing.
-    ``tensors`` may be a collective (every rank iterates it); ``path`` None only consumes it (the other ranks)."""
+    ``tensors`` may be a collective (every rank iterates it); ``path`` None only consumes it (the other ranks). A failure
+    (a write error, a tensor that differs from its header) is raised only once ``tensors`` is consumed to its end."""
     import json
     import struct
 
@@ -318,7 +321,7 @@ def write_safetensors_streaming(path: Path, specs: list[tuple[str, torch.dtype, 
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    error: OSError | None = None
+    error: Exception | None = None
     fh = None
     try:
         if path is not None:
@@ -328,13 +331,13 @@ def write_safetensors_streaming(path: Path, specs: list[tuple[str, torch.dtype, 
         error = exc
     try:
         for (name, t), (want, dtype, shape) in zip(tensors, specs):
-            if name != want or t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise CheckpointError(f"streamed tensor {name} {tuple(t.shape)} {t.dtype} does not match the header's "
-                                      f"{want} {tuple(shape)} {dtype}")
+            if error is None and (name != want or t.dtype != dtype or tuple(t.shape) != tuple(shape)):
+                error = CheckpointError(f"streamed tensor {name} {tuple(t.shape)} {t.dtype} does not match the "
+                                        f"header's {want} {tuple(shape)} {dtype}")
             if fh is not None and error is None:
                 try:
                     fh.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-                except OSError as exc:  # keep consuming: the other ranks are still gathering
+                except Exception as exc:  # noqa: BLE001 - keep consuming: the other ranks are still gathering
                     error = exc
             del t
         if fh is not None and error is None:

@@ -393,10 +393,10 @@ class TrainerConfig:
     checkpoint_every: int = 0  # optimiser steps between checkpoints (0 = only the final one)
     keep_last_checkpoints: Optional[int] = 3  # prune older complete checkpoints; null = keep all
     save_final_checkpoint: bool = True
-    # trainer=fsdp: write the full Hugging Face weights (streamed to rank 0 one tensor at a time: the largest tensor's
-    # fp32 copy of host memory on every rank) into every checkpoint; false = only into the final one (resume reads the
-    # shards). Other strategies always write them: there they are the checkpoint's model part
-    export_hf_weights: bool = True
+    # trainer=fsdp: which checkpoints carry the full Hugging Face weights in model.dtype (streamed to rank 0 one
+    # gathered tensor at a time), beside the shards resume reads: final (the run's last checkpoint only: what
+    # evaluation, vLLM and the study read) | every. Other strategies always write them: there they are the model part
+    export_hf_weights: str = "final"
     # Optimiser steps between weights-only trajectory saves <run dir>/trajectory/step-<N>/ (HF dir, no optimiser
     # state, never pruned), plus step-0 (the starting weights) and the last step; 0 = off. The input of
     # `python -m grail_exp.extrapolate` (RELEX, arXiv 2605.21468, fits every-step checkpoints: 1)

@@ -50,17 +50,35 @@ RENDEZVOUS_KEY = "grail_exp/rendezvous"
 
 def launch_rank() -> int:
     """The global rank of this process as the launcher set it, before any process group exists: torchrun / SLURM
-    environment variables, or the variables Lightning's subprocess launcher gives the ranks it spawns (the process
-    that launches them is rank 0)."""
+    environment variables, or what Lightning's own launcher gives: its global rank is node rank x ranks per node + local
+    rank (``LightningEnvironment``), where the node rank is ``NODE_RANK`` (or ``GROUP_RANK``), the ranks per node
+    ``GRAIL_EXP_DEVICES_PER_NODE`` (``job.export_devices_per_node``, from ``trainer.devices``) and the local rank
+    ``LOCAL_RANK`` — unset in the process that launches a node's ranks, which is its node's local rank 0 (rank 0 only
+    on node 0: on node k it is rank k x ranks per node, and must not read the weights, open an MLflow run or write the
+    files rank 0 writes). ``check_launch_rank`` compares it with the process group's rank once that exists."""
     for var in ("RANK", "SLURM_PROCID"):
         if os.environ.get(var):
             if var == "SLURM_PROCID" and int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
                 continue  # a single SLURM task launches its ranks itself
             return int(os.environ[var])
-    if os.environ.get("LOCAL_RANK"):
-        devices = int(os.environ.get("GRAIL_EXP_DEVICES_PER_NODE", "1"))
-        return int(os.environ.get("NODE_RANK", "0")) * devices + int(os.environ["LOCAL_RANK"])
-    return 0
+    devices = int(os.environ.get("GRAIL_EXP_DEVICES_PER_NODE", "1"))
+    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")) or 0)
+    return node * devices + int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def check_launch_rank(launched: int, rank: int) -> None:
+    """Every rank once the process group exists: the rank it took itself for at launch (``launch_rank``, which decided
+    who read the weights and who opened the MLflow run) is its rank in the group; else one ``LayoutError`` line."""
+    from grail_exp.errors import LayoutError
+
+    if launched == rank:
+        return
+    env = ", ".join(f"{k}={os.environ[k]}" for k in ("RANK", "SLURM_PROCID", "NODE_RANK", "GROUP_RANK", "LOCAL_RANK",
+                                                      "GRAIL_EXP_DEVICES_PER_NODE") if k in os.environ)
+    raise LayoutError(f"this process took itself for rank {launched} when it started ({env or 'no launcher variables'})"
+                      f" but is rank {rank} of the process group: the launcher's variables disagree with trainer.devices "
+                      "(ranks per node) and trainer.num_nodes; set NODE_RANK on each node and trainer.devices to the "
+                      "node's ranks")
 
 
 def export_local_rank() -> None:

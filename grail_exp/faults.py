@@ -5,6 +5,8 @@ Every function here is a no-op unless the environment variable ``GRAIL_EXP_FAULT
 hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls them at the marked points:
 
     GRAIL_EXP_FAULT=stall_checkpoint:<N>               training/checkpointing.py: hang mid-write of step N's checkpoint
+    GRAIL_EXP_FAULT=raise_in_checkpoint:<N>[:rank<R>]  training/checkpointing.py: a RuntimeError in a rank's own
+                                                       part of step N's checkpoint
     GRAIL_EXP_FAULT=kill_eval_after_chunks:<N>         evaluate: SIGKILL right after the N-th cached chunk
     GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]        training/module.py: SIGTERM at the end of optimiser step N
     GRAIL_EXP_FAULT=int_at_step:<N>[:<scheme>]         training/module.py: SIGINT (Ctrl-C) there instead
@@ -14,8 +16,8 @@ hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls th
     GRAIL_EXP_FAULT=tune_kill:<point>[:<trial|state>]  tune: SIGKILL at a point of a trial's life (tune.CRASH_POINTS)
     answers "__sleep__:<s>" / "__crash__"              rewards.py's grading worker: hang <s> seconds / die
 
-The step faults take a further ``:rank<R>`` (e.g. ``term_at_step:1:rank1``): only data-parallel rank R fires,
-as when a signal reaches one rank of a job. ``ready_at`` marks a point where a process waits by itself (a rank at
+The step faults and ``raise_in_checkpoint`` take a further ``:rank<R>`` (e.g. ``term_at_step:1:rank1``): only
+data-parallel rank R fires, as when a signal reaches one rank of a job. ``ready_at`` marks a point where a process waits by itself (a rank at
 the rendezvous of a world that cannot form): the file holds the process's pid, so that a test signals a process it
 knows is there. ``hold_at`` keeps the process at that point after writing its file (a world that would form, held
 there: the preflight's rehearsal ranks, whose world is always one node).
@@ -55,6 +57,19 @@ def stall_checkpoint(step: int) -> None:
     parent, end = os.getppid(), time.monotonic() + 3600
     while os.getppid() == parent and time.monotonic() < end:
         time.sleep(0.5)
+
+
+class InjectedFault(RuntimeError):
+    """The error ``raise_in_checkpoint`` raises: a bug or a failure no handler expects, on one rank."""
+
+
+def raise_in_checkpoint(step: int, rank: int) -> None:
+    """``raise_in_checkpoint:<N>[:rank<R>]``: raise ``InjectedFault`` (a ``RuntimeError``, not an ``OSError``) while
+    this rank writes its own part of step N's checkpoint (on every rank, or only on rank R): the other ranks must learn
+    it at the checkpoint's agreement point instead of waiting for this rank until the process group's timeout."""
+    if _at_step("raise_in_checkpoint", step, "", rank):
+        log.warning("GRAIL_EXP_FAULT: raise_in_checkpoint at step %d on rank %d", step, rank)
+        raise InjectedFault(f"GRAIL_EXP_FAULT raise_in_checkpoint at step {step} on rank {rank}")
 
 
 _chunks_put = 0  # evaluation chunks this process has cached

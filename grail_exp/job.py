@@ -120,9 +120,9 @@ def _train(cfg: DictConfig, on_eval: Callable | None) -> dict:
         torch.set_num_threads(cfg.trainer.num_threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     ckpt, state = _resume_point(cfg)  # cheap, first: its state names the MLflow run to continue
-    rank = launch_rank()
-    export_devices_per_node(cfg.trainer)
+    export_devices_per_node(cfg.trainer)  # before launch_rank reads it: node k's ranks start at k x devices
     export_local_rank()  # srun: before DeepSpeed or the engine read it
+    rank = launch_rank()
     # Tracking next: an unreachable server fails before minutes of model building.
     tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
         if rank == 0 else NullTracker()
@@ -408,31 +408,27 @@ class Saver:
             return
         self.saved_at.add(m.step)
         final = final or m.step >= self.cfg.trainer.max_steps  # a periodic checkpoint at the last step is the final one
-        export = final or bool(self.cfg.trainer.get("export_hf_weights", True))
+        export = exports_hf_weights(self.cfg.trainer, final)
         path = write_checkpoint(self.ckpt_root, m, self.parts.tokenizer, position,
                                 keep_last=self.cfg.trainer.keep_last_checkpoints, export_hf=export)
         if m.rank == 0:
             log.info("checkpoint: %s", path)
 
     def trajectory(self, step: int) -> None:
-        from grail_exp.checkpoint import write_dir_atomically
-        from grail_exp.training.checkpointing import export_hf_weights
+        from grail_exp.training.checkpointing import write_trajectory
 
-        m = self.module
         if step in self.traj_saved:
             return
         self.traj_saved.add(step)
+        write_trajectory(self.traj_root, self.module, self.parts.tokenizer, step)
 
-        def write(tmp: Path) -> None:  # rank 0; the other ranks only take part in the (streamed) gathers
-            tmp.mkdir(parents=True, exist_ok=True)
-            export_hf_weights(m, tmp)
-            self.parts.tokenizer.save_pretrained(tmp)
 
-        if m.rank == 0:
-            write_dir_atomically(self.traj_root / f"step-{step}", write, what="trajectory checkpoint")
-        else:
-            export_hf_weights(m, None)
-        m.barrier()
+def exports_hf_weights(trainer_cfg, final: bool) -> bool:
+    """Whether a checkpoint carries the full Hugging Face weights where resume does not need them (FSDP: the model is
+    in the shards): the final one always (what evaluation, vLLM and the study read), the others only with
+    ``trainer.export_hf_weights=every``. Strategies whose checkpoint holds the weights as these files write them
+    always (``training/checkpointing.py``)."""
+    return final or trainer_cfg.get("export_hf_weights", "final") == "every"
 
 
 def fit(cfg: DictConfig, module, state: dict | None) -> None:

@@ -10,6 +10,10 @@ never less than torch's and Lightning's default of 30 minutes:
 
 Qwen3-8B (N = 8.19 B): 131.1 GB, 2 x 1311 s -> 2640 s. Every model under ~5.6 B parameters gets the 1800 s floor.
 
+The same write, after the longest optimiser step a stop waits for, sets how long before a SLURM job's time limit its
+stop signal comes (``stop_lead``; the step planned by ``memory.planned_step_seconds``, the lead by the launcher in
+hydra_plugins/grail_exp_launchers).
+
 This module imports nothing of the package, so the memory planner (which prints the rule: ``memory.timeout_lines``),
 the Lightning strategy (``distributed.build_strategy``) and the update backends (DeepSpeed's own group) share it.
 """
@@ -27,6 +31,30 @@ CHECKPOINT_WRITE_BYTES_PER_S = 100e6
 # Serialising and fsync, the gather before the write, a filesystem shared with other jobs.
 CHECKPOINT_WRITE_MARGIN = 2
 CHECKPOINT_BYTES_PER_PARAMETER = 16  # weights <= 4 B + fp32 master weights 4 B + Adam moments 8 B
+
+
+# SLURM's stop signal (USR2, hydra/launcher=submitit_slurm) comes this long before the time limit: at least
+# STOP_LEAD_FLOOR_S (what the launcher gave every job before the lead followed the plan), else
+# CHECKPOINT_WRITE_MARGIN x (the longest step a stop waits for + the planned checkpoint write), in whole minutes.
+STOP_LEAD_FLOOR_S = 600
+# The compute rate the stop lead plans a step at, per rank: a quarter of a dense rate measured in this project, because
+# generation decodes far below it and the schemes add passes of their own. GPU: one H100 ran the no-grad log-prob
+# forward at Qwen3-8B width at ~450 TFLOP/s (bf16; results/gpu.md, 2026-11-27: 2 x 2.79 B x 69,632 tokens in 0.868 s);
+# CPU: the 2-core machine's matmul floor, 402-428 GFLOP/s at 2 threads (results/bench_real_model.md).
+PLANNED_STEP_FLOPS_PER_S = {"gpu": 100e12, "cpu": 100e9}
+
+
+def stop_lead(step_seconds: float, params: int | None) -> tuple[int, str]:
+    """(seconds, how): how long before its time limit a job must get its stop signal to finish the step it is in
+    (``step_seconds``, planned) and write its checkpoint at the conservative bandwidth (``planned_checkpoint_bytes``),
+    with the write's margin, never under ``STOP_LEAD_FLOOR_S``."""
+    size, _ = planned_checkpoint_bytes(params) if params is not None else (0.0, "")
+    write = size / CHECKPOINT_WRITE_BYTES_PER_S
+    need = CHECKPOINT_WRITE_MARGIN * (step_seconds + write)
+    seconds = max(STOP_LEAD_FLOOR_S, 60 * math.ceil(need / 60))
+    return seconds, (f"max({STOP_LEAD_FLOOR_S} s, {CHECKPOINT_WRITE_MARGIN} x (a step {step_seconds:.0f} s + the "
+                     f"checkpoint's {size / 1e9:.1f} GB / {CHECKPOINT_WRITE_BYTES_PER_S / 1e6:g} MB/s = {write:.0f} s)"
+                     ") in whole minutes")
 
 
 def planned_checkpoint_bytes(params: int) -> tuple[float, str]:

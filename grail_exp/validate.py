@@ -20,6 +20,7 @@ from grail_exp.errors import ConfigError
 SCHEDULE_UNITS = ("optimizer_step", "rollout_batch")  # optim.schedule_unit
 HUB_MODEL_MAX_LR = 1e-5  # above this, a pretrained hub model needs optim.allow_high_lr=true
 VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+EXPORT_HF_WEIGHTS = ("final", "every")  # trainer.export_hf_weights
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -113,10 +114,41 @@ def vllm(cfg) -> list[str]:
     _check(e, tokens >= seqs, "rollout.vllm.max_num_batched_tokens", tokens,
            f"must be >= rollout.vllm.max_num_seqs = {seqs} (vLLM schedules at least one token per sequence)")
     e += engine_devices(cfg)
+    expandable_segments(cfg)
     if v.max_model_len is not None and "max_completion_length" in r:
         _check(e, v.max_model_len > r.max_completion_length, "rollout.vllm.max_model_len", v.max_model_len,
                f"must exceed rollout.max_completion_length = {r.max_completion_length} (prompt + completion)")
     return e
+
+
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's precedence order
+
+
+def expandable_segments(cfg, environ=None) -> None:
+    """``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) with ``expandable_segments:True`` and a vLLM engine
+    colocated on the training GPU is warned about, once, before anything loads. The engine and the trainer share the
+    process's CUDA allocator: vLLM's sleep-mode pool cannot use expandable segments (pytorch/pytorch#147851), so vLLM
+    rewrites the process's allocator settings around it (older vLLM refuses the combination at start), and the
+    colocated layout's memory plan and sleep mode were never measured with it. Warned, not refused: nothing shows that
+    a run with it fails."""
+    import logging
+    import os
+
+    t = cfg.get("trainer")
+    if t is None or str(t.get("accelerator", "cpu")) == "cpu" or str(cfg.rollout.engine) != "vllm":
+        return
+    env = os.environ if environ is None else environ
+    for name in ALLOC_CONF_VARIABLES:
+        conf = env.get(name)
+        if conf:  # torch reads the first one set
+            fields = dict(f.strip().partition(":")[::2] for f in conf.split(",") if f.strip())
+            if fields.get("expandable_segments", "").strip().lower() in ("true", "1"):
+                logging.getLogger("grail_exp").warning(
+                    "%s=%s with rollout.engine=vllm colocated on the training GPU: vLLM's sleep-mode memory pool cannot "
+                    "use expandable segments (vLLM turns them off around it, older vLLM refuses to start; "
+                    "rollout.vllm.sleep_mode=%s) and this layout's memory was never measured with them; unset "
+                    "expandable_segments or set it to False", name, conf, cfg.rollout.vllm.sleep_mode)
+            return
 
 
 def engine_devices(cfg) -> list[str]:
@@ -227,6 +259,9 @@ def trainer(cfg) -> list[str]:
            t.get("save_weights_only_every"), "must be >= 0 (0 = no trajectory)")
     _check(e, t.keep_last_checkpoints is None or t.keep_last_checkpoints >= 1, "trainer.keep_last_checkpoints",
            t.keep_last_checkpoints, "must be >= 1 or null")
+    _check(e, t.get("export_hf_weights", "final") in EXPORT_HF_WEIGHTS, "trainer.export_hf_weights",
+           t.get("export_hf_weights"), "must be final (the full Hugging Face weights in the final checkpoint only) or "
+           "every (in every checkpoint); resume reads the shards either way")
     share = t.get("share_prompts", "auto")
     _check(e, t.get("share_prompt_prefix", "auto") in ("auto", True, False), "trainer.share_prompt_prefix",
            t.get("share_prompt_prefix"), "must be auto, true or false")

@@ -147,6 +147,52 @@ def _object_device() -> torch.device | None:
     return dev if dev.type == "cuda" else None
 
 
+def failures(failure: BaseException | None, describe=None) -> dict[int, str]:
+    """Every rank's failure at this point of the run, on every rank: ``{rank: one line}`` for each rank that passed an
+    exception (``describe(exc)``, default ``"<type>: <message>"``), ``{}`` when none did. A collective: every rank calls
+    it at the same point, so a rank that failed still meets the others here and they all learn it at once, instead of
+    the others waiting for it in their next collective until the process group's timeout."""
+    describe = describe or (lambda exc: f"{type(exc).__name__}: {exc}")
+    mine = None if failure is None else describe(failure)
+    reports = gather_to_all(mine) if _initialized() else [mine]
+    return {r: line for r, line in enumerate(reports) if line is not None}
+
+
+def check_same_tensors(specs: list[tuple[str, tuple, str]], what: str) -> None:
+    """Every rank, before rank 0's tensors are broadcast into the others' (a collective): this rank's list of
+    ``(name, shape, dtype)`` equals rank 0's, compared once, in order. A broadcast trusts both sides: a tensor of
+    another dtype or shape on one rank would make the receiving side read the wrong number of bytes, hang or silently
+    cast. On a difference every rank raises the same ``LayoutError``, naming the first tensor that differs and the
+    ranks. The identity without a process group."""
+    from grail_exp.errors import LayoutError
+
+    if not _initialized():
+        return
+    specs = [(str(n), tuple(int(d) for d in shape), str(dtype)) for n, shape, dtype in specs]
+    reference = broadcast_object(specs if rank() == 0 else None)
+    mine = None if rank() == 0 else _first_difference(reference, specs)
+    reports = {r: d for r, d in enumerate(gather_to_all(mine)) if d is not None}
+    if reports:
+        r, diff = min(reports.items())
+        more = f" (and on rank(s) {', '.join(map(str, sorted(set(reports) - {r})))})" if len(reports) > 1 else ""
+        raise LayoutError(f"{what}: {diff.format(rank=r)}{more}, before rank 0 broadcast its tensors: every rank must "
+                          "build the same model (the same model.* values, dtype included, and trainer.strategy)")
+
+
+def _first_difference(reference: list[tuple], mine: list[tuple]) -> str | None:
+    """Where ``mine`` first departs from rank 0's ``reference``, as a template with ``{rank}``; None when equal."""
+    for i, ((name0, shape0, dtype0), (name, shape, dtype)) in enumerate(zip(reference, mine)):
+        if name != name0:
+            return f"tensor {i} is {name} on rank {{rank}} but {name0} on rank 0"
+        if (shape, dtype) != (shape0, dtype0):
+            return f"{name} is {shape0} {dtype0} on rank 0 but {shape} {dtype} on rank {{rank}}"
+    if len(mine) != len(reference):
+        longer, who = (reference, "rank 0") if len(reference) > len(mine) else (mine, "rank {rank}")
+        return (f"rank 0 holds {len(reference)} tensors and rank {{rank}} {len(mine)} (the first that only {who} "
+                f"holds: {longer[min(len(reference), len(mine))][0]})")
+    return None
+
+
 def average_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Every metric averaged over the ranks that report it (rank 0 logs them)."""
     if not _initialized():

@@ -323,3 +323,33 @@ def test_seeding_before_cuda_starts_queues_no_cuda_seed():
     assert tracker.get_calls() == before and torch.initial_seed() == 5
     torch.manual_seed(5)  # the control: the plain call does queue one
     assert tracker.get_calls() != before
+
+
+@pytest.mark.parametrize("key, step, want", [
+    (None, 1, False), ("final", 1, False), ("every", 1, True),  # a periodic checkpoint (step 1 of 3)
+    (None, 3, True), ("final", 3, True), ("every", 3, True),  # the last step's: the final checkpoint
+])
+def test_the_hf_export_goes_into_the_final_checkpoint_unless_every_is_asked(tmp_path, monkeypatch, key, step, want):
+    """Which checkpoints carry the full Hugging Face weights where resume does not need them (FSDP): by default
+    (trainer.export_hf_weights=final) the final one only, every one with `every`; Saver.checkpoint hands the decision
+    to the writer."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    import grail_exp.training.checkpointing as checkpointing
+    from grail_exp.job import Saver
+
+    trainer = {"max_steps": 3, "keep_last_checkpoints": 3, "save_weights_only_every": 0}
+    if key is not None:
+        trainer["export_hf_weights"] = key
+    cfg = OmegaConf.create({"trainer": trainer, "paths": {"output_dir": str(tmp_path)}})
+    module = SimpleNamespace(step=step, rank=1)
+    seen = []
+    monkeypatch.setattr(checkpointing, "write_checkpoint", lambda *a, export_hf, **k: seen.append(export_hf))
+    Saver(cfg, module, SimpleNamespace(tokenizer=None), None).checkpoint({"round": 1, "buffer": None})
+    assert seen == [want]
+    seen.clear()
+    module.step += 1  # a new step
+    Saver(cfg, module, SimpleNamespace(tokenizer=None), None).checkpoint({"round": 1, "buffer": None}, final=True)
+    assert seen == [True]  # a run's final checkpoint (a stop's is not final) always carries them

@@ -3,6 +3,10 @@
 Rank 0 reads the weights; every other rank builds its policy on the meta device (``job.build_parts``) and receives its
 FSDP shards from rank 0 in the backend's ``configure_model``. Rank 1's peak resident memory during the load therefore
 stays near its shard (4 B x N / 2 fp32), not the whole fp32 model (4 B x N) that it loaded before.
+
+Slow (a 117 M-parameter tree, so that the shard and the full model are far apart in resident memory); the main suite's
+cheap variant checks the mechanism on the tiny model (tests/test_rank_agreement.py: rank 1 holds a meta skeleton after
+``build_parts`` and receives rank 0's weights, under FSDP and DDP).
 """
 
 from __future__ import annotations

@@ -65,17 +65,22 @@ def test_slurm_launcher_config_composes_into_a_valid_sbatch_script(tmp_path, mon
     (tmp_path / "bin" / "srun").write_text("#!/bin/sh\n")
     (tmp_path / "bin" / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    params = dict(launcher.params)
+    from hydra_plugins.grail_exp_launchers import submission_params
+
+    params = submission_params(dict(launcher.params), [([], cfg)])  # what launch() submits
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm",
                                      slurm_max_num_timeout=params.pop("max_num_timeout"))
     params.pop("submitit_folder")
     base = set(OmegaConf.structured(BaseQueueConf).keys())  # the plugin's own renaming (its launch())
     executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
     script = executor._executor._make_submission_file_text("python -c pass", "uid")
+    # the demo's model (trainer=ddp on 8 ranks): its plan is far below the 600 s floor of the stop signal's lead
     for flag in ("--signal=USR2@600", "--partition=gpu", "--gpus-per-node=8", "--ntasks-per-node=8",
                  "--cpus-per-task=8", "--mem=64GB", "--time=1440", "--nodes=1"):
         assert f"#SBATCH {flag}\n" in script, flag
     assert executor._executor.max_num_timeout == 3
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit=1" in srun.split(), srun  # a task that dies ends the job's other tasks
 
 
 PAPER_RUNS = [f"experiment=paper/{m}_{s}" for m in ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b",
@@ -156,6 +161,54 @@ def test_a_slurm_mem_below_the_plan_is_refused_naming_both_numbers(tmp_path):
     with pytest.raises(ConfigError) as err:
         slurm_mem_gb(instantiate(cfg.hydra.launcher).params, [(CARD, cfg)])
     assert "hydra.launcher.mem_gb = 32" in str(err.value) and f"{CARD_MEM_GB} GB" in str(err.value), str(err.value)
+
+
+# The card's stop lead by hand (grail_exp/timeouts.py's rule written out): 4 ranks, 32 prompts x 8 completions = 64 rows
+# per rank of 512 (DeepMath's planned prompt) + 4096 completion tokens; the longest a stop waits for is the rollout (the
+# generation and the old log-probs: 2 passes; beta = 0, no reference) and one optimiser step over the whole batch (k = 1:
+# forward + backward = 3 passes, + 1 forward replayed under gradient checkpointing), 2 x N FLOPs per token and pass at
+# 100 TFLOP/s: 2 x 8,190,735,360 x 64 x 4,608 x 6 / 1e14 = 289.9 s. The checkpoint: 16 B x N = 131.05 GB at 100 MB/s =
+# 1,310.5 s. Lead: 2 x (289.9 + 1,310.5) = 3,200.9 s, in whole minutes: 3,240 s (54 min).
+CARD_STOP_LEAD_S = 3240
+
+
+def test_the_stop_signal_comes_as_early_as_the_plan_needs(tmp_path, caplog):
+    """hydra.launcher.signal_delay_s 0 (the default): USR2 comes the card's planned step + checkpoint write (x 2) before
+    the time limit (the fixed 600 s before let SLURM kill the card mid-checkpoint); a small model keeps the 600 s floor;
+    a sweep gets its largest job's lead; a value set by hand is kept, and warned about when below the plan."""
+    import logging
+
+    from hydra.utils import instantiate
+
+    from hydra_plugins.grail_exp_launchers import slurm_signal_delay
+
+    cfg = _with_hydra(["hydra/launcher=submitit_slurm", *CARD], tmp_path)
+    assert cfg.loss.beta == 0 and cfg.trainer.devices == 4 and cfg.trainer.mini_batches_per_rollout == 1
+    assert cfg.rollout.max_completion_length == 4096 and cfg.model.gradient_checkpointing and cfg.data.name == "deepmath"
+    assert cfg.trainer.prompts_per_step * cfg.rollout.num_generations == 4 * 64
+    params = instantiate(cfg.hydra.launcher).params
+    assert params["signal_delay_s"] == 0
+    assert slurm_signal_delay(params, [(CARD, cfg)]) == CARD_STOP_LEAD_S
+    demo = _with_hydra(["hydra/launcher=submitit_slurm"], tmp_path)
+    assert slurm_signal_delay(params, [([], demo)]) == 600
+    assert slurm_signal_delay(params, [([], demo), (CARD, cfg)]) == CARD_STOP_LEAD_S
+    with caplog.at_level(logging.WARNING):
+        assert slurm_signal_delay(dict(params, signal_delay_s=900), [(CARD, cfg)]) == 900
+    assert any("signal_delay_s = 900 is below the 3240 s" in r.getMessage() for r in caplog.records)
+
+
+def test_a_time_limit_within_the_stop_lead_is_refused_naming_the_keys(tmp_path):
+    from hydra.utils import instantiate
+
+    from grail_exp.errors import ConfigError
+    from hydra_plugins.grail_exp_launchers import slurm_signal_delay
+
+    cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=50", *CARD], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        slurm_signal_delay(instantiate(cfg.hydra.launcher).params, [(CARD, cfg)])
+    msg = str(err.value)
+    assert "hydra.launcher.timeout_min = 50 (3000 s)" in msg and "3240 s" in msg and "above 54" in msg, msg
+    assert slurm_signal_delay(dict(instantiate(cfg.hydra.launcher).params, timeout_min=55), [(CARD, cfg)]) == 3240
 
 
 @pytest.mark.e2e

@@ -103,6 +103,111 @@ def test_a_spawned_rank_of_a_device_list_knows_its_global_rank(monkeypatch):
     assert launch_rank() == 3
 
 
+def test_the_launching_process_of_node_k_knows_it_is_not_rank_0(monkeypatch):
+    """Lightning's own launcher on several nodes: the process started on node 1 (NODE_RANK=1, no LOCAL_RANK: it is the
+    one that spawns the node's other ranks) is its node's first rank, 1 x 4 = 4 with 4 devices per node — not rank 0,
+    which reads the weights, opens the MLflow run and writes the files. Lightning's own rule: node rank x processes
+    per node + local rank (LightningEnvironment), GROUP_RANK when NODE_RANK is unset."""
+    from omegaconf import OmegaConf
+
+    from grail_exp.distributed import launch_rank
+    from grail_exp.job import export_devices_per_node
+
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GRAIL_EXP_DEVICES_PER_NODE", "1")  # restored after the test; export_devices_per_node sets it
+    export_devices_per_node(OmegaConf.create({"devices": 4, "num_nodes": 2}))
+    assert launch_rank() == 0  # node 0's launching process
+    monkeypatch.setenv("NODE_RANK", "1")
+    assert launch_rank() == 4
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert launch_rank() == 7  # the last rank it spawned
+    monkeypatch.delenv("NODE_RANK")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert launch_rank() == 7
+    monkeypatch.setenv("RANK", "5")  # torchrun / srun state it: their word
+    assert launch_rank() == 5
+
+
+def test_a_launch_rank_that_is_not_the_groups_rank_is_one_error(monkeypatch):
+    from grail_exp.distributed import check_launch_rank
+    from grail_exp.errors import LayoutError
+
+    monkeypatch.setenv("NODE_RANK", "1")
+    check_launch_rank(4, 4)
+    with pytest.raises(LayoutError, match=r"took itself for rank 0 .*NODE_RANK=1.* but is rank 4 of the process group"):
+        check_launch_rank(0, 4)
+
+
+def test_the_job_knows_its_node_before_it_opens_the_mlflow_run(tmp_path, tiny_model_dir, monkeypatch):
+    """train() on the launching process of node 1 (NODE_RANK=1, trainer.devices=2): its launch rank is 2, so it opens no
+    MLflow run (rank 0 alone tracks). Before, a process without LOCAL_RANK took itself for rank 0 (and the job read the
+    ranks per node before exporting them)."""
+    import grail_exp.job as job
+    import grail_exp.tracking as tracking
+    from helpers.compose import compose
+
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GRAIL_EXP_DEVICES_PER_NODE", "1")  # restored after the test; train() exports the real count
+    monkeypatch.setenv("NODE_RANK", "1")
+    opened, ranks = [], []
+    monkeypatch.setattr(tracking, "build_tracker", lambda *a, **k: opened.append(a) or tracking.NullTracker())
+
+    def stop(*a, **k):
+        from grail_exp.distributed import launch_rank
+
+        ranks.append(launch_rank())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(job, "build_parts", stop)
+    cfg = compose([f"model.name_or_path={tiny_model_dir}", "trainer=ddp", "trainer.accelerator=cpu",
+                   "trainer.devices=2", "trainer.num_nodes=2", "logger=none"], tmp_path)
+    with pytest.raises(RuntimeError, match="stop here"):
+        job.train(cfg)
+    assert ranks == [2] and opened == []
+
+
+@pytest.mark.parametrize("env, engine, accelerator, warned", [
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "vllm", "gpu", True),
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"}, "vllm", "gpu", True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, "vllm", "gpu", False),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+     "vllm", "gpu", False),  # torch reads PYTORCH_ALLOC_CONF first
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "hf", "gpu", False),  # no engine beside the trainer
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "vllm", "cpu", False),  # no CUDA allocator
+])
+def test_expandable_segments_beside_a_colocated_vllm_engine_are_warned(compose_cfg, caplog, monkeypatch, env, engine,
+                                                                        accelerator, warned):
+    import logging
+
+    from grail_exp import validate as v
+
+    for name in v.ALLOC_CONF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_cfg([f"rollout={engine}", f"trainer.accelerator={accelerator}"])
+    with caplog.at_level(logging.WARNING, logger="grail_exp"):
+        assert v.rollout(cfg) == []  # warned, never refused
+    lines = [r.getMessage() for r in caplog.records if "expandable_segments" in r.getMessage()]
+    assert len(lines) == warned, lines
+    if warned:
+        assert "rollout.engine=vllm" in lines[0] and next(iter(env)) in lines[0]
+
+
+@pytest.mark.parametrize("value, ok", [("final", True), ("every", True), ("False", False), ("all", False)])
+def test_export_hf_weights_is_final_or_every(compose_cfg, value, ok):
+    from grail_exp.validate import trainer
+
+    problems = [p for p in trainer(compose_cfg([f"trainer.export_hf_weights={value}"]))
+                if p.startswith("trainer.export_hf_weights")]
+    assert (problems == []) == ok, problems
+    if not ok:
+        assert problems[0].startswith(f"trainer.export_hf_weights = '{value}': must be final") and "every" in \
+            problems[0]
+
+
 # ---------------------------------------------------------------------------------------------- files: training data
 SCRL = ["data=scrl_jsonl", "estimator=scrl"]
 

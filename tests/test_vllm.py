@@ -300,6 +300,34 @@ class TestEngine:
             e.close()
 
 
+    def test_an_engine_built_with_dummy_weights_samples_the_policy_after_its_first_sync(self, compose_cfg, model_dir,
+                                                                                          tokenizer, hf_model):
+        """The training job's engine (build_engine with push_policy=False) reads no weights file: vLLM's own embedding
+        is not the directory's, and generate() refuses until the first sync; once synced, its log-probs are the
+        trainer's (the same tolerance as every other engine here)."""
+        from safetensors.torch import load_file
+
+        model = _perturb(hf_model, seed=7)
+        cfg = compose_cfg(["rollout=vllm", "rollout.vllm.max_model_len=256", f"model.name_or_path={model_dir}"])
+        e = build_engine("vllm", model, tokenizer, 8, cfg=cfg, model_path=model_dir, push_policy=False)
+        try:
+            held = e.llm.apply_model(lambda m: m.model.embed_tokens.weight[:8, :8].detach().clone())[0]
+            on_disk = load_file(Path(model_dir) / "model.safetensors")["model.embed_tokens.weight"][:8, :8]
+            assert not torch.allclose(held.float(), on_disk.float(), atol=1e-3)  # vLLM's dummy values, not the file's
+            with pytest.raises(RuntimeError, match="dummy weights"):
+                e.generate(_prompts(tokenizer, 1), SamplingParams(n=1, temperature=1.0, max_new_tokens=4))
+            e.sync_weights(model)
+            for temperature, top_k in ((1.0, 0), (0.7, 5)):
+                torch.manual_seed(11)
+                out = e.generate(_prompts(tokenizer, 3), SamplingParams(n=2, temperature=temperature, top_k=top_k,
+                                                                        max_new_tokens=16, logprobs=True))
+                want, rb = _trainer_logprobs(model, out, tokenizer.pad_token_id, temperature)
+                m = rb.completion_mask.bool()
+                assert (rb.sampling_logprobs - want).abs()[m].max().item() < TOL
+        finally:
+            e.close()
+
+
 # ---------------------------------------------------------------------------------------------- rollout=vllm_paper
 @pytest.fixture(scope="module")
 def processed_engine(model_dir, tokenizer):

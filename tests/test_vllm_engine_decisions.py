@@ -169,6 +169,32 @@ def test_gpu_engine_has_cuda_graphs_sizes_and_the_models_revision(fake_vllm, com
     assert _built(fake_vllm, compose_cfg, ["rollout.vllm.enforce_eager=true"], cpu=False)[1]["enforce_eager"] is True
 
 
+def test_the_engine_reads_no_weights_and_refuses_to_sample_before_the_first_sync(fake_vllm, compose_cfg):
+    """build_vllm_engine: vLLM builds the model with its dummy weights (load_format=dummy: no rank reads the checkpoint,
+    which the first sync would overwrite) and generate() refuses until load_weights has run — a rollout or an
+    evaluation sampled before the first sync is an error, not random text. read_weights=True, or load_format in
+    rollout.vllm.kwargs, has vLLM read the files."""
+    _, kw = _built(fake_vllm, compose_cfg, [], cpu=False)
+    assert kw["load_format"] == "dummy"
+    from grail_exp.rollout.vllm import build_vllm_engine
+
+    calls = fake_vllm(cpu=False)
+    calls.clear()
+    cfg = compose_cfg(["rollout=vllm", "rollout.vllm.max_model_len=256"])
+    e = build_vllm_engine("/models/m", _Tokenizer(), cfg)
+    with pytest.raises(RuntimeError, match="dummy weights"):
+        e.generate([[1, 3]], SamplingParams(n=1, max_new_tokens=4))
+    assert not [c for c in calls if c[0] == "generate"]
+    e.load_weights([[("w", torch.zeros(2))]])
+    e.generate([[1, 3]], SamplingParams(n=1, max_new_tokens=4))
+    assert [c[0] for c in calls] == ["LLM", "rpc", "reset_prefix_cache", "generate"]
+    calls.clear()
+    build_vllm_engine("/models/m", _Tokenizer(), cfg, read_weights=True)
+    assert "load_format" not in calls[0][1]
+    _, kw = _built(fake_vllm, compose_cfg, ["+rollout.vllm.kwargs.load_format=safetensors"], cpu=False)
+    assert kw["load_format"] == "safetensors"
+
+
 def test_a_checkpoint_is_loaded_without_the_hub_revision(fake_vllm, compose_cfg, tmp_path):
     """On resume the engine starts from the run's checkpoint, a directory of its own: no hub revision applies."""
     kw = _built(fake_vllm, compose_cfg, [], cpu=False, model_path=str(tmp_path / "checkpoints" / "step-4"))[1]
@@ -223,6 +249,7 @@ def test_seeded_rollouts_seed_training_requests_too(fake_vllm, compose_cfg):
     calls = fake_vllm(cpu=False)
     cfg = compose_cfg(["rollout=vllm", "rollout.vllm.max_model_len=256", "rollout.vllm.seeded_rollouts=true"])
     e = build_vllm_engine("/models/m", _Tokenizer(), cfg)
+    e.load_weights([[("w", torch.zeros(2))]])  # built with dummy weights: the first sync comes before any rollout
     e.generate([[1, 3]], SamplingParams(n=3, max_new_tokens=4, logprobs=True))
     assert None not in calls[-1][1] and len(set(calls[-1][1])) == 3
     e.generate([[1, 3]], SamplingParams(n=3, max_new_tokens=4, per_request_seeds=False))

@@ -472,13 +472,16 @@ def host_node_lines(cfg, z: Sizes) -> list[Line]:
     lines.append(Line("host: load", "weights read from disk", load, how))
     parts = [B.planned_checkpoint_shard(cfg, n, b, W, r, tensor) for r in range(R)]
     staged = sum(p.bytes for p in parts)
-    # Sharded weights: rank 0 streams the full Hugging Face export, one gathered fp32 tensor at a time.
-    export = 4 * tensor if B.checkpoint_holds_weights(cfg) and cfg.trainer.get("export_hf_weights", True) else 0.0
+    # Sharded weights: rank 0 streams the full Hugging Face export in the model's dtype, one gathered tensor at a time,
+    # into the final checkpoint (every checkpoint with trainer.export_hf_weights=every): the checkpoint row's peak.
+    t = cfg.trainer
+    exported = t.get("save_final_checkpoint", True) or t.get("export_hf_weights", "final") == "every"
+    export = b * tensor if B.checkpoint_holds_weights(cfg) and exported else 0.0
     writers = f"{R} ranks" if parts[-1].bytes else "rank 0"
     lines.append(Line("host: checkpoint", "what the writing ranks hold at once", staged + export,
                       f"{writers}: {parts[0].how}" + (" (others: " + parts[-1].how + ")" if parts[-1].how != parts[0].how
-                                                       else "") + (", + rank 0's export, one gathered 4 B x V x h "
-                                                                   "tensor at a time" if export else "")))
+                                                       else "") + (f", + rank 0's export, one gathered b {b} B x V x "
+                                                                   "h tensor at a time" if export else "")))
     outside = ([] if B.checkpoint_holds_weights(cfg) else ["the policy N x L"]) + (["the reference N x b"] if ref else [])
     weights = (0.0 if B.checkpoint_holds_weights(cfg) else copies * n * L) + (copies * n * b if ref else 0.0)
     lines.append(Line("host: resume", "the parts read back, or the weights", max(staged, weights),
@@ -513,6 +516,41 @@ def needed_dist_timeout(cfg) -> tuple[int, str]:
     except PlanError:
         params = None
     return rule(params)
+
+
+def planned_step_seconds(cfg) -> tuple[float, str]:
+    """(seconds, how): the longest a stop request waits on one rank before the checkpoint — a round's rollout (the
+    generation and the no-grad log-prob passes over every row of the rank at the full token budget) and then one
+    optimiser step (forward and backward over its mini-batch, the forward again under gradient checkpointing) — each
+    pass 2 x N FLOPs per token, at ``timeouts.PLANNED_STEP_FLOPS_PER_S`` of the accelerator."""
+    from grail_exp.loss import needs_reference
+    from grail_exp.timeouts import PLANNED_STEP_FLOPS_PER_S
+
+    z, t = sizes(cfg), cfg.trainer
+    rows = max(1, t.prompts_per_step * cfg.rollout.num_generations // z.world)
+    tokens = rows * z.T
+    rollout = 2 + (1 if needs_reference(cfg) else 0)  # generation, old log-probs, the reference's
+    passes = 3 + (1 if cfg.model.get("gradient_checkpointing") else 0)  # forward + backward (+ the replayed forward)
+    update = passes / max(1, int(t.get("mini_batches_per_rollout", 1)))  # one optimiser step: 1/k of the rows
+    rate = PLANNED_STEP_FLOPS_PER_S["cpu" if z.cpu else "gpu"]
+    seconds = 2 * z.n * tokens * (rollout + update) / rate
+    return seconds, (f"2 x N {z.n:,} x {rows} rows x {z.T} tokens x ({rollout} rollout passes + {update:g} of an "
+                     f"optimiser step's) / {rate / 1e12:g} TFLOP/s")
+
+
+def stop_lead(cfg) -> tuple[int, str]:
+    """(seconds, how): how long before a SLURM job's time limit its stop signal must come for the job to finish its
+    step and write its checkpoint (grail_exp/timeouts.py ``stop_lead``); an architecture the planner does not know gets
+    the floor."""
+    from grail_exp.timeouts import STOP_LEAD_FLOOR_S, stop_lead as rule
+
+    try:
+        step, how = planned_step_seconds(cfg)
+        params = model_shape(cfg.model).params
+    except PlanError:
+        return STOP_LEAD_FLOOR_S, f"the floor {STOP_LEAD_FLOOR_S} s (the model's size is unknown)"
+    seconds, lead = rule(step, params)
+    return seconds, f"{lead}; step: {how}"
 
 
 def timeout_lines(cfg) -> list[str]:

@@ -12,10 +12,11 @@ def build_engine(name: str, model, tokenizer, batch_size: int = 256, *, cfg=None
                  model_path: str | None = None, push_policy: bool = True) -> RolloutEngine:
     """Instantiate the engine named by ``rollout.engine``.
 
-    ``rollout=vllm`` keeps its own copy of the weights: it starts from ``model_path`` (the directory or hub id the
-    policy was loaded from; a checkpoint on resume) with the knobs of ``cfg.rollout.vllm``, then gets ``model``'s
-    weights pushed (``push_policy``; the training job skips it: it syncs before every rollout and evaluation, from a
-    policy that may be sharded by then). Built inside a process group, it joins it (one engine per rank).
+    ``rollout=vllm`` keeps its own copy of the weights: it is built from ``model_path``'s config (the directory or hub
+    id the policy was loaded from; a checkpoint on resume) with the knobs of ``cfg.rollout.vllm`` and dummy weights —
+    it reads no weights file — then gets ``model``'s weights pushed (``push_policy``; the training job skips it: it
+    syncs before every rollout and evaluation, from a policy that may be sharded by then; the engine refuses to
+    generate before the first). Built inside a process group, it joins it (one engine per rank).
     """
     if name == "hf":
         from grail_exp.rollout.hf import HFRolloutEngine

@@ -1,10 +1,14 @@
 """``rollout=vllm``: a colocated, in-process vLLM engine with its own copy of the policy's weights.
 
-The engine starts from a model directory (the run's ``resolve_model_path`` or, on resume, the checkpoint) and is
-refreshed before each rollout and evaluation by ``load_weights(chunks)``: the update backend streams the policy's full
-parameters (gathered from the ranks' shards under FSDP) in the engine's dtype, ``rollout.vllm.sync_chunk_mb`` at a
-time, and vLLM loads them as they come (one ``reload_weights`` call consuming a generator); then the prefix cache is
-reset so no KV entry of the old weights is reused. The names are the state dict's (``state_dict`` and not
+The engine is built from a model directory's config (the run's ``resolve_model_path`` or, on resume, the checkpoint)
+with vLLM's dummy weights (``load_format="dummy"``, as verl builds its rollout engines): it never reads the weights
+files — four ranks would otherwise each read the 16 GB checkpoint at the start, or the export on resume, only to have
+it overwritten — and refuses to generate until the first ``load_weights`` has filled it. The trainer gives it the
+policy's weights before every rollout and evaluation (the evaluation before training and the first rollout, resumed
+or not, included), ``grail_exp.evaluate`` right after building it. Each refresh is ``load_weights(chunks)``: the
+update backend streams the policy's full parameters (gathered from the ranks' shards under FSDP) in the engine's
+dtype, ``rollout.vllm.sync_chunk_mb`` at a time, and vLLM loads them as they come (one ``reload_weights`` call
+consuming a generator); then the prefix cache is reset so no KV entry of the old weights is reused. The names are the state dict's (``state_dict`` and not
 ``named_parameters``: a tied ``lm_head.weight`` is missing from the latter and vLLM would keep a stale output layer).
 ``sync_weights(model)`` does the same from an unsharded model (tests, ``grail_exp.evaluate``).
 
@@ -242,6 +246,8 @@ class VLLMRolloutEngine:
         self._scale = 1.0  # the temperature currently folded into the logits (1/T)
         self.last_sync_seconds: float | None = None
         self.sleeping = False
+        # vLLM's random dummy weights until the first load_weights: generating from them is a bug of the caller
+        self.weights_loaded = (llm_kwargs or {}).get("load_format") != "dummy"
         log.info("vLLM engine %s (%s) started in %.1f s", model_path, dtype, self.start_seconds)
 
     # ------------------------------------------------------------------ weights
@@ -264,6 +270,7 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=["kv_cache", "scheduling"])  # vLLM: every tag must be awake before generating
             self.sleeping = False
         self.llm.reset_prefix_cache()
+        self.weights_loaded = True
         self.last_sync_seconds = time.perf_counter() - t
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -328,6 +335,10 @@ class VLLMRolloutEngine:
 
         if self.sleeping:
             raise RuntimeError("the vLLM engine is asleep: call sync_weights(model) (or wake_up()) before generate")
+        if not self.weights_loaded:
+            raise RuntimeError("the vLLM engine still holds vLLM's dummy weights (load_format=dummy): nothing has been "
+                               "synced into it; give it the policy's weights (sync_weights(model), or the update "
+                               "backend's sync_engine) before generate")
         self._fold_temperature(params.temperature)
         greedy = params.temperature == 0
         seeded = self.seeded_rollouts if params.per_request_seeds is None else params.per_request_seeds
@@ -366,8 +377,13 @@ class VLLMRolloutEngine:
         return Completion(prompt_ids=prompt, token_ids=ids, logprobs=logprobs, truncated=truncated)
 
 
-def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) -> VLLMRolloutEngine:
+def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256,
+                      read_weights: bool = False) -> VLLMRolloutEngine:
     """The engine from a composed config: ``cfg.rollout.vllm`` knobs, ``cfg.model.dtype``, ``cfg.seed``.
+
+    ``read_weights`` False: vLLM builds the model from ``model_path``'s config with dummy weights and reads no weights
+    file; the caller fills them (``load_weights`` / ``sync_weights``) before the first generation, which the engine
+    enforces. True: vLLM loads ``model_path``'s weights itself. ``rollout.vllm.kwargs.load_format`` wins over both.
 
     ``rollout.vllm.max_model_len: null`` is the run's own need (``run_max_model_len``), not the model's context (8,192
     for SmolLM2: vLLM would size its buffers for it). On CPU the KV cache gets what the memory plan gives it
@@ -386,9 +402,8 @@ def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256) ->
     kwargs = dict(v.kwargs or {})
     from grail_exp.models.architectures import read_marker
 
-    if read_marker(model_path) is not None and "load_format" not in kwargs:
-        # model.random_init: the directory has a config.json and no weights files; vLLM starts from its own random
-        # ones, which the first sync (before every rollout and evaluation) replaces with the policy's.
+    if (not read_weights or read_marker(model_path) is not None) and "load_format" not in kwargs:
+        # The first sync replaces whatever vLLM starts from; model.random_init's directory has no weights files at all.
         kwargs["load_format"] = "dummy"
     if not torch.cuda.is_available() and "kv_cache_memory_bytes" not in kwargs \
             and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):

@@ -24,7 +24,7 @@ import time
 import lightning as L
 import torch
 
-from grail_exp.distributed import launch_rank
+from grail_exp.distributed import check_launch_rank, launch_rank
 from grail_exp import faults
 from grail_exp.errors import Preempted
 from grail_exp.training import probe
@@ -98,6 +98,7 @@ class GRPOModule(L.LightningModule):
         # The process group exists now (Lightning created it): check it is the configured world, then build the
         # engine inside it, then give each rank its own sampling streams.
         world.check_world_size(self.cfg.trainer)
+        check_launch_rank(launch_rank(), world.rank())  # who read the weights and opened the MLflow run at launch
         if self.cfg.get("resume"):
             run_state.check_same_resume_point(self.resume_state)
         self.records.rank = world.rank()

@@ -4,8 +4,9 @@ Hydra instantiates launchers only from the ``hydra_plugins`` namespace package, 
 in pyproject's packages, so a wheel carries it). Configs: conf/hydra/launcher/submitit_{slurm,local}.yaml.
 
 ``hydra/launcher=submitit_slurm`` (or ``submitit_local``) runs each multirun job through submitit. Before the
-time limit (``signal_delay_s`` seconds) and on preemption, SLURM sends the job ``USR2`` (submitit's
-preemption signal; ``SUBMITIT_PREEMPT_SIGNAL`` changes it). What happens then:
+time limit (``signal_delay_s`` seconds; 0, the default, = what the plan says a stop needs: ``slurm_signal_delay``) and
+on preemption, SLURM sends the job ``USR2`` (submitit's preemption signal; ``SUBMITIT_PREEMPT_SIGNAL`` changes it).
+What happens then:
 
 1. ``grail_exp.run`` catches the signal during training (``preemption.stop_signals``), finishes the current optimiser
    step, writes a checkpoint into the job's run directory and raises ``Preempted``;
@@ -20,7 +21,9 @@ preemption signal; ``SUBMITIT_PREEMPT_SIGNAL`` changes it). What happens then:
 ``hydra/launcher=submitit_slurm`` sizes each job from its trainer (nodes = ``trainer.num_nodes``, tasks and GPUs per
 node = ``trainer.devices``) and refuses, before submitting anything, a job whose launcher values were set to something
 else (``check_slurm_layout``). Its ``--mem`` follows the memory planner's host memory per node (``slurm_mem_gb``) unless
-``hydra.launcher.mem_gb`` is set; a set value below the plan is refused before submission, naming both numbers.
+``hydra.launcher.mem_gb`` is set; a set value below the plan is refused before submission, naming both numbers. srun
+runs the tasks with ``--kill-on-bad-exit=1`` (``srun_args``): a task that dies (a crash, the OOM killer) ends the job's
+other tasks at once instead of leaving them in a collective until the process group's timeout.
 
 The Hydra sweep directory is resolved once in the launching process and pickled with the launcher, so a
 requeued job never re-evaluates ``${now:...}``; ``resume`` is excluded from ``hydra.job.override_dirname``
@@ -104,6 +107,55 @@ def slurm_mem_gb(params: dict, jobs: list) -> int | None:
     return int(set_gb)
 
 
+KILL_ON_BAD_EXIT = "--kill-on-bad-exit=1"
+
+
+def srun_args(params: dict) -> list[str]:
+    """srun's arguments for the job's tasks: any the launcher was given, plus ``--kill-on-bad-exit=1`` unless they say
+    otherwise. A rank that exits non-zero outside the points where the ranks agree on a failure (a crash, an OOM kill,
+    a lost node) would otherwise leave every other rank of the job waiting in its next collective until the process
+    group's timeout (44 minutes for an 8B model), holding the nodes; SLURM then ends them at once."""
+    args = list(params.get("srun_args") or [])
+    if not any(a == "-K" or a.startswith("--kill-on-bad-exit") for a in args):
+        args.append(KILL_ON_BAD_EXIT)
+    return args
+
+
+def slurm_signal_delay(params: dict, jobs: list) -> int:
+    """``--signal=USR2@<seconds>`` for a sweep's jobs ``[(overrides, composed config), ...]``: with
+    ``hydra.launcher.signal_delay_s`` 0 (the default), the largest of their planned stop leads (``memory.stop_lead``:
+    the longest step a stop waits for plus the checkpoint write, with margin; at least 600 s); a set value is kept (a
+    value below the plan is warned about: storage faster than the plan's assumes makes it right). Refused before
+    submission, naming both keys, when the lead would leave the job no time before its stop signal."""
+    from grail_exp.errors import ConfigError
+    from grail_exp.memory import stop_lead
+
+    planned = [(stop_lead(cfg), list(overrides)) for overrides, cfg in jobs]
+    (need, how), overrides = max(planned, key=lambda x: x[0][0]) if planned else ((0, ""), [])
+    set_s = int(params.get("signal_delay_s") or 0)
+    lead = set_s or need
+    job = f" (job overrides: {' '.join(overrides)})" if overrides else ""
+    if set_s and set_s < need:
+        log.warning("hydra.launcher.signal_delay_s = %d is below the %d s the plan gives a stop to finish its step and "
+                    "write its checkpoint%s: %s; the job may be killed mid-checkpoint unless its storage is faster",
+                    set_s, need, job, how)
+    limit = 60 * int(params.get("timeout_min") or 0)
+    if limit and lead >= limit:
+        raise ConfigError(f"hydra.launcher.timeout_min = {params.get('timeout_min')} ({limit} s) is not longer than the "
+                          f"stop signal's lead of {lead} s (hydra.launcher.signal_delay_s = {set_s}"
+                          f"{'' if set_s else ': the plan, ' + how}){job}: the job would be stopped as it starts. "
+                          f"Raise hydra.launcher.timeout_min above {-(-lead // 60)}")
+    return lead
+
+
+def submission_params(params: dict, jobs: list) -> dict:
+    """The launcher's values as submitted for a sweep's jobs ``[(overrides, composed config), ...]`` (one array job):
+    ``--mem`` and the stop signal's lead from the largest plan, srun's arguments."""
+    out = dict(params, mem_gb=slurm_mem_gb(params, jobs), signal_delay_s=slurm_signal_delay(params, jobs))
+    out["srun_args"] = srun_args(out)
+    return out
+
+
 if SlurmLauncher is not None:
     class ResumingSlurmLauncher(_ResumeOnRequeue, SlurmLauncher):
         def launch(self, job_overrides, initial_job_idx):
@@ -117,7 +169,7 @@ if SlurmLauncher is not None:
                     job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
                     check_slurm_layout(self.params, job_cfg, list(overrides))
                     jobs.append((overrides, job_cfg))
-                self.params["mem_gb"] = slurm_mem_gb(self.params, jobs)  # one array job: the largest plan
+                self.params = submission_params(self.params, jobs)  # one array job: the largest plan
             return super().launch(job_overrides, initial_job_idx)
 
     class ResumingLocalLauncher(_ResumeOnRequeue, LocalLauncher):

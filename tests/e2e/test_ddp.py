@@ -93,7 +93,9 @@ def test_deepspeed_zero2_two_ranks_equal_one_process(tmp_path, pinned_model_dir)
 def test_resume_is_exact_per_rank(tmp_path, pinned_model_dir, strategy, devices):
     """4 straight steps == 1 step + resume=auto + 3 steps (optimizer state — for DeepSpeed each rank's fp32 master
     partition and Adam moments, saved as plain data —, every rank's RNG streams). In bf16 the masters are not the
-    weights, so only a restored master partition resumes bit-exactly."""
+    weights, so only a restored master partition resumes bit-exactly. The 2-rank cases are slow; the main suite checks
+    2-rank ZeRO-2 partitions restored on their own ranks and continuing exactly with the backend's own calls
+    (tests/test_rank_agreement.py)."""
     dtype = ["model.dtype=bfloat16", "optim.master_weights=false"] if strategy.endswith("_bf16") else []
     common = ["advantage=grail", "advantage.symmetry=both", f"trainer={strategy.removesuffix('_bf16')}",
               "trainer.accelerator=cpu", f"trainer.devices={devices}", "optim.lr=1e-3", "optim.eps=1e-8",

@@ -2,7 +2,8 @@
 
 - Host memory: an FSDP rank's checkpoint write adds less host memory than its own parameter shard, never the full
   model (before, rank 0 gathered the full model and optimiser state into its host memory).
-- Another world size: an FSDP checkpoint of 2 ranks resumes on 1 with the same full model and optimiser state.
+- Another world size: an FSDP checkpoint of 2 ranks resumes on 1 with the same full model and optimiser state, through
+  the whole job (slow; the main suite reshards 1 -> 2 and 2 -> 1 with the backend's own calls: test_rank_agreement.py).
 ZeRO-2's per-rank partitions and its exact resume are in e2e/test_ddp.py.
 """
 
@@ -86,7 +87,7 @@ def test_fsdp_checkpoint_of_two_ranks_resumes_on_one_with_the_same_state(tmp_pat
     resumes it: torch's full state dicts (by name) of the model and the optimiser after the restore equal those the
     2 ranks held when they wrote it; then it trains on and finishes."""
     common = ["advantage=grpo", "trainer=fsdp", "trainer.accelerator=cpu", "optim.lr=1e-3", "optim.eps=1e-8",
-              "trainer.export_hf_weights=false", "trainer.save_final_checkpoint=false"]
+              "trainer.export_hf_weights=final", "trainer.save_final_checkpoint=false"]
     run_dir, probe_dir = tmp_path / "run", tmp_path / "probe"
     out = _run(run_dir, pinned_model_dir, [*common, "trainer.devices=2", "trainer.max_steps=2",
                                            "trainer.checkpoint_every=1", "trainer.keep_last_checkpoints=null"],

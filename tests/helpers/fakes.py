@@ -3,6 +3,7 @@
 ``ScriptedEngine`` answers each arithmetic prompt with scripted completions that depend only on the prompt text
 and the sample index — never on an RNG or on which process generates them — so a 2-process DDP run and a
 1-process run see exactly the same rollouts (``rollout.engine=helpers.fakes:ScriptedEngine``).
+``OwnCopyEngine`` keeps a copy of its own that starts from dummy weights, as the vLLM engine does.
 ``AlternatingVerifier`` grades every third completion correct, whatever it says (tests monkeypatch it in for
 ``grail_exp.grading.rewards.MathVerifier``), so advantages are non-zero even for a random model.
 """
@@ -83,6 +84,57 @@ class SleepRecordingEngine:
     def sleep(self) -> None:
         self._record("sleep")
         self.sleeping = True
+
+
+class OwnCopyEngine:
+    """transformers ``generate`` on a copy of the policy of its own, with the contract of ``VLLMRolloutEngine`` built
+    with dummy weights: the copy starts from random weights (never the policy's), takes the policy's from the update
+    backend's streamed chunks (``load_weights``, with ``dtype`` and ``sync_chunk_bytes``, so ``sync_engine`` streams to
+    it as to vLLM), and ``generate`` refuses until the first load. Every call is appended to ``events`` and, when
+    ``GRAIL_EXP_ENGINE_EVENTS`` names a file, written there (one per line)."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 256):
+        import copy
+
+        import torch
+
+        from grail_exp.rollout.hf import HFRolloutEngine
+
+        own = copy.deepcopy(model).eval()
+        g = torch.Generator().manual_seed(12345)
+        with torch.no_grad():  # vLLM's dummy load: random values, nothing read from the policy or its files
+            for t in own.state_dict().values():
+                if t.is_floating_point():
+                    t.copy_(torch.randn(t.shape, generator=g) * 0.02)
+        self.own, self.inner = own, HFRolloutEngine(own, tokenizer, batch_size=batch_size)
+        self.dtype, self.sync_chunk_bytes = next(own.parameters()).dtype, 2**16
+        self.loaded, self.events = False, []
+
+    _record = SleepRecordingEngine._record
+
+    def load_weights(self, chunks) -> None:
+        import torch
+
+        names = set(self.own.state_dict())
+        with torch.no_grad():
+            mine = self.own.state_dict()
+            for chunk in chunks:
+                for name, t in chunk:
+                    mine[name].copy_(t)
+                    names.discard(name)
+        assert not names, f"the sync left {sorted(names)} at their dummy values"
+        self.loaded = True
+        self._record("load")
+
+    def sync_weights(self, model) -> None:
+        self.load_weights([list(model.state_dict().items())])
+
+    def generate(self, prompts, params):
+        if not self.loaded:
+            self._record("generate before any load")
+            raise RuntimeError("OwnCopyEngine: generate() before the first load_weights (it holds dummy weights)")
+        self._record("generate")
+        return self.inner.generate(prompts, params)
 
 
 class AlternatingVerifier:

@@ -82,18 +82,33 @@ def more_ranks(cfg) -> list[list[str]]:
     return options
 
 
+def tensor_specs(pairs) -> list[tuple[str, tuple, str]]:
+    """``(name, shape, dtype)`` of ``(name, tensor)`` pairs: what a broadcast from rank 0 into the other ranks' tensors
+    must agree on (a DTensor's shape is its global one)."""
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in pairs]
+
+
 def broadcast_module(model: torch.nn.Module) -> None:
     """Every parameter (tied ones once) and buffer of ``model`` from rank 0, in place, one tensor per collective: the
     largest tensor is the most any rank holds in flight. Re-ties the weights first: ``to_empty`` gives each module its
-    own tensor, so a tied output layer would otherwise be a copy that no longer follows the embedding."""
+    own tensor, so a tied output layer would otherwise be a copy that no longer follows the embedding. The ranks first
+    compare what they are about to exchange (``world.check_same_tensors``)."""
     from grail_exp import world
 
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
+    world.check_same_tensors(tensor_specs([*model.named_parameters(), *model.named_buffers()]),
+                             f"the ranks' {type(model).__name__} differ")
     with torch.no_grad():
         for t in model.parameters():
             world.broadcast(t.data, src=0)
-    broadcast_buffers(model)
+        for t in model.buffers():
+            world.broadcast(t.data, src=0)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` when it is a floating tensor and ``dtype`` is given (integer buffers keep theirs)."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
 def fresh_storage(model: torch.nn.Module) -> None:
@@ -271,18 +286,19 @@ class UpdateBackend:
         return nullcontext()
 
     # ---- the rollout engine's weights
-    def full_tensors(self):
+    def full_tensors(self, dtype: torch.dtype | None = None):
         """``(name, tensor)`` of the policy's full state dict, tied output layer included (``state_dict`` and not
-        ``named_parameters``: a tied ``lm_head.weight`` is missing from the latter). Here the live tensors themselves:
-        every rank holds all of them (one process, DDP, ZeRO-1/2); sharded backends gather each one."""
-        yield from self.module.policy.state_dict().items()
+        ``named_parameters``: a tied ``lm_head.weight`` is missing from the latter), each floating tensor in ``dtype``
+        (None: as held). Here the live tensors themselves: every rank holds all of them (one process, DDP, ZeRO-1/2);
+        sharded backends gather each one (a collective)."""
+        for name, t in self.module.policy.state_dict().items():
+            yield name, cast(t, dtype)
 
     def weight_chunks(self, dtype: torch.dtype, max_bytes: int):
         """The policy's full parameters in ``dtype`` as lists of ``(name, tensor)`` of at most ``max_bytes`` (a larger
         tensor travels alone), produced lazily: at most one chunk and one tensor exist at a time beyond the model.
         A collective when sharded: every rank iterates it to the end, in the same order."""
-        pairs = ((name, t.detach().to(dtype)) for name, t in self.full_tensors())
-        return chunked(pairs, max_bytes)
+        return chunked(((name, t.detach()) for name, t in self.full_tensors(dtype)), max_bytes)
 
     def sync_engine(self, engine) -> None:
         """Make ``engine`` sample from the policy's current weights. An engine with its own copy (``load_weights``:

@@ -24,8 +24,8 @@ import torch
 
 from grail_exp.compute.forward import policy_forward
 from grail_exp.optim import build_optimizer, grad_params
-from grail_exp.compute.chunks import chunked
-from grail_exp.training.backends.base import PlanItem, UpdateBackend, more_ranks, raw_optimizer, register_backend
+from grail_exp.training.backends.base import (PlanItem, UpdateBackend, cast, more_ranks, raw_optimizer,
+                                               register_backend)
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
@@ -74,7 +74,7 @@ def receive_shards(core: PolicyCore, full: dict, device: torch.device) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from grail_exp import world
-    from grail_exp.training.backends.base import broadcast_buffers
+    from grail_exp.training.backends.base import broadcast_buffers, tensor_specs
 
     # On the FSDP root, not the policy inside it: each unit's _apply re-registers its sharded parameters, the root's
     # (embeddings, output layer) included; otherwise the optimiser would step tensors the root unit no longer gathers.
@@ -83,6 +83,9 @@ def receive_shards(core: PolicyCore, full: dict, device: torch.device) -> None:
         core.to(device)
     else:
         core.to_empty(device=device)
+    # Rank 0's loaded tensors and the others' skeletons, compared once before any tensor travels (global shapes).
+    world.check_same_tensors(tensor_specs([*core.policy.state_dict().items(), *core.policy.named_buffers()]),
+                             f"the ranks' {type(core.policy).__name__} differ")
     set_model_state_dict(core.policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     full.clear()
     broadcast_buffers(core.policy)
@@ -145,13 +148,16 @@ def release(core: torch.nn.Module, reshard_after_forward: bool) -> None:
     core.set_reshard_after_backward(True)
 
 
-def gathered_tensors(policy: torch.nn.Module):
+def gathered_tensors(policy: torch.nn.Module, dtype: torch.dtype | None = None):
     """``(name, full tensor)`` of the policy's state dict, each gathered from the ranks' shards when it is asked for
     (one all-gather per tensor, a collective: every rank walks the same names). The state dict's own pre-hook puts
-    any gathered unit back to its shards first, so every value is a DTensor here (or a plain, replicated tensor)."""
+    any gathered unit back to its shards first, so every value is a DTensor here (or a plain, replicated tensor).
+    ``dtype``: each shard is cast before its gather (elementwise, so the same values as casting the gathered fp32
+    tensor), halving what travels and what is held for a bf16 engine or export."""
     from torch.distributed.tensor import DTensor
 
     for name, t in policy.state_dict().items():
+        t = cast(t.detach(), dtype)
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
 
@@ -263,22 +269,8 @@ class FSDPBackend(UpdateBackend):
             return super().full_parameters()
         return full_parameters(self.core, self._reshard_after_forward())
 
-    def full_tensors(self):
-        return gathered_tensors(self.core.policy) if self.core is not None else super().full_tensors()
-
-    def weight_chunks(self, dtype, max_bytes):
-        # Each shard is cast to the engine's dtype before the gather (elementwise, so the same values as casting the
-        # gathered fp32 tensor), halving what travels and what is held for bf16 engines.
-        if self.core is None:
-            return super().weight_chunks(dtype, max_bytes)
-        from torch.distributed.tensor import DTensor
-
-        def pairs():
-            for name, t in self.core.policy.state_dict().items():
-                t = t.detach().to(dtype)
-                yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
-
-        return chunked(pairs(), max_bytes)
+    def full_tensors(self, dtype=None):
+        return gathered_tensors(self.core.policy, dtype) if self.core is not None else super().full_tensors(dtype)
 
     def backward(self, loss):
         # A held micro-batch's loss backward keeps every unit gathered too, and the units are resharded after it. A

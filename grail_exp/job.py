@@ -242,20 +242,24 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
         if state is None:
             tracker.log_params({"start_weights.sha256": start_sha256})
     from grail_exp.checkpoint import has_hf_weights
+    from grail_exp.models import lora
 
     # The reference model always comes from the start; the policy too when the checkpoint keeps its weights only in
-    # shards (FSDP without trainer.export_hf_weights), which the backend loads over it on resume.
-    policy_path = str(ckpt) if ckpt and has_hf_weights(ckpt) else model_path
+    # shards (FSDP without trainer.export_hf_weights), which the backend loads over it on resume, and under peft=lora,
+    # whose checkpoints hold the adapter (loaded onto the start's frozen base).
+    policy_path = str(ckpt) if ckpt and has_hf_weights(ckpt) and not lora.enabled(cfg) else model_path
+    adapter_dir = str(ckpt) if ckpt and lora.enabled(cfg) else None
     tokenizer = load_tokenizer(policy_path, cfg)
     backend = BACKENDS[str(cfg.trainer.strategy)]
     policy_cfg = OmegaConf.merge(cfg, backend.policy_overrides(cfg))
     # Only rank 0 of a multi-rank run reads the weights; the others build meta skeletons and receive them once the
     # process group exists (the backend's configure_model): one host copy per node, not one per rank.
     weights = launch_rank() == 0 or not backend.weights_from_rank0(cfg)
-    policy = load_causal_lm(policy_path, policy_cfg, trainable=True, weights=weights)
+    policy = load_causal_lm(policy_path, policy_cfg, trainable=True, weights=weights, adapter_dir=adapter_dir)
     terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
-    ref_model = load_causal_lm(model_path, cfg, trainable=False, weights=weights) if needs_reference(cfg, terms) \
-        else None
+    # Under peft=lora the reference is the policy with its adapters off (training/rollout.py): nothing more to load.
+    ref_model = load_causal_lm(model_path, cfg, trainable=False, weights=weights) \
+        if needs_reference(cfg, terms) and not lora.enabled(cfg) else None
     log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
     scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data,
                                                      "share_prompts": share_prompts_of(cfg)})

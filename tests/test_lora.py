@@ -112,6 +112,30 @@ def test_the_reference_is_the_policy_with_adapters_off_and_equals_the_base(compo
     assert (live[m] - ref[m]).abs().max() > 1e-2  # and the adapters are back on after it
 
 
+def test_an_adapter_snapshot_runs_the_policy_as_it_was(tiny_tokenizer):
+    """RLSD's frozen teacher under peft=lora: the earlier adapter swapped into the live policy gives what a full copy
+    of the policy taken at that moment gives (the old way: copy.deepcopy), and the live adapter is back after."""
+    from helpers.pinned_step import build_model_and_tokenizer
+
+    from grail_exp.models import lora
+
+    model, tok = build_model_and_tokenizer()
+    policy = lora.apply(model, peft_node())
+    move_adapters(policy, seed=1)
+    full_copy = copy.deepcopy(policy)
+    snapshot = lora.AdapterSnapshot(policy)
+    move_adapters(policy, seed=2)  # training goes on
+    batch = _rows_batch(tok)
+    live = _logps(policy, batch)
+    with snapshot.swapped_in(policy):
+        earlier = _logps(policy, batch)
+    assert torch.equal(earlier, _logps(full_copy, batch))
+    assert torch.equal(_logps(policy, batch), live) and not torch.equal(live, earlier)
+    snapshot.update(policy)  # the next sync: the snapshot follows the live adapter
+    with snapshot.swapped_in(policy):
+        assert torch.equal(_logps(policy, batch), live)
+
+
 # ---------------------------------------------------------------------------------------------- the probes
 ITEMS = [("Compute 7+5-3.", "7+5=12. 12-3=9. \\boxed{9}", -0.5),
          ("Compute 2+2+2.", "2+2=4. 4+2=6. \\boxed{6}", 0.5),
@@ -258,3 +282,52 @@ def test_the_cpu_fast_paths_under_peft_equal_the_straightforward_step(name, attn
     scale = max(g.abs().max() for g in plain["grads"])
     diff = max((a - b).abs().max() for a, b in zip(fast["grads"], plain["grads"]))
     assert scale > 0 and diff <= (tol + weight_tol / 0.1) * scale, f"adapter gradients differ by {diff:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------- the HF engine
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_the_hf_engine_samples_the_live_adapters_with_no_sync_of_its_own(compose_cfg, tiny_model_dir, sync):
+    """rollout=hf samples from the policy object itself: after each AdamW step and the backend's sync (a no-op
+    handover, whatever peft.sync says) its log-probs are the trainer's forward of the same tokens (the preflight's
+    float32 tolerance, 1e-3 x (1 + |log p|)), and the base never moves."""
+    import types
+
+    from grail_exp.compute.forward import policy_forward, position_ids_from_mask
+    from grail_exp.models.lora import adapter_parameters
+    from grail_exp.rollout import SamplingParams, build_engine, pad_completions
+    from grail_exp.training.backends.local import LocalBackend
+
+    cfg, policy, _ = _load(compose_cfg, tiny_model_dir, [f"peft.sync={sync}"])
+    from grail_exp.models.loading import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir), cfg)
+    engine = build_engine("hf", policy, tok, cfg=cfg)
+    backend = LocalBackend(cfg, types.SimpleNamespace(policy=policy, cfg=cfg))
+    base = base_snapshot(policy)
+    batch = _rows_batch(tok)
+    prompts = [batch.input_ids[i][batch.attention_mask[i][:batch.prompt_length].bool().nonzero().min():
+                                  batch.prompt_length].tolist() for i in (0, 1, 3)]
+    opt = torch.optim.AdamW([p for _, p in adapter_parameters(policy)], lr=2e-2)
+    for step in range(2):
+        opt.zero_grad()
+        (-_logps_grad(policy, batch).sum()).backward()
+        opt.step()
+        backend.sync_engine(engine)
+        torch.manual_seed(step)
+        out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, logprobs=True))
+        rb = pad_completions(out, tok.pad_token_id)
+        mask = rb.attention_mask
+        with torch.no_grad():
+            lp = policy_forward(policy, rb.input_ids, mask, position_ids_from_mask(mask), rb.completion_ids, 1.0)[0]
+        m = rb.completion_mask.bool()
+        d = (rb.sampling_logprobs[m] - lp[m]).abs()
+        assert bool((d <= 1e-3 * (1 + lp[m].abs())).all())
+    after = policy.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())
+
+
+def _logps_grad(model, batch):
+    from grail_exp.compute.forward import policy_forward
+
+    return (policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids,
+                           1.0)[0] * batch.loss_mask)

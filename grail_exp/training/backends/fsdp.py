@@ -145,14 +145,16 @@ def release(core: torch.nn.Module, reshard_after_forward: bool) -> None:
     core.set_reshard_after_backward(True)
 
 
-def gathered_tensors(policy: torch.nn.Module):
+def gathered_tensors(policy: torch.nn.Module, keep=None):
     """``(name, full tensor)`` of the policy's state dict, each gathered from the ranks' shards when it is asked for
     (one all-gather per tensor, a collective: every rank walks the same names). The state dict's own pre-hook puts
-    any gathered unit back to its shards first, so every value is a DTensor here (or a plain, replicated tensor)."""
+    any gathered unit back to its shards first, so every value is a DTensor here (or a plain, replicated tensor).
+    ``keep``: only the names it accepts are gathered."""
     from torch.distributed.tensor import DTensor
 
     for name, t in policy.state_dict().items():
-        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+        if keep is None or keep(name):
+            yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
 
 @register_backend("fsdp")
@@ -263,8 +265,8 @@ class FSDPBackend(UpdateBackend):
             return super().full_parameters()
         return full_parameters(self.core, self._reshard_after_forward())
 
-    def full_tensors(self):
-        return gathered_tensors(self.core.policy) if self.core is not None else super().full_tensors()
+    def full_tensors(self, keep=None):
+        return gathered_tensors(self.core.policy, keep) if self.core is not None else super().full_tensors(keep)
 
     def weight_chunks(self, dtype, max_bytes):
         # Each shard is cast to the engine's dtype before the gather (elementwise, so the same values as casting the

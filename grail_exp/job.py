@@ -353,6 +353,7 @@ class Saver:
     def __init__(self, cfg: DictConfig, module, parts: Parts, state: dict | None):
         from grail_exp.distributed import launch_rank
         from grail_exp.checkpoint import save_weights
+        from grail_exp.models import lora
 
         self.cfg, self.module, self.parts = cfg, module, parts
         self.ckpt_root = Path(cfg.paths.output_dir) / "checkpoints"
@@ -364,7 +365,14 @@ class Saver:
             module.weights_fn = self.trajectory
             if state is None and launch_rank() == 0:  # before fit: nothing is sharded and no process group exists yet
                 self.traj_saved.add(0)
-                save_weights(self.traj_root, 0, parts.policy, parts.tokenizer)
+                if lora.is_lora(parts.policy):  # the merged model (here the base: B = 0), as every later step's
+                    from grail_exp.checkpoint import write_dir_atomically
+                    from grail_exp.training.checkpointing import export_hf_weights
+
+                    write_dir_atomically(self.traj_root / "step-0", lambda tmp: (
+                        export_hf_weights(module, tmp), parts.tokenizer.save_pretrained(tmp)), what="trajectory")
+                else:
+                    save_weights(self.traj_root, 0, parts.policy, parts.tokenizer)
 
     def checkpoint(self, position: dict, final: bool = False) -> None:
         """Every rank: the checkpoint at the module's step. ``final``: the run's last one, which always carries the
@@ -378,7 +386,7 @@ class Saver:
         final = final or m.step >= self.cfg.trainer.max_steps  # a periodic checkpoint at the last step is the final one
         export = final or bool(self.cfg.trainer.get("export_hf_weights", True))
         path = write_checkpoint(self.ckpt_root, m, self.parts.tokenizer, position,
-                                keep_last=self.cfg.trainer.keep_last_checkpoints, export_hf=export)
+                                keep_last=self.cfg.trainer.keep_last_checkpoints, export_hf=export, final=final)
         if m.rank == 0:
             log.info("checkpoint: %s", path)
 

@@ -27,15 +27,19 @@ from pathlib import Path
 from grail_exp import faults
 from grail_exp.checkpoint import (FORMAT, SHARDED_DIR, STATE_FILE, CheckpointError, prune, rank_file, save_torch,
                                   seal, write_error, write_safetensors_streaming)
-from grail_exp.training import probe
+from grail_exp.models import lora
+from grail_exp.training import lora_checkpoint, probe
 from grail_exp import world
 
 log = logging.getLogger(__name__)
 
 
-def write_checkpoint(root: Path, module, tokenizer, position: dict, keep_last: int | None, export_hf: bool) -> Path:
+def write_checkpoint(root: Path, module, tokenizer, position: dict, keep_last: int | None, export_hf: bool,
+                     final: bool = False) -> Path:
     """``root/step-<module.step>`` written by every rank (a collective), atomically; returns its path on every rank.
-    ``export_hf``: write the full Hugging Face weights even where resume does not need them (FSDP)."""
+    ``export_hf``: write the full Hugging Face weights even where resume does not need them (FSDP). Under
+    ``peft=lora`` the model part is the adapter instead, and ``final`` with ``peft.export_merged`` adds the merged
+    model (``training/lora_checkpoint.py``)."""
     from grail_exp.training import state as run_state
 
     final = root / f"step-{module.step}"
@@ -47,7 +51,12 @@ def write_checkpoint(root: Path, module, tokenizer, position: dict, keep_last: i
     # Collectives from here on run on every rank whatever failed above, so a failed rank never hangs the others (a
     # failed export write still consumes the gathered tensors).
     backend.save_shards(optimizer, tmp / SHARDED_DIR)
-    if export_hf or not backend.model_in_shards:
+    if lora.enabled(module.cfg):  # the adapter is the model part; the merged model on request
+        failure = _attempt(lora_checkpoint.write_adapter, module, tmp if rank == 0 else None) or failure
+        if final and module.cfg.peft.export_merged:
+            merged = tmp / lora_checkpoint.MERGED_DIR if rank == 0 else None
+            failure = _attempt(lora_checkpoint.write_merged, module, merged) or failure
+    elif export_hf or not backend.model_in_shards:
         failure = _attempt(export_hf_weights, module, tmp if rank == 0 else None) or failure
     if rank == 0 and failure is None:
         failure = _attempt(_write_shared, module, tokenizer, position, tmp)
@@ -107,8 +116,12 @@ def _temporary_dir(root: Path, final: Path) -> Path:
 
 def export_hf_weights(module, directory: Path | None) -> None:
     """The policy's full Hugging Face weights (config, generation config, ``model.safetensors``) into ``directory`` on
-    rank 0 (None on the other ranks). Sharded: a collective streaming one gathered tensor at a time."""
+    rank 0 (None on the other ranks). Sharded: a collective streaming one gathered tensor at a time. Under
+    ``peft=lora``: the merged model (``training/lora_checkpoint.py``)."""
     policy, backend = module.policy, module.backend
+    if lora.is_lora(policy):
+        lora_checkpoint.write_merged(module, directory)
+        return
     if not backend.shards_parameters:
         if directory is not None:
             policy.save_pretrained(directory, safe_serialization=True)

@@ -74,3 +74,42 @@ def lora_one_step(overrides: list[str], share: bool, narrow: bool, attn: str = "
     frozen_grads = [n for n, p in policy.named_parameters() if ".lora_" not in n and p.grad is not None]
     return {"loss": metrics["loss"], "weights": weights[order], "grads": grads, "mask": batch.loss_mask[order].bool(),
             "frozen_grads": frozen_grads, "metrics": metrics}
+
+
+def _sha(pairs) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in pairs:
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+try:  # the probe a child process loads (GRAIL_EXP_PROBE=helpers.lora:LoraProbe, PYTHONPATH=tests)
+    from helpers.probe_writer import JsonlProbe
+except ImportError:  # pragma: no cover - imported from the tests' own package path only
+    JsonlProbe = object
+
+
+class LoraProbe(JsonlProbe):
+    """Every rank of a ``peft=lora`` run writes its world at setup and, after every optimiser step, a sha256 of the
+    frozen base and one of the adapter (gathered under FSDP): the base must never change, the adapter must, and the
+    ranks must agree on both."""
+
+    def setup(self, module):
+        from grail_exp import world
+
+        self._write("setup", world_size=world.world_size(), rank=world.rank(),
+                    trainable=sorted(n for n, p in module.policy.named_parameters() if p.requires_grad)[:2])
+
+    def _hashes(self, module) -> dict:
+        base = _sha(module.backend.full_tensors(keep=lambda n: ".lora_" not in n))
+        adapter = _sha(module.backend.full_tensors(keep=lambda n: ".lora_" in n))
+        return {"base": base, "adapter": adapter}
+
+    def started(self, module):
+        self._write("started", **self._hashes(module))
+
+    def step(self, module, step):
+        self._write("step", step=step, **self._hashes(module))

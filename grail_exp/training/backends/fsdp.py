@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from grail_exp.compute.forward import policy_forward
+from grail_exp.models import lora
 from grail_exp.optim import build_optimizer, grad_params
 from grail_exp.compute.chunks import chunked
 from grail_exp.training.backends.base import PlanItem, UpdateBackend, more_ranks, raw_optimizer, register_backend
@@ -54,7 +55,10 @@ def shard_policy(policy: torch.nn.Module, cfg) -> PolicyCore:
     from grail_exp.models.loading import DTYPES, decoder_layer_classes
 
     compute = DTYPES[cfg.model.dtype]
-    mp = MixedPrecisionPolicy(param_dtype=compute if compute != torch.float32 else None, reduce_dtype=torch.float32)
+    # peft=lora: the frozen base is held in model.dtype already and the fp32 adapters compute in fp32 (as PEFT does on
+    # one device), so nothing is cast; the trainable tensors, all fp32, still reduce in fp32 (one dtype per unit)
+    cast = compute != torch.float32 and not lora.enabled(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=compute if cast else None, reduce_dtype=torch.float32)
     layer_types = tuple(decoder_layer_classes(cfg))
     reshard = (cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "FULL_SHARD"
     for module in policy.modules():
@@ -169,7 +173,9 @@ class FSDPBackend(UpdateBackend):
 
     @classmethod
     def policy_overrides(cls, cfg) -> dict:
-        return {"model": {"dtype": "float32"}}  # fp32 sharded parameters are the master weights
+        # fp32 sharded parameters are the master weights; under peft=lora only the adapters train, fp32 already, and
+        # the frozen base stays in model.dtype
+        return {} if lora.enabled(cfg) else {"model": {"dtype": "float32"}}
 
     @classmethod
     def check_config(cls, cfg) -> list[str]:
@@ -327,14 +333,19 @@ class FSDPBackend(UpdateBackend):
 
         from grail_exp.checkpoint import SHARDED_DIR
 
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         state = self._sharded_state(optimizer)  # this rank's live shards: DCP reads into them, resharding as needed
         dcp.load(state, checkpoint_id=str(directory / SHARDED_DIR))
         set_state_dict(self.core.policy, raw_optimizer(optimizer), model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(ignore_frozen_params=lora.enabled(self.cfg)))
 
     def _sharded_state(self, optimizer) -> dict:
         """This rank's shards of the policy and its optimiser state (DTensors: DCP knows where each piece belongs)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model, optim = get_state_dict(self.core.policy, raw_optimizer(optimizer))
+        # peft=lora: the frozen base is not part of the state (it is the start's), only the adapter and its optimiser
+        options = StateDictOptions(ignore_frozen_params=lora.enabled(self.cfg))
+        model, optim = get_state_dict(self.core.policy, raw_optimizer(optimizer), options=options)
         return {"model": model, "optimizer": optim}

@@ -167,6 +167,42 @@ def layer_activation_bytes(s: Shape, b: int) -> float:
             + 4 * b * s.intermediate)
 
 
+# peft=lora (grail_exp/models/lora.py): the planner plans adapters on all seven linear layers of a decoder layer (the
+# default peft.target_modules); a subset holds less of every term below, so its plan is an upper bound.
+LORA_TARGETS = 7
+
+
+def lora_parameters(s: Shape, rank: int) -> int:
+    """Adapter elements of rank ``rank`` on every linear layer of attention and MLP: r x (in + out) per layer (Qwen3-8B:
+    2,727,936 x r)."""
+    qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_rank = (s.hidden + qd) + 2 * (s.hidden + kd) + (qd + s.hidden) + 2 * (s.hidden + s.intermediate) \
+        + (s.intermediate + s.hidden)
+    return int(rank) * s.layers * per_rank
+
+
+def frozen_layer_activation_bytes(s: Shape, b: int) -> float:
+    """Bytes autograd saves per token in one decoder layer whose weights are all frozen (peft=lora's base), counted with
+    saved-tensor hooks on the real HF layers (tests/test_plan.py): a frozen weight's input is not kept for its
+    gradient, so against ``layer_activation_bytes`` the RMSNorms keep their fp32 input only (2·4·h), attention keeps
+    q, k, v and its output (b·(2·n_h·d + 2·n_kv·d)), Qwen3's q/k norms their fp32 input (4·(n_h + n_kv)·d), the MLP
+    gate, up and activation (3·b·i)."""
+    qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return 8 * s.hidden + b * (2 * qd + 2 * kd) + (4 * (qd + kd) if s.qk_norm else 0) + 3 * b * s.intermediate
+
+
+def lora_layer_activation_bytes(s: Shape, b: int, rank: int, narrowed: bool = False) -> float:
+    """``frozen_layer_activation_bytes`` plus what the adapters keep, measured like it: each adapter's fp32 input (PEFT
+    casts a b-byte input for each adapter, so q, k, v, gate and up keep a copy each: 4·(h + n_h·d + i) + 16·h when
+    b = 2; an fp32 input is the layer's own tensor: 4·(h + n_h·d + i)) and its r-wide intermediate (4·r each); with
+    the CPU's narrowed linear layers (``trainer.narrow_backward``), which keep their input whatever needs a gradient,
+    the base layers' b-byte inputs too (b·(h + n_h·d + i); nothing more in fp32)."""
+    qd = s.heads * s.head_dim
+    inputs = 4 * (s.hidden + qd + s.intermediate) + (0 if b == 4 else 16 * s.hidden)
+    narrow = b * (s.hidden + qd + s.intermediate) if narrowed and b != 4 else 0
+    return frozen_layer_activation_bytes(s, b) + inputs + 4 * LORA_TARGETS * int(rank) + narrow
+
+
 def logits_bytes(rows: int, chunk: int, s: Shape, b: int) -> tuple[float, float, str]:
     """(forward peak, backward peak, how) of the chunked output layer over ``rows`` completion tokens."""
     n = min(rows, chunk)

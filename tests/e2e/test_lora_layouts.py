@@ -72,3 +72,22 @@ def test_fsdp_with_a_bf16_base_and_fp32_adapters(tmp_path, pinned_model_dir):
                        probe="helpers.lora:LoraProbe")
     _probe_says_only_the_adapter_moved(tmp_path / "probe", 2)
     assert all(t.dtype == torch.float32 for t in _adapter(run, out, 2).values())
+
+
+@pytest.mark.slow  # three 2-rank runs, ~4 min on the 2-core machine
+def test_fsdp_lora_resume_is_exact(tmp_path, pinned_model_dir):
+    """trainer=fsdp under LoRA: the sharded state holds the adapter and its optimiser only (the frozen base is the
+    start's); two steps equal one step, resume=auto, one step — bit for bit, same world size."""
+    from grail_exp.checkpoint import load_training_state
+
+    fsdp = [*LORA, "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    straight, split = tmp_path / "straight" / "run", tmp_path / "split" / "run"
+    out = run_scripted(straight, pinned_model_dir, fsdp)
+    run_scripted(split, pinned_model_dir, [*fsdp, "trainer.max_steps=1"])
+    out2 = run_scripted(split, pinned_model_dir, [*fsdp, "trainer.max_steps=2", "resume=auto"])
+    a, b = _adapter(straight, out, 2), _adapter(split, out2, 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    shards = split / "checkpoints" / "step-2" / "sharded"
+    assert shards.is_dir() and sum(f.stat().st_size for f in shards.rglob("*")) < \
+        3 * 4 * sum(t.numel() for t in a.values()) + 256 * 1024  # adapter + Adam moments (+ DCP metadata), no base
+    assert load_training_state(split / "checkpoints" / "step-2")["step"] == 2

@@ -7,7 +7,8 @@ resident set) and this process's collectives by device (``world.collective_devic
 
 - ``setup``: the world (size, rank, backend), this process's pid and host, the rank's device, the engine;
 - ``started``: a fingerprint of the full weights once they are placed (restored, when resuming);
-- ``synced``: the engine's log-probs of a fixed completion against the trainer's forward on the same tokens;
+- ``synced``: the engine's log-probs of a fixed completion against the trainer's forward on the same tokens, and under
+  ``peft.sync=adapter`` the adapter version it used and the adapters the engine lists;
 - ``step``: the step and a fingerprint of the full weights;
 - ``evaluated``: which rank generated each chunk, how many problems each rank graded, a digest of the gathered result.
 
@@ -75,9 +76,10 @@ class PreflightProbe:
         device = str(module.policy.device)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             device = f"cuda:{torch.cuda.current_device()}"
+        peft = module.cfg.get("peft") or {}
         self._write("setup", world_size=world.world_size(), backend=world.backend_name(), pid=os.getpid(),
                     host=socket.gethostname(), device=device, local_rank=os.environ.get("LOCAL_RANK"),
-                    engine=type(engine).__name__)
+                    engine=type(engine).__name__, peft=str(peft.get("name", "none")), peft_sync=peft.get("sync"))
 
     def started(self, module):
         self._write("started", step=module.step, weights=fingerprint(module.backend.full_tensors()))
@@ -85,7 +87,8 @@ class PreflightProbe:
     def synced(self, backend, engine):
         temperature = float(backend.module.cfg.rollout.temperature)
         tokens, engine_lp, trainer_lp = engine_and_trainer_logprobs(backend, engine, temperature)
-        self._write("synced", tokens=tokens, engine=engine_lp.tolist(), trainer=trainer_lp.tolist())
+        self._write("synced", tokens=tokens, engine=engine_lp.tolist(), trainer=trainer_lp.tolist(),
+                    **adapter_in_engine(engine))
 
     def step(self, module, step):
         self._write("step", step=step, weights=fingerprint(module.backend.full_tensors()))
@@ -102,6 +105,16 @@ class PreflightProbe:
         per_call = max(1, int(module.cfg.eval.batch_size) // int(module.cfg.eval.n))
         self._write("evaluated", tag=tag, generated_by=chunks, samples=len(result.samples), digest=digest,
                     problems_by_rank=problems_by_rank(result.samples, chunks, per_call))
+
+
+def adapter_in_engine(engine) -> dict:
+    """peft.sync=adapter: the adapter version generation now uses and the adapters the engine itself lists (its own
+    ``list_loras``); {} for an engine without one."""
+    request = getattr(engine, "adapter_request", None)
+    if request is None:
+        return {}
+    return {"adapter": request.lora_name, "adapter_id": int(request.lora_int_id),
+            "engine_adapters": sorted(int(i) for i in engine.adapters.loaded())}
 
 
 def problems_by_rank(samples: list[dict], generated_by: dict[str, int], per_call: int) -> dict[str, int]:

@@ -528,6 +528,10 @@ class PeftConfig:
     # How an engine with its own weights (vLLM) follows the policy: adapter (the adapter each sync under a new name,
     # the base pushed once) | merged (W + alpha/r BA computed in fp32 from the unchanged base, pushed in chunks)
     sync: str = "adapter"
+    # null: the adapters are held and computed in model.dtype with fp32 master weights in the optimiser, as full
+    # fine-tuning trains its weights (FSDP: its fp32 shards) | float32: PEFT's default, fp32 adapters and branch (a cast
+    # copy of each layer's input: slower on the CPU, docs/lora.md)
+    adapter_dtype: Optional[str] = None
     # Checkpoints hold the adapter (a PEFT adapter folder); true: the final checkpoint also holds the merged model as
     # a Hugging Face folder, <checkpoint>/merged/ (what evaluate / vLLM read without PEFT)
     export_merged: bool = False

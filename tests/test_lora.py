@@ -91,6 +91,27 @@ def test_the_first_policy_is_the_separately_loaded_base_exactly(compose_cfg, tin
     assert torch.equal(_logps(policy, batch), _logps(base, batch))
 
 
+def test_adapters_train_like_weights_in_model_dtype_with_fp32_masters_or_in_fp32(compose_cfg, tiny_model_dir):
+    """bf16 model: the adapters are bf16 and the optimiser keeps their fp32 masters (as full fine-tuning keeps the
+    weights'); peft.adapter_dtype=float32: fp32 adapters (PEFT's autocast), a plain AdamW over them. The frozen base is
+    bf16 either way."""
+    import types
+
+    from grail_exp.optim import MasterWeightAdamW
+    from grail_exp.models.lora import adapter_parameters
+    from grail_exp.training.backends.local import LocalBackend
+
+    for extra, adapter_dtype, masters in (([], torch.bfloat16, True),
+                                          (["peft.adapter_dtype=float32"], torch.float32, False)):
+        cfg, policy, _ = _load(compose_cfg, tiny_model_dir, ["model.dtype=bfloat16", *extra])
+        assert {p.dtype for _, p in adapter_parameters(policy)} == {adapter_dtype}
+        assert {p.dtype for n, p in policy.named_parameters() if ".lora_" not in n} == {torch.bfloat16}
+        opt = LocalBackend(cfg, types.SimpleNamespace(policy=policy, cfg=cfg)).build_optimizer(policy)
+        assert isinstance(opt, MasterWeightAdamW) == masters
+        assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == \
+            sum(p.numel() for _, p in adapter_parameters(policy))  # the adapters only
+
+
 def test_the_reference_is_the_policy_with_adapters_off_and_equals_the_base(compose_cfg, tiny_model_dir):
     from helpers.module import build_module
 

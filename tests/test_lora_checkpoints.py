@@ -45,15 +45,17 @@ def alternating(monkeypatch):
     monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
 
 
-@pytest.mark.parametrize("scheme, mu, first_leg", [("grpo", 1, 2), ("grail", 2, 1)])
+@pytest.mark.parametrize("scheme, mu, first_leg, dtype", [("grpo", 1, 2, "float32"), ("grail", 2, 1, "float32"),
+                                                          ("grpo", 1, 2, "bfloat16")])
 def test_four_steps_equal_two_plus_resume_plus_two_under_lora(tmp_path, tiny_model_dir, alternating, scheme, mu,
-                                                               first_leg):
+                                                               first_leg, dtype):
     """Bit-identical adapter, optimiser and scheduler state and RNG after resume=auto (grail, mu=2, 1: resumed in the
-    middle of a rollout batch); the adapter moved and the checkpoints carry no weights of the base."""
+    middle of a rollout batch; bf16: bf16 adapters whose fp32 masters the optimiser state carries); the adapter moved
+    and the checkpoints carry no weights of the base."""
     from grail_exp.run import run
 
-    common = [f"advantage={scheme}", f"loss.num_iterations={mu}", "advantage.symmetry=both" if scheme == "grail"
-              else "loss.beta=0.04"]
+    common = [f"advantage={scheme}", f"loss.num_iterations={mu}", f"model.dtype={dtype}",
+              "advantage.symmetry=both" if scheme == "grail" else "loss.beta=0.04"]
     straight, split = tmp_path / "straight" / "run", tmp_path / "split" / "run"
     run(_cfg(straight, tiny_model_dir, [*common, "trainer.max_steps=4"]))
     run(_cfg(split, tiny_model_dir, [*common, f"trainer.max_steps={first_leg}"]))

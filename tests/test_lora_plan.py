@@ -35,9 +35,10 @@ def _adapter_count(c: dict, r: int) -> int:
 
 
 def test_the_lora_recipes_plan_by_hand_fits_one_80_gb_card():
-    """experiment=paper/qwen3_8b_grail_lora on one 80 GB device: bf16 frozen base (no masters, no Adam), fp32
-    adapters + Adam + gradients, no reference copy, the engine's share with its LoRA slot, the update's activations
-    with the frozen layers' and the adapters' saved tensors (gradient checkpointing: one layer recomputed)."""
+    """experiment=paper/qwen3_8b_grail_lora on one 80 GB device: bf16 frozen base (no masters, no Adam), bf16
+    adapters with fp32 masters, Adam and fp32 gradients, no reference copy, the engine's share with its LoRA slot, the
+    update's activations with the frozen layers' and the adapters' saved tensors (gradient checkpointing: one layer
+    recomputed)."""
     from grail_exp.memory import plan
 
     c = architecture("qwen3_8b")
@@ -47,11 +48,11 @@ def test_the_lora_recipes_plan_by_hand_fits_one_80_gb_card():
     assert n_a == 2_727_936 * 32  # docs/lora.md's count for Qwen3-8B
     b, mb, T = 2, 8, 512 + 4096
     tok = mb * T
-    state = 2 * N + 4 * n_a + 8 * n_a  # frozen base, fp32 adapters, Adam moments
-    grads = 4 * n_a
+    state = 2 * N + 2 * n_a + 4 * n_a + 8 * n_a  # frozen base, bf16 adapters, their fp32 masters, Adam moments
+    grads = 4 * n_a  # accumulated in fp32 (the masters' gradients)
     saved = L * tok * h * b + tok * h * 6 + mb * 4096 * h * b + mb * T * T  # checkpointed: each layer's input, as full
     frozen = 8 * h + b * (2 * q + 2 * kv) + 4 * (q + kv) + 3 * b * i  # a frozen Qwen3 layer per token
-    adapters = 4 * (h + q + i) + 16 * h + 4 * 7 * 32  # fp32 inputs (bf16 base: one copy per adapter) + r-wide middles
+    adapters = 2 * (h + q + i) + 2 * 7 * 32  # each distinct input the adapters read + their r-wide middles, bf16
     recompute = tok * (frozen + adapters) + tok * b * (2 * h + 2 * i)
     unit = 4096 * V * 4
     logits = max(4.1 * unit, max(3.3 * unit, 1.65 * unit + 6 * V * h) + 4 * V * h)
@@ -96,7 +97,7 @@ def test_the_lora_host_plan_and_slurm_memory_by_hand():
     steady = 0.6 * GiB + 2 * 0.15 * GiB
     assert host["host"] == pytest.approx(steady)
     assert host["host: load"] == 2 * N
-    assert host["host: checkpoint"] == pytest.approx(4 * n_a)
+    assert host["host: checkpoint"] == pytest.approx(2 * n_a)  # the bf16 adapters (the masters in the optimiser state)
     assert host["host: resume"] == 2 * N  # the base, read as at the start (the checkpoint holds the adapter only)
     assert planned_mem_gb(cfg) == math.ceil((steady + 2 * N) * 1.1 / GiB)
 
@@ -106,7 +107,8 @@ import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from peft import LoraConfig, get_peft_model
 torch.manual_seed(0)
-mt, L, dtype, r, narrow = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+mt, L, dtype, r, narrow, fp32 = (sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1",
+                                 sys.argv[6] == "1")
 c = dict(model_type=mt, hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
          head_dim=64, num_hidden_layers=L, vocab_size=128, tie_word_embeddings=False)
 model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**c), dtype=getattr(torch, dtype), attn_implementation="sdpa")
@@ -116,7 +118,8 @@ if narrow:
 if r:
     model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj",
                                                                                    "o_proj", "gate_proj", "up_proj",
-                                                                                   "down_proj"]))
+                                                                                   "down_proj"]),
+                           autocast_adapter_dtype=fp32)
 else:
     model.requires_grad_(False)
 model.enable_input_require_grads()
@@ -136,23 +139,28 @@ print(sum(v for (ptr, n), v in seen.items() if ptr not in params))
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model_type, dtype, rank, narrow", [
-    ("qwen3", "bfloat16", 8, False), ("llama", "bfloat16", 0, False),
-    pytest.param("qwen3", "bfloat16", 16, False, marks=pytest.mark.slow),
-    pytest.param("qwen3", "float32", 8, False, marks=pytest.mark.slow),
-    pytest.param("qwen3", "bfloat16", 8, True, marks=pytest.mark.slow),
-    pytest.param("llama", "bfloat16", 8, False, marks=pytest.mark.slow),
-    pytest.param("qwen3", "bfloat16", 0, False, marks=pytest.mark.slow)])
-def test_frozen_and_lora_layer_activations_match_the_saved_tensors(model_type, dtype, rank, narrow):
+@pytest.mark.parametrize("model_type, dtype, rank, narrow, fp32", [
+    ("qwen3", "bfloat16", 8, False, False), ("llama", "bfloat16", 0, False, False),
+    ("qwen3", "bfloat16", 8, False, True),
+    pytest.param("qwen3", "bfloat16", 16, False, False, marks=pytest.mark.slow),
+    pytest.param("llama", "bfloat16", 8, False, False, marks=pytest.mark.slow),
+    pytest.param("qwen3", "bfloat16", 8, True, False, marks=pytest.mark.slow),
+    pytest.param("qwen3", "bfloat16", 16, False, True, marks=pytest.mark.slow),
+    pytest.param("qwen3", "float32", 8, False, True, marks=pytest.mark.slow),
+    pytest.param("qwen3", "bfloat16", 8, True, True, marks=pytest.mark.slow),
+    pytest.param("qwen3", "bfloat16", 0, False, False, marks=pytest.mark.slow)])
+def test_frozen_and_lora_layer_activations_match_the_saved_tensors(model_type, dtype, rank, narrow, fp32):
     """Bytes autograd saves per token for one more decoder layer with frozen weights (rank 0) or LoRA adapters on all
-    seven linear layers (PEFT on the real HF model; saved-tensor hooks deduplicated by storage), against
-    frozen_layer_activation_bytes / lora_layer_activation_bytes."""
+    seven linear layers (PEFT on the real HF model, adapters in the model's dtype or ``fp32`` as PEFT's autocast holds
+    them; saved-tensor hooks deduplicated by storage), against frozen_layer_activation_bytes /
+    lora_layer_activation_bytes."""
     from grail_exp.memory.shapes import Shape, frozen_layer_activation_bytes, lora_layer_activation_bytes
 
     root = Path(__file__).resolve().parents[1]
 
     def saved(layers):
-        proc = subprocess.run([sys.executable, "-c", SAVED, model_type, str(layers), dtype, str(rank), str(int(narrow))],
+        proc = subprocess.run([sys.executable, "-c", SAVED, model_type, str(layers), dtype, str(rank), str(int(narrow)),
+                               str(int(fp32))],
                               capture_output=True, text=True, timeout=600,
                               env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -161,6 +169,7 @@ def test_frozen_and_lora_layer_activations_match_the_saved_tensors(model_type, d
     per_token = (saved(2) - saved(1)) / (2 * 128)
     s = Shape("t", 0, 2, 256, 768, 4, 2, 64, 128, False, model_type == "qwen3")
     b = 2 if dtype == "bfloat16" else 4
-    expected = lora_layer_activation_bytes(s, b, rank, narrowed=narrow) if rank else frozen_layer_activation_bytes(s, b)
+    a = 4 if fp32 else b
+    expected = lora_layer_activation_bytes(s, b, rank, a, narrowed=narrow) if rank else frozen_layer_activation_bytes(s, b)
     # 1 %: the formulas count no per-token scalars (the norms' rsqrt, attention's log-sum-exp: ~48 B of ~10-20 kB)
     assert per_token == pytest.approx(expected, rel=0.01), (per_token, expected)

@@ -164,6 +164,13 @@ class Sizes:
     cpu: bool
     lora_rank: Optional[int] = None  # peft=lora: the adapters' rank (None: full fine-tuning)
 
+    adapters_fp32: bool = False  # peft.adapter_dtype=float32 (else the adapters are held in model.dtype)
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes per adapter element as held and computed: 4 (peft.adapter_dtype=float32) or b."""
+        return 4 if self.adapters_fp32 else self.b
+
     @property
     def n_adapter(self) -> int:
         """Adapter elements under peft=lora (``shapes.lora_parameters``), 0 otherwise."""
@@ -189,7 +196,7 @@ def sizes(cfg, prompt_tokens: Optional[int] = None) -> Sizes:
     peft = cfg.get("peft") or {}
     rank = int(peft.get("rank")) if str(peft.get("name", "none")) == "lora" else None
     return Sizes(s, _dtype_bytes(m.dtype), W, backend_of(cfg), mb, P, C, computed_positions(cfg, mb, P, C), cap, total,
-                 src, str(t.accelerator) == "cpu", rank)
+                 src, str(t.accelerator) == "cpu", rank, str(peft.get("adapter_dtype") or "") == "float32")
 
 
 def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
@@ -212,11 +219,12 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
 def model_state_lines(cfg, z: Sizes) -> list[Line]:
     """The model state held through every phase, as the strategy's backend lays it out, with what its update adds to it
     (gradients, gathered parameters, the gradient sync), and the frozen reference model when one is loaded. Under
-    peft=lora the backend lays out the adapters (n_a fp32 elements: no master copy, Adam over them only) and the
-    frozen base is held beside them in model.dtype (sharded where the strategy shards parameters); the reference is
+    peft=lora the backend lays out the adapters (n_a elements in model.dtype, or fp32 with peft.adapter_dtype=float32:
+    masters where the strategy keeps them, Adam and gradients over them only) and the frozen base is held beside them in model.dtype (sharded where the strategy shards parameters); the reference is
     the base with the adapters off: no copy."""
     B, n, b, W = z.backend, z.n, z.b, z.world
-    trained, tb, tag = (z.n_adapter, 4, "adapter ") if z.lora_rank else (n, b, "")
+    # the adapters through the strategy's own layout, like full fine-tuning's weights, at their own element size
+    trained, tb, tag = (z.n_adapter, z.adapter_bytes, "adapter ") if z.lora_rank else (n, b, "")
     lines = []
     if z.lora_rank:
         shards = B.shards_parameters
@@ -244,7 +252,7 @@ def _saved_activations(cfg, z: Sizes) -> tuple[float, float, Line]:
     if z.lora_rank:  # a frozen base keeps less, the adapters their fp32 inputs (shapes.lora_layer_activation_bytes)
         from grail_exp.models.loading import narrows_backward
 
-        layer = lora_layer_activation_bytes(s, b, z.lora_rank, narrowed=z.cpu and narrows_backward(cfg))
+        layer = lora_layer_activation_bytes(s, b, z.lora_rank, z.adapter_bytes, narrowed=z.cpu and narrows_backward(cfg))
     else:
         layer = layer_activation_bytes(s, b)
     final = tok * s.hidden * (4 + b) + mb * z.C * s.hidden * b  # final RMSNorm + the completion window's hidden copy
@@ -418,7 +426,8 @@ def _facts(cfg, z: Sizes) -> dict:
     r, m, engine = cfg.rollout, cfg.model, str(cfg.rollout.engine)
     sampling = (f" (gpu_memory_utilization {r.vllm.gpu_memory_utilization:g})" if engine == "vllm" else
                 f" (generation_batch_size {r.generation_batch_size}, eval.batch_size {cfg.eval.batch_size})")
-    peft = {"peft": f"lora, rank {z.lora_rank}: {z.n_adapter / 1e6:.1f} M adapter parameters (fp32) on a frozen base"} \
+    held = "fp32" if z.adapters_fp32 else f"{m.dtype}, fp32 masters where the strategy keeps them"
+    peft = {"peft": f"lora, rank {z.lora_rank}: {z.n_adapter / 1e6:.1f} M adapter parameters ({held}) on a frozen base"} \
         if z.lora_rank else {}
     return {"model": f"{z.shape.name} ({z.n / 1e9:.2f} B parameters, {m.dtype})", **peft,
             "strategy": f"{z.backend.memory_layout(cfg, z.world)}, {z.world} device(s)",
@@ -433,14 +442,14 @@ _SYNC_HOW = ("rollout.vllm.sync_chunk_mb of full parameters gathered and cast to
 
 def _sync_lines(cfg, z: Sizes, phase: str) -> list[Line]:
     """What a weight sync to vLLM holds beyond the model. Full fine-tuning: one chunk (``_sync_chunk_bytes``).
-    peft=lora, sync=adapter: the adapter's fp32 copy handed to the engine (the base travels once, as a chunk);
+    peft=lora, sync=adapter: the adapter's copy handed to the engine (the base travels once, as a chunk);
     sync=merged: one targeted layer merged in fp32 (its base weight's fp32 copy, B A and their sum, the largest an
     MLP projection h x i) beside the chunk of merged tensors."""
     sync = _sync_chunk_bytes(cfg, z)
     if z.lora_rank and str(cfg.peft.get("sync", "adapter")) == "adapter":
-        adapter = 4.0 * z.n_adapter
+        adapter = float(z.adapter_bytes * z.n_adapter)
         return [Line(phase, "weight sync: the adapter (the base once, a chunk)", max(adapter, sync),
-                     f"max(the fp32 adapter 4 B x {z.n_adapter:,}, one chunk of the base's one push)")]
+                     f"max(the adapter's copy {z.adapter_bytes} B x {z.n_adapter:,}, one chunk of the base's one push)")]
     if z.lora_rank:
         layer = 3 * 4 * z.shape.hidden * z.shape.intermediate
         chunk = max(sync, float(cfg.rollout.vllm.get("sync_chunk_mb", 256) or 256) * 2**20)
@@ -533,9 +542,9 @@ def host_node_lines(cfg, z: Sizes) -> list[Line]:
            + (" + rank 0's shards N x L / W while its full copy lives" if shards else ""))
     lines.append(Line("host: load", "weights read from disk", load, how))
     if z.lora_rank:  # the checkpoint's parts hold the adapter's state (fp32, no masters); the base comes from the start
-        parts = [p._replace(how=f"the adapter's state, {z.n_adapter:,} fp32 elements in the strategy's layout, + the "
-                            "optimiser's one storage at a time") if p.bytes else p
-                 for p in (B.planned_checkpoint_shard(cfg, z.n_adapter, 4, W, r, 0) for r in range(R))]
+        parts = [p._replace(how=f"the adapter's state, {z.n_adapter:,} elements of {z.adapter_bytes} B in the strategy's "
+                            "layout, + the optimiser's one storage at a time") if p.bytes else p
+                 for p in (B.planned_checkpoint_shard(cfg, z.n_adapter, z.adapter_bytes, W, r, 0) for r in range(R))]
         holds = False
         export = 4 * tensor if cfg.peft.get("export_merged") else 0.0  # merged/: one merged fp32 tensor at a time
     else:

@@ -191,16 +191,18 @@ def frozen_layer_activation_bytes(s: Shape, b: int) -> float:
     return 8 * s.hidden + b * (2 * qd + 2 * kd) + (4 * (qd + kd) if s.qk_norm else 0) + 3 * b * s.intermediate
 
 
-def lora_layer_activation_bytes(s: Shape, b: int, rank: int, narrowed: bool = False) -> float:
-    """``frozen_layer_activation_bytes`` plus what the adapters keep, measured like it: each adapter's fp32 input (PEFT
-    casts a b-byte input for each adapter, so q, k, v, gate and up keep a copy each: 4·(h + n_h·d + i) + 16·h when
-    b = 2; an fp32 input is the layer's own tensor: 4·(h + n_h·d + i)) and its r-wide intermediate (4·r each); with
+def lora_layer_activation_bytes(s: Shape, b: int, rank: int, a: int, narrowed: bool = False) -> float:
+    """``frozen_layer_activation_bytes`` plus what the adapters keep, measured like it, with a bytes per adapter
+    element (b: adapters in model.dtype, 4: ``peft.adapter_dtype=float32``): the adapters' inputs, the layer's own
+    tensors, once per distinct one (a·(h + n_h·d + i)), and their r-wide intermediates (a·r each). fp32 adapters on a
+    b = 2 base: PEFT casts the input for each adapter, so q, k, v, gate and up keep a copy each (16·h more), and with
     the CPU's narrowed linear layers (``trainer.narrow_backward``), which keep their input whatever needs a gradient,
-    the base layers' b-byte inputs too (b·(h + n_h·d + i); nothing more in fp32)."""
+    the base layers' b-byte inputs too (b·(h + n_h·d + i)); in one dtype those are the adapters' own inputs."""
     qd = s.heads * s.head_dim
-    inputs = 4 * (s.hidden + qd + s.intermediate) + (0 if b == 4 else 16 * s.hidden)
-    narrow = b * (s.hidden + qd + s.intermediate) if narrowed and b != 4 else 0
-    return frozen_layer_activation_bytes(s, b) + inputs + 4 * LORA_TARGETS * int(rank) + narrow
+    inputs = a * (s.hidden + qd + s.intermediate)
+    cast = a == 4 and b != 4
+    extra = (16 * s.hidden + (b * (s.hidden + qd + s.intermediate) if narrowed else 0)) if cast else 0
+    return frozen_layer_activation_bytes(s, b) + inputs + extra + a * LORA_TARGETS * int(rank)
 
 
 def logits_bytes(rows: int, chunk: int, s: Shape, b: int) -> tuple[float, float, str]:

@@ -1,7 +1,14 @@
 """LoRA adapters on a frozen base (``peft=lora``, docs/lora.md): the card's model on one GPU.
 
-    W x  →  W x + (α / r) · B A x        W frozen (model.dtype), A (r, in) and B (out, r) trained in fp32
+    W x  →  W x + (α / r) · B A x        W frozen (model.dtype), A (r, in) and B (out, r) trained
                                          (Hu et al. 2021, arXiv 2106.09685; PEFT's ``LoraConfig``)
+
+The adapters train as full fine-tuning trains weights: held and computed in model.dtype, with fp32 master weights
+kept by the optimiser (one process, DDP: ``optim.MasterWeightAdamW``; FSDP: its fp32 shards, cast for compute;
+DeepSpeed: its fp32 master partition), ``peft.adapter_dtype: null``. A bf16 adapter stores B itself, not W + B A, so
+its rounding is relative to B's own (small) values: nothing of an early update is lost, unlike a merged bf16 weight.
+``peft.adapter_dtype=float32`` keeps PEFT's own default instead (fp32 adapters, their branch computed in fp32 on a
+cast copy of every layer's input: slower on the CPU, measured in docs/lora.md).
 
 The policy is a PEFT model (``peft.get_peft_model``) whose targeted linear layers of attention and MLP carry an
 adapter; B starts at zero, so the first policy is the base exactly (x + 0 is x in every dtype). Everything the
@@ -85,6 +92,9 @@ def check_config(cfg) -> list[str]:
             e.append(f"peft.target_modules: {t!r} is not a linear layer of the decoder; valid: "
                      f"{', '.join(LINEAR_MODULES)} (the embeddings and the output layer stay frozen: the probes "
                      "differentiate with respect to the embeddings' output)")
+    if p.get("adapter_dtype") not in (None, "float32"):
+        e.append(f"peft.adapter_dtype = {p.adapter_dtype!r}: must be null (model.dtype, fp32 master weights in the "
+                 "optimiser) or float32 (PEFT's fp32 adapters)")
     if p.sync not in SYNC_MODES:
         e.append(f"peft.sync = {p.sync!r}: must be adapter (the adapter pushed each sync, the base once) or merged "
                  "(W + alpha/r BA computed in fp32 and pushed whole)")
@@ -152,7 +162,7 @@ def apply(model: torch.nn.Module, cfg, adapter_dir: str | Path | None = None) ->
     narrowed = narrows(model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(cfg.get("seed", 0)))
-        policy = get_peft_model(model, lora_config(cfg.peft), autocast_adapter_dtype=True)
+        policy = get_peft_model(model, lora_config(cfg.peft), autocast_adapter_dtype=adapters_in_fp32(cfg))
     policy.enable_input_require_grads()
     if narrowed:  # the adapters' own products narrow like the base layers they sit beside
         narrow_linear_layers(policy.get_base_model())
@@ -160,6 +170,12 @@ def apply(model: torch.nn.Module, cfg, adapter_dir: str | Path | None = None) ->
     if adapter_dir is not None:
         load_adapter(policy, adapter_dir)
     return policy
+
+
+def adapters_in_fp32(cfg) -> bool:
+    """Whether the adapters are held in fp32 (``peft.adapter_dtype=float32``, or a strategy whose fp32 parameters are
+    its master weights: FSDP's ``policy_overrides``) rather than in model.dtype with fp32 masters beside them."""
+    return str(cfg.peft.get("adapter_dtype") or "") == "float32"
 
 
 def is_lora(model) -> bool:

@@ -26,12 +26,13 @@ MERGED_DIR = "merged"  # <checkpoint>/merged/: the merged model as a Hugging Fac
 
 def write_adapter(module, directory: Path | None) -> None:
     """The policy's adapter as a PEFT adapter folder in ``directory`` (rank 0; None on the others: they only take
-    part in the gathers). Saved in fp32, the adapter's own dtype: resume is exact."""
+    part in the gathers), in the dtype the adapters are held in; their fp32 master weights, where the optimiser keeps
+    them, are in its state (resume is exact either way)."""
     tensors = lora.adapter_tensors(module.backend.full_tensors(keep=lambda n: ".lora_" in n))
     if directory is None:
         return
     cfg = module.cfg
-    lora.write_adapter(directory, {k: v.detach().float() for k, v in tensors.items()},
+    lora.write_adapter(directory, {k: v.detach() for k, v in tensors.items()},
                        lora.adapter_config(module.policy, cfg.model.get("name_or_path")))
 
 

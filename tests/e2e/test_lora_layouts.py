@@ -64,8 +64,9 @@ def test_two_ranks_under_lora_equal_one_process(tmp_path, pinned_model_dir, trai
 
 
 def test_fsdp_with_a_bf16_base_and_fp32_adapters(tmp_path, pinned_model_dir):
-    """The card's dtype: FSDP units of bf16 frozen base tensors and fp32 adapters (nothing cast; the trainable
-    tensors, all fp32, reduce in fp32); the probe's checks on both ranks, and the adapters stay fp32."""
+    """The card's dtype: FSDP units of bf16 frozen base tensors and fp32 adapters (the masters: cast to bf16 for
+    compute like full fine-tuning's weights; the trainable tensors, all fp32, reduce in fp32); the probe's checks on
+    both ranks, and the adapters the checkpoint holds are the fp32 shards' values."""
     run = tmp_path / "run"
     out = run_scripted(run, pinned_model_dir, [*LORA, "model.dtype=bfloat16", "trainer=fsdp", "trainer.accelerator=cpu",
                                                "trainer.devices=2"], probe_dir=tmp_path / "probe",

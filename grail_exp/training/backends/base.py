@@ -318,7 +318,7 @@ class UpdateBackend:
             engine.load_weights(chunked(((n, t.detach().to(dtype)) for n, t in base), chunk))
             self.base_pushed = True
         adapter = lora.adapter_tensors(self.full_tensors(keep=lambda n: ".lora_" in n))
-        engine.load_adapter({k: v.detach().float().cpu() for k, v in adapter.items()},
+        engine.load_adapter({k: v.detach() for k, v in adapter.items()},  # as held; the engine casts to its own
                             lora.adapter_config(self.module.policy, getattr(self.cfg.model, "name_or_path", None)))
 
     @contextmanager

@@ -55,9 +55,10 @@ def shard_policy(policy: torch.nn.Module, cfg) -> PolicyCore:
     from grail_exp.models.loading import DTYPES, decoder_layer_classes
 
     compute = DTYPES[cfg.model.dtype]
-    # peft=lora: the frozen base is held in model.dtype already and the fp32 adapters compute in fp32 (as PEFT does on
-    # one device), so nothing is cast; the trainable tensors, all fp32, still reduce in fp32 (one dtype per unit)
-    cast = compute != torch.float32 and not lora.enabled(cfg)
+    # peft=lora: the frozen base is held in model.dtype already (the cast leaves it as it is) and the fp32 adapters are
+    # the master weights, cast for compute like full fine-tuning's; peft.adapter_dtype=float32 computes them in fp32
+    # (nothing cast). The trainable tensors, all fp32, reduce in fp32 (one dtype per unit).
+    cast = compute != torch.float32 and not (lora.enabled(cfg) and cfg.peft.get("adapter_dtype") == "float32")
     mp = MixedPrecisionPolicy(param_dtype=compute if cast else None, reduce_dtype=torch.float32)
     layer_types = tuple(decoder_layer_classes(cfg))
     reshard = (cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "FULL_SHARD"
@@ -173,9 +174,9 @@ class FSDPBackend(UpdateBackend):
 
     @classmethod
     def policy_overrides(cls, cfg) -> dict:
-        # fp32 sharded parameters are the master weights; under peft=lora only the adapters train, fp32 already, and
-        # the frozen base stays in model.dtype
-        return {} if lora.enabled(cfg) else {"model": {"dtype": "float32"}}
+        # fp32 sharded parameters are the master weights; under peft=lora only the adapters train: they are made
+        # fp32 (the masters), and the frozen base stays in model.dtype
+        return {"peft": {"adapter_dtype": "float32"}} if lora.enabled(cfg) else {"model": {"dtype": "float32"}}
 
     @classmethod
     def check_config(cls, cfg) -> list[str]:
@@ -337,9 +338,12 @@ class FSDPBackend(UpdateBackend):
 
         state = self._sharded_state(optimizer)  # this rank's live shards: DCP reads into them, resharding as needed
         dcp.load(state, checkpoint_id=str(directory / SHARDED_DIR))
+        # peft=lora: the state holds the trainable tensors only (``_sharded_state``), so the frozen base is not
+        # "missing" from it; the keys DCP filled are exactly the live state's
+        frozen_left_out = lora.enabled(self.cfg)
         set_state_dict(self.core.policy, raw_optimizer(optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(ignore_frozen_params=lora.enabled(self.cfg)))
+                       options=StateDictOptions(ignore_frozen_params=frozen_left_out, strict=not frozen_left_out))
 
     def _sharded_state(self, optimizer) -> dict:
         """This rank's shards of the policy and its optimiser state (DTensors: DCP knows where each piece belongs)."""

@@ -76,3 +76,27 @@ def test_the_preflight_rehearses_lora_in_the_cards_layout_with_vllm(tmp_path):
     out, rows = run_preflight(tmp_path, ["trainer=fsdp_zero2", "rollout=vllm_paper", *VLLM, "peft=lora",
                                          "peft.rank=8"])
     check_rehearsal(out, rows, not_judged=())  # every check, the adapter's arrival in the engine included
+
+
+@pytest.mark.e2e
+def test_the_gpu_checks_lora_mode_composes_and_fits_one_card(tmp_path):
+    """`bash sweeps/gpu_checks.sh lora1gpu` (one GPU, when one is lent) runs the LoRA recipe at Qwen3-8B's full depth
+    with random weights; here only its composition and plan (LORA1GPU_DRY=1): LoRA on one device, 36 layers, and a
+    plan that fits 79 GiB."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, LORA1GPU_DRY="1", PY=sys.executable,
+               PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(["bash", str(repo / "sweeps" / "gpu_checks.sh"), "lora1gpu", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    job = OmegaConf.load(tmp_path / "lora1gpu_job.yaml")
+    assert (job.peft.name, job.trainer.devices, job.trainer.strategy, job.rollout.engine) == ("lora", 1, "auto", "hf")
+    assert job.model.random_init and not job.model.random_init_overrides  # the full depth
+    assert " fits" in (tmp_path / "lora1gpu_plan.txt").read_text()

@@ -516,6 +516,32 @@ class StudyConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (``peft=lora``): LoRA adapters on a frozen base (grail_exp/models/lora.py,
+    docs/lora.md). ``name: none`` trains every parameter (the paper's full fine-tuning); the other keys then do nothing.
+    Defaults: "LoRA without regret" (Schulman et al., Thinking Machines 2025; TRL's docs page of that name): in RL even
+    rank 1 matches full fine-tuning, on every linear layer, at ~10x the full fine-tuning learning rate (a recipe's lr)."""
+
+    name: str = "none"  # none (full fine-tuning) | lora
+    rank: int = 32  # r, the adapter's inner dimension (small ranks suffice for RL; 32 costs Qwen3-8B 87 M parameters)
+    alpha: float = 32.0  # lora_alpha: B A is scaled by alpha / rank (alpha fixed across ranks keeps the best lr put)
+    dropout: float = 0.0  # on the adapter's input while training; > 0 makes old / new log-prob ratios noisy
+    # every linear layer of attention and MLP (the embeddings and the output layer stay frozen: the probes' leaf)
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"])
+    # How an engine with its own weights (vLLM) follows the policy: adapter (the adapter each sync under a new name,
+    # the base pushed once) | merged (W + alpha/r BA computed in fp32 from the unchanged base, pushed in chunks)
+    sync: str = "adapter"
+    # null: the adapters are held and computed in model.dtype with fp32 master weights in the optimiser, as full
+    # fine-tuning trains its weights (FSDP: its fp32 shards) | float32: PEFT's default, fp32 adapters and branch (a cast
+    # copy of each layer's input: slower on the CPU, docs/lora.md)
+    adapter_dtype: Optional[str] = None
+    # Checkpoints hold the adapter (a PEFT adapter folder); true: the final checkpoint also holds the merged model as
+    # a Hugging Face folder, <checkpoint>/merged/ (what evaluate / vLLM read without PEFT)
+    export_merged: bool = False
+
+
+@dataclass
 class RunConfig:
     """Root schema: the config groups plus run-level keys."""
 
@@ -533,6 +559,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)  # full fine-tuning or LoRA adapters (conf/peft/)
     task_name: str = "train"  # names the run directory and the MLflow run (experiment files set their own)
     # null = a fresh start | auto: continue the latest complete checkpoint of this run directory (pass the same
     # hydra.run.dir) | a checkpoints/step-N directory

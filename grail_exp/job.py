@@ -273,20 +273,24 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
         if state is None:
             tracker.log_params({"start_weights.sha256": start_sha256})
     from grail_exp.checkpoint import has_hf_weights
+    from grail_exp.models import lora
 
     # The reference model always comes from the start; the policy too when the checkpoint keeps its weights only in
-    # shards (FSDP without trainer.export_hf_weights), which the backend loads over it on resume.
-    policy_path = str(ckpt) if ckpt and has_hf_weights(ckpt) else model_path
+    # shards (FSDP without trainer.export_hf_weights), which the backend loads over it on resume, and under peft=lora,
+    # whose checkpoints hold the adapter (loaded onto the start's frozen base).
+    policy_path = str(ckpt) if ckpt and has_hf_weights(ckpt) and not lora.enabled(cfg) else model_path
+    adapter_dir = str(ckpt) if ckpt and lora.enabled(cfg) else None
     tokenizer = load_tokenizer(policy_path, cfg)
     backend = BACKENDS[str(cfg.trainer.strategy)]
     policy_cfg = OmegaConf.merge(cfg, backend.policy_overrides(cfg))
     # Only rank 0 of a multi-rank run reads the weights; the others build meta skeletons and receive them once the
     # process group exists (the backend's configure_model): one host copy per node, not one per rank.
     weights = launch_rank() == 0 or not backend.weights_from_rank0(cfg)
-    policy = load_causal_lm(policy_path, policy_cfg, trainable=True, weights=weights)
+    policy = load_causal_lm(policy_path, policy_cfg, trainable=True, weights=weights, adapter_dir=adapter_dir)
     terms = build_terms(cfg.loss.get("terms"), tokenizer, cfg.model)
-    ref_model = load_causal_lm(model_path, cfg, trainable=False, weights=weights) if needs_reference(cfg, terms) \
-        else None
+    # Under peft=lora the reference is the policy with its adapters off (training/rollout.py): nothing more to load.
+    ref_model = load_causal_lm(model_path, cfg, trainable=False, weights=weights) \
+        if needs_reference(cfg, terms) and not lora.enabled(cfg) else None
     log.info("policy %s: %.2f M parameters", policy_path, count_parameters(policy) / 1e6)
     scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data,
                                                      "share_prompts": share_prompts_of(cfg)})
@@ -385,6 +389,7 @@ class Saver:
     def __init__(self, cfg: DictConfig, module, parts: Parts, state: dict | None):
         from grail_exp.distributed import launch_rank
         from grail_exp.checkpoint import save_weights
+        from grail_exp.models import lora
 
         self.cfg, self.module, self.parts = cfg, module, parts
         self.ckpt_root = Path(cfg.paths.output_dir) / "checkpoints"
@@ -396,7 +401,14 @@ class Saver:
             module.weights_fn = self.trajectory
             if state is None and launch_rank() == 0:  # before fit: nothing is sharded and no process group exists yet
                 self.traj_saved.add(0)
-                save_weights(self.traj_root, 0, parts.policy, parts.tokenizer)
+                if lora.is_lora(parts.policy):  # the merged model (here the base: B = 0), as every later step's
+                    from grail_exp.checkpoint import write_dir_atomically
+                    from grail_exp.training.checkpointing import export_hf_weights
+
+                    write_dir_atomically(self.traj_root / "step-0", lambda tmp: (
+                        export_hf_weights(module, tmp), parts.tokenizer.save_pretrained(tmp)), what="trajectory")
+                else:
+                    save_weights(self.traj_root, 0, parts.policy, parts.tokenizer)
 
     def checkpoint(self, position: dict, final: bool = False) -> None:
         """Every rank: the checkpoint at the module's step. ``final``: the run's last one, which always carries the
@@ -410,7 +422,7 @@ class Saver:
         final = final or m.step >= self.cfg.trainer.max_steps  # a periodic checkpoint at the last step is the final one
         export = exports_hf_weights(self.cfg.trainer, final)
         path = write_checkpoint(self.ckpt_root, m, self.parts.tokenizer, position,
-                                keep_last=self.cfg.trainer.keep_last_checkpoints, export_hf=export)
+                                keep_last=self.cfg.trainer.keep_last_checkpoints, export_hf=export, final=final)
         if m.rank == 0:
             log.info("checkpoint: %s", path)
 

@@ -1,7 +1,7 @@
 """Validation of a composed configuration, by config group, before anything loads.
 
-``validate`` is the table of contents: one function per group (rollout, loss, precision, trainer, optim, reward and
-data, model and evaluation, files, batch tiling, estimator, scheme, process-group timeout, memory plan), each
+``validate`` is the table of contents: one function per group (rollout, loss, precision, trainer, optim, peft, reward
+and data, model and evaluation, files, batch tiling, estimator, scheme, process-group timeout, memory plan), each
 returning its problems as lines that name the key (and, for a file, the file and the line), so every problem is
 reported at once, as verl's per-component ``validate`` does. The schemas themselves (types, defaults) are in
 ``grail_exp/config.py``; this module checks what types cannot say: ranges, choices from the registries, keys that
@@ -19,6 +19,7 @@ from grail_exp.errors import ConfigError
 
 SCHEDULE_UNITS = ("optimizer_step", "rollout_batch")  # optim.schedule_unit
 HUB_MODEL_MAX_LR = 1e-5  # above this, a pretrained hub model needs optim.allow_high_lr=true
+LORA_LR_FACTOR = 10  # under peft=lora the guard sits this much higher (LoRA's best lr is ~10x full fine-tuning's)
 VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 EXPORT_HF_WEIGHTS = ("final", "every")  # trainer.export_hf_weights
 
@@ -28,7 +29,7 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     Returns the config with ``estimator`` and ``advantage`` replaced by their typed configs. Raises ``ConfigError``
     listing every problem, each with its full key."""
-    e = [*rollout(cfg), *loss(cfg), *precision(cfg), *trainer(cfg), *optim(cfg), *reward_and_data(cfg),
+    e = [*rollout(cfg), *loss(cfg), *precision(cfg), *trainer(cfg), *optim(cfg), *peft(cfg), *reward_and_data(cfg),
          *model_and_evaluation(cfg), *run_metric(cfg), *files(cfg), *batch_tiling(cfg), *estimator(cfg)]
     e += scheme(cfg, retype=not e)
     if not e:  # what needs a well-formed config: the methods' required settings, then the memory plan
@@ -228,7 +229,10 @@ def precision(cfg) -> list[str]:
     m, o, t, e = cfg.model, cfg.optim, cfg.trainer, []
     backend = BACKENDS.get(str(t.strategy))
     sharded = backend is not None and backend.owns_master_weights  # FSDP / ZeRO keep the fp32 masters themselves
-    if m.dtype in ("bfloat16", "float16") and o.master_weights is False and not sharded:
+    from grail_exp.models import lora
+
+    # under peft=lora only the adapters train, and they are fp32 whatever model.dtype is
+    if m.dtype in ("bfloat16", "float16") and o.master_weights is False and not sharded and not lora.enabled(cfg):
         e.append(f"model.dtype = {m.dtype!r} with optim.master_weights = false: AdamW would update "
                  f"{m.dtype} weights in place and steps of lr = {o.lr} vanish in rounding; set "
                  "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / fsdp_zero2 / deepspeed_zero2")
@@ -281,20 +285,32 @@ def trainer(cfg) -> list[str]:
 
 
 def optim(cfg) -> list[str]:
-    """The optimiser (``optim.*``), and the guard against demo learning rates on pretrained hub models."""
+    """The optimiser (``optim.*``), and the guard against demo learning rates on pretrained hub models (10x higher
+    under LoRA, whose best rate is ~10x full fine-tuning's: grail_exp/config.py ``PeftConfig``)."""
+    from grail_exp.models import lora
+
     o, e = cfg.optim, []
     _check(e, o.lr > 0, "optim.lr", o.lr, "must be > 0")
-    if o.lr > HUB_MODEL_MAX_LR and is_hub_model(cfg.model) and not o.get("allow_high_lr", False):
+    limit = HUB_MODEL_MAX_LR * (LORA_LR_FACTOR if lora.enabled(cfg) else 1)
+    if o.lr > limit and is_hub_model(cfg.model) and not o.get("allow_high_lr", False):
         recipe = (cfg.get("recipe") or {}).get("name", "?")
-        e.append(f"optim.lr = {o.lr!r}: above {HUB_MODEL_MAX_LR:g} for the pretrained model {cfg.model.name_or_path!r} "
+        e.append(f"optim.lr = {o.lr!r}: above {limit:g} for the pretrained model {cfg.model.name_or_path!r} "
                  f"(recipe {recipe}); rates like the demo's 1e-4 destroy 4-8B weights within tens of steps (the paper: "
-                 "1e-6, recipe=paper). Set optim.allow_high_lr=true if you mean it")
+                 "1e-6, recipe=paper; under peft=lora ~10x that). Set optim.allow_high_lr=true if you mean it")
     _check(e, o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _check(e, o.get("schedule_unit", "optimizer_step") in SCHEDULE_UNITS, "optim.schedule_unit",
            o.get("schedule_unit"), f"must be one of: {', '.join(SCHEDULE_UNITS)}")
     _check(e, o.max_grad_norm is None or o.max_grad_norm > 0, "optim.max_grad_norm", o.max_grad_norm,
            "must be > 0 or null")
     return e
+
+
+def peft(cfg) -> list[str]:
+    """LoRA (``peft.*``): rank, alpha, dropout, target modules and sync mode, and what the rollout engine can serve
+    (grail_exp/models/lora.py ``check_config``)."""
+    from grail_exp.models import lora
+
+    return lora.check_config(cfg)
 
 
 def is_hub_model(model_cfg) -> bool:

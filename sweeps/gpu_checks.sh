@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA device (results/gpu.md records what they printed on an H100).
-#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|preflight|cardchecks|benchreal|study1gpu|study6gpu|all] [OUT_DIR]
+#   bash sweeps/gpu_checks.sh [tests|e2e|bench|bench8b|card1gpu|preflight|cardchecks|benchreal|study1gpu|study6gpu|lora1gpu|all] [OUT_DIR]
 # tests:   pytest -m gpu tests/gpu (bf16 masters, bf16 vs fp32, probe equality, the probe on its rows only, step and
 #          generation memory)
 # e2e:     python -m grail_exp.run with trainer=gpu (real HF generation) and trainer=fsdp at world size 1
@@ -57,6 +57,15 @@
 #          arms took 101-141 s alone on an H100; not part of "all". An arm that stops with "does not have a
 #          deterministic implementation" names a CUDA op torch cannot run deterministically: DETERMINISTIC=false runs
 #          without (and the step-1 table then says whether the pairs still started alike).
+# lora1gpu: peft=lora with the card's model on one GPU (docs/lora.md): experiment=paper/qwen3_8b_grail_lora at its full
+#          depth (36 layers at Qwen3-8B's widths, random weights: model.random_init=true with Qwen3's packaged
+#          tokenizer), rollout=hf (CUDA vLLM cannot be installed on the borrowed machines), arithmetic prompts, 2
+#          optimiser steps of 4 prompts x 4 at 512-token completions, no evaluation, no checkpoint: the planner's table
+#          for the same overrides beside the measured peak (memory/peak_cuda_gb) and step times
+#          (OUT_DIR/lora1gpu_vs_plan.md); then the preflight of the recipe at 2 layers on that GPU (every check PASS;
+#          lora_adapter n/a with the HF engine) into OUT_DIR/preflight_lora.md. Not measured on a GPU when written (no
+#          GPU was lent): the 8B random init on the host ~1-2 min, each step well under a minute; the run is killed at
+#          300 s, the preflight at 330 s. LORA1GPU_DRY=1: the composition and the plan only (CPU).
 set -uo pipefail
 what=${1:-all}
 out=${2:-results/gpu}
@@ -122,6 +131,17 @@ if [[ $what == cardchecks ]]; then
   timeout 240 $PY -m grail_exp.preflight "${PREFLIGHT[@]}" trainer=fsdp_zero2 "${PREFLIGHT_OPTS[@]}" \
       paths.root_dir="$tmp" preflight.dir="$tmp/preflight" 2>&1 | grep -v "it/s\]" | tail -24
   cp "$tmp/preflight/preflight.md" "$out/preflight_card.md" 2>/dev/null
+fi
+
+LORA1GPU=(experiment=paper/qwen3_8b_grail_lora model.random_init=true model.tokenizer_name_or_path=pkg:qwen3 rollout=hf
+          data=arithmetic data.order=shuffled benchmark=arithmetic trainer.max_steps=2 trainer.prompts_per_step=4
+          rollout.num_generations=4 trainer.micro_batch_size=8 rollout.max_completion_length=512
+          trainer.eval_before_training=false trainer.eval_at_end=false trainer.checkpoint_every=0
+          trainer.save_final_checkpoint=false logger=none)
+
+if [[ $what == lora1gpu && ${LORA1GPU_DRY:-0} == 1 ]]; then  # CPU: the composition and the plan, nothing runs
+  $PY -m grail_exp.plan "${LORA1GPU[@]}" trainer.device_memory_gb=79 > "$out/lora1gpu_plan.txt" || exit 1
+  $PY -m grail_exp.run "${LORA1GPU[@]}" --cfg job > "$out/lora1gpu_job.yaml" || exit 1
   exit 0
 fi
 
@@ -269,4 +289,27 @@ PYEOF
     grep -A3 "^Declared rule" "$out/study6gpu.md" || true
   fi
   echo "study6gpu: complete seeds [${complete}], $(( $(date +%s) - start )) s in all"
+fi
+if [[ $what == lora1gpu ]]; then
+  $PY -m grail_exp.plan "${LORA1GPU[@]}" | tee "$out/lora1gpu_plan.txt" | tail -14
+  rm -rf /tmp/lora1gpu
+  /usr/bin/time -v timeout 300 $PY -m grail_exp.run "${LORA1GPU[@]}" paths.root_dir=/tmp/lora1gpu \
+      hydra.run.dir=/tmp/lora1gpu/run 2>&1 | tee "$out/lora1gpu.log" | grep -v "it/s\]" | tail -20
+  $PY - "$out/lora1gpu_plan.txt" /tmp/lora1gpu/run/metrics.json <<'PYEOF' | tee "$out/lora1gpu_vs_plan.md"
+import json, re, sys
+plan = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| (\w+)(?: \(peak\))? \| ([\d.]+) \|$", open(sys.argv[1]).read(), re.M)}
+m = json.load(open(sys.argv[2]))["metrics"]
+GiB = 2**30
+print("| what | planned GiB | measured GiB |\n|---|--:|--:|")
+print(f"| the steps (update, log-probs, rollout) | {max(plan[k] for k in ('update', 'logp', 'rollout') if k in plan):.2f} | "
+      f"{m.get('train/memory/peak_cuda_gb', float('nan')) * 1e9 / GiB:.2f} |")
+print("planned phases (GiB):", ", ".join(f"{k} {v:.2f}" for k, v in plan.items()))
+print("step s:", m.get("train/timing/step_s"), "| update s:", m.get("train/timing/update_s"),
+      "| phases:", {k: round(v) for k, v in m.items() if k.startswith("phase/")})
+PYEOF
+  timeout 330 $PY -m grail_exp.preflight experiment=paper/qwen3_8b_grail_lora model.tokenizer_name_or_path=pkg:qwen3 \
+      rollout=hf data=arithmetic data.order=shuffled trainer.prompts_per_step=4 rollout.max_completion_length=512 \
+      eval.max_tokens=256 logger=none "${PREFLIGHT_OPTS[@]}" paths.root_dir=/tmp/preflight_lora \
+      preflight.dir=/tmp/preflight_lora/pf 2>&1 | grep -v "it/s\]" | tail -24
+  cp /tmp/preflight_lora/pf/preflight.md "$out/preflight_lora.md" 2>/dev/null
 fi

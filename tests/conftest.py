@@ -71,3 +71,21 @@ def formatted_model_dir(tmp_path_factory):
                 eval_problems=8, target_accuracy=1.0)
     return ensure_embedded_model(build, warm, ArithmeticTask(), {"enable_thinking": False}, "",
                                  tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """The model cache SmolLM2-135M-Instruct (``pkg:smollm2``) is de-quantised into once per test session."""
+    base = tmp_path_factory.getbasetemp()
+    # xdist workers have sibling basetemps (popen-gw0, popen-gw1) under one session folder: share the cache there
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2_cache"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_cache):
+    """SmolLM2-135M-Instruct as a Hugging Face directory (converted from the packaged GGUF file on first use)."""
+    from pathlib import Path
+
+    from grail_exp.models.packaged import resolve
+
+    return Path(resolve("pkg:smollm2", smollm2_cache))

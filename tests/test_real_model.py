@@ -19,20 +19,6 @@ from helpers.compose import compose
 EOS = "<|im_end|>"  # SmolLM2's ChatML end of turn: its EOS and pad token (id 2)
 
 
-@pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory) -> Path:
-    base = tmp_path_factory.getbasetemp()
-    # xdist workers have sibling basetemps (popen-gw0, popen-gw1) under one session folder: share the cache there
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2_cache"
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(smollm2_cache) -> Path:
-    from grail_exp.models.packaged import resolve
-
-    return Path(resolve("pkg:smollm2", smollm2_cache))
-
-
 def _cfg(cache: Path, tmp: Path, overrides=(), scheme: str = "grpo"):
     from grail_exp.validate import validate
 

@@ -62,10 +62,10 @@ def _fake_vllm(calls: list, *, cpu: bool, on_build=None):
         def wake_up(self, tags=None):
             calls.append(("wake_up", tuple(tags or ())))
 
-        def collective_rpc(self, method, kwargs=None):
+        def collective_rpc(self, method, args=(), kwargs=None):
             if kwargs and "weights_iterator" in kwargs:
                 list(kwargs["weights_iterator"])
-            calls.append(("rpc", method))
+            calls.append(("rpc", method if isinstance(method, str) else method.__name__))
 
         def reset_prefix_cache(self):
             calls.append(("reset_prefix_cache",))
@@ -73,16 +73,22 @@ def _fake_vllm(calls: list, *, cpu: bool, on_build=None):
         def apply_model(self, fn):
             calls.append(("apply_model",))
 
-        def generate(self, requests, sampling, use_tqdm=False):
-            calls.append(("generate", [s.seed for s in sampling]))
+        def generate(self, requests, sampling, use_tqdm=False, **kwargs):
+            calls.append(("generate", [s.seed for s in sampling], *[(k, v) for k, v in kwargs.items()]))
             return [_Result([5, 2]) for _ in requests]
 
     class VSamplingParams:
         def __init__(self, **kwargs):
             self.__dict__.update(kwargs)
 
+    class LoRARequest:
+        def __init__(self, lora_name, lora_int_id, lora_path):
+            self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
     mod = types.ModuleType("vllm")
     mod.LLM, mod.SamplingParams = LLM, VSamplingParams
+    mod.lora_request = types.ModuleType("vllm.lora.request")
+    mod.lora_request.LoRARequest = LoRARequest
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: cpu)
     mod.platforms = platforms
@@ -100,7 +106,8 @@ def fake_vllm(monkeypatch):
         mod, platforms, core_client = _fake_vllm(calls, cpu=cpu, on_build=on_build)
         for name, m in (("vllm", mod), ("vllm.platforms", platforms), ("vllm.v1", types.ModuleType("vllm.v1")),
                         ("vllm.v1.engine", types.ModuleType("vllm.v1.engine")),
-                        ("vllm.v1.engine.core_client", core_client)):
+                        ("vllm.v1.engine.core_client", core_client), ("vllm.lora", types.ModuleType("vllm.lora")),
+                        ("vllm.lora.request", mod.lora_request)):
             monkeypatch.setitem(sys.modules, name, m)
         return calls
 
@@ -140,6 +147,40 @@ def test_cached_blocks_are_freed_before_each_wake_up(fake_vllm, monkeypatch):
     calls.clear()
     e.wake_up()
     assert calls == [("gc",), ("empty_cache",), ("wake_up", ())]
+
+
+def test_a_lora_engine_has_one_adapter_slot_and_sleeps_keeping_its_base(fake_vllm, monkeypatch):
+    """peft.sync=adapter: one LoRA slot of the smallest rank vLLM allows over peft.rank; sleep at level 1, which keeps
+    the base (pushed once) in host memory where level 2 would drop it (verl PR #4470: it was reloaded every step);
+    a sync wakes the engine, hands the adapter over under the next version's name and drops the prefix cache; every
+    generation names that version."""
+    calls = fake_vllm(cpu=False)
+    e = _engine(sleep_mode=True, lora_rank=12)
+    (kwargs,) = [c[1] for c in calls if c[0] == "LLM"]
+    assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["max_loras"], kwargs["max_cpu_loras"]) == \
+        (True, 16, 1, 1)
+    _record_cuda(monkeypatch, calls)
+    e.sleep()
+    assert calls[-1] == ("sleep", 1)
+    calls.clear()
+    e.load_adapter({"m.q_proj.lora_A.weight": torch.zeros(12, 4)}, {"r": 12})
+    assert calls == [("gc",), ("empty_cache",), ("wake_up", ()), ("rpc", "register_in_worker"),
+                     ("reset_prefix_cache",)]
+    first = e.adapter_request
+    e.load_adapter({"m.q_proj.lora_A.weight": torch.zeros(12, 4)}, {"r": 12})
+    assert (first.lora_name, e.adapter_request.lora_name) == ("policy-v1", "policy-v2")
+    calls.clear()
+    e.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=2))
+    assert [c for c in calls if c[0] == "generate"][0][-1] == ("lora_request", e.adapter_request)
+
+def test_without_an_adapter_the_engine_sleeps_at_level_2_and_names_none(fake_vllm):
+    calls = fake_vllm(cpu=False)
+    plain = _engine(sleep_mode=True)
+    plain.sleep()
+    assert calls[-1] == ("sleep", 2) and plain.adapter_request is None
+    plain.sleeping = False
+    plain.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=2))
+    assert len([c for c in calls if c[0] == "generate"][0]) == 2  # no lora_request argument
 
 
 # ---------------------------------------------------------------------------------------------- arguments

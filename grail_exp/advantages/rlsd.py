@@ -12,7 +12,7 @@ first rollout batch, the same for every optimiser step taken on it — the offic
 
 Defaults are the official script's (``rlsd_train.sh``): λ₀ = 0.5 decayed to 0 over 60 rollout batches (λ = 0.4917 in
 the first, 0.0083 in the 59th, so RLSD is plain GRPO from the 60th on and the teacher forward is skipped), ε_w = 0.2,
-teacher = a frozen copy of the actor (``teacher: frozen``, one more model in memory) re-synced after every 20th
+teacher = a frozen copy of the actor (``teacher: frozen``, one more model in memory; under ``peft=lora`` one more adapter) re-synced after every 20th
 rollout batch's updates: rollout batches 1-20 use the initial actor, 21-40 the actor after batch 20, ... ``teacher: live`` scores with the live parameters in every
 micro-batch (SDPG's re-implementation; no extra memory). ``student_logp``: ``live`` = the live actor's log-prob of
 the same micro-batch, detached (official) | ``rollout`` = the log-prob under the parameters that generated the
@@ -28,6 +28,7 @@ resume it restarts from the resumed actor.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Optional
@@ -126,20 +127,34 @@ class RlsdScheme(AdvantageScheme):
     def rows_needing_model(self, batch: SchemeBatch) -> torch.Tensor:
         return self._rows(batch)
 
+    @contextlib.contextmanager
     def _teacher_model(self, model, rollout_step: int):
-        """The frozen teacher for rollout batch k (1-based): the actor as it was after rollout batch
+        """The frozen teacher for rollout batch k (1-based), for the block: the actor as it was after rollout batch
         N·⌊(k − 1)/N⌋ (the initial actor for k ≤ N). The official code syncs after the update of every batch k with
-        k % N == 0; syncing before the first update of batch k + 1 is the same copy."""
+        k % N == 0; syncing before the first update of batch k + 1 is the same copy. Under ``peft=lora`` an earlier
+        actor is the same frozen base with an earlier adapter: only the adapter is copied, and swapped in for the
+        teacher's no-grad pass (``grail_exp/models/lora.py`` ``AdapterSnapshot``)."""
         if self.cfg.teacher == "live":
-            return model
+            yield model
+            return
+        from grail_exp.models.lora import AdapterSnapshot, is_lora
+
         period = (rollout_step - 1) // self.cfg.teacher_sync_every
+        adapter_only = is_lora(model)
         if self.frozen is None or period != self.synced_period:
             if self.frozen is None:
-                self.frozen = copy.deepcopy(model).requires_grad_(False).eval()
+                self.frozen = AdapterSnapshot(model) if adapter_only else \
+                    copy.deepcopy(model).requires_grad_(False).eval()
+            elif adapter_only:
+                self.frozen.update(model)
             else:
                 self.frozen.load_state_dict(model.state_dict())
             self.synced_period = period
-        return self.frozen
+        if adapter_only:
+            with self.frozen.swapped_in(model):
+                yield model
+        else:
+            yield self.frozen
 
     def _logps(self, model, batch: SchemeBatch, rows: torch.Tensor, teacher: bool):
         """(b, C) teacher or student log-probs of the given rows, no grad."""
@@ -171,7 +186,8 @@ class RlsdScheme(AdvantageScheme):
         B, C = batch.completion_ids.shape
         if cfg.teacher == "frozen":
             t = torch.zeros(B, C, device=batch.completion_ids.device)
-            t[idx] = self._logps(self._teacher_model(model, batch.rollout_index()), batch, idx, teacher=True)
+            with self._teacher_model(model, batch.rollout_index()) as teacher:
+                t[idx] = self._logps(teacher, batch, idx, teacher=True)
             out["teacher_logp"] = t
         if cfg.student_logp == "rollout":
             s = torch.zeros(B, C, device=batch.completion_ids.device)
@@ -201,7 +217,8 @@ class RlsdScheme(AdvantageScheme):
             if cfg.teacher == "frozen" and "teacher_logp" in prepared:
                 t = prepared["teacher_logp"][idx]
             else:
-                t = self._logps(self._teacher_model(model, batch.rollout_index()), batch, idx, teacher=True)
+                with self._teacher_model(model, batch.rollout_index()) as teacher:
+                    t = self._logps(teacher, batch, idx, teacher=True)
             if cfg.student_logp == "rollout" and "student_logp" in prepared:
                 s = prepared["student_logp"][idx]
             elif forward is not None:

@@ -3,6 +3,11 @@ machine's arithmetic floor.
 
     python -m grail_exp.bench bench.mode=real experiment=real/smollm2_grpo bench.steps=5 bench.schemes=[grpo,grail,oar_g]
     python -m grail_exp.bench bench.mode=real experiment=real/smollm2_grpo rollout=vllm      # vLLM's CPU build: .venv-vllm
+    python -m grail_exp.bench bench.mode=real experiment=real/smollm2_grpo 'bench.variants={lora: [peft=lora]}'  # + LoRA rows
+
+``bench.variants`` (name -> overrides) adds each scheme once more per variant, as the row ``<scheme>+<variant>``: the
+same experiment with those overrides (``{lora: [peft=lora]}``: LoRA adapters on the frozen base against full
+fine-tuning, the same batch, micro-batches and sampling).
 
 Each scheme runs in a fresh process (so its peak memory is its own): the experiment's own parts (model, engine,
 verifier, data) and trainer code (``RolloutPhase.collect``, ``UpdatePhase.optimizer_steps``), ``bench.steps``
@@ -49,6 +54,15 @@ PHASES = ("rollout", "weight_sync", "scoring", "scheme_prepare", "old_logp", "sc
 
 
 # ------------------------------------------------------------------------------------------------ one scheme
+def rows_of(schemes: list[str], variants: dict | None) -> dict[str, tuple[str, list[str]]]:
+    """The table's rows: each scheme as the experiment composes it, then each scheme under each of ``bench.variants``
+    (name -> extra overrides, e.g. ``{lora: [peft=lora]}``) as ``<scheme>+<variant>``: row -> (scheme, overrides)."""
+    rows = {name: (name, []) for name in schemes}
+    for variant, extra in (variants or {}).items():
+        rows.update({f"{name}+{variant}": (name, [str(o) for o in extra]) for name in schemes})
+    return rows
+
+
 def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | None, profile: str | None = None) -> dict:
     """``steps`` real training steps of ``scheme`` (in this process): per-step records, the floor and the peak; with
     ``profile`` (a directory), one more step under the torch profiler, phase by phase (``profile_step``)."""
@@ -72,13 +86,16 @@ def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | Non
     return _result(cfg, parts, shape, records, gflops, peak_memory_gb=peak / 1e9, profile=profiled)
 
 
-def run_paired(overrides: list[str], schemes: list[str], steps: int, threads: int | None) -> dict:
+def run_paired(overrides: list[str], schemes, steps: int, threads: int | None) -> dict:
     """``bench.paired``: every scheme built in this one process, their steps taken in turn, round by round, the order
     rotating each round (ABC, BCA, CAB, ...): scheme k's step r runs minutes, not a process apart, from the others'
     step r, so a ratio of the two sees the same machine (this host drifts ±20 % between processes). Per scheme the
-    records of ``run_scheme``; the peak memory is the process's, of all schemes together (``None`` per scheme)."""
+    records of ``run_scheme``; the peak memory is the process's, of all schemes together (``None`` per scheme).
+    ``schemes``: names, or ``rows_of``'s row -> (scheme, extra overrides)."""
     _set_threads(threads)
-    built = {name: _build(overrides, name) for name in schemes}
+    rows = schemes if isinstance(schemes, dict) else {name: (name, []) for name in schemes}
+    schemes = list(rows)
+    built = {name: _build([*overrides, *rows[name][1]], rows[name][0]) for name in schemes}
     shapes = {name: _shape(b[2].policy) for name, b in built.items()}
     first = built[schemes[0]][2].policy
     gflops = matmul_gflops(first)
@@ -87,7 +104,7 @@ def run_paired(overrides: list[str], schemes: list[str], steps: int, threads: in
         for r in range(steps):
             for name in schemes[r % len(schemes):] + schemes[:r % len(schemes)]:
                 cfg, module, parts, (opt, sched) = built[name]
-                records[name].append(_one_step(module, opt, sched, r, shapes[name], name))
+                records[name].append(_one_step(module, opt, sched, r, shapes[name], rows[name][0]))
                 _log_step(name, r, records[name][-1])
         gflops = max(gflops, matmul_gflops(first))
     finally:
@@ -206,7 +223,10 @@ def _one_step(module, opt, sched, round_index: int, shape: dict, scheme: str, ph
     rec["reward"] = float(stats["reward/mean"])
     rec["loss"] = float(losses[-1]) if losses else float("nan")
     rec["losses"] = [float(x) for x in losses]
-    rec["flops"] = step_flops(shape, batch, scheme, old_logp=batch.old_logp is not None)
+    from grail_exp.models import lora
+
+    rec["flops"] = step_flops(shape, batch, scheme, old_logp=batch.old_logp is not None,
+                              frozen_base=lora.enabled(module.cfg))
     return rec
 
 
@@ -285,8 +305,10 @@ def _shape(policy) -> dict:
             "vocab": int(c.vocab_size)}
 
 
-def step_flops(s: dict, batch, scheme: str, old_logp: bool) -> float:
-    """Matmul FLOPs of one step with each distinct prompt counted once (module docstring)."""
+def step_flops(s: dict, batch, scheme: str, old_logp: bool, frozen_base: bool = False) -> float:
+    """Matmul FLOPs of one step with each distinct prompt counted once (module docstring). ``frozen_base``
+    (peft=lora): the update's backward computes the input gradients only (2x the forward instead of 3x: the adapters'
+    own products are < 1 % of the decoder's at rank 32 and left out)."""
     import torch
 
     h, i, L, H, kv, d, V = (s[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab"))
@@ -302,7 +324,7 @@ def step_flops(s: dict, batch, scheme: str, old_logp: bool) -> float:
     comp_fwd = float((c_len * per_token + (c_len * p_len + c_len ** 2 / 2) * attend + 2 * c_len * V * h).sum())
     generation = prompt_fwd + comp_fwd + 2 * V * h * len(reps)
     forward = prompt_fwd + comp_fwd
-    total = generation + 3 * forward + (forward if old_logp else 0.0)
+    total = generation + (2 if frozen_base else 3) * forward + (forward if old_logp else 0.0)
     if scheme == "grail":
         total += comp_fwd
     elif scheme == "oar_g":
@@ -394,17 +416,17 @@ def main(bench, overrides: list[str], argv: list[str]) -> dict:
     """Every scheme of ``bench.schemes`` in its own process, one after the other; ``bench.paired``: all in one process,
     step by step in turn (``run_paired``)."""
     results, summaries, paired = {}, {}, None
+    rows = rows_of(list(bench.schemes), _variants(bench))
     if bench.get("paired"):
-        results = in_own_process(_run_paired_logged, overrides, list(bench.schemes), int(bench.steps),
-                                 bench.get("threads"))
+        results = in_own_process(_run_paired_logged, overrides, rows, int(bench.steps), bench.get("threads"))
         summaries = {name: summarize(res, int(bench.skip)) for name, res in results.items()}
         paired = paired_ratios(results, int(bench.skip))
         for name, q in paired.items():
             summaries[name].update(q)
     else:
-        for name in bench.schemes:
+        for name, (scheme, extra) in rows.items():
             try:
-                results[name] = in_own_process(_run_scheme_logged, overrides, name, int(bench.steps),
+                results[name] = in_own_process(_run_scheme_logged, [*overrides, *extra], scheme, int(bench.steps),
                                                bench.get("threads"), bench.get("profile"))
                 summaries[name] = summarize(results[name], int(bench.skip))
             except Exception as exc:  # one scheme's failure is a row of the table, not the end of the run
@@ -421,6 +443,13 @@ def main(bench, overrides: list[str], argv: list[str]) -> dict:
                "load": _load()}
     write_outputs(bench, payload, f"load: {payload['load']}", table)
     return payload
+
+
+def _variants(bench) -> dict:
+    from omegaconf import OmegaConf
+
+    v = bench.get("variants")
+    return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else dict(v or {})
 
 
 def write_outputs(bench, payload: dict, context: str, table: str) -> None:
@@ -462,10 +491,10 @@ def _run_scheme_logged(overrides, name, steps, threads, profile=None):
     return run_scheme(list(overrides), name, steps, threads, profile)
 
 
-def _run_paired_logged(overrides, schemes, steps, threads):
+def _run_paired_logged(overrides, rows, steps, threads):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    return run_paired(list(overrides), list(schemes), steps, threads)
+    return run_paired(list(overrides), dict(rows), steps, threads)
 
 
 def _child(send, fn, args):

@@ -68,6 +68,7 @@ def parse_args(argv: list[str]) -> tuple[DictConfig, list[str]]:
         else:
             overrides.append(a)
     OmegaConf.set_struct(bench, True)
+    OmegaConf.set_struct(bench.variants, False)  # real mode's variants: names of the user's choosing
     try:
         bench = OmegaConf.merge(bench, OmegaConf.from_dotlist(mine))
     except Exception as exc:  # an unknown key names itself in the message

@@ -29,7 +29,7 @@ VLLM_SUGGESTED_SEQUENCES = 16  # a suggested vLLM fraction leaves KV room for th
 
 def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
     """(ways to shrink the plan on the same engine, each a list of override sets from the mildest to the strongest,
-    cheapest first; switches of the engine)."""
+    cheapest first; switches of the engine, and of full fine-tuning to LoRA adapters)."""
     t, r = cfg.trainer, cfg.rollout
     fam: list[list[list[str]]] = []
     fam.append([[f"trainer.logprob_chunk_tokens={v}"] for v in (2048, 1024, 512) if v < int(t.logprob_chunk_tokens)])
@@ -48,6 +48,8 @@ def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
     else:
         engines.append(["rollout=hf"])
     fam += backend_of(cfg).shard_options(cfg, _world(t))  # the strategy's own: shard more, or over more ranks
+    if str((cfg.get("peft") or {}).get("name", "none")) != "lora" and str(t.accelerator) != "cpu":
+        engines.append(["peft=lora"])  # train adapters on the frozen base: another method, said as a last switch
     return [f for f in fam if f], engines
 
 
@@ -98,7 +100,8 @@ def suggest(cfg, p: MemoryPlan, max_options: int = 3, margin: bool = False) -> l
         combined = _combined(cfg, base, fams, margin)
         options += [combined] if combined else []
     options = options[: max_options - 1] if engines else options[:max_options]
-    for e in engines:  # the engine switch replaces the vLLM fraction fix
+    for e in engines:  # the engine switch replaces the vLLM fraction fix; the switch to LoRA keeps it
+        e = base + e if e == ["peft=lora"] else e
         if _fits(cfg, e, margin):
             options.append(e)
     return options

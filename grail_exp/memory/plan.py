@@ -49,6 +49,7 @@ from typing import Optional
 from grail_exp.memory.shapes import (GiB, _world, HEADROOM_FIXED, HEADROOM_FRACTION, PLAN_ERROR, PlanError, SCORE_BYTES,
                                      Shape, _dtype_bytes, _positions_how, _prompt_tokens, computed_positions,
                                      few_shot_tokens, hf_engine_kv_bytes, layer_activation_bytes, logits_bytes,
+                                     lora_layer_activation_bytes, lora_parameters,
                                      model_shape, vllm_kv_cache_bytes, vllm_profile_bytes)
 
 
@@ -160,6 +161,19 @@ class Sizes:
     total: Optional[float]  # the device's bytes
     capacity_source: str
     cpu: bool
+    lora_rank: Optional[int] = None  # peft=lora: the adapters' rank (None: full fine-tuning)
+
+    adapters_fp32: bool = False  # peft.adapter_dtype=float32 (else the adapters are held in model.dtype)
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes per adapter element as held and computed: 4 (peft.adapter_dtype=float32) or b."""
+        return 4 if self.adapters_fp32 else self.b
+
+    @property
+    def n_adapter(self) -> int:
+        """Adapter elements under peft=lora (``shapes.lora_parameters``), 0 otherwise."""
+        return lora_parameters(self.shape, self.lora_rank) if self.lora_rank else 0
 
     @property
     def T(self) -> int:
@@ -178,8 +192,10 @@ def sizes(cfg, prompt_tokens: Optional[int] = None) -> Sizes:
     C = int(cfg.rollout.max_completion_length)
     P = int(prompt_tokens) if prompt_tokens else _prompt_tokens([cfg.data.name]) + few_shot_tokens(m)
     cap, total, src = device_capacity(cfg)
+    peft = cfg.get("peft") or {}
+    rank = int(peft.get("rank")) if str(peft.get("name", "none")) == "lora" else None
     return Sizes(s, _dtype_bytes(m.dtype), W, backend_of(cfg), mb, P, C, computed_positions(cfg, mb, P, C), cap, total,
-                 src, str(t.accelerator) == "cpu")
+                 src, str(t.accelerator) == "cpu", rank, str(peft.get("adapter_dtype") or "") == "float32")
 
 
 def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
@@ -201,17 +217,30 @@ def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
 
 def model_state_lines(cfg, z: Sizes) -> list[Line]:
     """The model state held through every phase, as the strategy's backend lays it out, with what its update adds to it
-    (gradients, gathered parameters, the gradient sync), and the frozen reference model when one is loaded."""
+    (gradients, gathered parameters, the gradient sync), and the frozen reference model when one is loaded. Under
+    peft=lora the backend lays out the adapters (n_a elements in model.dtype, or fp32 with peft.adapter_dtype=float32:
+    masters where the strategy keeps them, Adam and gradients over them only) and the frozen base is held beside them in model.dtype (sharded where the strategy shards parameters); the reference is
+    the base with the adapters off: no copy."""
     B, n, b, W = z.backend, z.n, z.b, z.world
-    lines = [Line("state", *item) for item in B.planned_state(cfg, n, b, W)]
-    lines += [Line("update", *item) for item in B.planned_gradients(cfg, n, b, W)]
+    # the adapters through the strategy's own layout, like full fine-tuning's weights, at their own element size
+    trained, tb, tag = (z.n_adapter, z.adapter_bytes, "adapter ") if z.lora_rank else (n, b, "")
+    lines = []
+    if z.lora_rank:
+        shards = B.shards_parameters
+        lines.append(Line("state", "frozen base", n * b / (W if shards else 1),
+                          f"N {n:,} x {b} B" + (f" / W {W} (sharded)" if shards else "") + ", no masters, no Adam"))
+    lines += [Line("state", tag + item.what, item.bytes, item.how) for item in B.planned_state(cfg, trained, tb, W)]
+    lines += [Line("update", tag + item.what, item.bytes, item.how)
+              for item in B.planned_gradients(cfg, trained, tb, W)]
     gathered = B.planned_gathered(cfg, z.shape, b, _probes_between_forward_and_backward(cfg))
     lines += [Line("update", *gathered)] if gathered else []
-    lines += [Line("step", *item) for item in B.planned_gradient_sync(cfg, n, b, W)]
+    lines += [Line("step", *item) for item in B.planned_gradient_sync(cfg, trained, tb, W)]
     from grail_exp.loss import needs_reference
 
     if needs_reference(cfg):
-        lines.append(Line("state", "reference model", n * b, "a frozen copy, N x b (loss.beta > 0 / KL in reward / a "
+        lines.append(Line("state", "reference model", 0.0, "the policy with its adapters off (peft=lora): no copy")
+                     if z.lora_rank else
+                     Line("state", "reference model", n * b, "a frozen copy, N x b (loss.beta > 0 / KL in reward / a "
                           "term needs it)"))
     return lines
 
@@ -219,7 +248,12 @@ def model_state_lines(cfg, z: Sizes) -> list[Line]:
 def _saved_activations(cfg, z: Sizes) -> tuple[float, float, Line]:
     """(bytes autograd saves for one micro-batch, a recomputed layer's transients in backward, the table's line)."""
     s, b, tok, mb = z.shape, z.b, z.positions, z.rows
-    layer = layer_activation_bytes(s, b)
+    if z.lora_rank:  # a frozen base keeps less, the adapters their fp32 inputs (shapes.lora_layer_activation_bytes)
+        from grail_exp.models.loading import narrows_backward
+
+        layer = lora_layer_activation_bytes(s, b, z.lora_rank, z.adapter_bytes, narrowed=z.cpu and narrows_backward(cfg))
+    else:
+        layer = layer_activation_bytes(s, b)
     final = tok * s.hidden * (4 + b) + mb * z.C * s.hidden * b  # final RMSNorm + the completion window's hidden copy
     mask = mb * z.T * z.T  # the (m, 1, T, T) boolean attention mask of a left-padded batch
     if cfg.model.get("gradient_checkpointing"):
@@ -280,14 +314,31 @@ def vllm_share(cfg, z: Sizes) -> tuple[float, list[Line], list[str], list[str]]:
     vb = _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
     kv = z.shape.kv_bytes_per_token * vb * z.T
     profile, how = vllm_profile_bytes(cfg, z.shape)
-    need = z.n * vb + profile + kv
+    slots, slots_how = vllm_lora_slot_bytes(cfg, z, vb)
+    weights = z.n * vb + slots
+    need = weights + profile + kv
     problems = [] if reserve >= need else [
         f"rollout.vllm.gpu_memory_utilization = {util:g}: {reserve / GiB:.1f} GiB of the {total / GiB:.1f} GiB device "
-        f"cannot hold the engine's weights ({z.n * vb / GiB:.1f} GiB), its profile (~{profile / GiB:.1f} "
+        f"cannot hold the engine's weights ({weights / GiB:.1f} GiB), its profile (~{profile / GiB:.1f} "
         f"GiB) and the KV cache of one {z.T:,}-token sequence ({kv / GiB:.2f} GiB); needs >= "
         f"{math.ceil(need / total * 100) / 100:.2f}"]
     lines = [Line("vllm", "profile run (inside the reserve)", profile, how)]  # a phase no total adds: in the reserve
-    return reserve, lines, problems, [] if problems else [vllm_concurrency(cfg, z, reserve - z.n * vb - profile, kv)]
+    if slots:
+        lines.append(Line("vllm", "LoRA slot (inside the reserve)", slots, slots_how))
+    return reserve, lines, problems, [] if problems else [vllm_concurrency(cfg, z, reserve - weights - profile, kv)]
+
+
+def vllm_lora_slot_bytes(cfg, z: Sizes, vb: int) -> tuple[float, str]:
+    """(bytes, how) vLLM preallocates for adapters under peft.sync=adapter: one slot (max_loras 1) of max_lora_rank (the
+    smallest allowed rank >= peft.rank) on every linear layer, A and B, in the engine's dtype (vLLM's LoRA layers'
+    lora_a_stacked / lora_b_stacked); nothing without an adapter in the engine."""
+    if not z.lora_rank or str((cfg.get("peft") or {}).get("sync", "adapter")) != "adapter":
+        return 0.0, ""
+    from grail_exp.models.lora import engine_max_rank
+
+    r = engine_max_rank(z.lora_rank)
+    n = lora_parameters(z.shape, r)
+    return n * vb, f"max_loras 1 x max_lora_rank {r} x sum(in + out) of every linear layer = {n:,} x {vb} B"
 
 
 def vllm_concurrency(cfg, z: Sizes, kv_space: float, per_sequence: float) -> str:
@@ -310,8 +361,7 @@ def rollout_lines(cfg, z: Sizes) -> list[Line]:
     parameters gathered where the strategy shards them)."""
     r, s, b = cfg.rollout, z.shape, z.b
     if str(r.engine) == "vllm":
-        sync = _sync_chunk_bytes(cfg, z)
-        return [Line("rollout", "weight sync: one chunk in flight", sync, _SYNC_HOW)] if sync else []
+        return _sync_lines(cfg, z, "rollout")
     G = r.num_generations
     per_call = max(1, int(r.generation_batch_size) // G)
     rows = min(per_call, max(1, cfg.trainer.prompts_per_step // z.world)) * G
@@ -333,8 +383,7 @@ def eval_lines(cfg, z: Sizes) -> list[Line]:
     if not (t.get("eval_at_end") or t.get("eval_before_training") or t.get("eval_every")):
         return []
     if str(cfg.rollout.engine) == "vllm":
-        sync = _sync_chunk_bytes(cfg, z)
-        return [Line("eval", "weight sync: one chunk in flight", sync, _SYNC_HOW)] if sync else []
+        return _sync_lines(cfg, z, "eval")
     ev = cfg.eval
     per_call = max(1, int(ev.batch_size) // int(ev.n))
     rows = per_call * int(ev.n)
@@ -376,7 +425,10 @@ def _facts(cfg, z: Sizes) -> dict:
     r, m, engine = cfg.rollout, cfg.model, str(cfg.rollout.engine)
     sampling = (f" (gpu_memory_utilization {r.vllm.gpu_memory_utilization:g})" if engine == "vllm" else
                 f" (generation_batch_size {r.generation_batch_size}, eval.batch_size {cfg.eval.batch_size})")
-    return {"model": f"{z.shape.name} ({z.n / 1e9:.2f} B parameters, {m.dtype})",
+    held = "fp32" if z.adapters_fp32 else f"{m.dtype}, fp32 masters where the strategy keeps them"
+    peft = {"peft": f"lora, rank {z.lora_rank}: {z.n_adapter / 1e6:.1f} M adapter parameters ({held}) on a frozen base"} \
+        if z.lora_rank else {}
+    return {"model": f"{z.shape.name} ({z.n / 1e9:.2f} B parameters, {m.dtype})", **peft,
             "strategy": f"{z.backend.memory_layout(cfg, z.world)}, {z.world} device(s)",
             "micro-batch": f"{z.rows} rows x ({z.P} prompt + {z.C} completion) tokens", "engine": engine + sampling,
             "checkpointing": bool(m.get("gradient_checkpointing")),
@@ -385,6 +437,24 @@ def _facts(cfg, z: Sizes) -> dict:
 
 _SYNC_HOW = ("rollout.vllm.sync_chunk_mb of full parameters gathered and cast to the engine's dtype (a larger tensor, "
              "the embedding, alone)")
+
+
+def _sync_lines(cfg, z: Sizes, phase: str) -> list[Line]:
+    """What a weight sync to vLLM holds beyond the model. Full fine-tuning: one chunk (``_sync_chunk_bytes``).
+    peft=lora, sync=adapter: the adapter's copy handed to the engine (the base travels once, as a chunk);
+    sync=merged: one targeted layer merged in fp32 (its base weight's fp32 copy, B A and their sum, the largest an
+    MLP projection h x i) beside the chunk of merged tensors."""
+    sync = _sync_chunk_bytes(cfg, z)
+    if z.lora_rank and str(cfg.peft.get("sync", "adapter")) == "adapter":
+        adapter = float(z.adapter_bytes * z.n_adapter)
+        return [Line(phase, "weight sync: the adapter (the base once, a chunk)", max(adapter, sync),
+                     f"max(the adapter's copy {z.adapter_bytes} B x {z.n_adapter:,}, one chunk of the base's one push)")]
+    if z.lora_rank:
+        layer = 3 * 4 * z.shape.hidden * z.shape.intermediate
+        chunk = max(sync, float(cfg.rollout.vllm.get("sync_chunk_mb", 256) or 256) * 2**20)
+        return [Line(phase, "weight sync: merging one layer + a chunk", layer + chunk,
+                     f"3 x 4 B x h x i (W in fp32, B A, their sum) + {_SYNC_HOW}")]
+    return [Line(phase, "weight sync: one chunk in flight", sync, _SYNC_HOW)] if sync else []
 
 
 def _sync_chunk_bytes(cfg, z: Sizes) -> float:
@@ -458,7 +528,7 @@ def host_node_lines(cfg, z: Sizes) -> list[Line]:
     R = min(devices_per_node(cfg.trainer.devices), W)
     L = _dtype_bytes((B.policy_overrides(cfg).get("model") or {}).get("dtype", cfg.model.dtype))
     tensor = s.vocab * s.hidden
-    ref = needs_reference(cfg)
+    ref = needs_reference(cfg) and not z.lora_rank  # under peft=lora the reference is the policy's base
     workers = int(cfg.reward.num_workers)
     lines = [Line("host", "libraries and grading workers", R * (HOST_BASELINE + GRADER_WORKER * workers),
                   f"R {R} ranks x ({HOST_BASELINE / GiB:.2f} GiB + reward.num_workers {workers} x "
@@ -470,20 +540,30 @@ def host_node_lines(cfg, z: Sizes) -> list[Line]:
     how = (f"{who}: N {n:,} x L {L} B" + (" + the reference N x b" if ref else "")
            + (" + rank 0's shards N x L / W while its full copy lives" if shards else ""))
     lines.append(Line("host: load", "weights read from disk", load, how))
-    parts = [B.planned_checkpoint_shard(cfg, n, b, W, r, tensor) for r in range(R)]
+    if z.lora_rank:  # the checkpoint's parts hold the adapter's state (fp32, no masters); the base comes from the start
+        parts = [p._replace(how=f"the adapter's state, {z.n_adapter:,} elements of {z.adapter_bytes} B in the strategy's "
+                            "layout, + the optimiser's one storage at a time") if p.bytes else p
+                 for p in (B.planned_checkpoint_shard(cfg, z.n_adapter, z.adapter_bytes, W, r, 0) for r in range(R))]
+        holds = False
+        export = 4 * tensor if cfg.peft.get("export_merged") else 0.0  # merged/: one merged fp32 tensor at a time
+    else:
+        parts = [B.planned_checkpoint_shard(cfg, n, b, W, r, tensor) for r in range(R)]
+        holds = B.checkpoint_holds_weights(cfg)
+        # Sharded weights: rank 0 streams the full Hugging Face export in the model's dtype, one gathered tensor at a
+        # time, into the final checkpoint (every checkpoint with trainer.export_hf_weights=every): the row's peak.
+        t = cfg.trainer
+        exported = t.get("save_final_checkpoint", True) or t.get("export_hf_weights", "final") == "every"
+        export = b * tensor if holds and exported else 0.0
     staged = sum(p.bytes for p in parts)
-    # Sharded weights: rank 0 streams the full Hugging Face export in the model's dtype, one gathered tensor at a time,
-    # into the final checkpoint (every checkpoint with trainer.export_hf_weights=every): the checkpoint row's peak.
-    t = cfg.trainer
-    exported = t.get("save_final_checkpoint", True) or t.get("export_hf_weights", "final") == "every"
-    export = b * tensor if B.checkpoint_holds_weights(cfg) and exported else 0.0
     writers = f"{R} ranks" if parts[-1].bytes else "rank 0"
+    exported_as = "4 B (the merged fp32 tensor)" if z.lora_rank else f"b {b} B"
     lines.append(Line("host: checkpoint", "what the writing ranks hold at once", staged + export,
                       f"{writers}: {parts[0].how}" + (" (others: " + parts[-1].how + ")" if parts[-1].how != parts[0].how
-                                                       else "") + (f", + rank 0's export, one gathered b {b} B x V x "
-                                                                   "h tensor at a time" if export else "")))
-    outside = ([] if B.checkpoint_holds_weights(cfg) else ["the policy N x L"]) + (["the reference N x b"] if ref else [])
-    weights = (0.0 if B.checkpoint_holds_weights(cfg) else copies * n * L) + (copies * n * b if ref else 0.0)
+                                                       else "") + (f", + rank 0's export, one gathered {exported_as} x V"
+                                                                   " x h tensor at a time" if export else "")))
+    ref = ref and not z.lora_rank  # under peft=lora the reference is the policy's base: nothing more to read
+    outside = ([] if holds else ["the policy N x L"]) + (["the reference N x b"] if ref else [])
+    weights = (0.0 if holds else copies * n * L) + (copies * n * b if ref else 0.0)
     lines.append(Line("host: resume", "the parts read back, or the weights", max(staged, weights),
                       f"max(the parts read back (memory-mapped, placed one at a time) {staged / GiB:.2f} GiB, the "
                       f"weights read as at load that the parts do not carry ({' + '.join(outside) or 'none'}) "

@@ -167,6 +167,44 @@ def layer_activation_bytes(s: Shape, b: int) -> float:
             + 4 * b * s.intermediate)
 
 
+# peft=lora (grail_exp/models/lora.py): the planner plans adapters on all seven linear layers of a decoder layer (the
+# default peft.target_modules); a subset holds less of every term below, so its plan is an upper bound.
+LORA_TARGETS = 7
+
+
+def lora_parameters(s: Shape, rank: int) -> int:
+    """Adapter elements of rank ``rank`` on every linear layer of attention and MLP: r x (in + out) per layer (Qwen3-8B:
+    2,727,936 x r)."""
+    qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_rank = (s.hidden + qd) + 2 * (s.hidden + kd) + (qd + s.hidden) + 2 * (s.hidden + s.intermediate) \
+        + (s.intermediate + s.hidden)
+    return int(rank) * s.layers * per_rank
+
+
+def frozen_layer_activation_bytes(s: Shape, b: int) -> float:
+    """Bytes autograd saves per token in one decoder layer whose weights are all frozen (peft=lora's base), counted with
+    saved-tensor hooks on the real HF layers (tests/test_plan.py): a frozen weight's input is not kept for its
+    gradient, so against ``layer_activation_bytes`` the RMSNorms keep their fp32 input only (2·4·h), attention keeps
+    q, k, v and its output (b·(2·n_h·d + 2·n_kv·d)), Qwen3's q/k norms their fp32 input (4·(n_h + n_kv)·d), the MLP
+    gate, up and activation (3·b·i)."""
+    qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return 8 * s.hidden + b * (2 * qd + 2 * kd) + (4 * (qd + kd) if s.qk_norm else 0) + 3 * b * s.intermediate
+
+
+def lora_layer_activation_bytes(s: Shape, b: int, rank: int, a: int, narrowed: bool = False) -> float:
+    """``frozen_layer_activation_bytes`` plus what the adapters keep, measured like it, with a bytes per adapter
+    element (b: adapters in model.dtype, 4: ``peft.adapter_dtype=float32``): the adapters' inputs, the layer's own
+    tensors, once per distinct one (a·(h + n_h·d + i)), and their r-wide intermediates (a·r each). fp32 adapters on a
+    b = 2 base: PEFT casts the input for each adapter, so q, k, v, gate and up keep a copy each (16·h more), and with
+    the CPU's narrowed linear layers (``trainer.narrow_backward``), which keep their input whatever needs a gradient,
+    the base layers' b-byte inputs too (b·(h + n_h·d + i)); in one dtype those are the adapters' own inputs."""
+    qd = s.heads * s.head_dim
+    inputs = a * (s.hidden + qd + s.intermediate)
+    cast = a == 4 and b != 4
+    extra = (16 * s.hidden + (b * (s.hidden + qd + s.intermediate) if narrowed else 0)) if cast else 0
+    return frozen_layer_activation_bytes(s, b) + inputs + extra + a * LORA_TARGETS * int(rank)
+
+
 def logits_bytes(rows: int, chunk: int, s: Shape, b: int) -> tuple[float, float, str]:
     """(forward peak, backward peak, how) of the chunked output layer over ``rows`` completion tokens."""
     n = min(rows, chunk)

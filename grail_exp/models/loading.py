@@ -240,12 +240,15 @@ def load_tokenizer(path: str, cfg):
     return tok
 
 
-def load_causal_lm(path: str, cfg, *, trainable: bool, weights: bool = True):
+def load_causal_lm(path: str, cfg, *, trainable: bool, weights: bool = True, adapter_dir=None):
     """The policy (``trainable=True``) or a frozen copy (reference model).
 
     ``weights=False``: the same module tree on the meta device, holding no memory (the config is read, no weight file):
     a rank of a multi-rank run whose weights arrive from rank 0 once the process group exists (the update backend's
-    ``configure_model``), so that only rank 0 holds a host copy of the weights."""
+    ``configure_model``), so that only rank 0 holds a host copy of the weights.
+
+    ``peft=lora``: the trainable policy carries LoRA adapters on its frozen weights (``grail_exp/models/lora.py``);
+    ``adapter_dir``, a checkpoint's adapter folder, gives them their trained values (resume)."""
     from transformers import AutoModelForCausalLM
 
     from grail_exp.models.architectures import build_random_model, read_marker
@@ -274,6 +277,10 @@ def load_causal_lm(path: str, cfg, *, trainable: bool, weights: bool = True):
     if trainable:
         if m.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from grail_exp.models import lora
+
+        if lora.enabled(cfg):
+            model = lora.apply(model, cfg, adapter_dir)
         model.train()  # from_pretrained returns eval mode
     else:
         model.eval().requires_grad_(False)

@@ -441,3 +441,42 @@ def checkpoint_time(ev: Evidence) -> Result:
                       f"the process-group timeout {ev.dist_timeout_s:.0f} s is shorter than twice the full-depth "
                       f"checkpoint write ({need:.0f} s): set {ev.dist_timeout_key} >= {need:.0f}")
     return Result("checkpoint_time", True, measured, expected)
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+@check("lora_adapter")
+def lora_adapter(ev: Evidence) -> Result:
+    """peft=lora with an engine that keeps its own weights and takes the adapter (``peft.sync=adapter``): at every
+    sync of every rank the engine generated with a new adapter version, the one it lists as loaded, and no other (an
+    adapter that never reaches the engine leaves it sampling the first policy: verl #7495). weight_sync judges what
+    the engine computes with it. Not judged without LoRA, under peft.sync=merged (full weights: weight_sync) or with
+    an engine that samples the policy itself (rollout=hf)."""
+    setups = [s[0] for r in _ranks(ev.train) for s in [ev.train.at(r, "setup")] if s]
+    if not setups or all(s.get("peft", "none") != "lora" for s in setups):
+        return Result("lora_adapter", None, "full fine-tuning (peft=none)", "")
+    if any(s.get("peft_sync") != "adapter" for s in setups):
+        return Result("lora_adapter", None, "peft.sync=merged: full weights, judged by weight_sync", "")
+    runs = [run for run in (ev.train, ev.resume) if run]
+    syncs = {(i, r): run.at(r, "synced") for i, run in enumerate(runs) for r in _ranks(run)}
+    if not any("adapter" in s for v in syncs.values() for s in v):
+        return Result("lora_adapter", None, f"the engine ({setups[0].get('engine')}) samples the policy itself: "
+                      "nothing to push", "")
+    bad, count = [], 0
+    for (i, r), recs in syncs.items():
+        ids = [s.get("adapter_id") for s in recs]
+        count += len(recs)
+        if any(x is None for x in ids):
+            bad.append(f"run {i} rank {r}: a sync without an adapter in the engine")
+            continue
+        if ids != sorted(set(ids)):
+            bad.append(f"run {i} rank {r}: versions {ids} (a version reused)")
+        for s in recs:
+            if s["engine_adapters"] != [s["adapter_id"]]:
+                bad.append(f"run {i} rank {r}: generated with {s['adapter']} while the engine lists "
+                           f"{s['engine_adapters']}")
+    measured = f"{count} syncs, each with a new adapter version the engine lists alone"
+    expected = "a new version at every sync, loaded in the engine, on every rank"
+    if bad:
+        return Result("lora_adapter", False, measured, expected, "peft.sync",
+                      "the adapter did not reach the engine as the trainer holds it: " + "; ".join(bad[:3]))
+    return Result("lora_adapter", True, measured, expected)

@@ -10,7 +10,8 @@ Besides:
   the CUDA allocator holds once the engine is built (the engine's share: nothing else is on the device yet, the
   policy is moved there after ``setup``; vLLM sizes it by ``gpu_memory_utilization``, not by the model's depth);
 - ``started``: a fingerprint of the full weights once they are placed (restored, when resuming);
-- ``synced``: the engine's log-probs of a fixed completion against the trainer's forward on the same tokens;
+- ``synced``: the engine's log-probs of a fixed completion against the trainer's forward on the same tokens, and under
+  ``peft.sync=adapter`` the adapter version it used and the adapters the engine lists;
 - ``step``: the step and a fingerprint of the full weights;
 - ``evaluated``: which rank generated each chunk, the problems in each chunk and each rank's, a digest of the gathered
   result.
@@ -82,9 +83,11 @@ class PreflightProbe:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             device = f"cuda:{torch.cuda.current_device()}"
             engine_bytes = torch.cuda.memory_allocated()
+        peft = module.cfg.get("peft") or {}
         self._write("setup", world_size=world.world_size(), backend=world.backend_name(), pid=os.getpid(),
                     host=socket.gethostname(), device=device, local_rank=os.environ.get("LOCAL_RANK"),
-                    engine=type(engine).__name__, engine_cuda_bytes=engine_bytes)
+                    engine=type(engine).__name__, engine_cuda_bytes=engine_bytes, peft=str(peft.get("name", "none")),
+                    peft_sync=peft.get("sync"))
 
     def started(self, module):
         self._write("started", step=module.step, weights=fingerprint(module.backend.full_tensors()))
@@ -92,7 +95,8 @@ class PreflightProbe:
     def synced(self, backend, engine):
         temperature = float(backend.module.cfg.rollout.temperature)
         tokens, engine_lp, trainer_lp = engine_and_trainer_logprobs(backend, engine, temperature)
-        self._write("synced", tokens=tokens, engine=engine_lp.tolist(), trainer=trainer_lp.tolist())
+        self._write("synced", tokens=tokens, engine=engine_lp.tolist(), trainer=trainer_lp.tolist(),
+                    **adapter_in_engine(engine))
 
     def step(self, module, step):
         self._write("step", step=step, weights=fingerprint(module.backend.full_tensors()))
@@ -120,6 +124,16 @@ def problems_by_chunk(samples: list[dict], per_call: int) -> dict[str, int]:
         key = f"{b}/{i // per_call}"
         out[key] = out.get(key, 0) + 1
     return out
+
+
+def adapter_in_engine(engine) -> dict:
+    """peft.sync=adapter: the adapter version generation now uses and the adapters the engine itself lists (its own
+    ``list_loras``); {} for an engine without one."""
+    request = getattr(engine, "adapter_request", None)
+    if request is None:
+        return {}
+    return {"adapter": request.lora_name, "adapter_id": int(request.lora_int_id),
+            "engine_adapters": sorted(int(i) for i in engine.adapters.loaded())}
 
 
 def problems_by_rank(samples: list[dict], generated_by: dict[str, int], per_call: int) -> dict[str, int]:

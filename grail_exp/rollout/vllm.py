@@ -196,7 +196,7 @@ class VLLMRolloutEngine:
                  logprobs_mode: str = "raw_logprobs", seed: int = 0, stop_token_ids: list[int] | None = None,
                  sync_chunk_mb: float = 256, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, revision: str | None = None, seeded_rollouts: bool = False,
-                 llm_kwargs: dict | None = None):
+                 llm_kwargs: dict | None = None, lora_rank: int | None = None):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -219,6 +219,10 @@ class VLLMRolloutEngine:
         self.enforce_eager = enforce_eager
         sizes = {k: v for k, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs))
                  if v is not None}
+        if lora_rank:  # peft.sync=adapter: one LoRA slot, the adapter replaced at each sync (rollout/vllm_lora.py)
+            from grail_exp.rollout.vllm_lora import engine_kwargs
+
+            llm_kwargs = {**(llm_kwargs or {}), **engine_kwargs(lora_rank)}
         group = join_process_group()
         rank_device = None if current_platform.is_cpu() or not torch.cuda.is_available() else \
             torch.cuda.current_device()
@@ -248,6 +252,14 @@ class VLLMRolloutEngine:
         self.sleeping = False
         # vLLM's random dummy weights until the first load_weights: generating from them is a bug of the caller
         self.weights_loaded = (llm_kwargs or {}).get("load_format") != "dummy"
+        self.adapters = None  # peft.sync=adapter: the engine's adapter versions (rollout/vllm_lora.py)
+        if lora_rank:
+            from grail_exp.rollout.vllm_lora import AdapterVersions
+
+            self.adapters = AdapterVersions(self.llm, self.in_process)
+        # Sleep level 2 drops the weights (every sync pushes them anew); with an adapter the base is pushed once, so
+        # the engine sleeps at level 1, which keeps it in host memory (verl PR #4470: level 2 reloaded it each step).
+        self.sleep_level = 1 if self.adapters is not None else 2
         log.info("vLLM engine %s (%s) started in %.1f s", model_path, dtype, self.start_seconds)
 
     # ------------------------------------------------------------------ weights
@@ -273,6 +285,25 @@ class VLLMRolloutEngine:
         self.weights_loaded = True
         self.last_sync_seconds = time.perf_counter() - t
 
+    def load_adapter(self, tensors: dict, config: dict) -> None:
+        """``peft.sync=adapter``: the policy's LoRA adapter (PEFT's tensor names, its ``adapter_config.json``) replaces
+        the engine's, under the next version's name (rollout/vllm_lora.py); every later generation uses it. Wakes a
+        sleeping engine; the prefix cache, whose entries belong to the previous version's name, is dropped."""
+        if self.adapters is None:
+            raise RuntimeError("this vLLM engine was built without LoRA (peft=lora with peft.sync=adapter builds it "
+                               "with one adapter slot)")
+        t = time.perf_counter()
+        if self.sleeping:
+            self.wake_up()
+        self.adapters.push(tensors, config)
+        self.llm.reset_prefix_cache()
+        self.last_sync_seconds = time.perf_counter() - t
+
+    @property
+    def adapter_request(self):
+        """The ``LoRARequest`` of the adapter generation uses (None: the engine's own weights alone)."""
+        return self.adapters.request if self.adapters is not None else None
+
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push an unsharded ``model``'s state dict (tied lm_head included), chunk by chunk (``load_weights``)."""
         pairs = ((k, v.detach().to(self.dtype)) for k, v in model.state_dict().items())
@@ -294,7 +325,7 @@ class VLLMRolloutEngine:
     def sleep(self) -> None:
         """Release weights and KV cache between rollouts (level 2: the next ``sync_weights`` refills them)."""
         if self.sleep_mode and not self.sleeping:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=self.sleep_level)
             self.sleeping = True
 
     def wake_up(self) -> None:
@@ -310,6 +341,8 @@ class VLLMRolloutEngine:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
+        if getattr(self, "adapters", None) is not None:
+            self.adapters.close()
         shutdown = getattr(llm, "shutdown", None)  # LLM.shutdown where vLLM has it; else the engine core's own
         if not callable(shutdown):
             shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
@@ -360,9 +393,10 @@ class VLLMRolloutEngine:
                     logprobs=0 if params.logprobs else None,
                     detokenize=False))
         out: list[Completion] = []
+        adapter = {"lora_request": self.adapter_request} if self.adapter_request is not None else {}
         for s in range(0, len(requests), self.batch_size):
             results = self.llm.generate(requests[s:s + self.batch_size], sampling[s:s + self.batch_size],
-                                        use_tqdm=False)
+                                        use_tqdm=False, **adapter)
             for i, res in enumerate(results):
                 r = s + i
                 out.append(self._completion(prompts[r // params.n], res.outputs[0], params))
@@ -421,7 +455,15 @@ def build_vllm_engine(model_path: str, tokenizer, cfg, batch_size: int = 256,
         logprobs_mode=v.logprobs_mode, seed=engine_seed(cfg.seed if v.seed is None else v.seed, world.rank()),
         sync_chunk_mb=v.get("sync_chunk_mb", 256), max_num_batched_tokens=v.get("max_num_batched_tokens"),
         max_num_seqs=v.get("max_num_seqs"), revision=cfg.model.get("revision") if own else None,
-        seeded_rollouts=bool(v.get("seeded_rollouts", False)), llm_kwargs=kwargs)
+        seeded_rollouts=bool(v.get("seeded_rollouts", False)), llm_kwargs=kwargs,
+        lora_rank=_adapter_rank(cfg))
+
+
+def _adapter_rank(cfg) -> int | None:
+    """``peft.rank`` when the engine must hold the policy's adapter (``peft=lora`` with ``peft.sync=adapter``)."""
+    from grail_exp.models import lora
+
+    return int(cfg.peft.rank) if lora.enabled(cfg) and cfg.peft.sync == "adapter" else None
 
 
 def run_max_model_len(cfg, tokenizer, sample: int = 256, block: int = 16) -> int:

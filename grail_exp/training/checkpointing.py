@@ -37,34 +37,43 @@ from pathlib import Path
 from grail_exp import faults
 from grail_exp.checkpoint import (FORMAT, SHARDED_DIR, STATE_FILE, CheckpointError, prune, rank_file, save_torch,
                                   seal, write_dir_atomically, write_safetensors_streaming)
-from grail_exp.training import probe
+from grail_exp.models import lora
+from grail_exp.training import lora_checkpoint, probe
 from grail_exp import world
 
 log = logging.getLogger(__name__)
 
 
-def write_checkpoint(root: Path, module, tokenizer, position: dict, keep_last: int | None, export_hf: bool) -> Path:
+def write_checkpoint(root: Path, module, tokenizer, position: dict, keep_last: int | None, export_hf: bool,
+                     final: bool = False) -> Path:
     """``root/step-<module.step>`` written by every rank (a collective), atomically; returns its path on every rank.
-    ``export_hf``: write the full Hugging Face weights even where resume does not need them (FSDP)."""
-    final = root / f"step-{module.step}"
-    tmp = _temporary_dir(root, final)
+    ``export_hf``: write the full Hugging Face weights even where resume does not need them (FSDP). Under
+    ``peft=lora`` the model part is the adapter instead, and ``final`` (the run's last checkpoint) with
+    ``peft.export_merged`` adds the merged model (``training/lora_checkpoint.py``)."""
+    target = root / f"step-{module.step}"
+    tmp = _temporary_dir(root, target)
     backend, optimizer, rank = module.backend, module.optimizers(), world.rank()
     failure = _attempt(_write_own_part, module, position, tmp)
     # Collectives from here on run on every rank whatever failed above, so a failed rank never hangs the others.
     failure = _attempt(backend.save_shards, optimizer, tmp / SHARDED_DIR) or failure
-    if export_hf or not backend.model_in_shards:
+    if lora.enabled(module.cfg):  # the adapter is the model part; the merged model on request
+        failure = _attempt(lora_checkpoint.write_adapter, module, tmp if rank == 0 else None) or failure
+        if final and module.cfg.peft.export_merged:
+            merged = tmp / lora_checkpoint.MERGED_DIR if rank == 0 else None
+            failure = _attempt(lora_checkpoint.write_merged, module, merged) or failure
+    elif export_hf or not backend.model_in_shards:
         failure = _attempt(export_hf_weights, module, tmp if rank == 0 else None) or failure
     if rank == 0 and failure is None:
         failure = _attempt(_write_shared, module, tokenizer, position, tmp)
-    agree(failure, "checkpoint", final, cleanup=tmp)  # also the point where every rank's files are written
+    agree(failure, "checkpoint", target, cleanup=tmp)  # also the point where every rank's files are written
     sealed = None
     if rank == 0:
-        sealed = _attempt(seal, tmp, final)
+        sealed = _attempt(seal, tmp, target)
         if sealed is None:
             prune(root, keep_last)
-    agree(sealed, "checkpoint", final, cleanup=tmp)  # every rank leaves here, with the checkpoint in place or an error
-    probe.emit("checkpointed", module=module, path=final)
-    return final
+    agree(sealed, "checkpoint", target, cleanup=tmp)  # every rank leaves here, with the checkpoint in place or an error
+    probe.emit("checkpointed", module=module, path=target)
+    return target
 
 
 def write_trajectory(root: Path, module, tokenizer, step: int) -> Path:
@@ -173,6 +182,9 @@ def export_hf_weights(module, directory: Path | None) -> None:
     import torch
 
     policy, backend = module.policy, module.backend
+    if lora.is_lora(policy):  # the merged model (training/lora_checkpoint.py)
+        lora_checkpoint.write_merged(module, directory)
+        return
     if not backend.shards_parameters:  # the policy itself is held in model.dtype (fp32 masters live in the optimiser)
         if directory is not None:
             policy.save_pretrained(directory, safe_serialization=True)

@@ -64,7 +64,7 @@ class RolloutPhase:
             if self.needs_old_logp() and batch.old_logp is None:
                 self.old_logps(batch)
             if needs_reference(cfg, self.terms) and batch.ref_logp is None:
-                batch.ref_logp = self.logps(self.ref_model, batch)
+                batch.ref_logp = self.reference_logps(batch)
         if batch.old_logp is not None and batch.sampler_logp is not None:
             stats.update(self.check_sampler(batch))
         if batch.sampler_log_mass is not None:
@@ -160,6 +160,16 @@ class RolloutPhase:
                                               batch.position_ids[s:e], batch.completion_ids[s:e])
             out.append(logp)
         return torch.cat(out)
+
+    def reference_logps(self, batch: TrainingBatch) -> torch.Tensor:
+        """(N, C) log-probs under the frozen reference π_ref: the loaded reference model, or, under ``peft=lora``
+        (no reference loaded), the policy with its adapters off, which is the base it started from."""
+        if self.ref_model is not None:
+            return self.logps(self.ref_model, batch)
+        from grail_exp.models.lora import adapters_disabled
+
+        with torch.no_grad(), adapters_disabled(self.policy):
+            return self.logps(self.policy, batch)
 
     def sampler_filter(self) -> tuple[int, float] | None:
         """(top_k, top_p) when the engine reports log-probs renormalised over the tokens top-k / top-p keep (vLLM's
@@ -336,7 +346,7 @@ class RolloutPhase:
             with timed(timings, "old_logp"):
                 if batch.old_logp is None:
                     self.old_logps(batch)
-                batch.ref_logp = self.logps(self.ref_model, batch)
+                batch.ref_logp = self.reference_logps(batch)
             kl = KL_ESTIMATORS[kir.estimator](batch.old_logp, batch.ref_logp).cpu()
             rewards, m = self.kl_controller.penalise(rewards, kl, batch.loss_mask.cpu())
             stats.update(m)

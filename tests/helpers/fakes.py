@@ -150,3 +150,15 @@ class AlternatingVerifier:
 
     def close(self):
         pass
+
+
+class OwnWeightsEngine(ScriptedEngine):
+    """A plug-in engine that keeps its own copy of the weights (``load_weights``: full tensors streamed in chunks) and
+    has no way to take a LoRA adapter: ``peft.sync=merged`` suits it, ``peft.sync=adapter`` is refused."""
+
+    dtype = None
+    sync_chunk_bytes = 1 << 20
+
+    def load_weights(self, chunks) -> None:
+        for _ in chunks:
+            pass

@@ -24,10 +24,14 @@ def small_config(compose_cfg, model_dir, extra=()):
     return validate(cfg)
 
 
-def build_module(cfg, model_dir):
-    """The run's building blocks, on a local tiny model, without the Lightning Trainer."""
+def build_module(cfg, model_dir, engine: str = "hf"):
+    """The run's building blocks, on a local tiny model, without the Lightning Trainer (``engine``: a
+    ``rollout.engine`` name, e.g. ``helpers.fakes:ScriptedEngine`` for rollouts that write boxed answers). Under
+    ``peft=lora`` no reference model is loaded: the policy with its adapters off is the reference, as in a run."""
     from grail_exp.advantages import build_scheme
     from grail_exp.data import build_source
+    from grail_exp.loss import build_terms, needs_reference
+    from grail_exp.models import lora
     from grail_exp.models.loading import load_causal_lm, load_tokenizer
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker
@@ -35,9 +39,12 @@ def build_module(cfg, model_dir):
 
     tok = load_tokenizer(str(model_dir), cfg)
     policy = load_causal_lm(str(model_dir), cfg, trainable=True)
-    ref = load_causal_lm(str(model_dir), cfg, trainable=False) if cfg.loss.beta > 0 else None
-    return GRPOModule(cfg, policy, tok, build_scheme(cfg.advantage, tok), build_engine("hf", policy, tok),
-                      build_source(cfg.data), AlternatingVerifier(), NullTracker(), ref)
+    terms = build_terms(cfg.loss.get("terms"), tok, cfg.model)
+    ref = load_causal_lm(str(model_dir), cfg, trainable=False) \
+        if needs_reference(cfg, terms) and not lora.enabled(cfg) else None
+    scheme = build_scheme(cfg.advantage, tok, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
+    return GRPOModule(cfg, policy, tok, scheme, build_engine(engine, policy, tok), build_source(cfg.data),
+                      AlternatingVerifier(), NullTracker(), ref, terms=terms)
 
 
 class FakeOpt:
@@ -65,5 +72,5 @@ def train_step(module, iteration=0, round_index=0):
     if module.cfg.loss.num_iterations > 1:
         batch.old_logp = module.rollout.logps(module.policy, batch)
     if module.cfg.loss.beta > 0:
-        batch.ref_logp = module.rollout.logps(module.ref_model, batch)
+        batch.ref_logp = module.rollout.reference_logps(batch)
     return batch, module.update.step(batch, fake, sched, batch.loss_mask.sum().item(), {}, epoch=iteration)

@@ -19,14 +19,14 @@ from helpers.tolerances import HANG_TIMEOUT_S, MODEL_REORDER
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def run_scripted(run_dir: Path, model_dir: Path, extra: list[str], probe_dir: Path | None = None
-                 ) -> subprocess.CompletedProcess:
+def run_scripted(run_dir: Path, model_dir: Path, extra: list[str], probe_dir: Path | None = None,
+                 probe: str = "helpers.card_probe:WorldProbe") -> subprocess.CompletedProcess:
     """One optimiser step (unless ``extra`` says otherwise) of 4 prompts x 4 rollouts, no evaluation, into
-    ``run_dir``. ``probe_dir``: every rank records its world there (``helpers.card_probe.WorldProbe``)."""
+    ``run_dir``. ``probe_dir``: every rank records there what ``probe`` writes (by default its world)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     if probe_dir is not None:
-        env.update(GRAIL_EXP_PROBE="helpers.card_probe:WorldProbe", GRAIL_EXP_PROBE_DIR=str(probe_dir))
+        env.update(GRAIL_EXP_PROBE=probe, GRAIL_EXP_PROBE_DIR=str(probe_dir))
     args = ["logger=none", "rollout.engine=helpers.fakes:ScriptedEngine", f"model.name_or_path={model_dir}",
             "trainer.max_steps=1", "trainer.prompts_per_step=4", "rollout.num_generations=4",
             "trainer.micro_batch_size=8", "trainer.eval_before_training=false", "trainer.eval_at_end=false",

@@ -40,6 +40,7 @@ import torch
 
 from grail_exp.compute.forward import policy_forward, share_prompts_of
 from grail_exp.compute.chunks import chunked
+from grail_exp.models import lora
 from grail_exp.training import probe
 
 BACKENDS: dict[str, type["UpdateBackend"]] = {}
@@ -286,13 +287,15 @@ class UpdateBackend:
         return nullcontext()
 
     # ---- the rollout engine's weights
-    def full_tensors(self, dtype: torch.dtype | None = None):
+    def full_tensors(self, dtype: torch.dtype | None = None, keep: Callable[[str], bool] | None = None):
         """``(name, tensor)`` of the policy's full state dict, tied output layer included (``state_dict`` and not
         ``named_parameters``: a tied ``lm_head.weight`` is missing from the latter), each floating tensor in ``dtype``
         (None: as held). Here the live tensors themselves: every rank holds all of them (one process, DDP, ZeRO-1/2);
-        sharded backends gather each one (a collective)."""
+        sharded backends gather each one (a collective). ``keep``: only the names it accepts (the others are not
+        gathered)."""
         for name, t in self.module.policy.state_dict().items():
-            yield name, cast(t, dtype)
+            if keep is None or keep(name):
+                yield name, cast(t, dtype)
 
     def weight_chunks(self, dtype: torch.dtype, max_bytes: int):
         """The policy's full parameters in ``dtype`` as lists of ``(name, tensor)`` of at most ``max_bytes`` (a larger
@@ -305,11 +308,33 @@ class UpdateBackend:
         vLLM) is streamed the full parameters chunk by chunk; one that samples from the policy object (HF, plug-ins)
         is handed the policy, with every parameter present. A collective when sharded: every rank calls it."""
         if callable(getattr(engine, "load_weights", None)):
-            engine.load_weights(self.weight_chunks(engine.dtype, engine.sync_chunk_bytes))
+            if lora.enabled(self.cfg):
+                self.sync_lora(engine)
+            else:
+                engine.load_weights(self.weight_chunks(engine.dtype, engine.sync_chunk_bytes))
         else:
             with self.full_parameters():
                 engine.sync_weights(self.module.policy)
         probe.emit("synced", backend=self, engine=engine)
+
+    def sync_lora(self, engine) -> None:
+        """``peft=lora``, an engine with its own weights (grail_exp/models/lora.py, docs/lora.md). ``peft.sync=adapter``:
+        the frozen base once (Hugging Face names, chunk by chunk), then at every sync the adapter alone
+        (``engine.load_adapter``, a new version each time). ``peft.sync=merged``: W + (alpha/r) B A of every targeted
+        layer computed in fp32 from the unchanged base into new tensors, cast to the engine's dtype and streamed in
+        chunks like full weights; the trainer's own weights are only read. A collective when sharded."""
+        p, dtype, chunk = self.cfg.peft, engine.dtype, engine.sync_chunk_bytes
+        if p.sync == "merged":
+            merged = lora.merged_tensors(self.full_tensors(), lora.scaling(p))
+            engine.load_weights(chunked(((n, t.to(dtype)) for n, t in merged), chunk))
+            return
+        if not getattr(self, "base_pushed", False):
+            base = lora.base_tensors(self.full_tensors(keep=lambda n: ".lora_" not in n))
+            engine.load_weights(chunked(((n, t.detach().to(dtype)) for n, t in base), chunk))
+            self.base_pushed = True
+        adapter = lora.adapter_tensors(self.full_tensors(keep=lambda n: ".lora_" in n))
+        engine.load_adapter({k: v.detach() for k, v in adapter.items()},  # as held; the engine casts to its own
+                            lora.adapter_config(self.module.policy, getattr(self.cfg.model, "name_or_path", None)))
 
     @contextmanager
     def generation(self, engine):

@@ -36,6 +36,7 @@ import os
 
 import torch
 
+from grail_exp.models import lora
 from grail_exp.optim import build_optimizer
 from grail_exp import world
 from grail_exp.training.backends.base import PlanItem, StepResult, UpdateBackend, more_ranks, register_backend
@@ -46,7 +47,9 @@ def deepspeed_config(cfg) -> dict:
     is bf16, clipping from ``optim.max_grad_norm``. ``trainer.deepspeed`` is merged last (any DeepSpeed key)."""
     from omegaconf import OmegaConf
 
-    bf16 = cfg.model.dtype == "bfloat16"
+    # peft=lora: ZeRO's master partition and Adam state cover the adapters only; with peft.adapter_dtype=float32 the
+    # adapters compute in fp32 (fp32 ZeRO; the frozen base keeps model.dtype and is never cast)
+    bf16 = cfg.model.dtype == "bfloat16" and not (lora.enabled(cfg) and cfg.peft.get("adapter_dtype") == "float32")
     ds = {
         # Placeholders DeepSpeed requires; unmanaged mode ignores them for the boundary (the trainer calls step()).
         "train_micro_batch_size_per_gpu": 1,

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from grail_exp.compute.forward import policy_forward
+from grail_exp.models import lora
 from grail_exp.optim import build_optimizer, grad_params
 from grail_exp.training.backends.base import (PlanItem, UpdateBackend, cast, more_ranks, raw_optimizer,
                                                register_backend)
@@ -54,7 +55,11 @@ def shard_policy(policy: torch.nn.Module, cfg) -> PolicyCore:
     from grail_exp.models.loading import DTYPES, decoder_layer_classes
 
     compute = DTYPES[cfg.model.dtype]
-    mp = MixedPrecisionPolicy(param_dtype=compute if compute != torch.float32 else None, reduce_dtype=torch.float32)
+    # peft=lora: the frozen base is held in model.dtype already (the cast leaves it as it is) and the fp32 adapters are
+    # the master weights, cast for compute like full fine-tuning's; peft.adapter_dtype=float32 computes them in fp32
+    # (nothing cast). The trainable tensors, all fp32, reduce in fp32 (one dtype per unit).
+    cast = compute != torch.float32 and not (lora.enabled(cfg) and cfg.peft.get("adapter_dtype") == "float32")
+    mp = MixedPrecisionPolicy(param_dtype=compute if cast else None, reduce_dtype=torch.float32)
     layer_types = tuple(decoder_layer_classes(cfg))
     reshard = (cfg.trainer.get("sharding_strategy") or "FULL_SHARD") == "FULL_SHARD"
     for module in policy.modules():
@@ -148,17 +153,19 @@ def release(core: torch.nn.Module, reshard_after_forward: bool) -> None:
     core.set_reshard_after_backward(True)
 
 
-def gathered_tensors(policy: torch.nn.Module, dtype: torch.dtype | None = None):
+def gathered_tensors(policy: torch.nn.Module, dtype: torch.dtype | None = None, keep=None):
     """``(name, full tensor)`` of the policy's state dict, each gathered from the ranks' shards when it is asked for
     (one all-gather per tensor, a collective: every rank walks the same names). The state dict's own pre-hook puts
     any gathered unit back to its shards first, so every value is a DTensor here (or a plain, replicated tensor).
     ``dtype``: each shard is cast before its gather (elementwise, so the same values as casting the gathered fp32
-    tensor), halving what travels and what is held for a bf16 engine or export."""
+    tensor), halving what travels and what is held for a bf16 engine or export. ``keep``: only the names it accepts
+    are gathered."""
     from torch.distributed.tensor import DTensor
 
     for name, t in policy.state_dict().items():
-        t = cast(t.detach(), dtype)
-        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+        if keep is None or keep(name):
+            t = cast(t.detach(), dtype)
+            yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
 
 @register_backend("fsdp")
@@ -173,7 +180,9 @@ class FSDPBackend(UpdateBackend):
 
     @classmethod
     def policy_overrides(cls, cfg) -> dict:
-        return {"model": {"dtype": "float32"}}  # fp32 sharded parameters are the master weights
+        # fp32 sharded parameters are the master weights; under peft=lora only the adapters train: they are made
+        # fp32 (the masters), and the frozen base stays in model.dtype
+        return {"peft": {"adapter_dtype": "float32"}} if lora.enabled(cfg) else {"model": {"dtype": "float32"}}
 
     @classmethod
     def check_config(cls, cfg) -> list[str]:
@@ -269,8 +278,10 @@ class FSDPBackend(UpdateBackend):
             return super().full_parameters()
         return full_parameters(self.core, self._reshard_after_forward())
 
-    def full_tensors(self, dtype=None):
-        return gathered_tensors(self.core.policy, dtype) if self.core is not None else super().full_tensors(dtype)
+    def full_tensors(self, dtype=None, keep=None):
+        if self.core is None:
+            return super().full_tensors(dtype, keep)
+        return gathered_tensors(self.core.policy, dtype, keep)
 
     def backward(self, loss):
         # A held micro-batch's loss backward keeps every unit gathered too, and the units are resharded after it. A
@@ -317,14 +328,22 @@ class FSDPBackend(UpdateBackend):
 
         from grail_exp.checkpoint import SHARDED_DIR
 
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         state = self._sharded_state(optimizer)  # this rank's live shards: DCP reads into them, resharding as needed
         dcp.load(state, checkpoint_id=str(directory / SHARDED_DIR))
+        # peft=lora: the state holds the trainable tensors only (``_sharded_state``), so the frozen base is not
+        # "missing" from it; the keys DCP filled are exactly the live state's
+        frozen_left_out = lora.enabled(self.cfg)
         set_state_dict(self.core.policy, raw_optimizer(optimizer), model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(ignore_frozen_params=frozen_left_out, strict=not frozen_left_out))
 
     def _sharded_state(self, optimizer) -> dict:
         """This rank's shards of the policy and its optimiser state (DTensors: DCP knows where each piece belongs)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model, optim = get_state_dict(self.core.policy, raw_optimizer(optimizer))
+        # peft=lora: the frozen base is not part of the state (it is the start's), only the adapter and its optimiser
+        options = StateDictOptions(ignore_frozen_params=lora.enabled(self.cfg))
+        model, optim = get_state_dict(self.core.policy, raw_optimizer(optimizer), options=options)
         return {"model": model, "optimizer": optim}

@@ -88,7 +88,8 @@ class LocalBackend(UpdateBackend):
 
     def build_optimizer(self, policy):
         o = self.cfg.optim
-        half = next(policy.parameters()).dtype in (torch.bfloat16, torch.float16)
+        # what trains decides (under peft=lora the fp32 adapters on a bf16 base need no masters)
+        half = any(p.dtype in (torch.bfloat16, torch.float16) for p in policy.parameters() if p.requires_grad)
         master = o.master_weights if o.master_weights is not None else half
         # fp32 accumulation hooks move gradients off the parameters during backward: fine on one process; under data
         # parallelism the all-reduce needs them on the parameters first. optim.grad_accum_dtype=bf16 leaves them there:

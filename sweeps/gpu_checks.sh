@@ -131,6 +131,7 @@ if [[ $what == cardchecks ]]; then
   timeout 240 $PY -m grail_exp.preflight "${PREFLIGHT[@]}" trainer=fsdp_zero2 "${PREFLIGHT_OPTS[@]}" \
       paths.root_dir="$tmp" preflight.dir="$tmp/preflight" 2>&1 | grep -v "it/s\]" | tail -24
   cp "$tmp/preflight/preflight.md" "$out/preflight_card.md" 2>/dev/null
+  exit 0
 fi
 
 LORA1GPU=(experiment=paper/qwen3_8b_grail_lora model.random_init=true model.tokenizer_name_or_path=pkg:qwen3 rollout=hf

@@ -46,10 +46,11 @@ demo: $(STAMP)
 	$(PY) -m grail_exp.run $(ARGS)
 
 # Two pytest workers (pytest-xdist, work stealing: the long end-to-end tests otherwise leave one worker idle at the end);
-# TEST_JOBS=0 runs the suite in one process.
+# TEST_JOBS=0 runs the suite in one process. The 25 slowest tests are listed at the end: CI's log then says which
+# checks to move under the slow mark when the suite grows.
 TEST_JOBS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) $(if $(filter 0,$(TEST_JOBS)),,--dist worksteal) $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) $(if $(filter 0,$(TEST_JOBS)),,--dist worksteal) --durations=25 $(ARGS)
 
 # The unit tests only: what `make test` runs minus the tests that run the project in a child process (marked e2e).
 test-unit: $(STAMP)

@@ -41,6 +41,18 @@ def test_each_bad_peft_value_is_one_line_naming_its_key(compose_cfg, overrides, 
     assert len(lines) == 1 and lines[0].strip()[2:].startswith(key), str(err.value)
 
 
+def test_lora_without_peft_installed_is_one_line_naming_the_install(compose_cfg, monkeypatch):
+    """A machine installed without the `lora` extra: validation says what to install, before anything loads."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(["peft=lora"]))
+    lines = [ln for ln in str(err.value).splitlines() if ln.strip().startswith("- ")]
+    assert len(lines) == 1 and "peft==0.21.2" in lines[0] and "peft=lora" in lines[0], str(err.value)
+
+
 def test_lora_composes_with_its_defaults_and_none_is_the_default(compose_cfg):
     assert validate(compose_cfg([])).peft.name == "none"
     cfg = validate(compose_cfg(["peft=lora"]))

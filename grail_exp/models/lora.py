@@ -35,6 +35,7 @@ Imports ``errors.py`` and ``compute/leading_rows.py`` (the narrowed backward); `
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -78,6 +79,9 @@ def check_config(cfg) -> list[str]:
         return [f"peft.name = {name!r}: must be none (full fine-tuning) or lora"]
     if name == "none":
         return []
+    if importlib.util.find_spec("peft") is None:
+        e.append("peft=lora needs PEFT, which is not installed: pip install \"peft==0.21.2\" \"accelerate==1.15.0\" "
+                 "(the `lora` extra: pip install -e \".[lora]\")")
     if p.rank <= 0:
         e.append(f"peft.rank = {p.rank}: must be >= 1 (the adapter's inner dimension r)")
     if p.alpha <= 0:

@@ -148,7 +148,7 @@ def _stepped_arm(root: Path, scheme: str, seed: int, k40: int, k50: int, k60: in
 
 
 def _report(study: Path, tmp: Path, *extra: str):
-    from grail_exp.report import build_report
+    from grail_exp.reporting.build import build_report
 
     cfg = compose([f"runs.dir={study}", "design_check.strict=true", "schemes=[grpo,grail]", "seeds=[1,2]",
                    "metrics=[acc]", "stats.n_boot=200", "stats.n_perm=200", "plots.enabled=false", "log_to=none",
@@ -206,7 +206,7 @@ def test_a_checkpoint_averaged_endpoint_by_hand(tmp_path):
 
 def test_a_declared_step_an_arm_lacks_is_refused_naming_the_key_and_the_arm(tmp_path):
     from grail_exp.config import ConfigError
-    from grail_exp.report import validate_report
+    from grail_exp.reporting.schema import validate_report
 
     study = tmp_path / "study"
     for scheme in ("grpo", "grail"):
@@ -343,7 +343,7 @@ def test_holm_over_a_declared_family_of_primary_comparisons_by_hand(tmp_path):
     assert "Holm-adjusted over the declared family of primary comparisons (decision.multiplicity = holm, below), " \
            "is below 0.05" in md
     from grail_exp.config import ConfigError
-    from grail_exp.report import validate_report
+    from grail_exp.reporting.schema import validate_report
 
     with pytest.raises(ConfigError, match="decision.multiplicity = holm: adjusts a declared rule's verdicts"):
         validate_report(compose(["decision.multiplicity=holm"], None, config_name="report"))

@@ -174,6 +174,24 @@ def test_report_reads_a_study_folder_paired(tmp_path):
     assert "study folder" in out["markdown"]
 
 
+def test_the_committed_study_report_regenerates_byte_for_byte(tmp_path):
+    """results/real_model_study/real_model_study/report.{md,tex,json}, rebuilt from the arms committed beside it with
+    the command results/real_model_study.md records (its title and parent run as the header shows them; plots off,
+    nothing logged): every byte the same. The expectation is the committed file, written by an earlier checkout."""
+    from grail_exp.reporting.build import build_report
+
+    study = ROOT / "results" / "real_model_study" / "real_model_study"
+    cfg = compose([f"runs.dir={study}", "design_check.strict=true", "schemes=[grpo,grail,oar_g]", "seeds=[1,2,3]",
+                   "metrics=[acc,pass@n]", "runs.parent_run_id=1a2a9fbff8164d48a4c7023a7a4c76f6",
+                   "output.title='SmolLM2-135M-Instruct on arithmetic chains, study real_model_study'",
+                   f"output.dir={tmp_path}/out", "output.name=report", "plots.enabled=false", "log_to=none",
+                   f"paths.root_dir={ROOT}", f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"],
+                  None, config_name="report")
+    build_report(cfg)
+    for ext in ("md", "tex", "json"):
+        assert (tmp_path / "out" / f"report.{ext}").read_bytes() == (study / f"report.{ext}").read_bytes(), ext
+
+
 def test_a_checkpoint_averaged_endpoint_by_hand(tmp_path):
     """endpoint.steps=[40,50,60]: acc@4 per problem averaged over the evaluations at steps 40, 50 and 60 (step 60 =
     the final evaluation, samples_final.parquet). grpo: 1, 2, 2 of 4 right at steps 40, 50, 60 in both seeds ->

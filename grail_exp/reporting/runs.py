@@ -30,7 +30,6 @@ def arm_scheme(scheme: str, params: dict) -> str:
     return scheme
 
 
-# ----------------------------------------------------------------------------------------------- runs
 @dataclass
 class RunRecord:
     run_id: str

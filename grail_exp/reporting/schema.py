@@ -13,13 +13,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from grail_exp.config import ConfigError, LoggerConfig, PathsConfig, register_configs
 
+_METRIC = re.compile(r"^(acc|maj|pass@(\d+|n))$")  # acc | maj | pass@<k> | pass@n
 
-_METRIC = re.compile(r"^(acc|maj|pass@(\d+|n))$")
 
-
-# ----------------------------------------------------------------------------------------------- config schema
-# The report's schema (conf/report.yaml), beside its validator below; stored as ``report_schema`` when this module
-# is imported (tests/conftest.compose imports it for config_name="report").
 @dataclass
 class RunSelection:
     """Which MLflow runs the report reads (all filters are ANDed)."""

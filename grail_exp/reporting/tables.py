@@ -19,13 +19,10 @@ from grail_exp.reporting.schema import parse_metric
 AVG = "avg"
 # The paper's benchmark order; other benchmarks follow alphabetically.
 PAPER_ORDER = ["math500", "aime24", "amc23", "minerva_math", "college_math_200", "olympiadbench_200"]
-
-
 DASH = "—"
 ONE_SEED = "1 seed, problems only"  # a Δ of one trained pair: its tests resample problems only
 
 
-# ----------------------------------------------------------------------------------------------- the table
 @dataclass
 class Cell:
     value: Optional[float] = None  # arm mean over its seeds (fraction); None = missing

@@ -3,8 +3,8 @@
 Every YAML file under ``conf/`` is merged into these dataclasses, so a misspelt key or a value of the
 wrong type fails at composition time, naming the key. ``grail_exp/validate.py`` then checks what types cannot
 express (ranges, cross-field constraints, files) *before* any model is loaded, and reports every problem at
-once, each with its full key. The schemas of ``grail_exp.report`` and
-``grail_exp.extrapolate`` live beside their own validators, in those modules.
+once, each with its full key. The schemas of the report
+(``grail_exp.reporting.schema``) and ``grail_exp.extrapolate`` live beside their own validators, in those modules.
 
 Each field carries a one-line comment: what it does, its default, and where it comes from
 (paper and section, or the TRL option it mirrors).

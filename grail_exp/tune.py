@@ -32,9 +32,9 @@ training started) and the study goes on. The best parameters go to ``<results>/t
 Crash consistency (the two stores agree after a crash at any point): Optuna is the record and MLflow follows it.
 A trial's outcome is written to Optuna first (``study.optimize`` stores the state when the objective returns)
 and to its child run second (``after_trial``); every worker start, and every stale trial a worker fails,
-reconciles the child runs with Optuna (``_StudyRuns.reconcile``): COMPLETE -> FINISHED, PRUNED -> KILLED,
-FAIL -> FAILED, with ``optuna.state`` equal to Optuna's state, and a FAILED child made for a FAIL trial that
-died before it had one. A kill between the two writes is therefore repaired on the next start: before
+reconciles the child runs with Optuna (``StudyRuns.reconcile``, grail_exp/sweep.py): COMPLETE -> FINISHED,
+PRUNED -> KILLED, FAIL -> FAILED, with ``optuna.state`` equal to Optuna's state, and a FAILED child made for a FAIL
+trial that died before it had one. A kill between the two writes is therefore repaired on the next start: before
 Optuna's write the trial goes stale and is FAIL in both stores (and re-queued); after it, the child takes
 Optuna's state. ``GRAIL_EXP_FAULT=tune_kill:<point>[:<trial number or state>]`` SIGKILLs the worker at one of
 ``CRASH_POINTS`` (test-only fault injection: ``grail_exp/faults.py``).
@@ -47,9 +47,7 @@ import gc
 import json
 import logging
 import math
-import socket
 import traceback
-import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +60,7 @@ from grail_exp import faults
 from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, register_configs
 from grail_exp.errors import RunStopped
+from grail_exp.sweep import StudyRuns, trial_overrides
 from grail_exp.world import configured_world_size
 from grail_exp.validate import validate
 
@@ -230,7 +229,7 @@ class _OnStaleTrial:
 
     def __init__(self, retry):
         self.retry = retry
-        self.runs: _StudyRuns | None = None
+        self.runs: StudyRuns | None = None
 
     def __call__(self, study, trial) -> None:
         if self.retry is not None:
@@ -278,186 +277,6 @@ def _count(study, *states) -> int:
     return len(study.get_trials(deepcopy=False, states=states))
 
 
-# ---------------------------------------------------------------------------------------------- MLflow
-class _StudyRuns:
-    """The study's parent run and the lookup of each trial's child run (no-ops with logger=none)."""
-
-    def __init__(self, cfg: DictConfig, settings, study, storage_url: str, metric: str):
-        self.parent = None
-        if cfg.logger.name == "none":
-            return
-        from grail_exp.tracking import (MlflowTracker, artifact_location_for, code_tags, tracking_uri_for)
-
-        uri, exp, art = tracking_uri_for(cfg), cfg.logger.experiment_name, artifact_location_for(cfg)
-        self.uri = uri
-        existing = study.user_attrs.get("mlflow_parent_run_id")
-        if existing and self._exists(uri, existing):
-            self.parent = MlflowTracker(uri, exp, "", art, run_id=existing)
-            log.info("continuing the study's MLflow parent run %s", existing)
-            return
-        # The parent run is written to MLflow before its id goes to Optuna. A token written to Optuna first and
-        # tagged on the parent finds a parent whose worker died between the two writes, instead of making a second.
-        if not study.user_attrs.get("mlflow_parent_token"):
-            study.set_user_attr("mlflow_parent_token", uuid.uuid4().hex)
-        token = study.user_attrs["mlflow_parent_token"]
-        orphan = self._find_parent(uri, exp, token)
-        if orphan is not None:
-            study.set_user_attr("mlflow_parent_run_id", orphan)
-            self.parent = MlflowTracker(uri, exp, "", art, run_id=orphan)
-            log.info("adopting the study's MLflow parent run %s (its worker died before recording it)", orphan)
-            return
-        tags = {"host": socket.gethostname(), **code_tags(), "optuna.parent_token": token,
-                **{str(k): str(v) for k, v in (cfg.logger.get("tags") or {}).items()}, "grail_exp.role": "study", "optuna.study_name": settings.study_name,
-                "optuna.storage": _public_url(storage_url), "optuna.direction": settings.direction,
-                "optuna.metric": metric, "model": str(cfg.model.name), "scheme": str(cfg.advantage.name)}
-        mine = MlflowTracker(uri, exp, f"study-{settings.study_name}", art, tags)
-        faults.tune_kill("parent_created", -1)
-        study.set_user_attr("mlflow_parent_run_id", mine.run_id)
-        winner = study.user_attrs.get("mlflow_parent_run_id")  # two workers starting at once: one parent wins
-        if winner != mine.run_id:
-            mine.client.delete_run(mine.run_id)
-            self.parent = MlflowTracker(uri, exp, "", art, run_id=winner)
-            return
-        self.parent = mine
-        space = OmegaConf.to_container(settings.params, resolve=True)
-        mine.log_params({"search": {k: json.dumps(v) for k, v in space.items()},
-                         "tune": {k: v for k, v in OmegaConf.to_container(settings, resolve=True).items()
-                                  if k not in ("params", "enqueue", "storage")}})
-        mine.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config/base_resolved.yaml")
-
-    @staticmethod
-    def _find_parent(uri: str, experiment_name: str, token: str) -> str | None:
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(uri)
-        exp = client.get_experiment_by_name(experiment_name)
-        if exp is None:
-            return None
-        found = client.search_runs([exp.experiment_id], f"tags.`optuna.parent_token` = '{token}'", max_results=1,
-                                   order_by=["attributes.start_time ASC"])
-        return found[0].info.run_id if found else None
-
-    @staticmethod
-    def _exists(uri: str, run_id: str) -> bool:
-        from mlflow.tracking import MlflowClient
-
-        try:
-            MlflowClient(uri).get_run(run_id)
-            return True
-        except Exception:
-            return False
-
-    @property
-    def parent_id(self) -> str | None:
-        return self.parent.run_id if self.parent else None
-
-    def _children(self, filter_string: str = "") -> list:
-        """Child runs of the study's parent run (newest first), optionally narrowed by an MLflow filter."""
-        where = f"tags.`mlflow.parentRunId` = '{self.parent.run_id}'" + (f" and {filter_string}" if filter_string else "")
-        return self.parent.client.search_runs([self.parent.experiment_id], where, max_results=50000,
-                                              order_by=["attributes.start_time DESC"])
-
-    def run_of(self, info: "_TrialInfo"):
-        """The child run that this execution of a trial created or resumed, or None if it never got that far: the
-        one tagged with the trial's number, else (a retry continuing the dead trial's checkpoint with
-        ``resume=auto``, which reuses its MLflow run) the newest run of the trial directory."""
-        runs = self._children(f"tags.`optuna.trial_dir` = '{info.trial_dir}'")
-        for run in runs:
-            if run.data.tags.get("optuna.trial_number") == str(info.number):
-                return run
-        return runs[0] if runs and info.resumes_checkpoint else None
-
-    def record(self, trial, info: "_TrialInfo") -> None:
-        """Copy the outcome that Optuna has just stored for ``trial`` to its child run."""
-        if self.parent:
-            self._agree(trial, self.run_of(info), info.tags, info.error)
-
-    def reconcile(self, study, only: int | None = None) -> None:
-        """Make every finished trial's child run agree with Optuna (the record), whatever a crash left behind:
-        status and ``optuna.state`` from the trial's state, ``optuna/value``; a FAIL trial without a child run gets
-        a FAILED one. Idempotent; a trial still RUNNING (a live worker) is left alone, and so is any run of its
-        directory (a live retry continuing a dead trial's run). ``only``: one trial's number."""
-        if not self.parent:
-            return
-        from optuna.trial import TrialState
-
-        trials = study.get_trials(deepcopy=False)
-        live_dirs = {t.user_attrs.get("run_dir") for t in trials if t.state == TrialState.RUNNING}
-        by_number: dict[str, list] = {}
-        continued = set()
-        for run in self._children():
-            by_number.setdefault(run.data.tags.get("optuna.trial_number"), []).append(run)
-            if "optuna.continues_trial" in run.data.tags:
-                continued.add(run.data.tags["optuna.continues_trial"])
-        for t in trials:
-            if t.state.name not in CHILD_STATUS or (only is not None and t.number != only):
-                continue
-            mine = [r for r in by_number.get(str(t.number), []) if r.data.tags.get("optuna.trial_dir") not in live_dirs]
-            if not mine and (str(t.number) in continued or t.user_attrs.get("run_dir") in live_dirs):
-                continue  # its run is continued by a retry, which records it
-            tags = self._trial_tags(study, t)
-            note = ("reconciled with Optuna: the trial is FAIL there; its worker died (no heartbeat, or between "
-                    "Optuna's write and this one) before it recorded the failure here\n")
-            for run in mine or [None]:
-                if not self._agrees(t, run):
-                    log.warning("trial %d: MLflow run %s disagreed with Optuna (%s); set to %s", t.number,
-                                run.info.run_id if run else "(none)", _child_state(run), t.state.name)
-                    self._agree(t, run, tags, note if t.state == TrialState.FAIL else None)
-
-    @staticmethod
-    def _trial_tags(study, trial) -> dict:
-        tags = {"grail_exp.role": "trial", "optuna.study_name": study.study_name,
-                "optuna.trial_number": str(trial.number), "optuna.params": _trial_overrides(trial.params)}
-        if trial.user_attrs.get("run_dir"):
-            tags["optuna.trial_dir"] = trial.user_attrs["run_dir"]
-        if trial.system_attrs.get("failed_trial") is not None:
-            tags["optuna.retry_of"] = str(trial.system_attrs["failed_trial"])
-        return tags
-
-    @staticmethod
-    def _agrees(trial, run) -> bool:
-        if run is None:
-            return False
-        if (run.info.status, run.data.tags.get("optuna.state")) != (CHILD_STATUS[trial.state.name], trial.state.name):
-            return False
-        return trial.value is None or not math.isfinite(trial.value) or \
-            run.data.metrics.get("optuna/value") == float(trial.value)
-
-    def _agree(self, trial, run, tags: dict, error: str | None) -> None:
-        """Write Optuna's outcome of ``trial`` to ``run`` (a new FAILED child run if None and the trial failed)."""
-        state = trial.state.name
-        client = self.parent.client
-        if run is None:
-            if state != "FAIL":
-                return  # an outcome without a run never happens: the run is made before training
-            name = f"{tags.get('optuna.study_name')}-trial{trial.number}"
-            run_id = client.create_run(self.parent.experiment_id, run_name=name,
-                                       tags={**tags, "mlflow.parentRunId": self.parent.run_id}).info.run_id
-            status = None
-        else:
-            run_id, status = run.info.run_id, run.info.status
-            before = run.data.tags.get("optuna.trial_number")
-            if before is not None and before != str(trial.number):  # a retry took over the dead trial's run
-                client.set_tag(run_id, "optuna.continues_trial", before)
-        client.set_tag(run_id, "optuna.trial_number", str(trial.number))
-        client.set_tag(run_id, "optuna.state", state)
-        if "optuna.retry_of" in tags:  # a retry that resumed the dead trial's run: say which trial that was
-            client.set_tag(run_id, "optuna.retry_of", tags["optuna.retry_of"])
-        if trial.value is not None and math.isfinite(trial.value):
-            client.log_metric(run_id, "optuna/value", float(trial.value))
-        if error is not None:
-            client.log_text(run_id, error, "error/traceback.txt")
-        if status != CHILD_STATUS[state]:
-            client.set_terminated(run_id, CHILD_STATUS[state])
-
-
-# Optuna's state of a finished trial -> the status of its MLflow child run (``optuna.state`` is the state itself).
-CHILD_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
-
-
-def _child_state(run) -> str:
-    return "no child run" if run is None else f"{run.info.status}, optuna.state={run.data.tags.get('optuna.state')}"
-
 
 @dataclass
 class _TrialInfo:
@@ -496,10 +315,6 @@ def _suggest(trial, key: str, dist) -> Any:
     if isinstance(dist, D.IntDistribution):
         return trial.suggest_int(key, dist.low, dist.high, log=dist.log, step=dist.step)
     return trial.suggest_float(key, dist.low, dist.high, log=dist.log, step=dist.step)
-
-
-def _trial_overrides(params: dict) -> str:
-    return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in params.items())
 
 
 def trial_base(cfg: DictConfig, settings) -> tuple[DictConfig, str, dict]:
@@ -589,7 +404,7 @@ def run_trial(trial, tcfg: DictConfig, metric: str, inherited: set, info) -> flo
                 raise _Pruned(f"pruned at step {step}: {metric} = {metrics[metric]:.4f}")
 
     # The outcome goes to Optuna when this function returns (or raises) and to MLflow after that, in
-    # after_trial: Optuna is the record, and a crash in between is repaired from it (_StudyRuns.reconcile).
+    # after_trial: Optuna is the record, and a crash in between is repaired from it (StudyRuns.reconcile).
     try:
         value = run(tcfg, on_eval=on_eval)
         if value is None or not math.isfinite(value):
@@ -636,7 +451,7 @@ def optimize(cfg: DictConfig) -> dict:
     if study.direction.name.lower() != settings.direction:
         raise ConfigError(f"tune.direction = {settings.direction}: study {settings.study_name!r} was created with "
                           f"{study.direction.name.lower()}")
-    runs = _StudyRuns(cfg, settings, study, url, metric)
+    runs = StudyRuns(cfg, settings, study, _public_url(url), metric)
     on_stale.runs = runs
     optuna.storages.fail_stale_trials(study)  # trials of a dead worker: FAIL in both stores, re-queued
     runs.reconcile(study)  # whatever an earlier crash left between the two stores
@@ -666,9 +481,9 @@ def optimize(cfg: DictConfig) -> dict:
             resumes_checkpoint=retry_of is not None and latest_checkpoint(Path(trial_dir) / "checkpoints") is not None)
         faults.tune_kill("trial_started", trial.number)
         values = {key: _suggest(trial, key, dist) for key, dist in space.items()}
-        tags["optuna.params"] = _trial_overrides(values)
+        tags["optuna.params"] = trial_overrides(values)
         log.info("trial %d%s: %s", trial.number, f" (retry of {retry_of})" if retry_of is not None else "",
-                 _trial_overrides(values))
+                 trial_overrides(values))
         tcfg = trial_config(base, values, settings, trial_dir, runs.parent_id, name, tags,
                             retry_of if retry_of is not None else trial.number, retry=retry_of is not None)
 
@@ -715,7 +530,7 @@ def write_best(study, settings, storage_url: str, metric: str, parent_run_id: st
     if _count(study, TrialState.COMPLETE):
         best = study.best_trial
         summary.update(best_trial=best.number, best_value=best.value, params=dict(best.params),
-                       overrides=_trial_overrides(best.params), run_dir=best.user_attrs.get("run_dir"))
+                       overrides=trial_overrides(best.params), run_dir=best.user_attrs.get("run_dir"))
     else:
         log.warning("no trial of study %r is COMPLETE yet: no best parameters", settings.study_name)
     (out / "best.json").write_text(json.dumps(summary, indent=2))

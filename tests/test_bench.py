@@ -114,6 +114,17 @@ def test_paired_mode_takes_the_schemes_steps_in_turn_in_one_process(tmp_path, ti
     assert list(scratch.iterdir()) == []  # the runs' folders are removed (nothing in them is kept)
 
 
+def test_the_benches_write_their_tables_with_one_function():
+    """Every bench mode's table comes out of ``table_markdown``: a heading row, the alignment rule (``---`` text,
+    ``--:`` numbers), one line per row, an empty cell as a single space and an error row as short as it is."""
+    from grail_exp.bench.real import table_markdown
+
+    got = table_markdown(["scheme", "step s", "peak GB"], "lrr", [["grpo", "1.00", 2], ["grail", "", "—"],
+                                                                  ["oar_g", "error: E"]])
+    assert got == ("| scheme | step s | peak GB |\n|---|--:|--:|\n| grpo | 1.00 | 2 |\n| grail | | — |\n"
+                   "| oar_g | error: E |")
+
+
 def test_matmul_flops_by_hand():
     from grail_exp.bench.real import matmul_flops
 

@@ -278,7 +278,7 @@ def test_the_algorithm_and_the_training_phases_import_no_cpu_machinery():
 
 
 # The `python -m` entry points: thin modules over the library, which nothing imports (their library lives elsewhere:
-# evaluate.py over evaluation.py, bench/ over its modes, preflight/ over its checks).
+# evaluate.py over evaluation.py, report.py over reporting/, bench/ over its modes, preflight/ over its checks).
 ENTRY_POINTS = ("grail_exp.run", "grail_exp.evaluate", "grail_exp.report", "grail_exp.tune", "grail_exp.plan",
                 "grail_exp.weights", "grail_exp.extrapolate", "grail_exp.bench.__main__",
                 "grail_exp.preflight.__main__")
@@ -296,3 +296,10 @@ def test_nothing_imports_an_entry_point():
 def test_the_package_root_holds_at_most_28_modules():
     root = sorted(p.name for p in PKG.glob("*.py"))
     assert len(root) <= 28, f"{len(root)} modules at grail_exp/'s root (group them by role): {root}"
+
+
+def test_no_module_is_over_800_lines():
+    """A file past 800 lines holds several rooms: split it by role (as report.py over reporting/)."""
+    long = {str(f.relative_to(ROOT)): n for f in sorted(PKG.rglob("*.py"))
+            if (n := len(f.read_text().splitlines())) > 800}
+    assert not long, f"modules over 800 lines: {long}"

@@ -148,7 +148,7 @@ def _stepped_arm(root: Path, scheme: str, seed: int, k40: int, k50: int, k60: in
 
 
 def _report(study: Path, tmp: Path, *extra: str):
-    from grail_exp.report import build_report
+    from grail_exp.reporting.build import build_report
 
     cfg = compose([f"runs.dir={study}", "design_check.strict=true", "schemes=[grpo,grail]", "seeds=[1,2]",
                    "metrics=[acc]", "stats.n_boot=200", "stats.n_perm=200", "plots.enabled=false", "log_to=none",
@@ -172,6 +172,24 @@ def test_report_reads_a_study_folder_paired(tmp_path):
     assert delta["delta"] == pytest.approx(0.125) and delta["n_seeds"] == 2 and delta["n_problems"] == 10
     assert row["cells"]["arithmetic"]["value"] == pytest.approx(0.625)
     assert "study folder" in out["markdown"]
+
+
+def test_the_committed_study_report_regenerates_byte_for_byte(tmp_path):
+    """results/real_model_study/real_model_study/report.{md,tex,json}, rebuilt from the arms committed beside it with
+    the command results/real_model_study.md records (its title and parent run as the header shows them; plots off,
+    nothing logged): every byte the same. The expectation is the committed file, written by an earlier checkout."""
+    from grail_exp.reporting.build import build_report
+
+    study = ROOT / "results" / "real_model_study" / "real_model_study"
+    cfg = compose([f"runs.dir={study}", "design_check.strict=true", "schemes=[grpo,grail,oar_g]", "seeds=[1,2,3]",
+                   "metrics=[acc,pass@n]", "runs.parent_run_id=1a2a9fbff8164d48a4c7023a7a4c76f6",
+                   "output.title='SmolLM2-135M-Instruct on arithmetic chains, study real_model_study'",
+                   f"output.dir={tmp_path}/out", "output.name=report", "plots.enabled=false", "log_to=none",
+                   f"paths.root_dir={ROOT}", f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"],
+                  None, config_name="report")
+    build_report(cfg)
+    for ext in ("md", "tex", "json"):
+        assert (tmp_path / "out" / f"report.{ext}").read_bytes() == (study / f"report.{ext}").read_bytes(), ext
 
 
 def test_a_checkpoint_averaged_endpoint_by_hand(tmp_path):
@@ -206,7 +224,7 @@ def test_a_checkpoint_averaged_endpoint_by_hand(tmp_path):
 
 def test_a_declared_step_an_arm_lacks_is_refused_naming_the_key_and_the_arm(tmp_path):
     from grail_exp.config import ConfigError
-    from grail_exp.report import validate_report
+    from grail_exp.reporting.schema import validate_report
 
     study = tmp_path / "study"
     for scheme in ("grpo", "grail"):
@@ -343,7 +361,7 @@ def test_holm_over_a_declared_family_of_primary_comparisons_by_hand(tmp_path):
     assert "Holm-adjusted over the declared family of primary comparisons (decision.multiplicity = holm, below), " \
            "is below 0.05" in md
     from grail_exp.config import ConfigError
-    from grail_exp.report import validate_report
+    from grail_exp.reporting.schema import validate_report
 
     with pytest.raises(ConfigError, match="decision.multiplicity = holm: adjusts a declared rule's verdicts"):
         validate_report(compose(["decision.multiplicity=holm"], None, config_name="report"))

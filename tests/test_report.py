@@ -117,7 +117,7 @@ def _row(table, model, scheme):
 
 
 def test_report_values_deltas_and_missing_cells(store):
-    from grail_exp.report import build_report
+    from grail_exp.reporting.build import build_report
 
     out = build_report(_cfg(store, "schemes=[grpo,grail,oar_g]", "log_to=report"))
     payload = out["payload"]
@@ -223,7 +223,7 @@ def _check_latex(tex: str):
 
 @pytest.mark.e2e
 def test_markdown_and_latex_are_well_formed(store):
-    from grail_exp.report import build_report
+    from grail_exp.reporting.build import build_report
 
     out = build_report(_cfg(store, "schemes=[grpo,grail,oar_g]", "log_to=parent", "metrics=[acc,pass@2,maj]"))
     _check_markdown(out["markdown"])
@@ -244,7 +244,8 @@ def test_markdown_and_latex_are_well_formed(store):
 
 def test_missing_benchmark_and_problem_mismatch_are_footnoted():
     """Built without MLflow: grail seed 2 lacks aime24 and evaluated only 3 of the 4 math500 problems."""
-    from grail_exp.report import Notes, RunRecord, build_tables
+    from grail_exp.reporting.runs import Notes, RunRecord
+    from grail_exp.reporting.tables import build_tables
 
     def rec(scheme, seed, samples):
         return RunRecord(f"{scheme}{seed}", "tiny", scheme, str(seed), "FINISHED", 0, {}, samples)
@@ -301,7 +302,7 @@ def test_cli_runs(store, tmp_path):
 
 def test_bad_config_names_every_key():
     from grail_exp.config import ConfigError
-    from grail_exp.report import validate_report
+    from grail_exp.reporting.schema import validate_report
 
     cfg = compose(["metrics=[accuracy,pass@2]", "average=median", "log_to=parent"], None, config_name="report")
     with pytest.raises(ConfigError) as e:
@@ -312,7 +313,7 @@ def test_bad_config_names_every_key():
 
 
 def test_report_plots(store):
-    from grail_exp.report import build_report
+    from grail_exp.reporting.build import build_report
 
     out = build_report(_cfg(store, "plots.enabled=true", "log_to=parent", "output.name=plotted", "models=[tiny]",
                             "plots.curves=[accuracy,entropy]"))
@@ -364,7 +365,7 @@ def test_training_view_url():
 
 
 def test_per_rollout_runs_are_their_own_arm():
-    from grail_exp.report import arm_scheme
+    from grail_exp.reporting.runs import arm_scheme
 
     assert arm_scheme("grail", {"advantage.recompute": "per_rollout"}) == "grail+per_rollout"
     assert arm_scheme("grail", {"advantage.recompute": "per_update"}) == "grail"
@@ -376,7 +377,8 @@ def test_design_limits_a_models_rows_and_expected_seeds(store):
     """A planned subset (the CPU study: tiny Llama x grpo, grail x seeds 1-3): cells outside it are no rows and
     no "missing" notes; planned cells without runs still are missing; a plan without the baseline is refused."""
     from grail_exp.config import ConfigError
-    from grail_exp.report import build_report, validate_report
+    from grail_exp.reporting.build import build_report
+    from grail_exp.reporting.schema import validate_report
 
     plan = "+design.tiny_llama={schemes: [grpo, grail], seeds: [1, 2]}"
     out = build_report(_cfg(store, "schemes=[grpo,grail,oar_g]", "seeds=[1,2,3]", "log_to=none", plan))
@@ -430,7 +432,7 @@ def _study(root, seeds, grail_correct, benches=("b1", "b2"), problems=10, n=4, e
 
 
 def _study_report(study, tmp, seeds, *extra):
-    from grail_exp.report import build_report
+    from grail_exp.reporting.build import build_report
 
     return build_report(compose([f"runs.dir={study}", "design_check.strict=true", "schemes=[grpo,grail]",
                                  f"seeds=[{','.join(map(str, seeds))}]", "metrics=[acc,pass@n]", "stats.n_boot=200",
@@ -511,7 +513,7 @@ def test_the_declared_rule_waits_for_its_seeds_and_refuses_a_bad_declaration(tmp
     assert "- m × grail: 3 of 3 seeds positive, 0 negative: not applied yet (3 of the 6 declared seeds paired)" \
         in out["markdown"]
     from grail_exp.config import ConfigError
-    from grail_exp.report import validate_report
+    from grail_exp.reporting.schema import validate_report
 
     with pytest.raises(ConfigError, match="set both"):
         validate_report(compose(["decision.seeds=6"], None, config_name="report"))
@@ -545,7 +547,7 @@ def test_truncation_and_length_per_arm_from_the_samples(tmp_path):
     assert "| m | grpo | 1 | 80 | 50.0 | 6.0 | truncated flag |" in out["markdown"]
     from types import SimpleNamespace
 
-    from grail_exp.report import generation_table
+    from grail_exp.reporting.tables import generation_table
 
     samples = pd.DataFrame({"n_tokens": [tokens("grpo", 1, j) for j in range(4)]})  # no truncated column
     arms = {("m", "grpo"): {"1": SimpleNamespace(samples=samples, params={"eval.max_tokens": "8"})}}

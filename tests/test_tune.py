@@ -219,7 +219,7 @@ def _children(client, tmp_path):
 
 def _assert_stores_agree(study, client, tmp_path):
     """Every finished trial has exactly one child run, whose status and optuna.state say what Optuna says."""
-    from grail_exp.tune import CHILD_STATUS
+    from grail_exp.sweep import CHILD_STATUS
 
     _, children = _children(client, tmp_path)
     runs = {}

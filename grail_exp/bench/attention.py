@@ -109,17 +109,16 @@ def time_policy(cfg: DictConfig, policy, batch, bench: DictConfig) -> dict:
             "ratio": round(explicit / fused, 3)}
 
 
-def table_markdown(rows: list[dict], threshold: int, a: DictConfig, threads: int) -> str:
+def shapes_table(rows: list[dict], threshold: int, a: DictConfig, threads: int) -> str:
+    from grail_exp.bench.real import table_markdown
+
     head = (f"{a.rows} rows, {a.heads} query heads / {a.kv_heads} key-value heads of {a.head_dim}, {a.dtype}, "
             f"{threads} thread(s); forward + backward of one layer, median ms. `model.cpu_explicit_attention_max_scores"
             f"` = {threshold} picks the explicit path up to that many query × key positions.\n\n")
-    lines = ["| queries | keys | fused ms | explicit ms | explicit / fused | picked at the default |",
-             "|--:|--:|--:|--:|--:|---|"]
-    for r in rows:
-        picked = "explicit" if r["scores"] <= threshold else "fused"
-        lines.append(f"| {r['queries']} | {r['keys']} | {r['fused_ms']:.2f} | {r['explicit_ms']:.2f} | "
-                     f"{r['ratio']:.2f} | {picked} |")
-    return head + "\n".join(lines) + "\n"
+    cells = [[r["queries"], r["keys"], f"{r['fused_ms']:.2f}", f"{r['explicit_ms']:.2f}", f"{r['ratio']:.2f}",
+              "explicit" if r["scores"] <= threshold else "fused"] for r in rows]
+    columns = ["queries", "keys", "fused ms", "explicit ms", "explicit / fused", "picked at the default"]
+    return head + table_markdown(columns, "rrrrrl", cells) + "\n"
 
 
 def main(bench: DictConfig, argv: list[str], policy: tuple | None = None) -> dict:
@@ -140,7 +139,7 @@ def main(bench: DictConfig, argv: list[str], policy: tuple | None = None) -> dic
         log.info("%4d x %4d: fused %.2f ms, explicit %.2f ms (%.2fx)", lq, lk, r["fused_ms"], r["explicit_ms"],
                  r["ratio"])
         rows.append(r)
-    md = table_markdown(rows, threshold, a, threads)
+    md = shapes_table(rows, threshold, a, threads)
     out = {"shapes": rows, "threads": threads, "default_max_scores": threshold, "argv": argv}
     if policy is not None:
         p = out["policy"] = time_policy(*policy, bench)

@@ -375,30 +375,39 @@ def summarize(result: dict, skip: int) -> dict:
     return out
 
 
-def table_markdown(summaries: dict, baseline: str = "grpo", paired: dict | None = None) -> str:
-    """The table; ``paired`` (``paired_ratios``): the last column is the median of the per-round ratios with their
-    range, and an update column of the same kind follows."""
+def table_markdown(columns: list[str], aligns: str, rows: list[list]) -> str:
+    """The bench's Markdown tables: a heading per column, ``aligns`` one letter per column (``l`` left, ``r`` right:
+    numbers), then ``rows``, each a list of cells (``""`` an empty cell; an error row may stop early)."""
+    def line(cells) -> str:
+        return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
+
+    rule = "|" + "|".join("--:" if a == "r" else "---" for a in aligns) + "|"
+    return "\n".join([line(columns), rule, *(line(r) for r in rows)])
+
+
+def steps_table(summaries: dict, baseline: str = "grpo", paired: dict | None = None) -> str:
+    """The table of ``bench.mode=real``; ``paired`` (``paired_ratios``): the last column is the median of the per-round
+    ratios with their range, and an update column of the same kind follows."""
     base = summaries.get(baseline, {})
-    head = ("| scheme | engine | step s | generation s | update s | scoring s | tokens / step | token eff. | "
-            "peak GB | floor s | step / floor | step / grpo |")
-    lines = [head + (" update / grpo |" if paired else ""),
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if paired else "")]
+    columns = ["scheme", "engine", "step s", "generation s", "update s", "scoring s", "tokens / step", "token eff.",
+               "peak GB", "floor s", "step / floor", "step / grpo"] + (["update / grpo"] if paired else [])
+    rows = []
     for name, r in summaries.items():
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error']} |" + " |" * (11 if paired else 10))
+            rows.append([name, f"error: {r['error']}"] + [""] * (len(columns) - 2))
             continue
         update = r["update_s"] + r["scheme_s"] + r["old_logp_s"] + r["scheme_prepare_s"]
         if paired and name in paired:
             q = paired[name]
-            ratio = (f"{q['step_ratio']:.2f}x ({q['step_ratio_range'][0]:.2f}–{q['step_ratio_range'][1]:.2f}) | "
-                     f"{q['update_ratio']:.2f}x ({q['update_ratio_range'][0]:.2f}–{q['update_ratio_range'][1]:.2f})")
+            ratios = [f"{q['step_ratio']:.2f}x ({q['step_ratio_range'][0]:.2f}–{q['step_ratio_range'][1]:.2f})",
+                      f"{q['update_ratio']:.2f}x ({q['update_ratio_range'][0]:.2f}–{q['update_ratio_range'][1]:.2f})"]
         else:
-            ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base.get("step_s") else "—"
+            ratios = [f"{r['step_s'] / base['step_s']:.2f}x" if base.get("step_s") else "—"]
         peak = f"{r['peak_memory_gb']:.2f}" if r.get("peak_memory_gb") is not None else "—"
-        lines.append(f"| {name} | {r['engine']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {update:.2f} | "
-                     f"{r['scoring_s']:.2f} | {r['update_tokens']:.0f} | {r['token_efficiency']:.2f} | "
-                     f"{peak} | {r['floor_s']:.2f} | {r['floor_ratio']:.1f}x | {ratio} |")
-    return "\n".join(lines)
+        rows.append([name, r["engine"], f"{r['step_s']:.2f}", f"{r['rollout_s']:.2f}", f"{update:.2f}",
+                     f"{r['scoring_s']:.2f}", f"{r['update_tokens']:.0f}", f"{r['token_efficiency']:.2f}", peak,
+                     f"{r['floor_s']:.2f}", f"{r['floor_ratio']:.1f}x", *ratios])
+    return table_markdown(columns, "ll" + "r" * (len(columns) - 2), rows)
 
 
 def profile_lines(results: dict) -> str:
@@ -433,7 +442,7 @@ def main(bench, overrides: list[str], argv: list[str]) -> dict:
                 log.exception("bench real: scheme %s failed", name)
                 summaries[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             log.info("bench real %s: %s", name, summaries[name])
-    table = table_markdown(summaries, paired=paired) + profile_lines(results)
+    table = steps_table(summaries, paired=paired) + profile_lines(results)
     if paired:
         peak = next(iter(results.values()))["process_peak_memory_gb"]
         table += (f"\n\nPaired: all schemes in one process (peak RSS {peak:.2f} GB for all of them together), step r of "

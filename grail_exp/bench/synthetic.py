@@ -271,22 +271,24 @@ def medians(rows: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the table
-def table_markdown(results: dict, baseline: str = "grpo") -> str:
+def schemes_table(results: dict, baseline: str = "grpo") -> str:
+    from grail_exp.bench.real import table_markdown
+
     base = results.get(baseline)
-    head = ("| scheme | old_logp_s | scheme_s | update_s | step_s | step / grpo | load-normalised step / grpo "
-            "| peak_mem_mb | mem / grpo |")
-    lines = [head, "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    columns = ["scheme", "old_logp_s", "scheme_s", "update_s", "step_s", "step / grpo", "load-normalised step / grpo",
+               "peak_mem_mb", "mem / grpo"]
+    rows = []
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error']} | | | | | | |")
+            rows.append([name, f"error: {r['error']}"] + [""] * 6)
             continue
         ratio = f"{r['step_s'] / base['step_s']:.2f}×" if base and "step_s" in base else "—"
         mem = f"{r['peak_mem_mb'] / base['peak_mem_mb']:.2f}×" if base and base.get("peak_mem_mb", 0) > 0 else "—"
         norm = (f"{r['step_per_old_logp'] / base['step_per_old_logp']:.2f}×"
                 if base and base.get("step_per_old_logp") else "—")
-        lines.append(f"| {name} | {r['old_logp_s']:.3f} | {r['scheme_s']:.3f} | {r['update_s']:.3f} | "
-                     f"{r['step_s']:.3f} | {ratio} | {norm} | {r['peak_mem_mb']:.0f} | {mem} |")
-    return "\n".join(lines)
+        rows.append([name, f"{r['old_logp_s']:.3f}", f"{r['scheme_s']:.3f}", f"{r['update_s']:.3f}",
+                     f"{r['step_s']:.3f}", ratio, norm, f"{r['peak_mem_mb']:.0f}", mem])
+    return table_markdown(columns, "l" + "r" * 8, rows)
 
 
 def describe(cfg: DictConfig, policy, bench: DictConfig, device) -> dict:
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
                     errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 log.info("pass %d, %s: %s", p + 1, name, errors.get(name) or medians(rows[name]))
         results = {n: ({"error": errors[n]} if n in errors else medians(rows[n])) for n in names}
-    table = table_markdown(results)
+    table = schemes_table(results)
     print(table, flush=True)
     payload = {"schemes": results, "config": config, "command": "python -m grail_exp.bench " + " ".join(argv)}
     from grail_exp.bench.real import write_outputs

@@ -10,7 +10,6 @@ phase's high-water mark and the next phase's peak is added on top of what fragme
 from __future__ import annotations
 
 import ctypes
-import os
 
 _LIBC = None
 
@@ -78,11 +77,3 @@ def _cgroup_limit() -> int | None:
         if text.isdigit() and int(text) < 1 << 60:
             return int(text)
     return None
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (``getrusage``; kilobytes on Linux)."""
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss * 1024 if os.uname().sysname == "Linux" else rss

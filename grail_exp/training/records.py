@@ -65,7 +65,7 @@ class StepRecords:
         self.weight_tables.append(rows)
 
     def log_weight_table(self, step: int) -> None:
-        """``weights/step_<N>.parquet`` in the run directory and as an MLflow artifact (see grail_exp/report.py)."""
+        """``weights/step_<N>.parquet`` in the run directory and as an MLflow artifact (see grail_exp/reporting/figures.py)."""
         if not self.weight_tables:
             return
         import pandas as pd

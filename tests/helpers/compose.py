@@ -16,8 +16,9 @@ def compose(overrides: list[str] | None = None, tmp: Path | None = None, config_
     from grail_exp.config import register_configs
 
     register_configs()
-    if config_name in ("report", "extrapolate"):  # their schemas are stored by their own modules
-        __import__(f"grail_exp.{config_name}")
+    schemas = {"report": "grail_exp.reporting.schema", "extrapolate": "grail_exp.extrapolate"}
+    if config_name in schemas:  # their schemas are stored by their own modules
+        __import__(schemas[config_name])
     GlobalHydra.instance().clear()
     paths = []
     if tmp is not None:

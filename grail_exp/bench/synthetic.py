@@ -104,7 +104,7 @@ def scheme_names(bench: DictConfig) -> list[str]:
     names = list(bench.schemes)
     if names == ["all"]:
         names = [n for n in sorted(SCHEMES) if (Path(CONFIG_DIR) / "advantage" / f"{n}.yaml").is_file()]
-        names.sort(key=lambda n: n != "grpo")  # the baseline first
+        names.sort(key=lambda n: n != bench.baseline)  # the baseline first
     unknown = [n for n in [*names, *bench.per_rollout] if n not in SCHEMES]
     if unknown:
         raise SystemExit(f"bench.schemes / bench.per_rollout: unknown scheme(s) {unknown}; valid: {sorted(SCHEMES)}")
@@ -271,10 +271,10 @@ def medians(rows: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the table
-def table_markdown(results: dict, baseline: str = "grpo") -> str:
+def table_markdown(results: dict, baseline: str) -> str:
     base = results.get(baseline)
-    head = ("| scheme | old_logp_s | scheme_s | update_s | step_s | step / grpo | load-normalised step / grpo "
-            "| peak_mem_mb | mem / grpo |")
+    head = (f"| scheme | old_logp_s | scheme_s | update_s | step_s | step / {baseline} | load-normalised step / "
+            f"{baseline} | peak_mem_mb | mem / {baseline} |")
     lines = [head, "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for name, r in results.items():
         if "error" in r:
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
         from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
         with tempfile.TemporaryDirectory() as tmp:  # and the run's policy forward + backward on the synthetic batch
-            cfg = compose_run_config(overrides, "grpo", bench, tmp)
+            cfg = compose_run_config(overrides, bench.baseline, bench, tmp)
             path = resolve_model_path(cfg)
             tokenizer = load_tokenizer(path, cfg)
             policy = load_causal_lm(path, cfg, trainable=True)
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
                     errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 log.info("pass %d, %s: %s", p + 1, name, errors.get(name) or medians(rows[name]))
         results = {n: ({"error": errors[n]} if n in errors else medians(rows[n])) for n in names}
-    table = table_markdown(results)
+    table = table_markdown(results, bench.baseline)
     print(table, flush=True)
     payload = {"schemes": results, "config": config, "command": "python -m grail_exp.bench " + " ".join(argv)}
     from grail_exp.bench.real import write_outputs

@@ -184,9 +184,40 @@ def test_site_builds_with_warnings_as_errors(tmp_path):
         assert (tmp_path / "site" / f"{page}.html").is_file(), page
 
 
-def test_the_config_name_map_lists_every_registered_name_with_its_file():
-    """docs/developer.md's "Config name → file" rows equal the registries: each name with the file that defines it
-    (the source file of the registered class or function), so the map cannot rot."""
+def _name_map_tables() -> tuple[dict[str, str], set[tuple[str, str, str]]]:
+    """docs/developer.md's "Config name → file": ({key: default file with ``<x>``}, {(key, name, file)} exceptions)."""
+    text = (DOCS / "developer.md").read_text(encoding="utf-8")
+    section = text.split("## Config name → file", 1)[1].split("\n## ", 1)[0]
+    defaults, exceptions = {}, set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`") and cells[1].startswith("`grail_exp/"):
+            defaults[cells[0].strip("`")] = cells[1].strip("`")
+        if len(cells) == 3 and cells[0].startswith("`") and cells[2].startswith("`grail_exp/"):
+            for name in cells[1].split(","):
+                exceptions.add((cells[0].strip("`"), name.strip().strip("`"), cells[2].strip("`")))
+    return defaults, exceptions
+
+
+def name_map_exceptions(defaults: dict[str, str], registered: set[tuple[str, str, str]]) -> set[tuple[str, str, str]]:
+    """The (key, name, file) of ``registered`` whose file is not the key's default with ``<x>`` = the name."""
+    return {(key, name, path) for key, name, path in registered if defaults.get(key, "").replace("<x>", name) != path}
+
+
+def test_the_name_map_rule_needs_rows_for_exceptions_only():
+    """The rule's own arithmetic, on names made up here: a name in its own file needs no row, one sharing a file
+    does, and a key without a default needs a row for every name."""
+    defaults = {"advantage=": "grail_exp/advantages/<x>.py", "loss.kl_estimator=": "grail_exp/loss/kl.py"}
+    registered = {("advantage=", "foo", "grail_exp/advantages/foo.py"), ("advantage=", "foo_b", "grail_exp/advantages/foo.py"),
+                  ("loss.kl_estimator=", "k9", "grail_exp/loss/kl.py"), ("trainer.strategy=", "x", "grail_exp/x.py")}
+    assert name_map_exceptions(defaults, registered) == {("advantage=", "foo_b", "grail_exp/advantages/foo.py"),
+                                                        ("trainer.strategy=", "x", "grail_exp/x.py")}
+
+
+def test_the_config_name_map_lists_every_exception_to_its_rule():
+    """docs/developer.md's "Config name → file" equals the registries: its defaults table names one rule per registry
+    (``<x>`` = the name), and its exceptions table lists exactly the names whose defining file (the source file of the
+    registered class or function) breaks that rule, so the map cannot rot and a name in its own file needs no row."""
     import inspect
 
     import grail_exp.estimators  # noqa: F401  (registers)
@@ -203,20 +234,15 @@ def test_the_config_name_map_lists_every_registered_name_with_its_file():
     registries = {"advantage=": SCHEMES, "estimator=": {k: v.fn for k, v in ESTIMATORS.items()},
                   "loss.policy_loss=": POLICY_LOSSES, "loss.loss_type=": AGGREGATIONS,
                   "loss.kl_estimator=": KL_ESTIMATORS, "loss.terms:": LOSS_TERMS, "trainer.strategy=": BACKENDS}
-    want = set()
+    registered = set()
     for key, reg in registries.items():
         for name, obj in reg.items():
             path = Path(inspect.getsourcefile(obj)).resolve().relative_to(ROOT).as_posix()
-            want.add((key, name, path))
-    text = (DOCS / "developer.md").read_text(encoding="utf-8")
-    section = text.split("## Config name → file", 1)[1].split("\n## ", 1)[0]
-    have = set()
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0].startswith("`") and cells[2].startswith("`grail_exp/"):
-            for name in cells[1].split(","):
-                have.add((cells[0].strip("`"), name.strip().strip("`"), cells[2].strip("`")))
-    assert have == want, f"missing: {sorted(want - have)}; stale: {sorted(have - want)}"
+            registered.add((key, name, path))
+    defaults, have = _name_map_tables()
+    assert set(defaults) == set(registries), f"defaults table keys {sorted(defaults)} != {sorted(registries)}"
+    want = name_map_exceptions(defaults, registered)
+    assert have == want, f"missing: {sorted(want - have)}; stale or covered by the rule: {sorted(have - want)}"
 
 
 def _readme_code_table() -> list[tuple[str, list[str], list[str]]]:

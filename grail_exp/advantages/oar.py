@@ -190,6 +190,13 @@ def _reasoning_mask(spans, mask: torch.Tensor) -> torch.Tensor:
 @register_scheme("oar_g", OARGConfig)
 class OARGScheme(AdvantageScheme):
     row_order_invariant = False  # the noise is drawn row by row, in micro-batch order
+    planned_completion_passes = 2  # the noisy forward and an input-gradient backward over the completions
+
+    @classmethod
+    def planned_update_transient(cls, cfg, graph_bytes: float) -> tuple[str, float, str] | None:
+        """The noisy teacher pass builds a second graph of the micro-batch beside the policy's."""
+        return ("OAR-G noisy teacher pass", graph_bytes,
+                "a second graph of the micro-batch (activations + its recompute)")
 
     @staticmethod
     def check_config(cfg) -> list[str]:

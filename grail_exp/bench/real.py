@@ -127,7 +127,7 @@ def _result(cfg, parts, shape: dict, records: list, gflops: float, **extra) -> d
             "micro_batch_size": int(cfg.trainer.micro_batch_size), "profile": None, **extra}
 
 
-def paired_ratios(results: dict, skip: int, baseline: str = "grpo") -> dict:
+def paired_ratios(results: dict, skip: int, baseline: str) -> dict:
     """Per scheme, its step time over the baseline's in the same round, for the rounds after ``skip``: the median and
     the range of those ratios (``run_paired``'s rounds), and of the update's (update + scheme) alone."""
     if baseline not in results:
@@ -306,7 +306,8 @@ def _shape(policy) -> dict:
 
 
 def step_flops(s: dict, batch, scheme: str, old_logp: bool, frozen_base: bool = False) -> float:
-    """Matmul FLOPs of one step with each distinct prompt counted once (module docstring). ``frozen_base``
+    """Matmul FLOPs of one step with each distinct prompt counted once (module docstring); the scheme's own passes over
+    the completions are its ``planned_completion_passes`` (``grail_exp/advantages/base.py``). ``frozen_base``
     (peft=lora): the update's backward computes the input gradients only (2x the forward instead of 3x: the adapters'
     own products are < 1 % of the decoder's at rank 32 and left out)."""
     import torch
@@ -325,11 +326,10 @@ def step_flops(s: dict, batch, scheme: str, old_logp: bool, frozen_base: bool = 
     generation = prompt_fwd + comp_fwd + 2 * V * h * len(reps)
     forward = prompt_fwd + comp_fwd
     total = generation + (2 if frozen_base else 3) * forward + (forward if old_logp else 0.0)
-    if scheme == "grail":
-        total += comp_fwd
-    elif scheme == "oar_g":
-        total += 2 * comp_fwd
-    return total
+    from grail_exp.advantages import SCHEMES
+
+    # what the scheme adds over the completions (a probe's backward, a second pass); 0 where a checkout lacks the answer
+    return total + getattr(SCHEMES.get(scheme), "planned_completion_passes", 0) * comp_fwd
 
 
 def matmul_gflops(policy, n: int = 2048, repeats: int = 5) -> float:
@@ -390,7 +390,7 @@ def steps_table(summaries: dict, baseline: str = "grpo", paired: dict | None = N
     ratios with their range, and an update column of the same kind follows."""
     base = summaries.get(baseline, {})
     columns = ["scheme", "engine", "step s", "generation s", "update s", "scoring s", "tokens / step", "token eff.",
-               "peak GB", "floor s", "step / floor", "step / grpo"] + (["update / grpo"] if paired else [])
+               "peak GB", "floor s", "step / floor", f"step / {baseline}"] + ([f"update / {baseline}"] if paired else [])
     rows = []
     for name, r in summaries.items():
         if "error" in r:
@@ -429,7 +429,7 @@ def main(bench, overrides: list[str], argv: list[str]) -> dict:
     if bench.get("paired"):
         results = in_own_process(_run_paired_logged, overrides, rows, int(bench.steps), bench.get("threads"))
         summaries = {name: summarize(res, int(bench.skip)) for name, res in results.items()}
-        paired = paired_ratios(results, int(bench.skip))
+        paired = paired_ratios(results, int(bench.skip), bench.baseline)
         for name, q in paired.items():
             summaries[name].update(q)
     else:
@@ -442,7 +442,7 @@ def main(bench, overrides: list[str], argv: list[str]) -> dict:
                 log.exception("bench real: scheme %s failed", name)
                 summaries[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             log.info("bench real %s: %s", name, summaries[name])
-    table = steps_table(summaries, paired=paired) + profile_lines(results)
+    table = steps_table(summaries, bench.baseline, paired=paired) + profile_lines(results)
     if paired:
         peak = next(iter(results.values()))["process_peak_memory_gb"]
         table += (f"\n\nPaired: all schemes in one process (peak RSS {peak:.2f} GB for all of them together), step r of "

@@ -104,7 +104,7 @@ def scheme_names(bench: DictConfig) -> list[str]:
     names = list(bench.schemes)
     if names == ["all"]:
         names = [n for n in sorted(SCHEMES) if (Path(CONFIG_DIR) / "advantage" / f"{n}.yaml").is_file()]
-        names.sort(key=lambda n: n != "grpo")  # the baseline first
+        names.sort(key=lambda n: n != bench.baseline)  # the baseline first
     unknown = [n for n in [*names, *bench.per_rollout] if n not in SCHEMES]
     if unknown:
         raise SystemExit(f"bench.schemes / bench.per_rollout: unknown scheme(s) {unknown}; valid: {sorted(SCHEMES)}")
@@ -275,8 +275,8 @@ def schemes_table(results: dict, baseline: str = "grpo") -> str:
     from grail_exp.bench.real import table_markdown
 
     base = results.get(baseline)
-    columns = ["scheme", "old_logp_s", "scheme_s", "update_s", "step_s", "step / grpo", "load-normalised step / grpo",
-               "peak_mem_mb", "mem / grpo"]
+    columns = ["scheme", "old_logp_s", "scheme_s", "update_s", "step_s", f"step / {baseline}",
+               f"load-normalised step / {baseline}", "peak_mem_mb", f"mem / {baseline}"]
     rows = []
     for name, r in results.items():
         if "error" in r:
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
         from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
         with tempfile.TemporaryDirectory() as tmp:  # and the run's policy forward + backward on the synthetic batch
-            cfg = compose_run_config(overrides, "grpo", bench, tmp)
+            cfg = compose_run_config(overrides, bench.baseline, bench, tmp)
             path = resolve_model_path(cfg)
             tokenizer = load_tokenizer(path, cfg)
             policy = load_causal_lm(path, cfg, trainable=True)
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
                     errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 log.info("pass %d, %s: %s", p + 1, name, errors.get(name) or medians(rows[name]))
         results = {n: ({"error": errors[n]} if n in errors else medians(rows[n])) for n in names}
-    table = schemes_table(results)
+    table = schemes_table(results, bench.baseline)
     print(table, flush=True)
     payload = {"schemes": results, "config": config, "command": "python -m grail_exp.bench " + " ".join(argv)}
     from grail_exp.bench.real import write_outputs

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from grail_exp.data.benchmarks import BENCHMARKS, load_benchmark, register_benchmark
 from grail_exp.data.sources import DATASET_FILE_CHECKS, DATASETS, Problem, PromptSource, arithmetic_task, build_source
-from grail_exp.data import curriculum as _curriculum  # noqa: E402,F401  (registers data=scrl_jsonl)
+from grail_exp.registry import import_modules
+
+import_modules(__name__, __path__)  # every module here registers its datasets and benchmarks (curriculum: scrl_jsonl)
 
 __all__ = [
     "BENCHMARKS",

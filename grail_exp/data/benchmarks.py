@@ -38,13 +38,14 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from grail_exp.data.jsonl import iter_jsonl_objects
 from grail_exp.data.sources import Problem, arithmetic_task
 from grail_exp.errors import ConfigError, UserError
+from grail_exp.registry import Registry
 
-BENCHMARKS: dict[str, Callable[[Any], list[Problem]]] = {}
+BENCHMARKS: Registry = Registry("benchmark")
 # name -> "test" | "validation". Hyper-parameter search (grail_exp.tune) may only select on validation splits.
 BENCHMARK_SPLITS: dict[str, str] = {}
 
@@ -57,14 +58,10 @@ def register_benchmark(name: str, split: str = "test"):
     if split not in ("test", "validation"):
         raise ValueError(f"benchmark {name!r}: split must be 'test' or 'validation', got {split!r}")
 
-    def deco(fn):
-        if name in BENCHMARKS:
-            raise ValueError(f"benchmark {name!r} registered twice")
-        BENCHMARKS[name] = fn
+    def attach(fn) -> None:
         BENCHMARK_SPLITS[name] = split
-        return fn
 
-    return deco
+    return BENCHMARKS.register(name, then=attach)
 
 
 @register_benchmark("arithmetic")

@@ -8,6 +8,7 @@ from typing import Callable, Protocol
 
 from grail_exp.data.arithmetic import ArithmeticTask
 from grail_exp.errors import ConfigError, DataError
+from grail_exp.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -22,20 +23,18 @@ class PromptSource(Protocol):
 
 
 # name -> builder(data_cfg, seed=run seed, prompts_per_step=P) -> PromptSource
-DATASETS: dict[str, Callable[..., PromptSource]] = {}
+DATASETS: Registry = Registry("dataset (data.name)")
 # name -> check(data_cfg) -> problems: the files the source will read, checked by validate() before anything loads
 # (one line per problem, naming data.path, the file and the line)
 DATASET_FILE_CHECKS: dict[str, Callable[..., list[str]]] = {}
 
 
 def register_dataset(name: str, check_files: Callable[..., list[str]] | None = None):
-    def deco(fn):
-        DATASETS[name] = fn
+    def attach(fn) -> None:
         if check_files is not None:
             DATASET_FILE_CHECKS[name] = check_files
-        return fn
 
-    return deco
+    return DATASETS.register(name, then=attach)
 
 
 def arithmetic_task(data_cfg) -> ArithmeticTask:

@@ -3,7 +3,7 @@
 An estimator returns sequence advantages A_i (N,) — or token advantages A_{i,t} (N, C) — that the token-weight
 scheme then reshapes: Â = sg(w)·A (broadcast over tokens for sequence advantages). Adding one = a function in this
 package registered with ``@register_estimator("name", ConfigDataclass)`` (its equation and paper in the docstring),
-a YAML file in ``conf/estimator/``, tests. Inputs come as an ``EstimatorInput``: rewards grouped by prompt
+a YAML file in ``conf/estimator/``, tests; importing the package imports every module in it (docs/add-a-method.md). Inputs come as an ``EstimatorInput``: rewards grouped by prompt
 (groups contiguous, G rollouts each), the completion mask and anything an estimator asks the trainer for
 (``needs``: e.g. greedy-baseline rewards, per-token Σπ²).
 
@@ -31,11 +31,9 @@ from grail_exp.estimators.base import (  # noqa: F401  (the package's public nam
     register_estimator,
 )
 
-# Importing the estimator modules registers them.
-from grail_exp.estimators import grpo as _grpo  # noqa: E402,F401
-from grail_exp.estimators import gpg as _gpg, opo as _opo, otb as _otb, passk as _passk  # noqa: E402,F401
-from grail_exp.estimators import reinforce_pp as _rpp, remax as _remax, rloo as _rloo  # noqa: E402,F401
-from grail_exp.estimators import scrl as _scrl  # noqa: E402,F401
+from grail_exp.registry import import_modules
+
+import_modules(__name__, __path__)  # every estimator module here registers itself
 
 __all__ = ["ESTIMATORS", "EstimatorConfig", "EstimatorInput", "EstimatorOutput", "EstimatorSpec", "PromptVariant",
            "estimate", "group_zero_std", "register_estimator"]

@@ -8,7 +8,9 @@ from typing import Any, Callable
 
 import torch
 
-ESTIMATORS: dict[str, "EstimatorSpec"] = {}
+from grail_exp.registry import Registry
+
+ESTIMATORS: Registry = Registry("estimator")
 
 
 @dataclass
@@ -66,9 +68,8 @@ def register_estimator(name: str, config_class: type = EstimatorConfig, needs: t
                        check: Callable[[Any], list[str]] | None = None, prompt_variants=None, check_run=None,
                        requires: dict[str, Any] | None = None):
     def deco(fn):
-        if name in ESTIMATORS:
-            raise ValueError(f"estimator {name!r} registered twice")
-        ESTIMATORS[name] = EstimatorSpec(fn, config_class, needs, check, prompt_variants, check_run, dict(requires or {}))
+        ESTIMATORS.add(name, EstimatorSpec(fn, config_class, needs, check, prompt_variants, check_run,
+                                           dict(requires or {})))
         return fn
 
     return deco

@@ -7,7 +7,8 @@
 - ``correction.py``: the rollout importance-sampling weights (``rollout.is_correction.mode``);
 - ``terms.py``, ``entropy_bonus.py``, ``sdpg.py``: auxiliary terms (``loss.terms``).
 
-A new objective is one registered function plus its config keys. The defaults are the GRAIL paper's GRPO (method
+A new objective is one registered function plus its config keys; a new term is one file here (importing this package
+imports every module in it and in ``policies/``, so each registers itself). The defaults are the GRAIL paper's GRPO (method
 spec §2.2): ``ppo_clip`` with ε 0.2 / 0.28, ``dr_grpo``, β = 0.
 """
 
@@ -21,7 +22,7 @@ from grail_exp.loss.objective import LossOutput, aggregator, compose_objective
 from grail_exp.loss.policy import POLICY_LOSSES, PolicyLossOutput, masked_mean, register_policy_loss
 from grail_exp.loss.terms import LOSS_TERMS, LossTerm, TermContext, build_terms, needs_reference, register_loss_term
 from grail_exp.loss import policies as _policies  # noqa: E402,F401  (registers the GRPO family's surrogates)
-from grail_exp.loss import entropy_bonus as _entropy_bonus  # noqa: E402,F401  (registers loss.terms.entropy_bonus)
+from grail_exp.registry import import_modules
 
 __all__ = [
     "AGGREGATIONS", "AggregationContext", "KL_ESTIMATORS", "LOSS_TERMS", "LossOutput", "LossTerm", "POLICY_LOSSES",
@@ -30,5 +31,5 @@ __all__ = [
     "register_policy_loss", "selective_log_softmax",
 ]
 
-# Importing the term modules registers them (after the names above exist: they import this package's pieces).
-from grail_exp.loss import sdpg as _sdpg  # noqa: E402,F401
+# Every module here registers what it defines (the terms: after the names above exist, they import this package's pieces).
+import_modules(__name__, __path__)

@@ -22,7 +22,9 @@ from typing import Callable
 
 import torch
 
-AGGREGATIONS: dict[str, Callable] = {}
+from grail_exp.registry import Registry
+
+AGGREGATIONS: Registry = Registry("aggregation (loss.loss_type)")
 
 
 @dataclass
@@ -33,14 +35,8 @@ class AggregationContext:
     world_size: int = 1  # R: DDP averages gradients over ranks
 
 
-def register_aggregation(name: str):
-    def deco(fn):
-        if name in AGGREGATIONS:
-            raise ValueError(f"aggregation {name!r} registered twice")
-        AGGREGATIONS[name] = fn
-        return fn
-
-    return deco
+def register_aggregation(name: str) -> Callable[[Callable], Callable]:
+    return AGGREGATIONS.register(name)
 
 
 def _masked(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,17 +15,14 @@ from typing import Callable
 
 import torch
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+from grail_exp.registry import Registry
+
+# name -> fn(logp, ref_logp) -> (B, T) per-token KL
+KL_ESTIMATORS: Registry = Registry("KL estimator")
 
 
-def register_kl(name: str):
-    def deco(fn):
-        if name in KL_ESTIMATORS:
-            raise ValueError(f"KL estimator {name!r} registered twice")
-        KL_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+def register_kl(name: str) -> Callable[[Callable], Callable]:
+    return KL_ESTIMATORS.register(name)
 
 
 @register_kl("k1")

@@ -20,7 +20,9 @@ from typing import Callable
 
 import torch
 
-POLICY_LOSSES: dict[str, Callable] = {}
+from grail_exp.registry import Registry
+
+POLICY_LOSSES: Registry = Registry("policy loss")
 
 
 @dataclass
@@ -31,15 +33,11 @@ class PolicyLossOutput:
     aggregation: str | None = None
 
 
-def register_policy_loss(name: str, folds_token_weights: bool = False):
-    def deco(fn):
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} registered twice")
+def register_policy_loss(name: str, folds_token_weights: bool = False) -> Callable[[Callable], Callable]:
+    def attach(fn) -> None:
         fn.folds_token_weights = folds_token_weights  # takes policy_mask= / is_weight= itself (see the docstring)
-        POLICY_LOSSES[name] = fn
-        return fn
 
-    return deco
+    return POLICY_LOSSES.register(name, then=attach)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

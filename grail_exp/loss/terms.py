@@ -18,7 +18,9 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-LOSS_TERMS: dict[str, type["LossTerm"]] = {}
+from grail_exp.registry import Registry
+
+LOSS_TERMS: Registry = Registry("loss term")
 
 
 @dataclass
@@ -81,14 +83,10 @@ class LossTerm:
 
 
 def register_loss_term(name: str, config_class: type):
-    def deco(cls):
-        if name in LOSS_TERMS:
-            raise ValueError(f"loss term {name!r} registered twice")
+    def attach(cls) -> None:
         cls.name, cls.config_class = name, config_class
-        LOSS_TERMS[name] = cls
-        return cls
 
-    return deco
+    return LOSS_TERMS.register(name, then=attach)
 
 
 def typed_term_config(cls, node):

@@ -121,17 +121,21 @@ def device_capacity(cfg) -> tuple[Optional[float], Optional[float], str]:
     return None, None, "no CUDA device visible: set trainer.device_memory_gb to plan for one"
 
 
+def scheme_of(cfg):
+    """The scheme class ``advantage.name`` registers (it answers the plan's questions about its own memory), or None
+    for an unregistered name (validate() reports it)."""
+    from grail_exp.advantages import SCHEMES
+
+    return SCHEMES.get(str(cfg.advantage.get("name", "")))
+
+
 def _probes_between_forward_and_backward(cfg) -> bool:
     """The scheme needs the model (a probe gradient, extra forwards) or loss terms are on: the update backend then keeps
     a sharded policy gathered from a micro-batch's forward to its backward (training/backends/fsdp.py ``hold``)."""
     if cfg.loss.get("terms"):
         return True
-    try:
-        from grail_exp.advantages import SCHEMES
-
-        return bool(SCHEMES[str(cfg.advantage.get("name"))].needs_model)
-    except Exception:  # noqa: BLE001 - an unknown scheme: validate() reports it; plan the larger case
-        return True
+    scheme = scheme_of(cfg)
+    return True if scheme is None else bool(scheme.needs_model)  # an unknown scheme: plan the larger case
 
 
 def backend_of(cfg):
@@ -268,15 +272,17 @@ def _saved_activations(cfg, z: Sizes) -> tuple[float, float, Line]:
 
 def update_lines(cfg, z: Sizes) -> list[Line]:
     """One micro-batch's update: the saved activations and the largest transient on top of them (the output layer's
-    chunks, a layer recomputed in backward, or OAR-G's second graph)."""
+    chunks, a layer recomputed in backward, or what the scheme adds: ``AdvantageScheme.planned_update_transient``,
+    e.g. OAR-G's second graph)."""
     saved, recompute, activations = _saved_activations(cfg, z)
     lf, lb, lhow = logits_bytes(z.rows * z.C, int(cfg.trainer.logprob_chunk_tokens), z.shape, z.b)
-    teacher = saved + recompute if str(cfg.advantage.get("name", "")) == "oar_g" else 0.0  # its noisy pass's own graph
-    transient = {"output layer, forward": lf, "output layer, backward": lb, "layer recomputed in backward": recompute,
-                 "OAR-G noisy teacher pass": teacher}
-    what, worst = max(transient.items(), key=lambda kv: kv[1])
-    how = (lhow if what.startswith("output") else "one decoder layer's saved set + gradients in flight"
-           if what.startswith("layer") else "a second graph of the micro-batch (activations + its recompute)")
+    transient = {"output layer, forward": (lf, lhow), "output layer, backward": (lb, lhow),
+                 "layer recomputed in backward": (recompute, "one decoder layer's saved set + gradients in flight")}
+    scheme = scheme_of(cfg)
+    extra = scheme.planned_update_transient(cfg, saved + recompute) if scheme is not None else None
+    if extra is not None:
+        transient[extra[0]] = (extra[1], extra[2])
+    what, (worst, how) = max(transient.items(), key=lambda kv: kv[1][0])  # ties: the first listed
     return [activations, Line("update", f"peak transient: {what}", worst, how)]
 
 

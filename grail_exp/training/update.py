@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -95,16 +96,13 @@ class UpdatePhase:
 
     def step(self, batch: TrainingBatch, optimizer, scheduler, global_tokens: float, timings: dict,
              epoch: int, rows: tuple[int, int] | None = None, schedule: bool = True) -> dict[str, float]:
-        """One optimiser step over every micro-batch of ``rows`` of ``batch`` (default: all of it); ``global_tokens``:
-        the loss tokens of those rows over all ranks (the dapo normaliser); ``schedule``: advance the lr schedule
-        after it."""
-        cfg = self.cfg
-        sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch masked means
-        counts: dict[str, float] = {}
-        t_scheme = 0.0
-        t0 = time.perf_counter()
-        loss_total = 0.0
-        computed, real = 0, 0  # decoder positions run / real tokens (each distinct prompt once per micro-batch)
+        """One optimiser step over every micro-batch of ``rows`` of ``batch`` (default: all of it). Per micro-batch: the
+        policy forward (through the backend), the GRPO family's token masks, the scheme's weights w, the loss
+        (``micro_batch_loss``: Â = sg(w)·A, the IS weights, the objective, the terms), its backward and the weight hooks;
+        then ``close_step``: the optimiser step (or its non-finite skip), the lr schedule, the averaged metrics.
+        ``global_tokens``: the loss tokens of those rows over all ranks (the dapo normaliser); ``schedule``: advance the
+        lr schedule after it."""
+        cfg, tally = self.cfg, StepTally(time.perf_counter())
         need_states = "hidden_states" in getattr(self.scheme, "forward_outputs", ())
         # The scheme (probe rows) and loss terms may call the model between forward and backward on some ranks only.
         hold = bool(self.scheme.needs_model or self.terms)
@@ -115,53 +113,42 @@ class UpdatePhase:
             logp, entropy, fwd = self.backend.forward(
                 self.policy, batch.input_ids[s:e], batch.attention_mask[s:e], batch.position_ids[s:e],
                 batch.completion_ids[s:e], hidden_states=need_states, hold_gathered=hold)
-            computed, real = computed + fwd.positions, real + real_tokens(batch, s, e)
+            tally.computed, tally.real = tally.computed + fwd.positions, tally.real + real_tokens(batch, s, e)
             # GRPO family: top-entropy / off-policy masks multiply the policy term only (TRL); the normaliser, the KL
             # term and the metrics keep the loss mask (``loss.family_mask_normaliser: kept`` masks them too).
             fam = self.family_masks(batch, s, e, mask, logp, entropy)
             term_mask = fam.term_mask(mask, cfg.loss)
-
             ts = time.perf_counter()
             w, scheme_metrics, computed_now = self.weights(batch, s, e, epoch, fwd)
             if computed_now and self.scheme.needs_model:
                 self.backend.after_probe_backward()  # before this micro-batch's backward: their peaks must not add up
-            t_scheme += time.perf_counter() - ts
+            tally.scheme_s += time.perf_counter() - ts
             adv = batch.token_advantages[s:e] if batch.token_advantages is not None \
                 else batch.advantages[s:e].unsqueeze(1)
-            token_adv = w.float() * adv.float()  # Â = sg(w)·A in float32, (B, C)
-
             old = batch.old_logp[s:e] if batch.old_logp is not None else logp.detach()
-            isw, is_metrics = None, {}
-            ic = cfg.rollout.is_correction
-            if ic.mode != "none" and batch.sampler_logp is not None:
-                isw, is_metrics = is_weights(old, batch.sampler_logp[s:e], mask, ic.mode, ic.clip_min, ic.clip_max)
-            ref = batch.ref_logp[s:e] if batch.ref_logp is not None else None
-            out = compose_objective(cfg.loss, agg_ctx, logp, old, token_adv, mask, ref_logp=ref, is_weight=isw,
-                                    policy_mask=fam.policy)
-            loss = out.loss
-            metrics = {k: v.item() for k, v in out.metrics.items()}
-            metrics.update(is_metrics)
-            metrics.update(fam.metrics)
-            if self.terms:
-                loss, term_metrics = self.add_terms(loss, batch, s, e, logp, entropy, fwd, term_mask, token_adv, old,
-                                                    agg_ctx, fam.top_entropy)
-                metrics.update(term_metrics)
-            self.backend.backward(loss)
+            out = micro_batch_loss(
+                cfg, agg_ctx, w, adv, logp, old, mask, sampler_logp=rows_of(batch.sampler_logp, s, e),
+                ref_logp=rows_of(batch.ref_logp, s, e), family=fam, terms=self.terms,
+                term_context=lambda token_adv: self.term_context(batch, s, e, logp, entropy, fwd, term_mask, token_adv,
+                                                                 old, agg_ctx, fam.top_entropy))
+            self.backend.backward(out.loss)
             self.backend.after_backward()  # this micro-batch's activations, before the next one's forward
-            loss_total += loss.item()
-            metrics.update(self.weight_metrics(term_mask, w, adv, token_adv, entropy, scheme_metrics))
+            tally.loss += out.loss.item()
+            out.metrics.update(self.weight_metrics(term_mask, w, adv, out.token_advantages, entropy, scheme_metrics))
             if epoch == 0 and self.on_weights is not None:
                 self.on_weights(batch, s, e, w, entropy)
-            n_tok = float(term_mask.sum())
-            for k, v in metrics.items():
-                if math.isfinite(v):  # e.g. a scheme statistic over no rows is NaN in that micro-batch
-                    sums[k] = sums.get(k, 0.0) + v * n_tok
-                    counts[k] = counts.get(k, 0.0) + n_tok
-        avg = {k: v / counts[k] for k, v in sums.items() if counts[k] > 0}
-        avg.pop("loss_tokens", None)
+            tally.add(out.metrics, float(term_mask.sum()))
+        return self.close_step(optimizer, scheduler, tally, timings, epoch, rows, schedule)
 
+    def close_step(self, optimizer, scheduler, tally: "StepTally", timings: dict, epoch: int,
+                   rows: tuple[int, int] | None, schedule: bool) -> dict[str, float]:
+        """The step's closing: the optimiser step through the backend (skipped when the loss or the gradient norm is not
+        finite: counted, and an error after ``trainer.max_nonfinite_in_a_row`` such steps in a row), the lr schedule,
+        the phase times, and the step's metrics: the micro-batches' token-weighted averages and the step's own."""
+        cfg = self.cfg
+        avg = tally.averages()
         lr = scheduler.get_last_lr()[0]  # the rate this update uses (logged as such, as verl does)
-        result = self.backend.step(optimizer, math.isfinite(loss_total))
+        result = self.backend.step(optimizer, math.isfinite(tally.loss))
         if result.applied:
             self.nonfinite_in_a_row = 0
         else:
@@ -169,7 +156,7 @@ class UpdatePhase:
             self.nonfinite_in_a_row += 1
             self.nonfinite_total += 1
             log.warning("non-finite loss/gradient at step %d (loss=%s, grad_norm=%s): update skipped",
-                        self.scheme_ctx.progress.step + 1, loss_total, result.grad_norm)
+                        self.scheme_ctx.progress.step + 1, tally.loss, result.grad_norm)
             limit = cfg.trainer.get("max_nonfinite_in_a_row", 3)
             if self.nonfinite_in_a_row >= limit:
                 raise NonFiniteLossError(
@@ -179,13 +166,13 @@ class UpdatePhase:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         self.backend.after_step()
-        timings["scheme"] = timings.get("scheme", 0.0) + t_scheme
-        timings["update"] = timings.get("update", 0.0) + (time.perf_counter() - t0 - t_scheme)
-        avg.update({"loss": loss_total, "grad_norm": result.grad_norm, "lr": lr,
+        timings["scheme"] = timings.get("scheme", 0.0) + tally.scheme_s
+        timings["update"] = timings.get("update", 0.0) + (time.perf_counter() - tally.start - tally.scheme_s)
+        avg.update({"loss": tally.loss, "grad_norm": result.grad_norm, "lr": lr,
                     "iteration": float(epoch), "mini_batch": float((rows or (0, 0))[0] // max(1, mini_batch_rows(cfg))),
                     "nonfinite_steps_total": float(self.nonfinite_total),
-                    "tokens/computed_positions": float(computed), "tokens/real": float(real),
-                    "tokens/efficiency": real / max(computed, 1),
+                    "tokens/computed_positions": float(tally.computed), "tokens/real": float(tally.real),
+                    "tokens/efficiency": tally.real / max(tally.computed, 1),
                     "scheme/recompute_per_rollout": float(self.per_rollout)})
         return avg
 
@@ -262,33 +249,95 @@ class UpdatePhase:
             batch.old_logp[s:e] if batch.old_logp is not None else logp.detach())
         return family_token_masks(entropy, logp, behaviour, batch.advantages[s:e], mask, self.cfg.loss)
 
-    def add_terms(self, loss, batch, s, e, logp, entropy, fwd, mask, token_adv, old, agg_ctx, top_entropy=None):
-        """The configured auxiliary loss terms (``loss.terms``: entropy bonus, SDPG's distillation, ...) added to the
-        micro-batch's loss, each aggregated like the policy loss."""
+    def term_context(self, batch, s, e, logp, entropy, fwd, mask, token_adv, old, agg_ctx,
+                     top_entropy=None) -> TermContext:
+        """What the auxiliary loss terms (``loss.terms``: entropy bonus, SDPG's distillation, ...) see of rows s:e:
+        the live policy, the micro-batch, the forward's hidden states and output layer, and an aggregator like the
+        policy loss's."""
         cfg = self.cfg
-        ctx = TermContext(
+        return TermContext(
             model=self.policy, batch=batch.scheme_view(self.scheme_ctx, s, e), hidden=fwd.predicting(fwd.hidden),
             head_weight=fwd.head_weight, head_bias=fwd.head_bias, logp=logp, entropy=entropy, mask=mask,
-            token_advantages=token_adv, old_logp=old,
-            ref_logp=batch.ref_logp[s:e] if batch.ref_logp is not None else None,
-            sampler_logp=batch.sampler_logp[s:e] if batch.sampler_logp is not None else None,
-            temperature=cfg.rollout.temperature, step=self.scheme_ctx.progress.step,
-            aggregate=aggregator(cfg.loss, agg_ctx),
+            token_advantages=token_adv, old_logp=old, ref_logp=rows_of(batch.ref_logp, s, e),
+            sampler_logp=rows_of(batch.sampler_logp, s, e), temperature=cfg.rollout.temperature,
+            step=self.scheme_ctx.progress.step, aggregate=aggregator(cfg.loss, agg_ctx),
             tokenizer=self.tokenizer, rollout_step=self.scheme_ctx.progress.rollouts or None,
             top_entropy_mask=top_entropy, share_prompts=self.backend.share_prompts)
-        metrics = {}
-        for term in self.terms:
-            value, m = term(ctx)
-            loss = loss + value
-            metrics[f"{term.name}/loss"] = float(value.detach())
-            metrics.update({f"{term.name}/{k}": float(v) for k, v in m.items()})
-        return loss, metrics
 
     def state_dict(self) -> dict:
         return {"nonfinite_total": self.nonfinite_total, "nonfinite_in_a_row": self.nonfinite_in_a_row}
 
     def load_state_dict(self, st: dict) -> None:
         self.nonfinite_total, self.nonfinite_in_a_row = st["nonfinite_total"], st["nonfinite_in_a_row"]
+
+
+@dataclass
+class MicroBatchLoss:
+    loss: torch.Tensor  # the scalar to backpropagate (already divided for gradient accumulation)
+    token_advantages: torch.Tensor  # (B, C) Â = sg(w)·A in float32
+    metrics: dict[str, float]  # the objective's, the IS correction's, the family masks' and the terms' diagnostics
+
+
+def micro_batch_loss(cfg, agg_ctx: AggregationContext, w: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor,
+                     old_logp: torch.Tensor, mask: torch.Tensor, *, sampler_logp: torch.Tensor | None = None,
+                     ref_logp: torch.Tensor | None = None, family=None, terms: Sequence = (),
+                     term_context: Callable[[torch.Tensor], TermContext] | None = None) -> MicroBatchLoss:
+    """The loss of one micro-batch, from tensors alone (no model, no backend):
+
+        Â_{i,t} = sg(w_{i,t}) · A_i        (float32; A_{i,t} under a token-level estimator)
+        ρ^IS     = rollout.is_correction's weights of π_old against the sampler (none without its log-probs)
+        L        = compose_objective(loss; ρ, Â, ρ^IS, f, KL)  +  Σ_k term_k(term_context(Â))
+
+    ``w`` (B, C) the scheme's weights; ``advantages`` (B, 1) or (B, C); ``logp`` / ``old_logp`` / ``sampler_logp`` /
+    ``ref_logp`` / ``mask`` (B, C); ``family``: the GRPO family's ``FamilyMasks`` (its policy mask f and metrics), or
+    None; ``terms``: the built auxiliary terms, called with ``term_context(Â)`` (``grail_exp/loss/objective.py``)."""
+    token_adv = w.float() * advantages.float()  # Â = sg(w)·A in float32, (B, C)
+    isw, is_metrics = None, {}
+    ic = cfg.rollout.is_correction
+    if ic.mode != "none" and sampler_logp is not None:
+        isw, is_metrics = is_weights(old_logp, sampler_logp, mask, ic.mode, ic.clip_min, ic.clip_max)
+    out = compose_objective(cfg.loss, agg_ctx, logp, old_logp, token_adv, mask, ref_logp=ref_logp, is_weight=isw,
+                            policy_mask=family.policy if family is not None else None)
+    loss = out.loss
+    metrics = {k: v.item() for k, v in out.metrics.items()}
+    metrics.update(is_metrics)
+    metrics.update(family.metrics if family is not None else {})
+    if terms:
+        ctx = term_context(token_adv)
+        for term in terms:
+            value, m = term(ctx)
+            loss = loss + value
+            metrics[f"{term.name}/loss"] = float(value.detach())
+            metrics.update({f"{term.name}/{k}": float(v) for k, v in m.items()})
+    return MicroBatchLoss(loss, token_adv, metrics)
+
+
+@dataclass
+class StepTally:
+    """What one optimiser step adds up over its micro-batches."""
+
+    start: float  # time.perf_counter() when the step began
+    loss: float = 0.0  # Σ of the micro-batches' losses
+    scheme_s: float = 0.0  # seconds in the scheme's weights
+    computed: int = 0  # decoder positions run
+    real: int = 0  # real tokens (each distinct prompt once per micro-batch)
+    sums: dict[str, float] = field(default_factory=dict)  # token-weighted sums of per-micro-batch masked means
+    counts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, metrics: dict[str, float], tokens: float) -> None:
+        for k, v in metrics.items():
+            if math.isfinite(v):  # e.g. a scheme statistic over no rows is NaN in that micro-batch
+                self.sums[k] = self.sums.get(k, 0.0) + v * tokens
+                self.counts[k] = self.counts.get(k, 0.0) + tokens
+
+    def averages(self) -> dict[str, float]:
+        avg = {k: v / self.counts[k] for k, v in self.sums.items() if self.counts[k] > 0}
+        avg.pop("loss_tokens", None)
+        return avg
+
+
+def rows_of(t: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
+    return t[s:e] if t is not None else None
 
 
 def real_tokens(batch: TrainingBatch, s: int, e: int) -> int:

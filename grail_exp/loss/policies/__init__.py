@@ -8,7 +8,9 @@ of −Â·logp (tested in tests/test_family_losses.py).
 
 from __future__ import annotations
 
-from grail_exp.loss.policies import cispo, cov, dppo, gmpo, gpg, gspo, sapo, vespo  # noqa: F401  (registration)
+from grail_exp.registry import import_modules
+
+import_modules(__name__, __path__)  # every surrogate module here registers itself
 
 
 def check_family_config(cfg) -> list[str]:

@@ -1,10 +1,10 @@
 """Update backends, one per parallel strategy, behind one interface (``base.UpdateBackend``); importing this package
-registers them under their ``trainer.strategy`` names."""
+imports every module in it, which registers each backend under its ``trainer.strategy`` names."""
 
+from grail_exp.registry import import_modules
 from grail_exp.training.backends.base import BACKENDS, StepResult, UpdateBackend, register_backend
-from grail_exp.training.backends import deepspeed as _deepspeed  # noqa: E402,F401  (registration)
-from grail_exp.training.backends import fsdp as _fsdp  # noqa: E402,F401
-from grail_exp.training.backends import local as _local  # noqa: E402,F401
+
+import_modules(__name__, __path__)
 
 
 def build_backend(cfg, module) -> UpdateBackend:

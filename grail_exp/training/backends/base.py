@@ -41,22 +41,15 @@ import torch
 from grail_exp.compute.forward import policy_forward, share_prompts_of
 from grail_exp.compute.chunks import chunked
 from grail_exp.models import lora
+from grail_exp.registry import Registry
 from grail_exp.training import probe
 
-BACKENDS: dict[str, type["UpdateBackend"]] = {}
+BACKENDS: Registry = Registry("update backend for trainer.strategy")
 
 
 def register_backend(*names: str) -> Callable[[type["UpdateBackend"]], type["UpdateBackend"]]:
     """Class decorator: the ``trainer.strategy`` values this backend serves."""
-
-    def deco(cls):
-        for name in names:
-            if name in BACKENDS:
-                raise ValueError(f"update backend for trainer.strategy={name!r} registered twice")
-            BACKENDS[name] = cls
-        return cls
-
-    return deco
+    return BACKENDS.register(*names)
 
 
 def raw_optimizer(optimizer):

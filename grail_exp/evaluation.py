@@ -291,8 +291,10 @@ def _summarize(b: _Benchmark, completions: list, decoded: list, graded: list, ev
     # paper: the reference keeps a sample only if its text is non-empty (run_eval.py: `if content:`)
     counted = [not paper or text != "" for text in decoded]
     n = ev.n
-    grid = lambda f: [[f(i * n + j) for j in range(n) if counted[i * n + j]]  # noqa: E731
-                      for i in range(len(b.problems))]
+
+    def grid(f):
+        return [[f(i * n + j) for j in range(n) if counted[i * n + j]] for i in range(len(b.problems))]
+
     summary = M.summarize_benchmark(
         grid(lambda k: graded[k].correct), answers=grid(lambda k: graded[k].extracted),
         truncated=grid(lambda k: completions[k].truncated), n_tokens=grid(lambda k: len(completions[k].token_ids)),

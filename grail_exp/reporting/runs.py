@@ -222,8 +222,10 @@ def check_design(arms: dict, cfg: DictConfig) -> None:
         return
     within = lambda k: any(fnmatch(k, p) for p in dc.same_within_seed)  # noqa: E731
     in_scheme = lambda k: any(fnmatch(k, p) for p in dc.same_within_scheme) and not within(k)  # noqa: E731
-    everywhere = lambda k: (any(fnmatch(k, p) for p in dc.same_everywhere)  # noqa: E731
-                            and not within(k) and not in_scheme(k))
+
+    def everywhere(k):
+        return any(fnmatch(k, p) for p in dc.same_everywhere) and not within(k) and not in_scheme(k)
+
     label = lambda r: f"{r.model} × {r.scheme}, seed {r.seed} ({r.run_id})"  # noqa: E731
     problems = []
     expected = {str(s) for s in cfg.seeds} if cfg.seeds else None

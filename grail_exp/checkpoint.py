@@ -32,8 +32,8 @@ next save removes). ``training_state.pt`` holds only tensors and plain Python co
 from __future__ import annotations
 
 import errno
-import math
 import logging
+import math
 import os
 import random
 import re

@@ -13,11 +13,10 @@ Each field carries a one-line comment: what it does, its default, and where it c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
-
 
 from grail_exp.errors import ConfigError  # noqa: F401  (re-exported: `from grail_exp.config import ConfigError`)
 
@@ -56,8 +55,8 @@ class WarmStartConfig:
     # SCRL (estimator=scrl sets these): a fraction of each SFT batch in the curriculum format, so the model answers
     # both prompt formats (grail_exp/data/curriculum.py). 0 = off (the cache key then ignores these keys).
     curriculum_fraction: float = 0.0
-    curriculum_prompt_template: Optional[str] = None  # t_K(x) as in estimator.prompt_template
-    curriculum_subproblem_template: Optional[str] = None  # as estimator.subproblem_template
+    curriculum_prompt_template: str | None = None  # t_K(x) as in estimator.prompt_template
+    curriculum_subproblem_template: str | None = None  # as estimator.subproblem_template
 
 
 @dataclass
@@ -78,31 +77,41 @@ class ModelConfig:
     """Policy model: a hub id / local directory, or (name_or_path: null) the embedded model."""
 
     name: str = MISSING  # short name used in run names and tables
-    name_or_path: Optional[str] = None  # hub id or local HF directory; null -> build the embedded model
-    revision: Optional[str] = None  # hub revision (commit sha or tag); pin it for reproductions
+    name_or_path: str | None = None  # hub id or local HF directory; null -> build the embedded model
+    revision: str | None = None  # hub revision (commit sha or tag); pin it for reproductions
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2; null = transformers default
-    cpu_explicit_attention_max_scores: int = 20_000  # sdpa on CPU under autograd: up to this many query x key positions per head, two products and a float32 softmax instead of the fused kernel (grail_exp/compute/attention.py, whose DEFAULT_MAX_SCORES says why this value); 0 = always the fused kernel
+    attn_implementation: str | None = None  # eager | sdpa | flash_attention_2; null = transformers default
+    # sdpa on CPU under autograd: up to this many query x key positions per head, two products and a float32 softmax
+    # instead of the fused kernel (grail_exp/compute/attention.py, whose DEFAULT_MAX_SCORES says why this value); 0 =
+    # always the fused kernel
+    cpu_explicit_attention_max_scores: int = 20_000
     trust_remote_code: bool = False  # never execute code from a model repo unless you say so
     gradient_checkpointing: bool = False
     # Prompting (how a problem becomes the model's input; recorded with every table)
     prompt_style: str = "chat"  # chat: the tokenizer's chat template | plain: "Question: ...\nAnswer:" text
-    chat_template: Optional[str] = None  # Jinja override for tokenizers without a (suitable) template
+    chat_template: str | None = None  # Jinja override for tokenizers without a (suitable) template
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})  # Qwen3 non-thinking mode
     plain_template: str = "Question: {problem}\nAnswer:"  # prompt_style=plain (base models)
-    system_prompt: Optional[str] = None  # null = no system turn of ours (as in the GRAIL paper); a template may add its own default (SmolLM2 does)
-    few_shot: list = field(default_factory=list)  # worked examples [{question, answer}] before the problem (chat: earlier turns); [] = zero-shot (paper)
+    system_prompt: str | None = None  # null = no system turn of ours (as in the GRAIL paper); a template may add its own default (SmolLM2 does)
+    # worked examples [{question, answer}] before the problem (chat: earlier turns); [] = zero-shot (paper)
+    few_shot: list = field(default_factory=list)
     strip_think: bool = False  # grade only the text after the last </think> (thinking models, e.g. R1-Distill)
     # Random weights with the real architecture, offline (benchmarks, GPU smoke tests; grail_exp/models/architectures.py)
     random_init: bool = False  # true: build the architecture with seeded random weights; never touches the hub
-    architecture: Optional[str] = None  # shipped name (grail_exp/data/architectures/<name>.json) or a config.json path; null = the shipped one whose hub id is name_or_path
+    # shipped name (grail_exp/data/architectures/<name>.json) or a config.json path; null = the shipped one whose hub id
+    # is name_or_path
+    architecture: str | None = None
     random_init_overrides: Any = None  # config.json keys to change, e.g. {num_hidden_layers: 2}; null = none
     init_seed: int = 0  # seed of the random weights (independent of the run seed)
-    tokenizer_name_or_path: Optional[str] = None  # null = the model's (random_init: the architecture's packaged one) | dir | hub id | pkg:qwen3 | pkg:llama3 | pkg:r1_distill_llama
+    # null = the model's (random_init: the architecture's packaged one) | dir | hub id | pkg:qwen3 | pkg:llama3 |
+    # pkg:r1_distill_llama
+    tokenizer_name_or_path: str | None = None
     # Embedded model only
-    shipped_weights: bool = True  # load the packaged warm-started model when model.build/warm_start/data match its build exactly (docs/embedded-model.md); false = always build locally
-    build: Optional[BuildConfig] = None
-    warm_start: Optional[WarmStartConfig] = None
+    # load the packaged warm-started model when model.build/warm_start/data match its build exactly
+    # (docs/embedded-model.md); false = always build locally
+    shipped_weights: bool = True
+    build: BuildConfig | None = None
+    warm_start: WarmStartConfig | None = None
     # Any model: a supervised cold start on the task's solutions before RL (cached; grail_exp/models/cold_start.py)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
 
@@ -114,8 +123,8 @@ class RecipeConfig:
     command line wins. The family's base file sets these keys."""
 
     name: str = "demo"  # the family: demo (embedded models) | paper (the GRAIL paper's, its five models) | smollm2 | baselines | none
-    base: Optional[str] = None  # the family's file, conf/recipe/<family>/base.yaml: its groups (data, benchmark, rollout, eval, trainer) and keys
-    scheme: Optional[str] = None  # the scheme's part composed after it (conf/recipe/<family>/<advantage>.yaml); null = none
+    base: str | None = None  # the family's file, conf/recipe/<family>/base.yaml: its groups (data, benchmark, rollout, eval, trainer) and keys
+    scheme: str | None = None  # the scheme's part composed after it (conf/recipe/<family>/<advantage>.yaml); null = none
     batch_sizes: dict = field(default_factory=dict)  # paper: per-engine per-rank generate()/eval rows {hf: {rollout, eval}, vllm: ...}
 
 
@@ -135,21 +144,21 @@ class DataConfig:
     seed: int = 1234  # data seed: fixed validation/test splits, independent of the run seed
     num_validation: int = 256
     num_test: int = 256
-    train_seed: Optional[int] = None  # the training stream's order alone (e.g. ${seed}); null = data.seed
+    train_seed: int | None = None  # the training stream's order alone (e.g. ${seed}); null = data.seed
     solution_style: str = "compact"  # compact | steps | words: how reference solutions write the chain
     # hub datasets
-    path: Optional[str] = None  # hub id or local dir/file for `datasets.load_dataset`
-    revision: Optional[str] = None
+    path: str | None = None  # hub id or local dir/file for `datasets.load_dataset`
+    revision: str | None = None
     split: str = "train"
     problem_field: str = "prompt"
     answer_field: str = "solution"
     shuffle_seed: int = 42  # the paper shuffles DeepMath with seed 42
-    num_subproblems: Optional[int] = None  # scrl_jsonl: K subproblems required per line (paper: 4); null = any
+    num_subproblems: int | None = None  # scrl_jsonl: K subproblems required per line (paper: 4); null = any
     # Prompt order of hub datasets. shuffled: one datasets.shuffle(shuffle_seed), then cycled (default) |
     # reference: the GRAIL reference's stream, i.e. that shuffle, then TRL's RepeatSampler permutation
     # torch.randperm(n, generator seeded sampler_seed) per epoch of floor(n / P) * P prompts (P = prompts_per_step).
     order: str = "shuffled"
-    sampler_seed: Optional[int] = None  # order=reference: the permutation's seed; null = the run seed, as the reference
+    sampler_seed: int | None = None  # order=reference: the permutation's seed; null = the run seed, as the reference
 
 
 # ---------------------------------------------------------------------------------------------- rollout / eval
@@ -161,7 +170,7 @@ class ISCorrectionConfig:
     # Off for rollout=hf (the sampler is the policy); token_truncate at 2 for rollout=vllm (the TIS blog's; TRL's
     # default is sequence_mask at 3, verl's is off); sequence_mask at 3 for rollout=vllm_paper (TRL, the reference).
     mode: str = "none"
-    clip_min: Optional[float] = None  # C_min: lower bound of the ratio (null: none for truncation, 0 for masks)
+    clip_min: float | None = None  # C_min: lower bound of the ratio (null: none for truncation, 0 for masks)
     clip_max: float = 2.0  # C_max: upper cap (TIS blog: 2; TRL's vllm_importance_sampling_clip_max: 3)
 
 
@@ -169,8 +178,8 @@ class ISCorrectionConfig:
 class SamplerCheckConfig:
     """Fail loudly when the rollout engine stops sampling from the trained weights (stale vLLM sync)."""
 
-    max_abs_diff: Optional[float] = 1.0  # abort when mean |logp_trainer - logp_sampler| exceeds this (nats); null = off
-    jump_factor: Optional[float] = 10.0  # abort when it exceeds this multiple of its running median; null = off
+    max_abs_diff: float | None = 1.0  # abort when mean |logp_trainer - logp_sampler| exceeds this (nats); null = off
+    jump_factor: float | None = 10.0  # abort when it exceeds this multiple of its running median; null = off
     min_diff: float = 0.02  # floor of that median (an exact engine's ~1e-7 must not make noise an alarm)
     warmup_steps: int = 3  # steps of history before the jump check starts
 
@@ -181,7 +190,9 @@ class DynamicSamplingConfig:
     equal (no gradient signal) and sample more prompts until the step has trainer.prompts_per_step informative groups."""
 
     enabled: bool = False  # off = every sampled group is trained on (GRPO)
-    max_extra_rounds: int = 4  # extra generation rounds per step at most (verl max_num_gen_batches); then the batch is topped up with dropped groups (logged)
+    # extra generation rounds per step at most (verl max_num_gen_batches); then the batch is topped up with dropped
+    # groups (logged)
+    max_extra_rounds: int = 4
 
 
 @dataclass
@@ -189,20 +200,20 @@ class VLLMConfig:
     """The colocated vLLM engine of ``rollout=vllm`` (grail_exp/rollout/vllm.py); ignored by other engines."""
 
     gpu_memory_utilization: float = 0.3  # fraction of GPU memory vLLM may take (weights + KV cache); rest is training's
-    max_model_len: Optional[int] = None  # prompt + completion tokens per sequence; null = the model's own limit
+    max_model_len: int | None = None  # prompt + completion tokens per sequence; null = the model's own limit
     enable_prefix_caching: bool = True  # share the KV cache of the G copies of a prompt (reset after each sync)
     # null = CUDA graphs on a GPU (faster decoding), eager on vLLM's CPU build (it has no graphs and would compile the
     # model with inductor instead: minutes of start); true = eager everywhere; false = graphs (compilation on CPU)
-    enforce_eager: Optional[bool] = None
+    enforce_eager: bool | None = None
     sleep_mode: bool = False  # offload weights / drop KV cache between rollouts (GPU only; an error on CPU)
-    dtype: Optional[str] = None  # engine dtype; null = model.dtype (weights are pushed in this dtype)
+    dtype: str | None = None  # engine dtype; null = model.dtype (weights are pushed in this dtype)
     # Which vLLM log-prob the engine reads: raw_logprobs = log softmax(z) of the unprocessed logits, which the
     # engine rescales to log softmax(z/T) (see rollout/vllm.py). processed_logprobs = vLLM's own after temperature,
     # penalties AND top-k/top-p renormalisation (not the trainer's quantity when top_k/top_p are on; the GRAIL
     # reference's, rollout=vllm_paper: the old-log-prob forward then also measures the kept mass M_t, logged as
     # sampling/{seq,token}_log_kept_mass and added back in the sampler check).
     logprobs_mode: str = "raw_logprobs"
-    seed: Optional[int] = None  # engine seed of rank 0 (rank r: + 1000 r); null = the run's seed
+    seed: int | None = None  # engine seed of rank 0 (rank r: + 1000 r); null = the run's seed
     # false: training rollouts sample from the engine's batched stream (no per-request seeds on the hot path; in
     # process that is the rank's torch generator, seeded per rank and checkpointed); true: each training completion
     # gets its own seed from torch's RNG, as evaluation's always do (reproducible whatever vLLM batches with it, at a
@@ -263,7 +274,7 @@ class BenchmarkConfig:
 
     name: str = MISSING
     names: list = field(default_factory=list)  # registry names (see grail_exp/data/benchmarks.py)
-    limit: Optional[int] = None  # take the first N problems of each benchmark (smoke tests)
+    limit: int | None = None  # take the first N problems of each benchmark (smoke tests)
     instruction: str = ""  # appended to each problem except arithmetic's (data.instruction); paper: spec §7.1
     olympiad_gold: str = "first"  # OlympiadBench gold: first = final_answer[0] | str = str(list), paper eval (§11.14)
     # Which answer is graded (grail_exp/grading/extraction.py). last_balanced: the balanced \boxed{} that starts last
@@ -295,19 +306,21 @@ class LossConfig:
     # none: r - mean_g (Dr. GRPO, arXiv 2503.20783; the paper's `scale_rewards: false`).
     scale_rewards: str = "none"
     epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon (PPO)
-    epsilon_high: Optional[float] = 0.28  # upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher); null = epsilon
+    epsilon_high: float | None = 0.28  # upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher); null = epsilon
     # grpo: per-sequence token mean, then mean (DeepSeekMath) | bnpo: token mean over the micro-batch |
     # dr_grpo: token sum / (B * max_completion_length) (Dr. GRPO) | dapo: token sum / tokens in the global batch (DAPO)
     loss_type: str = "dr_grpo"
     beta: float = 0.0  # KL coefficient; > 0 loads a frozen reference model (DeepSeekMath: 0.04)
-    kl_estimator: str = "k3"  # k1 | k2 | k3 | abs | k1+ | k3+ (straight-through: value of k1/k3, gradient of k2) (Schulman's estimators; k3 = TRL / the GRAIL reference), grail_exp/loss/kl.py
+    # k1 | k2 | k3 | abs | k1+ | k3+ (straight-through: value of k1/k3, gradient of k2) (Schulman's estimators; k3 = TRL
+    # / the GRAIL reference), grail_exp/loss/kl.py
+    kl_estimator: str = "k3"
     policy_loss: str = "ppo_clip"  # the per-token objective (grail_exp/loss/policy.py registry)
     terms: dict = field(default_factory=dict)  # auxiliary loss terms: {name: {its config}} (grail_exp/loss/terms.py)
     num_iterations: int = 1  # mu: optimiser steps per rollout batch, with old log-probs (paper: 4)
     mask_truncated_completions: bool = True  # completions without EOS add no loss (DAPO overlong filtering)
     # --- GRPO family (grail_exp/loss/policies/, docs/grpo-family.md). Defaults = off / the papers'.
-    clip_ratio_c: Optional[float] = None  # ppo_clip dual-clip c > 1: loss <= -c*A for A < 0 (arXiv 1912.09729; verl: 3.0); dppo_*: ratio cap; null = off
-    delta: Optional[float] = None  # ppo_clip two-sided clipping: ratio <= delta in the unclipped branch (INTELLECT-2 arXiv 2505.07291; TRL); null = off
+    clip_ratio_c: float | None = None  # ppo_clip dual-clip c > 1: loss <= -c*A for A < 0 (arXiv 1912.09729; verl: 3.0); dppo_*: ratio cap; null = off
+    delta: float | None = None  # ppo_clip two-sided clipping: ratio <= delta in the unclipped branch (INTELLECT-2 arXiv 2505.07291; TRL); null = off
     sapo_tau_pos: float = 1.0  # sapo gate temperature for A > 0 (SAPO arXiv 2511.20347; TRL/verl default 1.0)
     sapo_tau_neg: float = 1.05  # sapo gate temperature for A <= 0 (SAPO; TRL/verl default 1.05)
     vespo_k_pos: float = 2.0  # vespo Gamma shape k for A >= 0 (VESPO arXiv 2602.10693; TRL default 2.0)
@@ -322,7 +335,8 @@ class LossConfig:
     kl_bias_correction: bool = False  # multiply the KL term by the ratio pi/pi_old (TRL use_bias_correction_kl; DeepSeek-V3.2 arXiv 2512.02556)
     top_entropy_quantile: float = 1.0  # rho: keep only the top-rho highest-entropy tokens in the loss (arXiv 2506.01939; 0.2 there); 1 = off
     kl_in_reward: KLInRewardConfig = field(default_factory=lambda: KLInRewardConfig())  # KL folded into the reward
-    off_policy_mask_threshold: Optional[float] = None  # OPSM delta: drop A < 0 sequences with mean KL(sampler||policy) > delta (DeepSeek-V3.2); null = off
+    # OPSM delta: drop A < 0 sequences with mean KL(sampler||policy) > delta (DeepSeek-V3.2); null = off
+    off_policy_mask_threshold: float | None = None
     # The two masks above multiply the policy term only. unmasked (TRL, DeepSeek-V3.2): the normaliser counts every loss
     # token and beta*KL stays on masked tokens | kept: they shrink the loss mask itself, normaliser and KL included
     # (docs/deviations.md)
@@ -348,10 +362,10 @@ class OptimConfig:
     # step) | rollout_batch (verl, EasyR1: actor_lr_scheduler.step() once per update_actor, i.e. once per rollout
     # batch after its k x mu optimiser steps, which all share one rate). Recipes ported from verl set rollout_batch.
     schedule_unit: str = "optimizer_step"
-    max_grad_norm: Optional[float] = 1.0  # null = no clipping
+    max_grad_norm: float | None = 1.0  # null = no clipping
     # fp32 master weights + fp32 Adam state for a bf16 model (grail_exp/optim.py); null = on for half-precision
     # models. Without them, Adam steps of ~lr = 1e-6 vanish in bf16 rounding (the paper's DeepSpeed keeps masters).
-    master_weights: Optional[bool] = None
+    master_weights: bool | None = None
     # validate() refuses optim.lr > 1e-5 on a pretrained hub model (the demo's 1e-4 wrecks 4-8B weights within tens
     # of steps; the paper: 1e-6). true = "I mean this learning rate". Default false.
     allow_high_lr: bool = False
@@ -359,7 +373,7 @@ class OptimConfig:
     # backward's gradient) | bf16 (summed in the parameters' bf16 .grad, as DeepSpeed ZeRO's bf16 default, the
     # reference's) | null = the strategy's own (one process: fp32; DDP: bf16 .grad, fp32 all-reduce; FSDP: fp32;
     # ZeRO-2: DeepSpeed's data_types.grad_accum_dtype, default the model's dtype). Explicit values: trainer.strategy=auto.
-    grad_accum_dtype: Optional[str] = None
+    grad_accum_dtype: str | None = None
 
 
 @dataclass
@@ -391,7 +405,7 @@ class TrainerConfig:
     eval_at_end: bool = True
     log_entropy: bool = True  # token entropy of the policy (costs a (B, T, V) softmax)
     checkpoint_every: int = 0  # optimiser steps between checkpoints (0 = only the final one)
-    keep_last_checkpoints: Optional[int] = 3  # prune older complete checkpoints; null = keep all
+    keep_last_checkpoints: int | None = 3  # prune older complete checkpoints; null = keep all
     save_final_checkpoint: bool = True
     # trainer=fsdp: which checkpoints carry the full Hugging Face weights in model.dtype (streamed to rank 0 one
     # gathered tensor at a time), beside the shards resume reads: final (the run's last checkpoint only: what
@@ -402,26 +416,26 @@ class TrainerConfig:
     # `python -m grail_exp.extrapolate` (RELEX, arXiv 2605.21468, fits every-step checkpoints: 1)
     save_weights_only_every: int = 0
     max_nonfinite_in_a_row: int = 3  # skipped non-finite steps tolerated in a row before aborting
-    num_threads: Optional[int] = None  # torch CPU threads; null = torch default
+    num_threads: int | None = None  # torch CPU threads; null = torch default
     deterministic: bool = False
     num_nodes: int = 1  # data-parallel nodes (world size = devices x num_nodes)
-    process_group_backend: Optional[str] = None  # null = nccl on GPU, gloo on CPU
+    process_group_backend: str | None = None  # null = nccl on GPU, gloo on CPU
     # Seconds a rank waits in a collective before the process group aborts the run (every group the run creates);
     # null = what the planned checkpoint write needs: max(1800, 2 x its bytes / 100 MB/s) (memory.needed_dist_timeout)
-    dist_timeout_s: Optional[int] = None
+    dist_timeout_s: int | None = None
     # Seconds the ranks that arrived wait for the others when the process group forms (a node that never started, a
     # wrong trainer.num_nodes / trainer.devices or master address); then one line names who arrived. It must cover the
     # ranks' different start-ups: rank 0 reads the weights while the others build empty skeletons (docs/reliability.md)
     rendezvous_timeout_s: int = 600
-    sharding_strategy: Optional[str] = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
+    sharding_strategy: str | None = None  # trainer=fsdp: FULL_SHARD (ZeRO-3-like, default) | SHARD_GRAD_OP (ZeRO-2-like)
     # trainer=deepspeed_zero2: keys merged into DeepSpeed's config (grail_exp/training/backends/deepspeed.py), e.g. zero_optimization
-    deepspeed: Optional[Any] = None
+    deepspeed: Any | None = None
     # Rows of (rows, V) logits alive at once in the policy's log-prob / entropy pass (grail_exp/compute/logprobs.py):
     # bounds the memory of the 151,936-token vocabulary; one chunk covering the micro-batch = no recompute.
     logprob_chunk_tokens: int = 4096
     # GiB of one device for the memory plan (grail_exp/memory/) when planning offline; null = torch.cuda.mem_get_info
     # of this rank's device (no CUDA device: no verdict; CPU runs are never refused). docs/memory-planner.md
-    device_memory_gb: Optional[float] = None
+    device_memory_gb: float | None = None
     # Precision of the policy's token log-probs (grail_exp/compute/logprobs.py): float32 = the softmax in float32 (default);
     # model = logits / T and log_softmax in the model's dtype, as the GRAIL reference (TRL) rounds them (bf16: most
     # ratios are exactly 1 after a small update). The ratio arithmetic, entropies and the backward stay float32.
@@ -446,7 +460,7 @@ class TrainerConfig:
     # computes those rows only: the policy's linear layers become RowNarrowingLinear (same parameters, same forward,
     # the same gradients outside such a backward) and the CPU attention narrows too (grail_exp/compute/leading_rows.py). Same
     # numbers up to the products' rounding. null = on for CPU runs, off on CUDA until a GPU measures it; true | false.
-    narrow_backward: Optional[bool] = None
+    narrow_backward: bool | None = None
     weights_table_every: int = 50  # optimiser steps between tables of per-token weights (report plots); 0 = off
     weights_table_rows: int = 32  # completions per weights table
     # Evaluations through the completion cache (grail_exp/evaluate.py): the one before training is keyed by the
@@ -485,14 +499,14 @@ class LoggerConfig:
     """Experiment tracking. MLflow by default (sqlite under results/; MLFLOW_TRACKING_URI wins)."""
 
     name: str = MISSING  # mlflow | none
-    tracking_uri: Optional[str] = None  # null -> env MLFLOW_TRACKING_URI, else sqlite:///<results>/mlflow.db
+    tracking_uri: str | None = None  # null -> env MLFLOW_TRACKING_URI, else sqlite:///<results>/mlflow.db
     experiment_name: str = "grail_exp"
-    run_name: Optional[str] = None  # null -> <model>-<advantage>-seed<seed>
-    artifact_location: Optional[str] = None  # null -> <results>/mlartifacts
+    run_name: str | None = None  # null -> <model>-<advantage>-seed<seed>
+    artifact_location: str | None = None  # null -> <results>/mlartifacts
     tags: dict = field(default_factory=dict)
     # MLflow parent run to nest this run under (mlflow.parentRunId); null = the multirun's parent, if any
     # (grail_exp/sweep.py). Optuna trials set it to their study's parent run.
-    parent_run_id: Optional[str] = None
+    parent_run_id: str | None = None
 
 
 @dataclass
@@ -511,8 +525,8 @@ class StudyConfig:
     """A study on disk (grail_exp/analysis/study.py): each finished arm's evaluation summary goes to ``<dir>/<arm>/``, and a
     job whose arm is already there (same configuration) is skipped, so a restarted study continues."""
 
-    dir: Optional[str] = None  # null = not part of a study; e.g. results/real_model_study/<study>
-    arm: Optional[str] = None  # the arm's folder; null = <model>-<scheme>-s<seed>
+    dir: str | None = None  # null = not part of a study; e.g. results/real_model_study/<study>
+    arm: str | None = None  # the arm's folder; null = <model>-<scheme>-s<seed>
 
 
 @dataclass
@@ -535,7 +549,7 @@ class PeftConfig:
     # null: the adapters are held and computed in model.dtype with fp32 master weights in the optimiser, as full
     # fine-tuning trains its weights (FSDP: its fp32 shards) | float32: PEFT's default, fp32 adapters and branch (a cast
     # copy of each layer's input: slower on the CPU, docs/lora.md)
-    adapter_dtype: Optional[str] = None
+    adapter_dtype: str | None = None
     # Checkpoints hold the adapter (a PEFT adapter folder); true: the final checkpoint also holds the merged model as
     # a Hugging Face folder, <checkpoint>/merged/ (what evaluate / vLLM read without PEFT)
     export_merged: bool = False
@@ -563,9 +577,9 @@ class RunConfig:
     task_name: str = "train"  # names the run directory and the MLflow run (experiment files set their own)
     # null = a fresh start | auto: continue the latest complete checkpoint of this run directory (pass the same
     # hydra.run.dir) | a checkpoints/step-N directory
-    resume: Optional[str] = None
+    resume: str | None = None
     seed: int = 42  # the run seed: sampling, data order, OAR-G's noise (the paper's 42)
-    optimized_metric: Optional[str] = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
+    optimized_metric: str | None = "eval/arithmetic/acc"  # the value run() returns (sweeps, Optuna)
     experiment: Any = None  # free-form notes set by experiment files
     tune: Any = None  # Optuna study settings of `python -m grail_exp.tune` (conf/tune.yaml; typed in grail_exp/tune.py)
     study: StudyConfig = field(default_factory=StudyConfig)
@@ -582,7 +596,7 @@ class WeightsConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     input: str = MISSING  # JSONL file of rollouts (required)
     output: str = MISSING  # JSON file to write: one object per input row, in order (required)
-    html: Optional[str] = None  # optional heatmap of the weights
+    html: str | None = None  # optional heatmap of the weights
     device: str = "cpu"
     dtype: str = "float32"  # computation dtype (overrides model.dtype)
     sampling_temperature: float = 1.0  # what GRAIL's probe divides by when advantage.saliency_temperature is null
@@ -604,8 +618,8 @@ class EvaluateConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     task_name: str = "evaluate"
     seed: int = 0
-    device: Optional[str] = None  # e.g. cuda; null = where the model loads (CPU)
-    optimized_metric: Optional[str] = "eval/avg/acc"  # with one benchmark: eval/<benchmark>/acc
+    device: str | None = None  # e.g. cuda; null = where the model loads (CPU)
+    optimized_metric: str | None = "eval/avg/acc"  # with one benchmark: eval/<benchmark>/acc
 
 
 @dataclass
@@ -613,14 +627,16 @@ class PreflightConfig:
     """``preflight.*`` keys of ``python -m grail_exp.preflight <the run's overrides> [preflight.<key>=<value>]``
     (grail_exp/preflight/): the dress rehearsal of a run, shrunk in depth, in its real layout."""
 
-    layers: Optional[int] = 2  # decoder layers of the rehearsal (random weights, real widths and vocabulary); null = the model as configured
+    layers: int | None = 2  # decoder layers of the rehearsal (random weights, real widths and vocabulary); null = the model as configured
     rounds: int = 2  # rollout batches of the training run (x loss.num_iterations x trainer.mini_batches_per_rollout steps)
     stop_rank: int = 1  # the rank the stop signal (SIGTERM) is sent to, during the resumed run's first step (clamped to the world)
     stop_timeout_s: float = 600.0  # bound from the signal to the job's end; past it the job is killed and the check fails
     run_timeout_s: float = 7200.0  # bound on each rehearsal run (a hang before the signal)
-    eval_limit: Optional[int] = None  # problems per benchmark in the final evaluation; null = the fewest (at least 4) that give every rank a chunk of eval.batch_size / eval.n problems
-    logprob_tolerance: Optional[float] = None  # engine vs trainer: |d| <= tol x (1 + |log p|); null = 1e-3 in float32, 2^-6 in 16-bit
-    dir: Optional[str] = None  # the rehearsal's runs, probes and logs; null = ./preflight-<date>-<time>
+    # problems per benchmark in the final evaluation; null = the fewest (at least 4) that give every rank a chunk of
+    # eval.batch_size / eval.n problems
+    eval_limit: int | None = None
+    logprob_tolerance: float | None = None  # engine vs trainer: |d| <= tol x (1 + |log p|); null = 1e-3 in float32, 2^-6 in 16-bit
+    dir: str | None = None  # the rehearsal's runs, probes and logs; null = ./preflight-<date>-<time>
 
 
 def rollout_batches(max_steps, num_iterations, mini_batches) -> int:
@@ -651,7 +667,7 @@ def slurm_tasks(devices) -> int:
     return devices_per_node(devices)
 
 
-def slurm_gpus(accelerator, devices) -> Optional[int]:
+def slurm_gpus(accelerator, devices) -> int | None:
     """``${slurm_gpus:${trainer.accelerator},${trainer.devices}}``: GPUs per node = ranks per node; none for CPU runs."""
     return None if str(accelerator) == "cpu" else slurm_tasks(devices)
 

@@ -16,16 +16,22 @@ import hydra
 from omegaconf import DictConfig
 
 from grail_exp.conf_path import CONFIG_DIR
-from grail_exp.evaluation import (EvalResult, evaluate_benchmarks, evaluation_params, log_eval_result,
-                                  model_fingerprint, write_run_files)
+from grail_exp.evaluation import (
+    EvalResult,
+    evaluate_benchmarks,
+    evaluation_params,
+    log_eval_result,
+    model_fingerprint,
+    write_run_files,
+)
 
 
 def evaluate_job(cfg: DictConfig) -> EvalResult:
-    from grail_exp.validate import validate_eval
-    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.grading.rewards import MathVerifier
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import build_tracker
+    from grail_exp.validate import validate_eval
 
     validate_eval(cfg)
     run_name = cfg.logger.get("run_name") or f"eval-{cfg.model.name}-{cfg.benchmark.name}-{cfg.eval.name}"

@@ -24,16 +24,14 @@ import hashlib
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from grail_exp import faults
-from grail_exp.checkpoint import random_streams_kept, seed_started_streams
 from grail_exp.analysis import metrics as M
+from grail_exp.checkpoint import random_streams_kept, seed_started_streams
 from grail_exp.config import register_configs
 from grail_exp.data import load_benchmark
 from grail_exp.data.prompting import bos_prefix, encode_prompt_texts, prompt_bos, render_prompt
@@ -147,7 +145,7 @@ class _Benchmark:
     problems: list
     prompts: list  # token ids per problem
     shas: list  # sha of each rendered prompt (the cache checks them)
-    cache: "CompletionCache"
+    cache: CompletionCache
     per_call: int
 
     @property
@@ -260,8 +258,8 @@ def evaluate_benchmarks(model, tokenizer, engine, verifier, cfg, benchmarks: lis
     whose text is empty leave their problem's denominator and tokens are averaged over the samples with an
     extracted answer, as the reference evaluation does (``metrics.summarize_benchmark(protocol="paper")``).
     """
-    from grail_exp.grading.extraction import benchmark_rule
     from grail_exp import world
+    from grail_exp.grading.extraction import benchmark_rule
 
     ev = cfg.eval
     extraction = cfg.benchmark.get("extraction", "last_balanced")
@@ -293,8 +291,10 @@ def _summarize(b: _Benchmark, completions: list, decoded: list, graded: list, ev
     # paper: the reference keeps a sample only if its text is non-empty (run_eval.py: `if content:`)
     counted = [not paper or text != "" for text in decoded]
     n = ev.n
-    grid = lambda f: [[f(i * n + j) for j in range(n) if counted[i * n + j]]  # noqa: E731
-                      for i in range(len(b.problems))]
+
+    def grid(f):
+        return [[f(i * n + j) for j in range(n) if counted[i * n + j]] for i in range(len(b.problems))]
+
     summary = M.summarize_benchmark(
         grid(lambda k: graded[k].correct), answers=grid(lambda k: graded[k].extracted),
         truncated=grid(lambda k: completions[k].truncated), n_tokens=grid(lambda k: len(completions[k].token_ids)),

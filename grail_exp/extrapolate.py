@@ -45,7 +45,6 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import hydra
 import torch
@@ -66,8 +65,8 @@ class ObserveConfig:
     """Which trajectory checkpoints RELEX fits on: steps in [min_step, max_step] that are multiples of ``every``."""
 
     min_step: int = 1  # first observed step; θ_0 (step 0, delta 0) is never a row (official code: steps 1..T_cut)
-    max_step: Optional[int] = None  # T_cut, inclusive (paper: 75 of 500 steps for 1.5B/4B, 100 of 750 for 8B); null = all
-    fraction: Optional[float] = None  # instead of max_step: T_cut = floor(fraction x target_step) (paper: 0.15-0.2)
+    max_step: int | None = None  # T_cut, inclusive (paper: 75 of 500 steps for 1.5B/4B, 100 of 750 for 8B); null = all
+    fraction: float | None = None  # instead of max_step: T_cut = floor(fraction x target_step) (paper: 0.15-0.2)
     every: int = 1  # use only steps that are multiples of this (thin an every-step trajectory); 1 = all
 
 
@@ -76,7 +75,7 @@ class ExtrapolateConfig:
     """Schema of ``python -m grail_exp.extrapolate`` (conf/extrapolate.yaml): RELEX, arXiv 2605.21468."""
 
     trajectory: str = MISSING  # directory of step-<N>/ HF directories: <run dir>/trajectory or <run dir>/checkpoints
-    base: Optional[str] = None  # θ_0, the starting weights (HF dir); null = <trajectory>/step-0
+    base: str | None = None  # θ_0, the starting weights (HF dir); null = <trajectory>/step-0
     output: str = MISSING  # HF directory to write (default <hydra run dir>/model)
     overwrite: bool = False  # replace an existing output directory
     # extrapolate: the fitted line beyond the last observed step (RELEX) | fit: the fitted line at any step (the
@@ -84,9 +83,9 @@ class ExtrapolateConfig:
     mode: str = "extrapolate"
     target_step: int = MISSING  # step to predict (paper: 500 from T_cut 75); reconstruct: a step with a checkpoint
     rank: int = 1  # r, kept singular directions per tensor (paper: 1; higher rank does not help)
-    fit_window: Optional[int] = None  # fit the line on the last W observed checkpoints; null = all (official: -1)
+    fit_window: int | None = None  # fit the line on the last W observed checkpoints; null = all (official: -1)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
-    exclude: Optional[str] = None  # regex on tensor names kept at θ_0, e.g. 'norm'; null = fit all (official: all)
+    exclude: str | None = None  # regex on tensor names kept at θ_0, e.g. 'norm'; null = fit all (official: all)
     dtype: str = "auto"  # output dtype: auto (θ_0's, per tensor) | float32 | bfloat16 (official) | float16
     compute_dtype: str = "float32"  # deltas and Gram matrix: float32 (official) | float64
     chunk_mb: int = 1024  # memory for one row-chunk of all observed deltas of one tensor (streaming bound)

@@ -18,15 +18,16 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from grail_exp.validate import validate
 from grail_exp.errors import Preempted, RunStopped, StoppedBySignal
+from grail_exp.validate import validate
 
 log = logging.getLogger("grail_exp")
 
@@ -102,12 +103,11 @@ def _train(cfg: DictConfig, on_eval: Callable | None) -> dict:
     import lightning as L
     import torch
 
-    from grail_exp.distributed import export_local_rank, launch_rank
-    from grail_exp.training.module import GRPOModule
-    from grail_exp.tracking import NullTracker, build_tracker
-
     from grail_exp.analysis import study
+    from grail_exp.distributed import export_local_rank, launch_rank
     from grail_exp.preemption import set_stage
+    from grail_exp.tracking import NullTracker, build_tracker
+    from grail_exp.training.module import GRPOModule
 
     _quiet_lightning()
     done = study.finished(cfg)  # a restarted study: this arm is already recorded with this configuration
@@ -250,11 +250,11 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     from grail_exp.compute.forward import share_prompts_of
     from grail_exp.data import build_source
     from grail_exp.distributed import launch_rank
-    from grail_exp.models.embedded import read_build_report
     from grail_exp.grading.extraction import reward_rule
-    from grail_exp.loss import build_terms, needs_reference
-    from grail_exp.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.grading.rewards import MathVerifier
+    from grail_exp.loss import build_terms, needs_reference
+    from grail_exp.models.embedded import read_build_report
+    from grail_exp.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.rollout import build_engine
     from grail_exp.training.backends import BACKENDS
 
@@ -327,11 +327,11 @@ class Evaluator:
         self.module = None  # the GRPOModule: its engine (built in setup) and update backend
 
     def __call__(self, tag: str, step: int) -> dict[str, float]:
-        from grail_exp.evaluation import evaluate_benchmarks, log_eval_result
-        from grail_exp.rollout.base import release
-        from grail_exp.preemption import set_stage
-        from grail_exp.training import probe
         from grail_exp import world
+        from grail_exp.evaluation import evaluate_benchmarks, log_eval_result
+        from grail_exp.preemption import set_stage
+        from grail_exp.rollout.base import release
+        from grail_exp.training import probe
 
         set_stage(f"the evaluation ({tag})")  # named by a stop before training: the evaluation before it
         t = time.perf_counter()
@@ -387,8 +387,8 @@ class Saver:
     time. A step is written once."""
 
     def __init__(self, cfg: DictConfig, module, parts: Parts, state: dict | None):
-        from grail_exp.distributed import launch_rank
         from grail_exp.checkpoint import save_weights
+        from grail_exp.distributed import launch_rank
         from grail_exp.models import lora
 
         self.cfg, self.module, self.parts = cfg, module, parts

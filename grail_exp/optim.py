@@ -10,7 +10,8 @@ one device:
     step:                 clip ‖g_32‖, AdamW on θ_32, θ_bf16 ← round(θ_32)
 
 Under the multi-GPU strategies the strategy owns the same split instead: FSDP keeps fp32 sharded parameters with a
-bf16 ``MixedPrecision`` policy (trainer=fsdp, trainer=fsdp_zero2); under DDP this class is used with bf16 gradients reduced by DDP and accumulated in the
+bf16 ``MixedPrecision`` policy (trainer=fsdp, trainer=fsdp_zero2); under DDP this class is used with bf16 gradients
+reduced by DDP and accumulated in the
 parameters' ``.grad`` (fp32 accumulation hooks would run before DDP's reduction).
 Memory per parameter: 2 (bf16 weights) + 4 (master) + 8 (Adam) + 4 (fp32 gradient) = 18 bytes. The first
 micro-batch's gradient is held as it came, in bf16 (its fp32 widening is exact, so nothing is lost), and widened when

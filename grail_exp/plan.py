@@ -11,10 +11,9 @@ there is no device to judge (CPU runs, no CUDA device and no ``trainer.device_me
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
 
     from grail_exp.conf_path import CONFIG_DIR

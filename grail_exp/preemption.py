@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from grail_exp.errors import StoppedBySignal
 
@@ -101,10 +101,10 @@ def with_resume_auto(overrides: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- stop signals
-_current: Optional["StopSignals"] = None
+_current: StopSignals | None = None
 
 
-def current() -> Optional["StopSignals"]:
+def current() -> StopSignals | None:
     """The installed ``StopSignals`` of this process's job, or None."""
     return _current
 
@@ -140,7 +140,7 @@ class StopSignals:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ install / uninstall
-    def install(self) -> "StopSignals":
+    def install(self) -> StopSignals:
         """Take the stop signals (main thread only: elsewhere the job keeps the defaults, as Python allows)."""
         global _current
         if threading.current_thread() is not threading.main_thread():

@@ -27,7 +27,7 @@ composition of the command line.
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 
@@ -98,7 +98,7 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def option_file(group: str, option: str) -> dict:
     """The group node Hydra composes from ``conf/<group>/<option>.yaml`` and its defaults list, interpolations kept.
     Inside a Hydra app (``python -m grail_exp.run``) Hydra is initialised already, with this config tree."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 
 class UnknownNameError(KeyError):

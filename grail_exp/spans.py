@@ -95,14 +95,14 @@ whenever the answer part contains one).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from grail_exp.checkpoint import checkpointable
-from grail_exp.grading.boxed import BOX_LEN, BOX_OPEN, find_first_boxed_span, find_last_boxed_span
 from grail_exp.errors import ConfigError
+from grail_exp.grading.boxed import BOX_LEN, BOX_OPEN, find_first_boxed_span, find_last_boxed_span
 
 __all__ = ["AnswerSpans", "answer_spans", "find_last_boxed_span", "SPAN_MAPPINGS", "BOX_MODES"]
 
@@ -133,7 +133,7 @@ class AnswerSpans:
     def span(self) -> torch.Tensor:
         return self.marker | self.content | self.closing
 
-    def select(self, idx: torch.Tensor) -> "AnswerSpans":
+    def select(self, idx: torch.Tensor) -> AnswerSpans:
         """The spans of the given rows (a micro-batch of the rollout batch the spans were found on)."""
         i = idx.to(self.has_box.device)
         return AnswerSpans(self.has_box[i], self.marker[i], self.content[i], self.closing[i], self.post[i])
@@ -350,8 +350,8 @@ def _exact_spans(rows, texts, char_spans, valid, tokenizer, B, C) -> AnswerSpans
         s, e = char_spans[b]
         m, c = s + BOX_LEN, e - 1  # marker chars [s, m), content [m, c), closing char c
         off = _RowOffsets(tokenizer, rows[b], texts[b])
-        first = _lower_bound(0, C, lambda i: off.ceil(i + 1) > s)  # first token reaching into the box
-        after = _lower_bound(first, C, lambda i: off.floor(i) >= e)  # first token starting after it
+        first = _lower_bound(0, C, lambda i, off=off, s=s: off.ceil(i + 1) > s)  # first token reaching into the box
+        after = _lower_bound(first, C, lambda i, off=off, e=e: off.floor(i) >= e)  # first token starting after it
         for i in range(first, after):
             lo, hi = off.floor(i), off.ceil(i + 1)
             if lo == hi:  # decodes to nothing (a skipped special token): no part of the answer

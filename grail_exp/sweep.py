@@ -41,8 +41,14 @@ class MlflowParentRun(Callback):
         return {**self.__dict__, "tracker": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from grail_exp.tracking import (MlflowTracker, artifact_location_for, code_tags, read_parent_file,
-                                        tracking_uri_for, write_parent_file)
+        from grail_exp.tracking import (
+            MlflowTracker,
+            artifact_location_for,
+            code_tags,
+            read_parent_file,
+            tracking_uri_for,
+            write_parent_file,
+        )
 
         logger_cfg = config.get("logger")
         if logger_cfg is None or logger_cfg.get("name") != "mlflow" or config.get("tune") is not None:
@@ -101,7 +107,7 @@ class StudyRuns:
         self.parent = None
         if cfg.logger.name == "none":
             return
-        from grail_exp.tracking import (MlflowTracker, artifact_location_for, code_tags, tracking_uri_for)
+        from grail_exp.tracking import MlflowTracker, artifact_location_for, code_tags, tracking_uri_for
 
         uri, exp, art = tracking_uri_for(cfg), cfg.logger.experiment_name, artifact_location_for(cfg)
         self.uri = uri

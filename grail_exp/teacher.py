@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.errors import ConfigError
 from grail_exp.compute.forward import body_forward, output_layer
+from grail_exp.errors import ConfigError
 
 TEMPLATES = {
     "rlsd": ("{problem}\n\nHere is a reference solution:\n{answer}\n\nAfter understanding the reference solution, "

@@ -329,7 +329,7 @@ def sweep_parent_run_id(tracking_uri: str) -> str | None:
     return info["run_id"]
 
 
-def child_runs(tracker: "MlflowTracker", parent_run_id: str) -> list:
+def child_runs(tracker: MlflowTracker, parent_run_id: str) -> list:
     """All runs nested under ``parent_run_id`` in the tracker's experiment."""
     return tracker.client.search_runs([tracker.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_run_id}'",
                                       max_results=10000)

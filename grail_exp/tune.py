@@ -51,7 +51,7 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import hydra
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
@@ -61,8 +61,8 @@ from grail_exp.conf_path import CONFIG_DIR
 from grail_exp.config import ConfigError, register_configs
 from grail_exp.errors import RunStopped
 from grail_exp.sweep import StudyRuns, trial_overrides
-from grail_exp.world import configured_world_size
 from grail_exp.validate import validate
+from grail_exp.world import configured_world_size
 
 log = logging.getLogger("grail_exp.tune")
 register_configs()
@@ -91,18 +91,18 @@ class TuneSettings:
     """``tune:`` in conf/tune.yaml; ``params`` and ``study_name`` come from ``hparams_search``."""
 
     study_name: str = MISSING  # the study in the storage; reusing a name resumes (or joins) that study
-    storage: Optional[str] = None  # any SQLAlchemy URL; null = sqlite:///<paths.results_dir>/optuna.db
+    storage: str | None = None  # any SQLAlchemy URL; null = sqlite:///<paths.results_dir>/optuna.db
     direction: str = "maximize"  # maximize | minimize
-    metric: Optional[str] = None  # null = optimized_metric; must be a metric of a validation benchmark
+    metric: str | None = None  # null = optimized_metric; must be a metric of a validation benchmark
     n_trials: int = 20  # the study stops once this many trials are COMPLETE or PRUNED (all workers, all restarts)
     max_failed_trials: int = 10  # this worker stops once the study has this many FAILED trials
-    timeout_s: Optional[float] = None  # this worker starts no new trial after this many seconds
+    timeout_s: float | None = None  # this worker starts no new trial after this many seconds
     params: dict = field(default_factory=dict)  # search space: {run-config key: {type, low, high, log, step, choices}}
     enqueue: list = field(default_factory=list)  # trials to run first (once per study), e.g. [{key: value}]
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     pruner: PrunerSettings = field(default_factory=PrunerSettings)
     heartbeat_interval_s: int = 60  # a running trial writes a heartbeat this often (Optuna RDB heartbeat)
-    grace_period_s: Optional[int] = None  # a RUNNING trial without heartbeat this long is FAILED; null = 2 x interval
+    grace_period_s: int | None = None  # a RUNNING trial without heartbeat this long is FAILED; null = 2 x interval
     retry_stale_trials: int = 1  # re-queue a trial whose worker died this many times (same values, resume=auto)
     # false: every trial runs with the same `seed` (common random numbers: trials differ only by their values,
     # a paired comparison); true: trial n runs with seed + n (independent noise; a value that wins is less
@@ -392,8 +392,8 @@ def run_trial(trial, tcfg: DictConfig, metric: str, inherited: set, info) -> flo
     import optuna
 
     from grail_exp.errors import Preempted, StoppedBySignal
-    from grail_exp.preemption import exit_code, hand_back_to_submitit
     from grail_exp.job import run
+    from grail_exp.preemption import exit_code, hand_back_to_submitit
 
     def on_eval(step: int, metrics: dict) -> None:
         if metric in metrics and math.isfinite(metrics[metric]):
@@ -414,7 +414,7 @@ def run_trial(trial, tcfg: DictConfig, metric: str, inherited: set, info) -> flo
         # Leave the trial RUNNING, so that it goes stale and is re-queued with resume=auto when the study restarts (or
         # submitit requeues this worker).
         hand_back_to_submitit()  # in a submitit job this requeues the worker and exits here
-        raise SystemExit(exit_code(exc.signum))
+        raise SystemExit(exit_code(exc.signum)) from exc
     except _Pruned as exc:
         faults.tune_kill("run_ended", trial.number, "PRUNED")
         log.info("trial %d %s", trial.number, exc)

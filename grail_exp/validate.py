@@ -365,8 +365,8 @@ def extraction(node, key: str) -> list[str]:
 
 def model_and_evaluation(cfg) -> list[str]:
     """The model's keys and the evaluation (``eval.*``, ``benchmark.*``): shared by training and evaluate."""
-    from grail_exp.models.architectures import check_model_config
     from grail_exp.data import BENCHMARKS
+    from grail_exp.models.architectures import check_model_config
     from grail_exp.models.packaged import check_spec as check_packaged_model
 
     ev, m, b, e = cfg.eval, cfg.model, cfg.benchmark, []

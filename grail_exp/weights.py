@@ -105,7 +105,7 @@ def scheme_weights(scheme, model, batch, micro_batch_size: int) -> torch.Tensor:
 
 
 def compute(cfg: DictConfig) -> list[dict]:
-    from grail_exp.advantages import build_scheme, scheme_config_class, SCHEMES
+    from grail_exp.advantages import SCHEMES, build_scheme, scheme_config_class
     from grail_exp.compute.forward import share_prompts_of
     from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.validate import validate_weights

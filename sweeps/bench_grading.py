@@ -103,7 +103,7 @@ def run(workers: list[int], n_arithmetic: int = 512, repeats: int = 3, hard_time
 def to_markdown(rows: list[dict], machine: str, command: str, repeats: int, load: tuple[float, float]) -> str:
     from importlib.metadata import version
 
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Grading throughput",
         "",

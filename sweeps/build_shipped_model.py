@@ -61,8 +61,16 @@ def build(overrides: list[str], dest_root: Path, allow_dirty: bool = False) -> P
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grail_exp.models.embedded import (BUILD_VERSION, MANIFEST, cache_key, embedded_spec, ensure_embedded_model,
-                                    file_sha256, greedy_accuracy, read_build_report)
+    from grail_exp.models.embedded import (
+        BUILD_VERSION,
+        MANIFEST,
+        cache_key,
+        embedded_spec,
+        ensure_embedded_model,
+        file_sha256,
+        greedy_accuracy,
+        read_build_report,
+    )
     from grail_exp.models.loading import embedded_build_args
 
     cfg = compose(overrides)
@@ -111,7 +119,7 @@ def build(overrides: list[str], dest_root: Path, allow_dirty: bool = False) -> P
                        "eval_problems": spec["warm_start"]["eval_problems"], "seconds": round(ws["seconds"], 1)},
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(dirty),
-        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "built_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "built_by": "python sweeps/build_shipped_model.py " + " ".join(overrides),
         "machine": {"cpu": _cpu_model(), "python": platform.python_version(), "torch": torch.__version__,
                     "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},

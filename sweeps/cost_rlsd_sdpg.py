@@ -22,19 +22,18 @@ from omegaconf import OmegaConf
 
 def main(rows: int = 64, completion_len: int = 48, reps: int = 5) -> None:
     sys.path.insert(0, "tests")
-    from helpers.compose import compose
-
     from grail_exp.advantages import SchemeBatch
     from grail_exp.advantages.probe import predicting_window
     from grail_exp.advantages.rlsd import RlsdConfig, RlsdScheme
+    from grail_exp.compute.forward import policy_forward, position_ids_from_mask
+    from grail_exp.config import LossConfig
     from grail_exp.data import build_source
     from grail_exp.data.prompting import encode_prompts
-    from grail_exp.config import LossConfig
     from grail_exp.loss import AggregationContext, TermContext, compose_objective
     from grail_exp.loss.sdpg import SdpgOpdConfig, SdpgOpdTerm, SdpgRefKlConfig, SdpgRefKlTerm
     from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
-    from grail_exp.compute.forward import policy_forward, position_ids_from_mask
     from grail_exp.rollout import Completion, pad_completions
+    from helpers.compose import compose
 
     torch.manual_seed(0)
     cfg = compose(["logger=none"])

@@ -1,5 +1,7 @@
 """Collect a demo multirun (sweeps/demo_seeds.sh) into a Markdown table: warm start vs after RL, per seed.
 
+Usage:
+
     python sweeps/demo_table.py <sweep dir> <output.md>
 """
 

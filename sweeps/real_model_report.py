@@ -42,8 +42,8 @@ def evaluate_checkpoint(out: Path, scheme: str, checkpoint: Path) -> pd.DataFram
     """The run's end-of-training evaluation (same function, config and sampling seed) on a saved checkpoint."""
     from grail_exp.evaluation import evaluate_benchmarks, write_run_files
     from grail_exp.grading.extraction import reward_rule
-    from grail_exp.models.loading import load_causal_lm, load_tokenizer
     from grail_exp.grading.rewards import MathVerifier
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer
     from grail_exp.rollout import build_engine
 
     cfg = _compose(out, scheme, [f"model.name_or_path={checkpoint}"])

@@ -9,7 +9,8 @@ A candidate is a set of Hydra overrides on top of ``experiment=real/smollm2_grpo
 default system turn) plus worked examples written by the task's own generator (``data.solution_style``), shown as
 earlier chat turns, or (``sft`` candidates) a supervised cold start instead: ``sft_steps`` AdamW steps on the
 generator's chain-formatted solutions of fresh training problems, zero-shot prompts, loss on the solution (a
-prototype to measure the design, bf16 autocast over float32 weights; its time is reported). Each is sampled as training samples it (T 1.0, top_p 1, no top-k; ``--n`` completions per
+prototype to measure the design, bf16 autocast over float32 weights; its time is reported). Each is sampled as training
+samples it (T 1.0, top_p 1, no top-k; ``--n`` completions per
 problem) on the first ``--problems`` problems of the task's *validation* split (never the test split), and graded
 by the training reward (math-verify on the last ``\\boxed{}``). One JSON line per finished candidate goes to
 ``--out``; a candidate already there is skipped, so an interrupted measurement continues where it stopped.
@@ -191,8 +192,8 @@ def main() -> None:
     have = {key(r) for r in done}
 
     from grail_exp.grading.extraction import reward_rule
-    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.grading.rewards import MathVerifier
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.rollout import build_engine
 
     cfg0 = candidate_config(names[0], args.problems, args.n, args.max_tokens, args.overrides)

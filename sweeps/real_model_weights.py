@@ -24,7 +24,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 import weight_analysis as wa  # sweeps/ is on sys.path when run as `python sweeps/...`
 from real_model_report import markdown
 
@@ -60,8 +59,8 @@ def tokenizer_for(folder: Path):
         return None
     from transformers import AutoTokenizer
 
-    from grail_exp.models.packaged import is_packaged_model, resolve
     from grail_exp.analysis.portable import resolve_recorded
+    from grail_exp.models.packaged import is_packaged_model, resolve
 
     name = resolve_recorded(json.loads(record.read_text())["config"]["model.name_or_path"])  # recorded portable
     if is_packaged_model(name):
@@ -168,7 +167,7 @@ def report(tokens, rollouts, pop, args, summary: str) -> tuple[str, object]:
         lines += ["## Mean weight by token class", "", markdown(classes), ""]
         effect = wa.override_effect(tokens, rollouts, args.w_max)
         where = wa.override_classes(tokens, args.w_max)
-        lines += [f"## The w_max override (answer span, reference mapping) and the mean weight", "",
+        lines += ["## The w_max override (answer span, reference mapping) and the mean weight", "",
                   markdown(effect), "", "Override tokens by class (every rollout in the length range): "
                   + ", ".join(f"{k} {v}" for k, v in where.items()) + ".", "",
                   "One reweighted rollout's last tokens (`text:weight`, override tokens in bold): "

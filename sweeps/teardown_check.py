@@ -52,7 +52,8 @@ def _state_devices(optimizers) -> list[str]:
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     from grail_exp.conf_path import CONFIG_DIR
     from grail_exp.config import register_configs

@@ -13,11 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from grail_exp.models.architectures import (ARCH_DIR, BYTES, MARKER, available, hf_config, load_architecture,
-                                     meta_parameter_count, parameter_counts, training_memory)
 from grail_exp.config import ConfigError
+from grail_exp.models.architectures import (
+    ARCH_DIR,
+    BYTES,
+    MARKER,
+    available,
+    hf_config,
+    load_architecture,
+    meta_parameter_count,
+    parameter_counts,
+    training_memory,
+)
 from grail_exp.validate import validate
-
 from helpers.tolerances import HANG_TIMEOUT_S
 
 PAPER_MODELS = ["qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b"]
@@ -167,7 +175,7 @@ def test_init_is_seeded_and_leaves_the_run_rng_alone(compose_cfg):
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_config(a.config)
-    assert {k: v for k, v in a.named_buffers()}.keys() == {k: v for k, v in plain.named_buffers()}.keys()
+    assert dict(a.named_buffers()).keys() == dict(plain.named_buffers()).keys()
     for (k, v), (_, u) in zip(a.named_buffers(), plain.named_buffers()):
         assert torch.equal(v, u), k
 
@@ -271,7 +279,7 @@ def _have(package: str) -> bool:
 def test_architecture_files_are_valid_json_with_no_stray_keys():
     for p in ARCH_DIR.glob("*.json"):
         arch = json.loads(p.read_text())
-        assert set(k for k in arch if k.startswith("_")) == {"_hub_id", "_tokenizer", "_published", "_sources"}
+        assert {k for k in arch if k.startswith("_")} == {"_hub_id", "_tokenizer", "_published", "_sources"}
 
 
 @pytest.mark.e2e

@@ -82,10 +82,10 @@ def test_real_mode_runs_training_steps_per_scheme(tmp_path, tiny_model_dir):
 def test_paired_mode_takes_the_schemes_steps_in_turn_in_one_process(tmp_path, tiny_model_dir, monkeypatch):
     """bench.paired: one process builds every scheme and takes their steps round by round in a rotating order; the
     ratio column is the median of the per-round ratios to GRPO, with their range."""
+    import tempfile
+
     import grail_exp.bench.real as real
     from grail_exp.bench import main
-
-    import tempfile
 
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -201,8 +201,8 @@ def test_attention_mode_times_both_paths_and_marks_the_default_pick(tmp_path):
 def test_attention_mode_times_the_runs_policy_both_ways(tmp_path, tiny_model_dir, monkeypatch):
     """With run overrides, bench.mode=attention also times the policy's forward + backward with the fused kernel and
     with the run's setting — and the explicit path really runs in the second."""
-    from grail_exp.compute import attention as cpu_attention
     from grail_exp.bench import main
+    from grail_exp.compute import attention as cpu_attention
 
     calls = []  # the explicit attention of an unshared or prefix pass, and of a suffix pass over shared prompts
     for fn in (cpu_attention.ExplicitAttention, cpu_attention.PrefixSuffixAttention):

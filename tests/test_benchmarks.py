@@ -16,9 +16,7 @@ import re
 import time
 
 import pytest
-from helpers.compose import compose
 
-from grail_exp.validate import validate
 from grail_exp.data import BENCHMARKS, load_benchmark
 from grail_exp.data.benchmarks import (
     DATA_DIR,
@@ -29,6 +27,8 @@ from grail_exp.data.benchmarks import (
 )
 from grail_exp.grading.boxed import extract_last_boxed
 from grail_exp.grading.rewards import MathVerifier
+from grail_exp.validate import validate
+from helpers.compose import compose
 
 PAPER = ["math500", "aime24", "amc23", "minerva_math", "college_math_200", "olympiadbench_200"]
 INSTRUCTION = " Please reason step by step, and put your final answer within \\boxed{}."

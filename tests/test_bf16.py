@@ -206,7 +206,7 @@ def test_logprob_dtype_model_is_the_references_bf16_log_softmax(temperature):
     """``trainer.logprob_dtype: model`` on a bf16 policy = TRL's computation, written independently: the model's own
     bf16 logits (its forward, lm_head included), ``/ T`` in bf16, ``log_softmax`` in bf16, the sampled token's value —
     bit for bit. ``float32`` (the default) is the float32 softmax of the same bf16 logits, unchanged by the option."""
-    from grail_exp.compute.forward import completion_logits, policy_forward
+    from grail_exp.compute.forward import policy_forward
 
     module, batch = pinned_module(torch.bfloat16)
     model, C = module.policy, batch.completion_ids.shape[1]
@@ -289,7 +289,7 @@ def test_grad_accum_dtype_sums_the_micro_batches_as_named(acc):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     opt.step = capture
     module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
-    for i, p in enumerate(params):
+    for i in range(len(params)):
         gs = seen[i]
         assert len(gs) == 4 and all(g.dtype == torch.bfloat16 for g in gs)
         if acc == "fp32":

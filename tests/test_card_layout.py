@@ -21,9 +21,9 @@ trainer with rollout=hf (no vLLM needed).
 from __future__ import annotations
 
 import importlib.util
-import re
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -224,8 +224,8 @@ def test_the_paper_layouts_pass_those_checks(compose_cfg):
 def test_a_world_other_than_the_configured_one_stops_the_run(compose_cfg, monkeypatch):
     """What an engine that made its own one-rank process group did: every rank ran alone. The module's setup checks
     torch.distributed's world against trainer.devices x trainer.num_nodes first."""
-    from grail_exp.errors import LayoutError
     from grail_exp import world
+    from grail_exp.errors import LayoutError
 
     cfg = compose_cfg(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"])
     monkeypatch.setattr(world, "world_size", lambda: 1)
@@ -239,8 +239,8 @@ def test_a_world_other_than_the_configured_one_stops_the_run(compose_cfg, monkey
 
 
 def test_ranks_that_sample_the_same_prompt_stop_the_run(monkeypatch):
-    from grail_exp.errors import LayoutError
     from grail_exp import world
+    from grail_exp.errors import LayoutError
 
     monkeypatch.setattr(world, "gather_to_all", lambda mine: [[0, 1], [2, 3]])
     world.check_disjoint_prompts([0, 1])

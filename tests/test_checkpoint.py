@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grail_exp.checkpoint import complete_checkpoints, load_rank_state, load_training_state
 from helpers.compose import compose
 from helpers.fakes import AlternatingVerifier
 from helpers.tolerances import HANG_TIMEOUT_S
-from grail_exp.checkpoint import complete_checkpoints, load_rank_state, load_training_state
 
 
 def _cfg(run_dir: Path, model_dir, extra=()):
@@ -49,7 +49,6 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir
     1/3 held over the batch's second step); per_rollout weights of the second mini-batch, computed before the first
     step, carried by the buffer."""
     import grail_exp.grading.rewards
-
     from grail_exp.run import run
 
     monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)

@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 
 from grail_exp.config import ConfigError
-
 from grail_exp.validate import validate
-
 from helpers.tolerances import HANG_TIMEOUT_S
 
 CONF = Path(__file__).parents[1] / "conf"

@@ -8,20 +8,20 @@ from the YAML or the dataclasses, so a default moved to a wrong value fails here
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from helpers.compose import compose
 from grail_exp.tracking import flatten
+from helpers.compose import compose
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 NOWHERE = Path("/nonexistent")  # paths: never written
 
 
-@lru_cache(maxsize=None)
+@cache
 def _flat(*overrides: str) -> dict:
     """The composed config as {dotted.key: value}, paths excluded."""
     out = flatten(OmegaConf.to_container(compose(list(overrides), NOWHERE), resolve=True))
@@ -162,7 +162,7 @@ def test_root_configs_restate_no_schema_default(root, schema):
     assert not restated, f"conf/{root}.yaml restates {schema}'s defaults: {restated}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _option_value(group: str, option: str, key: str):
     """The value of ``key`` with one option of its group and no recipe keys (recipe=none)."""
     return _flat("recipe=none", f"{group}={option}").get(key, "<missing>")

@@ -61,9 +61,8 @@ def test_none_is_ones_and_weights_enter_the_loss_detached():
 
 def test_sampler_check_fails_loudly_on_a_stale_engine(compose_cfg, tiny_model_dir):
     """A jump of the sampler/trainer log-prob gap (e.g. an engine that reloaded its initial weights) aborts the run."""
-    from helpers.module import build_module, small_config
-
     from grail_exp.training.module import SamplerMismatchError
+    from helpers.module import build_module, small_config
 
     cfg = small_config(compose_cfg, tiny_model_dir, ["loss.num_iterations=2"])
     module = build_module(cfg, tiny_model_dir)
@@ -115,8 +114,6 @@ def test_kept_mass_stats_and_sampler_check_on_processed_logprobs(compose_cfg, ti
     """With processed sampler log-probs (sampler = raw − log M_t), the old-log-prob forward measures log M_t, the step
     logs Σ_t log M_t per sequence, and the sampler check adds it back: no false alarm from the renormalisation."""
     from helpers.module import build_module, small_config
-
-    from grail_exp.compute.logprobs import kept_log_mass
 
     cfg = small_config(compose_cfg, tiny_model_dir, ["loss.num_iterations=2", "rollout.top_k=3"])
     module = build_module(cfg, tiny_model_dir)

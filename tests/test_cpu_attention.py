@@ -174,12 +174,11 @@ def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
     """A grouped-query model (4 query heads, 2 key/value heads) with left-padded prompts of three lengths: the policy's
     log-probs and every parameter's gradient with the explicit attention equal the fused kernel's within a reordered
     reduction per stage; the explicit path ran in the training pass and not under no_grad."""
-    from helpers.batches import interleaved_training_batch
-    from helpers.pinned_step import build_model_and_tokenizer
-
     from grail_exp.compute import attention as cpu_attention
     from grail_exp.compute.forward import policy_forward
     from grail_exp.models.loading import use_kernel_gqa
+    from helpers.batches import interleaved_training_batch
+    from helpers.pinned_step import build_model_and_tokenizer
 
     calls = []
     real_apply = cpu_attention.ExplicitAttention.apply
@@ -204,12 +203,12 @@ def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
 
 
 def test_config_key_reaches_every_attention_module(compose_cfg):
-    from grail_exp.validate import validate
     from grail_exp.models.loading import EXPLICIT_ATTENTION_ATTR, load_causal_lm, resolve_model_path
+    from grail_exp.validate import validate
 
     tiny = "model.random_init_overrides={num_hidden_layers: 2, hidden_size: 72, intermediate_size: 96}"
-    from grail_exp.config import ModelConfig
     from grail_exp.compute.attention import DEFAULT_MAX_SCORES
+    from grail_exp.config import ModelConfig
 
     assert ModelConfig.cpu_explicit_attention_max_scores == DEFAULT_MAX_SCORES
     for value in (DEFAULT_MAX_SCORES, 0):

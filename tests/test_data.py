@@ -93,9 +93,8 @@ def test_few_shot_examples_come_before_the_problem_in_both_styles(tiny_tokenizer
     from omegaconf import OmegaConf
 
     from grail_exp.config import ConfigError
-
-    from grail_exp.validate import validate
     from grail_exp.data.prompting import render_prompt
+    from grail_exp.validate import validate
     from helpers.compose import compose
 
     shots = [{"question": "Compute 1+1.", "answer": "1+1=2. \\boxed{2}"}]

@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from grail_exp.config import ConfigError
-
 from grail_exp.validate import validate
-
 from helpers.tolerances import HANG_TIMEOUT_S
 
 pytest.importorskip("deepspeed")
@@ -47,9 +45,9 @@ def test_bad_deepspeed_settings_name_the_key(compose_cfg, override, key):
 
 
 def test_plain_state_drops_deepspeed_objects_and_keeps_tensors():
-    from grail_exp.training.backends.deepspeed import _plain
-
     import enum
+
+    from grail_exp.training.backends.deepspeed import _plain
 
     class Scaler:
         pass

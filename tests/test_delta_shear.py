@@ -13,10 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 from grail_exp.advantages import SchemeBatch, build_scheme, scheme_config_class
-from grail_exp.advantages.delta import delta_weights
-from grail_exp.advantages.shear import shear_weights, sinkhorn_w1, span_starts
+from grail_exp.advantages.shear import sinkhorn_w1, span_starts
 from grail_exp.weights import scheme_weights
-
 from helpers.batches import batch_of, rows_of
 from helpers.tolerances import HANG_TIMEOUT_S
 
@@ -83,7 +81,7 @@ def brute_delta(v, adv, mask, K, lmin, lmax, gamma_lag, zero_in_norm):
     def sig(x):
         return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
 
-    ones = {k: 1.0 for k in toks}
+    ones = dict.fromkeys(toks, 1.0)
     mp, mn = centroid(1, ones), centroid(-1, ones)
     M = margins(mp, mn)
     g = (gam(M, 1), gam(M, -1))
@@ -175,8 +173,8 @@ def test_delta_weights_do_not_depend_on_the_micro_batch_split():
 
 def test_delta_features_on_a_real_model(tiny_model, tiny_tokenizer):
     """p and h from the chunked no-grad forward equal the trainer's log-prob path, for any chunk size."""
-    from grail_exp.loss import selective_log_softmax
     from grail_exp.compute.forward import completion_logits
+    from grail_exp.loss import selective_log_softmax
 
     rows = rows_of(tiny_tokenizer, [("Compute 1+2.", "1+2=3. \\boxed{3}", 0.5), ("Compute 4-1.", "4-1=2 \\boxed{2}", -0.5),
                                     ("Compute 2+2.", "2+2=4, so \\boxed{4}", 0.0)])
@@ -336,10 +334,10 @@ def test_config_validation():
 def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path, scheme):
     """The whole rollout batch through the trainer (prepare, then every micro-batch) equals the weights CLI on the
     same rows with their groups and rewards."""
-    from helpers.compose import compose_weights
-    from helpers.module import build_module, small_config
     from grail_exp.training.batch import micro_batch_rows
     from grail_exp.weights import compute
+    from helpers.compose import compose_weights
+    from helpers.module import build_module, small_config
 
     extra = [f"advantage={scheme}", "trainer.micro_batch_size=4"] + (["advantage.window=6", "advantage.stride=3"]
                                                                        if scheme == "shear" else [])
@@ -359,7 +357,7 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
         rows.append({"prompt_ids": batch.input_ids[i, :P][pm].tolist(), "completion_ids": batch.completion_ids[i][cm].tolist(),
                      "advantage": float(batch.advantages[i]), "reward": float(batch.rewards[i]),
                      "group": int(batch.group_ids[i])})
-    assert len(set(r["reward"] for r in rows)) > 1 or scheme == "delta"
+    assert len({r["reward"] for r in rows}) > 1 or scheme == "delta"
     inp = tmp_path / "rows.jsonl"
     inp.write_text("\n".join(json.dumps(r) for r in rows))
     wcfg = compose_weights(tmp_path, [f"model.name_or_path={tiny_model_dir}", f"input={inp}",

@@ -46,8 +46,8 @@ def switches(cell: str) -> list[tuple[str, str]]:
 def _schema_has(key: str, section: str) -> bool:
     from grail_exp.advantages import SCHEMES
     from grail_exp.config import RunConfig
-    from grail_exp.extrapolate import ExtrapolateConfig
     from grail_exp.estimators import ESTIMATORS
+    from grail_exp.extrapolate import ExtrapolateConfig
     from grail_exp.loss import LOSS_TERMS
 
     def has(cls, dotted: str) -> bool:  # a path of fields through the schema's dataclasses

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from grail_exp.config import ConfigError
-
 from grail_exp.validate import validate
 
 # Qwen3-8B's parameters from its config.json (hidden 4096, 36 layers, MLP 12288, 32 query / 8 KV heads of 128,

@@ -13,7 +13,6 @@ import random
 from dataclasses import dataclass
 
 import numpy as np
-import pytest
 import torch
 
 from grail_exp.rollout.base import Completion
@@ -83,8 +82,8 @@ class _Share(Exception):
 
 def evaluate_on_ranks(cfg, world_size: int, monkeypatch) -> tuple[object, list[int]]:
     """``evaluate_benchmarks`` as rank 0 of ``world_size`` ranks sees it, and the problems each rank generated."""
-    from grail_exp.evaluation import evaluate_benchmarks
     from grail_exp import world
+    from grail_exp.evaluation import evaluate_benchmarks
 
     shares, problems = {}, []
     for r in [*range(1, world_size), 0]:

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from grail_exp.grading.extraction import RULES, benchmark_rule, eval_reference, reward_reference, reward_rule
 from grail_exp.grading.boxed import extract_last_boxed
+from grail_exp.grading.extraction import RULES, benchmark_rule, eval_reference, reward_reference, reward_rule
 from grail_exp.grading.rewards import MathVerifier
 
 # text -> (last_balanced, paper reward, paper evaluation), worked out by hand
@@ -40,11 +40,11 @@ def _reference_eval_oracle(s: str):
         for end, ch in enumerate(body):
             depth += {"{": 1, "}": -1}.get(ch, 0)
             if depth == 0:
+                found.append(body[:end])
+                rest = body[end + 1:]
                 break
-        if depth:
+        else:  # the box never closes
             break
-        found.append(body[:end])
-        rest = body[end + 1:]
     return found[-1] if found else None
 
 

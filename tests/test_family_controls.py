@@ -3,7 +3,6 @@ sampling's filter and exact resume, top-entropy mask, OPSM, the entropy bonus an
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -132,12 +131,12 @@ class TextParityVerifier:
 
 @pytest.mark.slow
 def test_dynamic_sampling_and_controllers_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir, monkeypatch):
-    import grail_exp.grading.rewards
     from safetensors.torch import load_file
 
-    from helpers.compose import compose
+    import grail_exp.grading.rewards
     from grail_exp.checkpoint import load_training_state
     from grail_exp.run import run
+    from helpers.compose import compose
 
     monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", TextParityVerifier)
 

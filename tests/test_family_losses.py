@@ -165,7 +165,7 @@ def test_gspo_token_equals_gspo_for_sequence_advantages_and_weights_tokens_other
     assert torch.allclose(grads[0], grads[1])
     tok_adv = torch.tensor([[1.0, 0.0, 2.0], [-1.0, 3.0, 0.0]], dtype=torch.float64)
     (g,) = torch.autograd.grad(POLICY_LOSSES["gspo_token"](logp, old, tok_adv, m, c).per_token.sum(), logp)
-    s_i = torch.exp((((logp - old) * m).sum(-1) / m.sum(-1))).detach().unsqueeze(1)
+    s_i = torch.exp(((logp - old) * m).sum(-1) / m.sum(-1)).detach().unsqueeze(1)
     assert torch.allclose(g, -s_i * tok_adv)
 
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grail_exp.loss.masks import family_token_masks
 from grail_exp.loss import AggregationContext, compose_objective
+from grail_exp.loss.masks import family_token_masks
 
 # The issue's 2 × 4 example: every token valid, A = (+1, −1), entropies chosen so that ρ = 0.2 keeps 4 tokens.
 # torch.quantile(·, 0.8) over the 8 entropies sorted [0.1, 0.1, 0.2, 0.3, 2, 2, 2, 2]: position 0.8·7 = 5.6 lies
@@ -189,8 +189,8 @@ def test_family_masks_through_the_update_step_equal_trls_loss(compose_cfg, forma
     (get_high_entropy_mask, get_off_policy_mask, _compute_loss) on a frozen copy of the model: the gradients agree."""
     import copy
 
-    from helpers.tolerances import MODEL_REORDER
     from helpers.module import FakeOpt, build_module, small_config
+    from helpers.tolerances import MODEL_REORDER
 
     delta = 0.5
     cfg = small_config(compose_cfg, formatted_model_dir, ["advantage=grpo", f"loss.loss_type={loss_type}",

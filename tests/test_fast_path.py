@@ -88,7 +88,7 @@ def _step_with_a_zero_variance_group(overrides):
         grads = {}
         real_step = opt.step
 
-        def capture(closure=None, grads=grads, module=module):
+        def capture(closure=None, grads=grads, module=module, real_step=real_step):
             grads["g"] = torch.cat([p.grad.flatten() for p in module.policy.parameters()])
             return real_step(closure)
 
@@ -276,7 +276,7 @@ def test_freed_heap_goes_back_inside_the_backward_after_the_decoder_layers(monke
     module.update.step(batch, opt, sched, batch.loss_mask.sum().item(), {}, 0)
 
     def layer(i):
-        return {n for n in named if n.startswith(f"policy.model.layers.{i}.") or n.startswith(f"model.layers.{i}.")}
+        return {n for n in named if n.startswith((f"policy.model.layers.{i}.", f"model.layers.{i}."))}
 
     assert layer(0) and layer(1) and "model.embed_tokens.weight" in named
     points = {0: [], 1: [0], 2: [1, 0]}[returns]

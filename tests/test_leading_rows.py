@@ -201,11 +201,10 @@ def test_model_building_swaps_the_policys_linear_layers_and_marks_it(tmp_path, n
     """Where the attention is chosen (``load_causal_lm``), a trainable policy gets the narrowing backward when
     ``trainer.narrow_backward`` says so; a frozen model (the reference) never. The policy forward then narrows the
     input gradients a scheme asks of its leading rows (``PolicyForward.narrows``)."""
-    from helpers.compose import compose
-
     from grail_exp.compute.forward import decoder_body, policy_forward
     from grail_exp.compute.leading_rows import narrows
     from grail_exp.models.loading import load_causal_lm
+    from helpers.compose import compose
 
     tiny = str(__import__("pathlib").Path(__file__).parents[1] / "grail_exp" / "data" / "embedded" / "tiny")
     cfg = compose([f"model.name_or_path={tiny}", f"trainer.narrow_backward={str(narrow).lower()}"], tmp_path)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from grail_exp.loss import linear_logprob, selective_log_softmax
 from grail_exp.compute.logprobs import entropy_from_logits
+from grail_exp.loss import linear_logprob, selective_log_softmax
 
 
 def _reference(h, W, b, ids, T):

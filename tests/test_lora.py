@@ -14,7 +14,6 @@ import torch
 
 from grail_exp.config import ConfigError
 from grail_exp.validate import validate
-
 from helpers.lora import base_snapshot, lora_one_step, move_adapters, peft_node
 from helpers.tolerances import MODEL_REORDER
 
@@ -109,8 +108,8 @@ def test_adapters_train_like_weights_in_model_dtype_with_fp32_masters_or_in_fp32
     bf16 either way."""
     import types
 
-    from grail_exp.optim import MasterWeightAdamW
     from grail_exp.models.lora import adapter_parameters
+    from grail_exp.optim import MasterWeightAdamW
     from grail_exp.training.backends.local import LocalBackend
 
     for extra, adapter_dtype, masters in (([], torch.bfloat16, True),
@@ -148,9 +147,8 @@ def test_the_reference_is_the_policy_with_adapters_off_and_equals_the_base(compo
 def test_an_adapter_snapshot_runs_the_policy_as_it_was(tiny_tokenizer):
     """RLSD's frozen teacher under peft=lora: the earlier adapter swapped into the live policy gives what a full copy
     of the policy taken at that moment gives (the old way: copy.deepcopy), and the live adapter is back after."""
-    from helpers.pinned_step import build_model_and_tokenizer
-
     from grail_exp.models import lora
+    from helpers.pinned_step import build_model_and_tokenizer
 
     model, tok = build_model_and_tokenizer()
     policy = lora.apply(model, peft_node())
@@ -180,10 +178,9 @@ def _probe_weights(model, tok, rows, name: str, shared: bool):
     """A scheme's token weights on ``model``: from the trainer's policy forward (``shared``) or its own probe."""
     from omegaconf import OmegaConf
 
-    from helpers.batches import batch_of
-
     from grail_exp.advantages import build_scheme, scheme_config_class
     from grail_exp.compute.forward import policy_forward
+    from helpers.batches import batch_of
 
     extra = {"symmetry": "both"} if name == "grail" else {"log_compression": "log1p"}
     scheme = build_scheme(OmegaConf.merge(OmegaConf.structured(scheme_config_class(name)), extra), tok)
@@ -217,9 +214,8 @@ def _compare_with_merged(policy, tok):
 
 
 def test_probe_weights_under_lora_equal_the_merged_models_on_the_tiny_model(tiny_tokenizer):
-    from helpers.pinned_step import build_model_and_tokenizer
-
     from grail_exp.models import lora
+    from helpers.pinned_step import build_model_and_tokenizer
 
     model, tok = build_model_and_tokenizer()
     policy = lora.apply(model, peft_node())
@@ -244,9 +240,8 @@ def test_probe_weights_under_lora_equal_the_merged_models_on_smollm2(compose_cfg
 def _smoke(compose_cfg, model_dir, overrides):
     """One rollout batch (scripted completions with boxed answers, alternating rewards) and one AdamW step under
     ``peft=lora``: the step's metrics, and whether only the adapters moved."""
-    from helpers.module import build_module
-
     from grail_exp.models import lora
+    from helpers.module import build_module
 
     cfg = validate(compose_cfg([f"model.name_or_path={model_dir}", "logger=none", "peft=lora", "peft.rank=4",
                                 "trainer.prompts_per_step=4", "trainer.micro_batch_size=8", "rollout.num_generations=4",
@@ -267,10 +262,11 @@ def _smoke(compose_cfg, model_dir, overrides):
 
 
 def _registry_cases():
-    from grail_exp.advantages import SCHEMES
-    from grail_exp.loss import LOSS_TERMS, POLICY_LOSSES
-    from grail_exp.conf_path import CONFIG_DIR
     from pathlib import Path
+
+    from grail_exp.advantages import SCHEMES
+    from grail_exp.conf_path import CONFIG_DIR
+    from grail_exp.loss import LOSS_TERMS, POLICY_LOSSES
 
     cases = [pytest.param([f"advantage={s}"], id=f"scheme-{s}") for s in sorted(SCHEMES)]
     cases += [pytest.param([f"advantage={s}", "model.gradient_checkpointing=true"], id=f"scheme-{s}-checkpointed")

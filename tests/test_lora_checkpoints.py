@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grail_exp.checkpoint import complete_checkpoints, load_rank_state, load_training_state
 from helpers.compose import compose
 from helpers.fakes import AlternatingVerifier
 from helpers.tolerances import MODEL_REORDER
-from grail_exp.checkpoint import complete_checkpoints, load_rank_state, load_training_state
 
 
 def _cfg(run_dir: Path, model_dir, extra=()):

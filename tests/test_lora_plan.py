@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers.architectures import architecture, parameter_count
-from helpers.compose import compose
 from grail_exp.config import ConfigError
 from grail_exp.validate import validate
+from helpers.architectures import architecture, parameter_count
+from helpers.compose import compose
 
 GiB = 2**30
 

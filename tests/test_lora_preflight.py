@@ -9,7 +9,6 @@ import importlib.util
 import pytest
 
 from grail_exp.preflight.checks import Evidence, RunOutcome, run_checks
-
 from helpers.preflight_run import VLLM, check_rehearsal, run_preflight
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

@@ -48,7 +48,7 @@ def _brute_force_pass_at_k(n: int, c: int, k: int) -> float:
 
 def test_pass_at_k_matches_brute_force_enumeration():
     for n in range(1, 9):
-        for c in range(0, n + 1):
+        for c in range(n + 1):
             for k in range(1, n + 1):
                 assert pass_at_k(n, c, k) == pytest.approx(_brute_force_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
 

@@ -5,8 +5,8 @@ optimiser steps on the four quarters."""
 import pytest
 import torch
 
-from helpers.tolerances import MODEL_REORDER
 from helpers.module import FakeOpt, build_module, small_config
+from helpers.tolerances import MODEL_REORDER
 
 
 def _completion_logp(model, batch, rows: slice, temperature: float) -> torch.Tensor:
@@ -92,16 +92,17 @@ def test_mini_batches_validate_whole_groups(compose_cfg, tiny_model_dir):
 
 
 def test_counters_over_mini_batches_and_epochs(tmp_path, formatted_model_dir, monkeypatch):
-    """k = 2, μ = 2, max_steps = 6 on the warm-started model (answers of different lengths): steps 1-4 train rollout batch 1 (mini-batches 0, 1, 0, 1), steps 5-6 rollout batch 2;
+    """k = 2, μ = 2, max_steps = 6 on the warm-started model (answers of different lengths): steps 1-4 train rollout
+    batch 1 (mini-batches 0, 1, 0, 1), steps 5-6 rollout batch 2;
     every step of a rollout batch sees the same rollout counter (RLSD's / SDPG's schedules), and the run stops at 6.
     dapo's normaliser for a step is the number of tokens the engine generated for that mini-batch's 8 rollouts
     (rollout rows 0-7 or 8-15 of its round, counted from the engine's completions, not from the batch's mask)."""
     import grail_exp.grading.rewards
     import grail_exp.training.rollout as rollout_module
-    from helpers.compose import compose
-    from helpers.fakes import AlternatingVerifier
     from grail_exp.run import run
     from grail_exp.training.update import UpdatePhase
+    from helpers.compose import compose
+    from helpers.fakes import AlternatingVerifier
 
     monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
     generated = []  # per round: the token count of each completion, in rollout order
@@ -165,10 +166,10 @@ def test_the_run_draws_and_announces_its_rollout_batches(tmp_path, tiny_model_di
     import logging
 
     import grail_exp.grading.rewards
-    from helpers.compose import compose
-    from helpers.fakes import AlternatingVerifier
     from grail_exp.run import run
     from grail_exp.training.rollout import RolloutPhase
+    from helpers.compose import compose
+    from helpers.fakes import AlternatingVerifier
 
     monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
     rounds, real = [], RolloutPhase.make_batch

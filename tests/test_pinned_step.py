@@ -7,15 +7,22 @@ import json
 import pytest
 import torch
 
-from helpers.pinned_step import (CASES, PINNED, build_model_and_tokenizer, pinned_config, rollout_batch,
-                                 step_recording_gradient, summarise)
+from helpers.pinned_step import (
+    CASES,
+    PINNED,
+    build_model_and_tokenizer,
+    pinned_config,
+    rollout_batch,
+    step_recording_gradient,
+    summarise,
+)
 
 
 def run_case(overrides, extra=()):
     """Today's trainer on the pinned batch: prepare (spans, probe rows grouped first), then one optimiser step."""
     from grail_exp.advantages import build_scheme
-    from grail_exp.estimators.group import group_advantages
     from grail_exp.compute.forward import position_ids_from_mask
+    from grail_exp.estimators.group import group_advantages
     from grail_exp.training.module import GRPOModule, TrainingBatch
 
     cfg = pinned_config([*overrides, *extra])

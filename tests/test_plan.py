@@ -11,15 +11,15 @@ import re
 import shlex
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 
-from helpers.architectures import architecture, parameter_count
-from helpers.compose import compose
 from grail_exp.config import ConfigError
 from grail_exp.validate import validate
+from helpers.architectures import architecture, parameter_count
+from helpers.compose import compose
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER_MODELS = ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b")
@@ -28,7 +28,7 @@ GiB = 2**30
 H100, H200 = 79.0, 139.0  # GiB torch reports for one H100 80GB / H200 (docs/memory-planner.md)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cfg(*overrides: str):
     return compose(list(overrides), Path("/nonexistent"))
 
@@ -460,7 +460,7 @@ def test_host_memory_per_node_of_the_card_by_hand():
     fp32 shard tensor to the host at a time (the largest: the embedding's 4 B x V x h / W) and rank 0 streams the
     export into the final checkpoint one gathered V x h tensor at a time in the model's dtype (bf16: 2 B); resume
     reads the shards back the same way."""
-    from grail_exp.memory import planned_mem_gb, plan
+    from grail_exp.memory import plan, planned_mem_gb
 
     c = architecture("qwen3_8b")
     N, V, h, R, W = parameter_count(c), c["vocab_size"], c["hidden_size"], 4, 4

@@ -113,9 +113,8 @@ def test_benchmark_records_are_written_portable(tmp_path, monkeypatch):
 def test_a_study_arm_records_its_model_directory_portable_and_is_still_skipped(tmp_path):
     """identity(): a configuration value that is an absolute path is recorded as it travels, and the skip check
     compares like with like (the same job finds its own record)."""
-    from helpers.compose import compose
-
     from grail_exp.analysis.study import arm_dir, finished, identity
+    from helpers.compose import compose
 
     cfg = compose(["model.name_or_path=/tmp/models/smollm2_hf", f"study.dir={tmp_path}/study"], tmp_path)
     ident = identity(cfg)
@@ -132,10 +131,9 @@ def test_a_study_arm_records_its_model_directory_portable_and_is_still_skipped(t
 def test_a_recorded_path_inside_the_code_checkout_is_relative_and_opens_again(tmp_path, monkeypatch):
     """The shipped tiny model's directory lies in the code's checkout, not under paths.root_dir: recorded relative to
     the checkout, and resolve_recorded opens it again from any working directory."""
-    from helpers.compose import compose
-
-    from grail_exp.analysis.study import identity
     from grail_exp.analysis.portable import resolve_recorded
+    from grail_exp.analysis.study import identity
+    from helpers.compose import compose
 
     tiny = ROOT / "grail_exp" / "data" / "embedded" / "tiny"
     recorded = identity(compose([f"model.name_or_path={tiny}"], tmp_path))["model.name_or_path"]

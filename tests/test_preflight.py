@@ -17,8 +17,8 @@ import torch
 from grail_exp.preflight.checks import Evidence, RunOutcome, backend_devices, run_checks
 from grail_exp.preflight.probe import fingerprint, problems_by_chunk, problems_by_rank
 from grail_exp.preflight.report import exit_code, failure_lines, render
-
-from helpers.preflight_run import VLLM, check_rehearsal as _check_rehearsal, run_preflight
+from helpers.preflight_run import VLLM, run_preflight
+from helpers.preflight_run import check_rehearsal as _check_rehearsal
 
 GiB = 2**30
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -353,7 +353,6 @@ def test_the_engine_share_is_kept_as_built():
     GiB device. (Before, the whole 41.2 GiB was scaled: 207 GiB, and the check blamed trainer.micro_batch_size.)"""
     from grail_exp.memory import plan
     from grail_exp.preflight.checks import CHECKS
-
     from helpers.compose import compose
 
     usable = plan(compose(["model=qwen3_8b", "advantage=grail", "trainer.device_memory_gb=141"]))

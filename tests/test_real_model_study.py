@@ -292,7 +292,8 @@ def test_the_pooled_comparison_over_two_study_folders_by_hand(tmp_path):
     seeds 4 and 5 (+25, −25; other starting weights): d = (50, −25, 0, 25, −25), mean 5, squared deviations
     2025 + 900 + 25 + 400 + 900 = 4250, sd √(4250/4) = 32.596, t interval 5 ± 2.776445·32.596/√5 (the t table's
     t_{0.975,4}). The detectable effect at 80 % with five seeds: scipy's noncentral t solved by bisection."""
-    from scipy.stats import nct, t as student_t
+    from scipy.stats import nct
+    from scipy.stats import t as student_t
 
     study = _three_seed_spread_study(tmp_path / "study")
     other = tmp_path / "round2"
@@ -581,7 +582,7 @@ def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_o
     # and one "before" evaluation, sampled once, shared by both arms
     before = [pd.read_parquet(res / f"smollm2_135m-{s}-s1" / "samples_before.parquet") for s in ("grpo", "grail")]
     pd.testing.assert_frame_equal(before[0], before[1])
-    (cache,) = [p for p in (tmp_path / "cache" / "evals").glob("arithmetic-*.jsonl")]
+    (cache,) = list((tmp_path / "cache" / "evals").glob("arithmetic-*.jsonl"))
     assert len(cache.read_text().splitlines()) == 1  # one chunk of 8 problems, generated once
     # one MLflow parent run across the restart, with both arms (the resumed arm continues its own run)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -726,9 +727,9 @@ def _cold_cfg(tmp: Path, *extra: str):
 
 def test_cold_start_trains_on_the_training_prompts_and_the_generators_solutions(tmp_path):
     """The SFT batch: each row is the prompt exactly as RL encodes it, then the solution + EOS; labels only there."""
-    from grail_exp.models.cold_start import sft_batch
     from grail_exp.data.arithmetic import ArithmeticTask
     from grail_exp.data.prompting import encode_prompts
+    from grail_exp.models.cold_start import sft_batch
     from grail_exp.models.loading import load_tokenizer, resolve_model_path
 
     cfg = _cold_cfg(tmp_path, "model.cold_start.enabled=false")
@@ -750,9 +751,9 @@ def test_cold_start_trains_on_the_training_prompts_and_the_generators_solutions(
 def test_cold_start_is_built_once_cached_recorded_and_shared_by_every_seed(tmp_path):
     import hashlib as h
 
+    from grail_exp.analysis.study import weights_sha256
     from grail_exp.models.cold_start import MANIFEST
     from grail_exp.models.loading import resolve_model_path
-    from grail_exp.analysis.study import weights_sha256
 
     path = Path(resolve_model_path(_cold_cfg(tmp_path)))
     manifest = json.loads((path / MANIFEST).read_text())

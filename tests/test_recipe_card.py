@@ -12,16 +12,16 @@ import json
 import socket
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from helpers.compose import compose
 from grail_exp.config import ConfigError
-from grail_exp.validate import validate
 from grail_exp.tracking import flatten
+from grail_exp.validate import validate
+from helpers.compose import compose
 
 PAPER_MODELS = ("qwen3_4b", "qwen3_8b", "r1_distill_llama_8b", "octothinker_3b", "octothinker_8b")
 SCHEMES = ("grpo", "grail", "oar_g")
@@ -39,7 +39,7 @@ def _flat(cfg) -> dict:
     return {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items() if not k.startswith("paths.")}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _composed(*overrides: str) -> dict:
     return _flat(compose(list(overrides), Path("/nonexistent")))  # paths: never written
 

@@ -7,7 +7,7 @@ the reference configs, not read back from the YAML, so a wrong recipe value fail
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from grail_exp.validate import validate
 from grail_exp.tracking import flatten
+from grail_exp.validate import validate
 from helpers.compose import compose
 
 MODELS = {  # model -> (model.name_or_path, model.prompt_style)
@@ -49,7 +49,7 @@ SHARED = {  # every paper recipe
     "trainer.eval_at_end": True, "model.dtype": "bfloat16",
     # the reference's layout (spec §6.1): 4 GPUs under ZeRO-2, vLLM colocated at 0.2 of each GPU
     "trainer.devices": 4, "trainer.name": "fsdp_zero2", "trainer.strategy": "fsdp",
-    "trainer.sharding_strategy": "SHARD_GRAD_OP", "rollout.engine": "vllm", "rollout.vllm.gpu_memory_utilization": 0.2,
+    "trainer.sharding_strategy": "SHARD_GRAD_OP",
     "recipe.name": "paper", "recipe.base": "conf/recipe/paper/base.yaml",
 }
 PER_SCHEME = {
@@ -63,7 +63,7 @@ PER_SCHEME = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _flat(model: str, scheme: str) -> dict:
     """The composed, validated recipe as {dotted.key: value} (paths excluded: they hold the temp dir)."""
     cfg = validate(compose([f"experiment=paper/{model}_{scheme}"], Path("/nonexistent")))  # paths: never written

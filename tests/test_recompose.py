@@ -45,7 +45,7 @@ def test_a_suggestion_is_the_run_hydra_would_compose(run, suggestion, ambiguous)
 def test_the_current_option_is_the_one_that_explains_the_run():
     """The composed config does not record a group's option; the one leaving the fewest values set on top is taken,
     also when an experiment or the command line changed several of them."""
-    from grail_exp.recompose import group_options, option_file, _leaves, _schema_defaults, _set_on_top
+    from grail_exp.recompose import _leaves, _schema_defaults, _set_on_top, group_options, option_file
 
     cfg = compose(["model=qwen3_8b", "advantage=grail", "trainer.devices=2", "trainer.max_steps=7"], Path("/nonexistent"))
     schema, mine = _schema_defaults(cfg.trainer), _leaves(cfg.trainer)

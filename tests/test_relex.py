@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from grail_exp import extrapolate as X
+from grail_exp.config import ConfigError
 from helpers.compose import compose
 from helpers.fakes import AlternatingVerifier
 from helpers.models import TINY_BUILD
 from helpers.tolerances import HANG_TIMEOUT_S
-from grail_exp import extrapolate as X
-from grail_exp.config import ConfigError
 
 
 # ------------------------------------------------------------------------------------------- helpers

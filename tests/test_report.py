@@ -92,7 +92,7 @@ def store(tmp_path_factory):
     arm("tiny_llama", "grpo", 1)
     # training curves and a weight table for the report's plots
     weights = _weight_table()
-    for (model, scheme, seed, _), rid in ids.items():
+    for (_model, scheme, seed, _), rid in ids.items():
         for step in range(3):
             client.log_batch(rid, metrics=[Metric(k, v * (1 + step + seed), 0, step) for k, v in
                                            {"reward/mean": 0.1, "accuracy": 0.1, "entropy": 0.2}.items()])

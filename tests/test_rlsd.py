@@ -10,10 +10,10 @@ from omegaconf import OmegaConf
 from grail_exp.advantages import SchemeBatch, build_scheme
 from grail_exp.advantages.rlsd import RlsdConfig, RlsdScheme, rlsd_lambda, rlsd_weights
 from grail_exp.teacher import TEMPLATES, build_teacher_batch, teacher_logprobs, teacher_prompt_texts
-
 from helpers.batches import CHAT_MODEL_CFG, PROBLEM_ROWS, problem_batch
 from helpers.fakes import AlternatingVerifier
 from helpers.module import small_config, train_step
+
 
 def _cfg(**kw):
     return OmegaConf.merge(OmegaConf.structured(RlsdConfig), kw)
@@ -203,9 +203,9 @@ def _module(cfg, model_dir):
     """helpers.module.build_module with the scheme context the run passes (model config, data)."""
     from grail_exp.data import build_source
     from grail_exp.models.loading import load_causal_lm, load_tokenizer
-    from grail_exp.training.module import GRPOModule
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker
+    from grail_exp.training.module import GRPOModule
 
     tok = load_tokenizer(str(model_dir), cfg)
     policy = load_causal_lm(str(model_dir), cfg, trainable=True)
@@ -231,8 +231,8 @@ def test_lambda_zero_is_grpo_exactly(compose_cfg, tiny_model_dir):
 
 def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path):
     """The weights of the trainer's first micro-batch == ``grail_exp.weights`` on rows with problem / answer fields."""
-    from helpers.compose import compose_weights
     from grail_exp.weights import compute
+    from helpers.compose import compose_weights
 
     extra = ["advantage=rlsd", "advantage.clip=0.9"]
     module = _module(small_config(compose_cfg, tiny_model_dir, extra), tiny_model_dir)

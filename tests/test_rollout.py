@@ -6,10 +6,9 @@ import sys
 import pytest
 import torch
 
-from grail_exp.loss import selective_log_softmax
 from grail_exp.compute.forward import completion_logits, position_ids_from_mask
+from grail_exp.loss import selective_log_softmax
 from grail_exp.rollout import SamplingParams, build_engine, pad_completions
-
 from helpers.tolerances import HANG_TIMEOUT_S, MODEL_REORDER
 
 
@@ -428,10 +427,8 @@ def test_the_engine_with_the_inverse_cdf_draw(tiny_model, tiny_tokenizer, kw):
 
 def test_an_unknown_draw_is_refused_naming_the_key(compose_cfg):
     from grail_exp.errors import ConfigError
-    from grail_exp.validate import validate
-
     from grail_exp.rollout.hf import DRAWS
-    from grail_exp.validate import ROLLOUT_DRAWS
+    from grail_exp.validate import ROLLOUT_DRAWS, validate
 
     assert ROLLOUT_DRAWS == DRAWS  # what validate accepts is what the engine runs
     cfg = compose_cfg(["rollout.draw=gumbel"])

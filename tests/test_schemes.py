@@ -6,10 +6,9 @@ import torch
 from omegaconf import OmegaConf
 
 from grail_exp.advantages import SCHEMES, build_scheme, scheme_config_class
+from grail_exp.compute.forward import completion_logits
 from grail_exp.config import LossConfig
 from grail_exp.loss import AggregationContext, compose_objective, selective_log_softmax
-from grail_exp.compute.forward import completion_logits
-
 from helpers.batches import batch_of, rows_of
 from helpers.tolerances import MODEL_REORDER
 

@@ -11,11 +11,17 @@ import pytest
 import torch
 
 from grail_exp.data.arithmetic import ArithmeticTask
-from grail_exp.data.curriculum import (SAMPLE_FILE, Curriculum, CurriculumError, arithmetic_curriculum,
-                                       arithmetic_curriculum_solution, load_curriculum_jsonl, render_curriculum)
+from grail_exp.data.curriculum import (
+    SAMPLE_FILE,
+    Curriculum,
+    CurriculumError,
+    arithmetic_curriculum,
+    arithmetic_curriculum_solution,
+    load_curriculum_jsonl,
+    render_curriculum,
+)
 from grail_exp.estimators import EstimatorInput, estimate
-from grail_exp.estimators.scrl import (SCRLConfig, parse_spans, position_advantages, progress_rewards,
-                                       token_positions)
+from grail_exp.estimators.scrl import SCRLConfig, parse_spans, position_advantages, progress_rewards, token_positions
 
 
 # ---------------------------------------------------------------------------------------------- rewards
@@ -246,9 +252,10 @@ def test_estimator_scrl_composes_the_papers_loss_and_both_halves_share_a_scale(c
 
 
 def test_prompt_variants_mix_half_and_half():
+    from omegaconf import OmegaConf
+
     from grail_exp.data.sources import Problem
     from grail_exp.estimators.scrl import prompt_variants
-    from omegaconf import OmegaConf
 
     data = OmegaConf.create({"name": "arithmetic"})
     (plan,) = prompt_variants(SCRLConfig(), [Problem("Compute 1+2-3.", "0")], 8, data)
@@ -270,6 +277,7 @@ def test_sample_variants_keeps_plan_order():
             return {"input_ids": [[len(t)] for t in texts]}
 
     from omegaconf import OmegaConf
+
     from grail_exp.rollout import SamplingParams
 
     model = OmegaConf.create({"prompt_style": "plain", "plain_template": "{problem}"})
@@ -313,14 +321,13 @@ class _ScriptedEngine:
 
 
 def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny_model, tiny_tokenizer):
-    from helpers.compose import compose
-
     from grail_exp.advantages import build_scheme
-    from grail_exp.validate import validate
     from grail_exp.data import build_source
-    from grail_exp.training.module import GRPOModule
-    from grail_exp.optim import build_optimizer
     from grail_exp.grading.rewards import MathVerifier
+    from grail_exp.optim import build_optimizer
+    from grail_exp.training.module import GRPOModule
+    from grail_exp.validate import validate
+    from helpers.compose import compose
 
     cfg = validate(compose(["estimator=scrl", "advantage=grpo", "logger=none", "trainer.prompts_per_step=2",
                             "trainer.micro_batch_size=8", "rollout.num_generations=8",

@@ -8,8 +8,15 @@ import torch
 from omegaconf import OmegaConf
 
 from grail_exp.loss import LOSS_TERMS, TermContext, build_terms
-from grail_exp.loss.sdpg import SdpgOpdConfig, SdpgOpdTerm, SdpgRefKlConfig, SdpgRefKlTerm, opd_kl, ref_kl_surrogate, sdpg_beta
-
+from grail_exp.loss.sdpg import (
+    SdpgOpdConfig,
+    SdpgOpdTerm,
+    SdpgRefKlConfig,
+    SdpgRefKlTerm,
+    opd_kl,
+    ref_kl_surrogate,
+    sdpg_beta,
+)
 from helpers.batches import CHAT_MODEL_CFG, PROBLEM_ROWS, problem_batch
 
 
@@ -125,8 +132,8 @@ def _ctx(model, tok, batch, *, hidden=None, W=None, logp=None, mask=None, ref_lo
 
 
 def _forward(model, batch):
-    from grail_exp.compute.forward import policy_forward
     from grail_exp.advantages.probe import predicting_window
+    from grail_exp.compute.forward import policy_forward
 
     logp, ent, fwd = policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids,
                                     batch.completion_ids, 1.0, chunk_tokens=7)
@@ -158,7 +165,7 @@ def test_opd_term_matches_brute_force_teacher_and_gate(tiny_model, tiny_tokenize
         value, metrics = term(_ctx(model, tok, b, hidden=hidden, W=W, logp=logp))
         # brute force: full logits of unpadded student and teacher sequences, one row at a time
         total, n_tok = 0.0, b.completion_mask.sum()
-        for i, (q, a, comp, A) in enumerate(PROBLEM_ROWS):
+        for q, a, comp, A in PROBLEM_ROWS:
             if positive_only and A <= 0:
                 continue
             zs, zt = _unpadded_logits(model, tok, q, a, comp)
@@ -260,10 +267,9 @@ def test_loss_term_group_composes_and_validates(compose_cfg):
 def test_one_answer_to_whether_a_run_needs_the_reference_model(tmp_path, overrides, expected):
     """Loading π_ref, its log-probs in the rollout phase and the memory plan ask one function: from the config alone
     (the planner) and from the built terms (the job) it gives the same answer."""
-    from helpers.compose import compose
-
     from grail_exp.loss import build_terms, needs_reference
     from grail_exp.memory import plan
+    from helpers.compose import compose
 
     cfg = compose(overrides, tmp_path)
     assert needs_reference(cfg) is expected

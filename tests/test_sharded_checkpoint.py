@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grail_exp.checkpoint import CheckpointError, load_rank_state, load_training_state
-
 from helpers.compose import compose
 from helpers.fakes import AlternatingVerifier
 
@@ -53,7 +52,6 @@ def test_streamed_export_refuses_a_tensor_that_differs_from_its_header(tmp_path)
 def one_rank_checkpoint(tmp_path_factory, tiny_model_dir):
     """A single-process run's step-1 checkpoint (its run directory; the tests only read it)."""
     import grail_exp.grading.rewards
-
     from grail_exp.run import run
 
     run_dir = tmp_path_factory.mktemp("one_rank") / "run"
@@ -70,7 +68,6 @@ def test_another_world_size_is_refused_before_any_model_loads(one_rank_checkpoin
     (before: an IndexError in the rank's part after the model had loaded). Under FSDP too: a checkpoint written by
     another strategy has no shards to reshard."""
     import grail_exp.models.loading
-
     from grail_exp.run import run
 
     def no_model(*a, **k):
@@ -88,8 +85,8 @@ def test_another_world_size_is_refused_before_any_model_loads(one_rank_checkpoin
 def test_ranks_that_resolved_different_checkpoints_are_refused_naming_the_paths(monkeypatch):
     """resume=auto on nodes that do not share the run directory: every rank's resolved step is gathered; when they
     differ, one error lists each rank's checkpoint."""
-    from grail_exp.training import state as run_state
     from grail_exp import world
+    from grail_exp.training import state as run_state
 
     views = [(4, "/shared/run/checkpoints/step-4"), (None, None)]
     monkeypatch.setattr(world, "gather_to_all", lambda obj: views)
@@ -115,7 +112,6 @@ def _to_older_layout(ckpt: Path) -> None:
 def test_a_checkpoint_of_the_older_layout_still_resumes_exactly(tmp_path, formatted_model_dir, monkeypatch):
     """2 steps, the checkpoint rewritten into the older layout, resume + 2 steps == 4 straight steps."""
     import grail_exp.grading.rewards
-
     from grail_exp.run import run
 
     monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
@@ -162,7 +158,6 @@ def test_the_job_sets_local_rank_before_building_anything(tmp_path, tiny_model_d
     """Under srun (SLURM_LOCALID, several tasks) LOCAL_RANK is set when the job builds its parts (DeepSpeed's engine
     and vLLM's external launcher read it later)."""
     import grail_exp.job as job
-
     from grail_exp.run import run
 
     seen = {}

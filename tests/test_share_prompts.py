@@ -21,6 +21,7 @@ import torch
 from helpers.batches import COMMON_SYSTEM, INTERLEAVED_ROWS, interleaved_training_batch
 from helpers.tolerances import MODEL_REORDER
 
+
 def set_attention(model, attn: str) -> None:
     """``eager`` | ``sdpa`` (transformers' own) | ``sdpa_gqa``: the CPU attention real models load with
     (``grail_exp.models.loading.use_kernel_gqa``), whose suffix pass over shared prompts runs the prompt / suffix attention on
@@ -38,15 +39,13 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
     """Loss, token weights, gradients and old / reference log-probs of one optimiser step on the fixed batch (and the
     step's metrics, the rows' order after ``prepare``). ``reorder=False``: ``prepare`` keeps the rollout order.
     ``system``: the batch's prompts start with that system turn."""
-    from helpers.pinned_step import build_model_and_tokenizer
-    from helpers.pinned_step import pinned_config
-
     from grail_exp.advantages import build_scheme
     from grail_exp.compute.forward import share_prompts_of
     from grail_exp.loss import build_terms
     from grail_exp.models.loading import narrow_if_configured
     from grail_exp.training import row_order as row_order_mod
     from grail_exp.training.module import GRPOModule
+    from helpers.pinned_step import build_model_and_tokenizer, pinned_config
 
     cfg = pinned_config([*overrides, f"trainer.share_prompts={str(share).lower()}"])
     torch.manual_seed(0)
@@ -112,9 +111,8 @@ def assert_same(a: dict, b: dict, weight_tol: float = 0.0):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_policy_forward_and_gradient_equal_unshared(attn):
     """The policy forward alone: log-probs, entropies and the gradient of a loss that reads both."""
-    from helpers.pinned_step import build_model_and_tokenizer
-
     from grail_exp.compute.forward import policy_forward
+    from helpers.pinned_step import build_model_and_tokenizer
 
     model, tok = build_model_and_tokenizer()
     model.config._attn_implementation = attn
@@ -142,10 +140,9 @@ def test_output_layer_runs_on_the_completion_tokens_only(monkeypatch, share):
     right padding of the shorter completions: as many rows as the batch has completion tokens. At those tokens the
     log-probs and entropies are the model's own (``model(...).logits``, log-softmax and entropy written out here); at
     the padding they are 0; the gradient of a loss reading both is the full computation's."""
-    from helpers.pinned_step import build_model_and_tokenizer
-
     import grail_exp.compute.forward as forward_mod
     from grail_exp.compute.forward import policy_forward
+    from helpers.pinned_step import build_model_and_tokenizer
 
     model, tok = build_model_and_tokenizer()
     model.config._attn_implementation = "eager"
@@ -275,9 +272,8 @@ def test_prompts_once_gives_each_rows_own_keys_and_values(attn):
     every real position, in order, are the mask's columns of the ``[common | tail]`` layout, and the last column's
     hidden state is the row's last token's. Rows: the three prompts of unequal length (left-padded), one more that is
     the common prefix plus one token, and a copy of a prompt (equal rows)."""
+    from grail_exp.compute.forward import decoder_body, position_ids_from_mask, prompts_once
     from helpers.pinned_step import build_model_and_tokenizer
-
-    from grail_exp.compute.forward import decoder_body, prompts_once, position_ids_from_mask
 
     model, tok = build_model_and_tokenizer()
     model.config._attn_implementation = attn
@@ -310,9 +306,8 @@ def test_policy_forward_with_a_common_prefix_computes_it_once(mode):
     gradient equal the unshared forward's, and the positions computed drop by (U − 1) · c exactly when the common
     prefix is computed apart (c counted by hand from the distinct prompts; the prefix pass covers each prompt without
     its last token)."""
-    from helpers.pinned_step import build_model_and_tokenizer
-
     from grail_exp.compute.forward import PromptSharing, policy_forward
+    from helpers.pinned_step import build_model_and_tokenizer
 
     model, tok = build_model_and_tokenizer()
     batch = interleaved_training_batch(tok, COMMON_SYSTEM)
@@ -390,9 +385,8 @@ def test_grail_probe_on_its_rows_only(attn, monkeypatch):
 
 
 def test_share_prompts_key_is_validated():
-    from helpers.pinned_step import pinned_config
-
     from grail_exp.errors import ConfigError
+    from helpers.pinned_step import pinned_config
 
     with pytest.raises(ConfigError, match="trainer.share_prompts"):
         pinned_config(["trainer.share_prompts=sometimes"])
@@ -458,9 +452,8 @@ def test_rows_are_grouped_by_length_only_where_order_changes_nothing():
     """With micro-batches smaller than the mini-batch, ``prepare`` puts each group's rows together, groups by their
     longest completion (a hand-written permutation), and the step's loss and gradient are those of the rollout order.
     Where order matters (OAR-G's row-by-row noise, a per-micro-batch top-entropy quantile) the order is kept."""
-    from helpers.pinned_step import build_model_and_tokenizer
-
     from grail_exp.training.row_order import row_order
+    from helpers.pinned_step import build_model_and_tokenizer
 
     _, tok = build_model_and_tokenizer()
     batch = interleaved_training_batch(tok)
@@ -481,9 +474,8 @@ def test_probe_rows_first_as_rows_or_as_whole_groups():
     """``row_order(..., whole_groups=True)`` keeps each prompt's group together (groups holding a probe row first);
     ``update_work`` counts the positions the forward really computes (checked against ``body_forward``'s own count on
     each micro-batch, with and without a common prefix the prompts start with) plus each probed micro-batch's suffix."""
-    from helpers.pinned_step import build_model_and_tokenizer
-
     from grail_exp.training.row_order import row_order
+    from helpers.pinned_step import build_model_and_tokenizer
 
     model, tok = build_model_and_tokenizer()
     batch = interleaved_training_batch(tok)  # groups 0: rows 0 2 5 7, 1: rows 1 4, 2: rows 3 6
@@ -542,7 +534,7 @@ def test_grail_takes_the_cheaper_probe_order_and_the_step_is_the_same(monkeypatc
     for prefer_groups in (True, False):
         real = rollout_mod.row_order
 
-        def order_of(batch, size, probe, by_length, whole_groups=False, prefer=prefer_groups):
+        def order_of(batch, size, probe, by_length, whole_groups=False, prefer=prefer_groups, real=real):
             return real(batch, size, probe, by_length, whole_groups=prefer)  # both candidates: the forced kind
         monkeypatch.setattr(rollout_mod, "row_order", order_of)
         forced[prefer_groups] = one_step(over, share, metrics=True)

@@ -20,8 +20,8 @@ import time
 import pytest
 import torch
 
-from grail_exp.spans import AnswerSpans, answer_spans, find_last_boxed_span
 from grail_exp.grading.boxed import extract_last_boxed, find_first_boxed_span
+from grail_exp.spans import AnswerSpans, answer_spans, find_last_boxed_span
 
 MODES = ("reference", "exact")
 PLAIN = "7+5=12. 12-3=9. \\boxed{9}"

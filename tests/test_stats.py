@@ -296,7 +296,8 @@ def test_t_power_against_published_values_and_scipy():
     power.t.test(n = 10, delta = 1, type = "one.sample") 0.8030962. G*Power's one-sample / paired t test, two-tailed
     α 0.05, power 0.80: dz = 0.5 needs N = 34 (actual power 0.8078), dz = 0.8 N = 15, dz = 0.2 N = 199. And scipy's
     noncentral t over a grid, to 1e-8."""
-    from scipy.stats import nct, t as student_t
+    from scipy.stats import nct
+    from scipy.stats import t as student_t
 
     from grail_exp.analysis.stats import paired_t_power, seeds_needed, t_power
 
@@ -335,7 +336,8 @@ def test_seeds_needed_is_the_smallest_n_reaching_the_power():
     """Round two's GRAIL − GRPO seed sd, 10.1114 points: a 3-point effect at 80 % needs 92 seeds (the power at 91 is
     below 0.8, at 92 above it, scipy's noncentral t), 5 points 35; the sd's own 95 % interval [6.31, 24.80] gives
     37 to 539 seeds for 3 points."""
-    from scipy.stats import nct, t as student_t
+    from scipy.stats import nct
+    from scipy.stats import t as student_t
 
     from grail_exp.analysis.stats import sd_interval, seeds_needed
 

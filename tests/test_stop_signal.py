@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from helpers.tolerances import HANG_TIMEOUT_S
+from grail_exp import world
 from grail_exp.errors import Preempted, StoppedBySignal
 from grail_exp.preemption import StopSignals, before_training_line, current, exit_code, set_stage
-from grail_exp import world
 from grail_exp.training.module import GRPOModule
+from helpers.tolerances import HANG_TIMEOUT_S
 
 
 def test_in_training_a_signal_is_recorded_and_lightning_installs_no_handler_of_its_own():

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers.compose import compose
 from helpers.tolerances import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +52,9 @@ def test_slurm_launcher_config_composes_into_a_valid_sbatch_script(tmp_path, mon
     """The composed launcher params pass submitit's own validation and give the sbatch flags we rely on."""
     import submitit
     from hydra.utils import instantiate
-    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
     from omegaconf import OmegaConf
+
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
     cfg = _with_hydra(["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "trainer=ddp",  # 8 devices
                        "hydra.launcher.mem_gb=64", "hydra.sweep.dir=/shared/sweep"], tmp_path)

@@ -39,8 +39,8 @@ def _tune_cfg(tmp_path, overrides=()):
 def test_search_space_files_parse_to_the_documented_distributions(tmp_path):
     import optuna.distributions as D
 
-    from grail_exp.validate import validate
     from grail_exp.tune import parse_search_space, tune_settings
+    from grail_exp.validate import validate
 
     cfg = _tune_cfg(tmp_path)
     space = parse_search_space(tune_settings(cfg).params, validate(cfg))
@@ -58,9 +58,8 @@ def test_search_space_errors_name_every_bad_entry(tmp_path):
     import optuna.distributions as D
 
     from grail_exp.config import ConfigError
-
-    from grail_exp.validate import validate
     from grail_exp.tune import parse_search_space
+    from grail_exp.validate import validate
 
     cfg = validate(_tune_cfg(tmp_path))
     params = {
@@ -87,9 +86,9 @@ def test_search_space_errors_name_every_bad_entry(tmp_path):
 
 def test_tune_selects_on_the_validation_split_and_refuses_test_benchmarks(tmp_path):
     from grail_exp.config import ConfigError
-    from grail_exp.validate import validate
     from grail_exp.data import load_benchmark
     from grail_exp.tune import check_selection_benchmarks, optimize
+    from grail_exp.validate import validate
 
     cfg = validate(_tune_cfg(tmp_path, ["data.num_validation=32", "data.num_test=32"]))
     assert list(cfg.benchmark.names) == ["arithmetic_val"] and cfg.optimized_metric == "eval/arithmetic_val/acc"

@@ -62,17 +62,17 @@ def test_an_unusable_tune_storage_is_one_line_naming_tune_storage(tmp_path):
 # ---------------------------------------------------------------------------------------------- in process
 def test_every_user_error_type_is_a_user_error():
     """The CLI catches ``UserError``: each error type the code raises for bad input must be one."""
-    from grail_exp.models.architectures import ArchitectureError
     from grail_exp.checkpoint import CheckpointError
     from grail_exp.config import ConfigError
     from grail_exp.data.benchmarks import BenchmarkDataError
     from grail_exp.data.curriculum import CurriculumError
     from grail_exp.errors import DataError, MissingDependencyError, UserError
     from grail_exp.extrapolate import ExtrapolateError
+    from grail_exp.models.architectures import ArchitectureError
     from grail_exp.models.loading import ModelLoadError
-    from grail_exp.training.module import NonFiniteLossError
     from grail_exp.models.tokenizers import PackagedTokenizerError
     from grail_exp.tracking import TrackingError
+    from grail_exp.training.module import NonFiniteLossError
     from grail_exp.weights import InputError
 
     for cls in (ArchitectureError, CheckpointError, ConfigError, BenchmarkDataError, CurriculumError, DataError,
@@ -107,4 +107,4 @@ def test_bugs_keep_their_traceback():
 
     with pytest.raises(ZeroDivisionError):
         with exit_on_user_error():
-            1 / 0
+            _ = 1 / 0

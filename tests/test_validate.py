@@ -384,8 +384,8 @@ def test_a_warm_start_build_is_announced_with_its_expected_duration(tmp_path, mo
     """Logged before the warm start begins. Expected durations by hand from the shipped build's record (434,688
     parameters, 950 steps of 64 in 673.65 s: 0.70911 s per step): the same model and batch, stopping after 950
     steps = 674 s (~11 min), at most 3000 steps = 2127 s (~35 min); batch 32 halves a step, up to 100 steps = 35 s."""
-    from grail_exp.models import embedded
     from grail_exp.data.arithmetic import ArithmeticTask
+    from grail_exp.models import embedded
 
     shipped = json.loads((embedded.SHIPPED_DIR / "tiny" / "grail_exp_build.json").read_text())
     assert (shipped["parameters"], shipped["warm_start"]["steps"], round(shipped["warm_start"]["seconds"], 2),

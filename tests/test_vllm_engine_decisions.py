@@ -74,7 +74,7 @@ def _fake_vllm(calls: list, *, cpu: bool, on_build=None):
             calls.append(("apply_model",))
 
         def generate(self, requests, sampling, use_tqdm=False, **kwargs):
-            calls.append(("generate", [s.seed for s in sampling], *[(k, v) for k, v in kwargs.items()]))
+            calls.append(("generate", [s.seed for s in sampling], *list(kwargs.items())))
             return [_Result([5, 2]) for _ in requests]
 
     class VSamplingParams:
@@ -185,8 +185,8 @@ def test_without_an_adapter_the_engine_sleeps_at_level_2_and_names_none(fake_vll
 
 # ---------------------------------------------------------------------------------------------- arguments
 def _built(fake_vllm, compose_cfg, overrides, *, cpu: bool, model_path=None, rank: int = 0, monkeypatch=None):
-    from grail_exp.rollout.vllm import build_vllm_engine
     from grail_exp import world
+    from grail_exp.rollout.vllm import build_vllm_engine
 
     calls = fake_vllm(cpu=cpu)
     calls.clear()

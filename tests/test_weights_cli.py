@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from helpers.module import build_module, small_config
-
 from helpers.tolerances import HANG_TIMEOUT_S
 
 
@@ -65,7 +64,7 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
     from grail_exp.weights import compute
 
     cfg = compose_weights(tmp_path, [f"model.name_or_path={tiny_model_dir}", f"input={inp}", f"output={out}",
-                                     *[e for e in extra]])
+                                     *extra])
     result = compute(cfg)
     assert len(result) == len(rows)
     for i, r in enumerate(result):
@@ -77,10 +76,9 @@ def test_weights_cli_matches_training_path(compose_cfg, tiny_model_dir, tmp_path
 def test_weights_cli_rows_carry_their_grade_for_the_heatmap(tiny_model_dir, tmp_path):
     """A row's ``reward`` gives its grade (``correct``), which files it in the heatmap's column: a correct rollout of an
     all-correct group (A = 0) under "correct rollouts"; a row without a reward has no grade (the page uses A)."""
-    from helpers.compose import compose_weights
-
     from grail_exp.analysis.viz import weights_html
     from grail_exp.weights import compute
+    from helpers.compose import compose_weights
 
     prompt = "<|im_start|>user\nCompute 2+2.<|im_end|>\n<|im_start|>assistant\n"
     rows = [{"prompt": prompt, "completion": "2+2=4. \\boxed{4}<|im_end|>", "advantage": 0.0, "reward": 1.0},

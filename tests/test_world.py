@@ -4,7 +4,6 @@ device type cpu"), which gloo, the group of every CPU run, never shows."""
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest

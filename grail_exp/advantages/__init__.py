@@ -9,6 +9,7 @@ in it (docs/add-a-method.md).
 
 from __future__ import annotations
 
+from grail_exp import spans as _spans  # noqa: E402,F401  (registers its checkpointable prepared state)
 from grail_exp.advantages.base import (
     SCHEMES,
     AdvantageScheme,
@@ -18,8 +19,6 @@ from grail_exp.advantages.base import (
     register_scheme,
     scheme_config_class,
 )
-
-from grail_exp import spans as _spans  # noqa: E402,F401  (registers its checkpointable prepared state)
 from grail_exp.registry import import_modules
 
 import_modules(__name__, __path__)  # every scheme module here registers itself

@@ -25,8 +25,9 @@ rank), so batch-level statistics are per rank, as DelTA's official code computes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -96,7 +97,7 @@ class SchemeBatch:
             return self.token_advantages.ne(0).any(1)
         return self.advantages.ne(0)
 
-    def rows(self, idx: torch.Tensor) -> "SchemeBatch":
+    def rows(self, idx: torch.Tensor) -> SchemeBatch:
         """The sub-batch of the given row indices (same P and C)."""
         out = {}
         for f in fields(self):

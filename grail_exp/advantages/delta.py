@@ -42,9 +42,9 @@ from grail_exp.advantages.base import (
     check_common,
     register_scheme,
 )
+from grail_exp.checkpoint import checkpointable
 from grail_exp.compute.forward import body_forward, output_layer
 from grail_exp.compute.logprobs import linear_logprob
-from grail_exp.checkpoint import checkpointable
 
 GAMMA_VAR_FLOOR = 1e-8  # the code clamps the variance, so γ >= 1e-4
 CENTROID_FLOOR = 1e-8  # clamp of the centroid denominators
@@ -166,12 +166,12 @@ class PreparedWeights:
     weights: torch.Tensor
     stats: torch.Tensor
 
-    def select(self, idx: torch.Tensor) -> "PreparedWeights":
+    def select(self, idx: torch.Tensor) -> PreparedWeights:
         i = idx.to(self.weights.device)
         return PreparedWeights(self.weights[i], self.stats[i.to(self.stats.device)])
 
     @classmethod
-    def of(cls, weights: torch.Tensor, stats: dict, keys: tuple[str, ...], device) -> "PreparedWeights":
+    def of(cls, weights: torch.Tensor, stats: dict, keys: tuple[str, ...], device) -> PreparedWeights:
         row = torch.tensor([stats[k] for k in keys], dtype=torch.float32)
         return cls(weights.to(device), row.expand(weights.shape[0], -1).clone())
 

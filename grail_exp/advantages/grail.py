@@ -30,7 +30,6 @@ the inputs like its raw logit gradient and the weights spread out. It is the kno
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -61,7 +60,7 @@ class GrailConfig(SchemeConfig):
     w_max: float = 5.0  # upper clip; also the weight of boxed answer content tokens
     leaf_source: str = "embeddings"  # embeddings | first | middle | last (hidden_states[1], [L//2], [L-1])
     symmetry: str = "wrong"  # which rollouts are reweighted: wrong (A <= 0; paper) | correct (A > 0) | both
-    saliency_temperature: Optional[float] = None  # divides the probe logits; null = rollout.temperature (paper: 1.0); tuned by hparams_search
+    saliency_temperature: float | None = None  # divides the probe logits; null = rollout.temperature (paper: 1.0); tuned by hparams_search
     overrides: bool = True  # content -> w_max, marker/closing/post -> w_mean (reference: always on)
     zscore_post_answer: str = "include"  # include (reference) | exclude: post-answer slots out of mu / sigma
     span_mapping: str = "reference"  # reference (re-encode behind "a") | exact (live token offsets)

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.advantages.base import AdvantageScheme, SchemeBatch, SchemeConfig, SchemeOutput, check_common, register_scheme
+from grail_exp.advantages.base import (
+    AdvantageScheme,
+    SchemeBatch,
+    SchemeConfig,
+    SchemeOutput,
+    check_common,
+    register_scheme,
+)
 
 
 @dataclass

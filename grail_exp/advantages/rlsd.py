@@ -13,7 +13,8 @@ first rollout batch, the same for every optimiser step taken on it — the offic
 Defaults are the official script's (``rlsd_train.sh``): λ₀ = 0.5 decayed to 0 over 60 rollout batches (λ = 0.4917 in
 the first, 0.0083 in the 59th, so RLSD is plain GRPO from the 60th on and the teacher forward is skipped), ε_w = 0.2,
 teacher = a frozen copy of the actor (``teacher: frozen``, one more model in memory; under ``peft=lora`` one more adapter) re-synced after every 20th
-rollout batch's updates: rollout batches 1-20 use the initial actor, 21-40 the actor after batch 20, ... ``teacher: live`` scores with the live parameters in every
+rollout batch's updates: rollout batches 1-20 use the initial actor, 21-40 the actor after batch 20, ... ``teacher:
+live`` scores with the live parameters in every
 micro-batch (SDPG's re-implementation; no extra memory). ``student_logp``: ``live`` = the live actor's log-prob of
 the same micro-batch, detached (official) | ``rollout`` = the log-prob under the parameters that generated the
 rollout, computed once per rollout batch (SDPG's re-implementation uses the old log-prob). With μ = 1 inner
@@ -31,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -54,14 +54,16 @@ class RlsdConfig(SchemeConfig):
     name: str = "rlsd"
     lam: float = 0.5  # λ₀: mixing weight of the evidence term (official rlsd_lambda 0.5)
     lambda_warmup_steps: int = 0  # K_warm: linear warmup of λ from 0, in rollout batches (official 0)
-    lambda_decay_steps: int = 60  # K_decay: linear decay of λ to 0 after the warmup, in rollout batches; 0 = constant (official 60; SDPG's RLSD baseline 50)
+    # K_decay: linear decay of λ to 0 after the warmup, in rollout batches; 0 = constant (official 60; SDPG's RLSD
+    # baseline 50)
+    lambda_decay_steps: int = 60
     clip: float = 0.2  # ε_w: e_t is clipped to [1 − ε_w, 1 + ε_w] (official rlsd_reweight_clip_range 0.2)
     negative_only: bool = False  # reweight only rows with A < 0 (official switch, default off)
     teacher: str = "frozen"  # frozen: a copy of the actor re-synced every teacher_sync_every steps (official; +1 model of memory) | live
     teacher_sync_every: int = 20  # frozen teacher: copy the actor's weights after every N-th rollout batch (official 20)
     student_logp: str = "live"  # live: the live actor's log-prob, detached (official) | rollout: the rollout params'
     template: str = "rlsd"  # teacher prompt: a name in teacher.py TEMPLATES or a literal with {answer}
-    instruction: Optional[str] = None  # appended via {instruction}; null = data.instruction (the student's)
+    instruction: str | None = None  # appended via {instruction}; null = data.instruction (the student's)
     chunk_tokens: int = 4096  # rows of (chunk, V) logits alive at once in the log-prob passes
 
 

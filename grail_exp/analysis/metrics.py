@@ -747,7 +747,7 @@ def to_dataframe(
     for name, row in labelled:
         n = int(row["n_samples"])
 
-        def add(metric: str, k: int, m: Any) -> None:
+        def add(metric: str, k: int, m: Any, name=name, row=row) -> None:
             if m is None:
                 return
             if not isinstance(m, MetricWithCI):

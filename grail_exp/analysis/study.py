@@ -185,7 +185,7 @@ def weights_sha256(model_dir: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _history(tracker) -> "Any":
+def _history(tracker) -> Any:
     """The run's training curves (one row per step): its MLflow metrics, or without an MLflow run (``logger=none``)
     the metrics the tracker kept in memory; None when there are neither."""
     import pandas as pd

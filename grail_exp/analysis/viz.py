@@ -42,8 +42,10 @@ def weights_html(rows: list[dict], title: str = "token weights") -> str:
     correct = [(i, r) for i, r in enumerate(rows) if _is_correct(r)]
     wrong = [(i, r) for i, r in enumerate(rows) if not _is_correct(r)]
     legend = " ".join(f'<span class="t key" style="background:{_color(w)}">{w:g}</span>' for w in (0.25, 0.5, 1, 2, 4))
-    col = lambda name, items: (f'<div class="col"><h2>{name} ({len(items)})</h2>'
-                               + "".join(_row_html(r, i) for i, r in items) + "</div>")
+
+    def col(name, items):
+        return f'<div class="col"><h2>{name} ({len(items)})</h2>' + "".join(_row_html(r, i) for i, r in items) + "</div>"
+
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }}

@@ -170,10 +170,10 @@ def _build(overrides: list[str], scheme: str):
 
     from grail_exp.conf_path import CONFIG_DIR
     from grail_exp.config import register_configs
+    from grail_exp.job import build_parts
+    from grail_exp.tracking import NullTracker
     from grail_exp.training.module import GRPOModule
     from grail_exp.validate import validate
-    from grail_exp.tracking import NullTracker
-    from grail_exp.job import build_parts
 
     register_configs()
     out_dir = tempfile.mkdtemp(prefix="bench_real_")

@@ -119,8 +119,8 @@ def scheme_names(bench: DictConfig) -> list[str]:
 # ------------------------------------------------------------------------------------------------ the batch
 def synthetic_batch(tokenizer, bench: DictConfig, cfg: DictConfig, device):
     """A rollout batch of fixed shape: random ordinary tokens, a boxed answer, alternating or constant rewards."""
-    from grail_exp.estimators import EstimatorInput, estimate
     from grail_exp.compute.forward import position_ids_from_mask
+    from grail_exp.estimators import EstimatorInput, estimate
     from grail_exp.training.batch import TrainingBatch
 
     g = torch.Generator().manual_seed(int(bench.seed))
@@ -215,8 +215,8 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
     """Per-step phase times of one scheme for each of ``bench.repeats`` timed rollout batches (after the warm-up)."""
     from grail_exp.advantages import build_scheme
     from grail_exp.compute.forward import share_prompts_of
-    from grail_exp.training.module import GRPOModule
     from grail_exp.tracking import NullTracker
+    from grail_exp.training.module import GRPOModule
 
     with torch.no_grad():
         for k, v in policy.state_dict().items():

@@ -34,7 +34,7 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tens
     if logits.dtype in (torch.float32, torch.float64):
         picked = torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1)
         return picked - torch.logsumexp(logits, dim=-1)
-    return torch.stack([torch.log_softmax(l, -1).gather(-1, i.unsqueeze(-1)).squeeze(-1) for l, i in zip(logits, ids)])
+    return torch.stack([torch.log_softmax(row, -1).gather(-1, i.unsqueeze(-1)).squeeze(-1) for row, i in zip(logits, ids)])
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

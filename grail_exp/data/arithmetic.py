@@ -117,7 +117,9 @@ class ArithmeticTask:
         return ArithmeticProblem(self.question_template.format(expr=expr), solution, str(value))
 
     # ------------------------------------------------------------------ splits
-    @lru_cache(maxsize=8)
+    # B019: keyed by the frozen task's value on purpose (validation and the job build equal tasks and share the split);
+    # at most 8 tasks are held.
+    @lru_cache(maxsize=8)  # noqa: B019
     def split(self, name: str) -> tuple[ArithmeticProblem, ...]:
         """The fixed ``validation`` or ``test`` set (deduplicated, disjoint from each other)."""
         if name not in ("validation", "test"):

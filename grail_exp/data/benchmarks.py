@@ -97,7 +97,7 @@ class BenchmarkDataError(UserError, ValueError):
     """A vendored benchmark file that is missing, has the wrong row count or a malformed row."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def read_jsonl(path: str) -> tuple[dict, ...]:
     """Parsed rows of a JSONL file (cached per path: treat the rows as read-only).
 

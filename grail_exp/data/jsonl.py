@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def iter_jsonl_objects(path: str | Path, error: type[Exception] = ValueError,

@@ -3,7 +3,8 @@
 An estimator returns sequence advantages A_i (N,) — or token advantages A_{i,t} (N, C) — that the token-weight
 scheme then reshapes: Â = sg(w)·A (broadcast over tokens for sequence advantages). Adding one = a function in this
 package registered with ``@register_estimator("name", ConfigDataclass)`` (its equation and paper in the docstring),
-a YAML file in ``conf/estimator/``, tests; importing the package imports every module in it (docs/add-a-method.md). Inputs come as an ``EstimatorInput``: rewards grouped by prompt
+a YAML file in ``conf/estimator/``, tests; importing the package imports every module in it (docs/add-a-method.md).
+Inputs come as an ``EstimatorInput``: rewards grouped by prompt
 (groups contiguous, G rollouts each), the completion mask and anything an estimator asks the trainer for
 (``needs``: e.g. greedy-baseline rewards, per-token Σπ²).
 
@@ -30,7 +31,6 @@ from grail_exp.estimators.base import (  # noqa: F401  (the package's public nam
     group_zero_std,
     register_estimator,
 )
-
 from grail_exp.registry import import_modules
 
 import_modules(__name__, __path__)  # every estimator module here registers itself

@@ -3,8 +3,9 @@ docstring for the contract. The estimators import this file, never the package, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

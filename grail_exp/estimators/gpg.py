@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grail_exp.estimators.base import EstimatorConfig, EstimatorInput, EstimatorOutput, group_zero_std, register_estimator
+from grail_exp.estimators.base import (
+    EstimatorConfig,
+    EstimatorInput,
+    EstimatorOutput,
+    group_zero_std,
+    register_estimator,
+)
 
 
 @dataclass

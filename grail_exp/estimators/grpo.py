@@ -10,8 +10,8 @@ mean includes truncated completions (spec §2.2).
 
 from __future__ import annotations
 
-from grail_exp.estimators.group import group_advantages
 from grail_exp.estimators.base import EstimatorConfig, EstimatorInput, EstimatorOutput, register_estimator
+from grail_exp.estimators.group import group_advantages
 
 
 @register_estimator("grpo", EstimatorConfig)

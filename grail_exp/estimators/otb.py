@@ -25,7 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.estimators.base import EstimatorConfig, EstimatorInput, EstimatorOutput, group_zero_std, register_estimator
+from grail_exp.estimators.base import (
+    EstimatorConfig,
+    EstimatorInput,
+    EstimatorOutput,
+    group_zero_std,
+    register_estimator,
+)
 
 
 @dataclass

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.estimators.base import EstimatorConfig, EstimatorInput, EstimatorOutput, group_zero_std, register_estimator
+from grail_exp.estimators.base import (
+    EstimatorConfig,
+    EstimatorInput,
+    EstimatorOutput,
+    group_zero_std,
+    register_estimator,
+)
 
 
 def token_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,13 @@ variance still get a signal when the greedy answer differs from the samples."""
 
 from __future__ import annotations
 
-from grail_exp.estimators.base import EstimatorConfig, EstimatorInput, EstimatorOutput, group_zero_std, register_estimator
+from grail_exp.estimators.base import (
+    EstimatorConfig,
+    EstimatorInput,
+    EstimatorOutput,
+    group_zero_std,
+    register_estimator,
+)
 
 
 @register_estimator("remax", EstimatorConfig, needs=("greedy_rewards",))

@@ -6,7 +6,13 @@ Unbiased (the baseline does not depend on the sample it corrects); no std scalin
 
 from __future__ import annotations
 
-from grail_exp.estimators.base import EstimatorConfig, EstimatorInput, EstimatorOutput, group_zero_std, register_estimator
+from grail_exp.estimators.base import (
+    EstimatorConfig,
+    EstimatorInput,
+    EstimatorOutput,
+    group_zero_std,
+    register_estimator,
+)
 
 
 @register_estimator("rloo", EstimatorConfig)

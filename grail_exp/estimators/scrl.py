@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from grail_exp.estimators.group import group_advantages
 from grail_exp.estimators.base import EstimatorInput, EstimatorOutput, PromptVariant, register_estimator
+from grail_exp.estimators.group import group_advantages
 
 SPAN_TOKENS = ("tagged", "content")
 VERIFY = ("math_verify", "exact")
@@ -44,7 +43,7 @@ DEFAULT_PROMPT = "Solve the subproblems in order; put the answer to subproblem j
 @dataclass
 class SCRLConfig:
     name: str = "scrl"
-    curriculum_rollouts: Optional[int] = None  # G_c per problem; null = G/2 (paper); the rest answer x itself
+    curriculum_rollouts: int | None = None  # G_c per problem; null = G/2 (paper); the rest answer x itself
     progress_correction: bool = True  # R⁽ʲ⁾ = r⁽ʲ⁾·[j ≤ k] (paper §3.2); false = raw span rewards (ablation)
     normalize_std: bool = True  # divide by the per-position std (paper §3.3); false = mean-centred only
     span_tokens: str = "tagged"  # tagged: <pj>answer</pj> tokens carry A⁽ʲ⁾ | content: only the answer's tokens (INFERRED)
@@ -146,8 +145,8 @@ def token_positions(tokenizer, ids: list[int], text: str, char_spans: list[tuple
     n = min(len(ids), C)
     out = []
     for s, e in char_spans:
-        first = _lower_bound(0, n, lambda i: off.ceil(i + 1) > s)
-        after = _lower_bound(first, n, lambda i: off.floor(i) >= e)
+        first = _lower_bound(0, n, lambda i, s=s: off.ceil(i + 1) > s)
+        after = _lower_bound(first, n, lambda i, e=e: off.floor(i) >= e)
         out.append([i for i in range(first, after) if off.floor(i) < off.ceil(i + 1)])
     return out
 

@@ -40,10 +40,11 @@ Standard library only, like ``grail_exp.grading.rewards`` (it sits on the gradin
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from grail_exp.grading.boxed import BOX_LEN, BOX_OPEN, matching_close, extract_last_boxed
 from grail_exp.errors import ConfigError
+from grail_exp.grading.boxed import BOX_LEN, BOX_OPEN, extract_last_boxed, matching_close
+
 
 def strip_think(text: str) -> str:
     """Text after the last ``</think>`` (thinking models, ``model.strip_think``), or ``text`` unchanged if absent:

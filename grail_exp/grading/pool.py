@@ -27,8 +27,9 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 _READY = "ready"
 
@@ -88,7 +89,7 @@ class _Worker:
 
 
 # All live pools, closed at interpreter exit so that no worker outlives the parent.
-_LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+_LIVE_POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 
 
 def _close_all_pools() -> None:
@@ -214,14 +215,14 @@ class WorkerPool:
                 continue
             try:
                 msg = w.conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError) as err:
                 if not w.jobs:  # died during start-up
                     w.process.join(self.STOP_GRACE_S)
                     code = w.process.exitcode
                     self._startup_failures += 1
                     if self._startup_failures > self.MAX_STARTUP_FAILURES:
                         # Systematic (e.g. an import error in the worker): give up loudly.
-                        raise RuntimeError(f"{self.name} workers keep dying during start-up (last exit code {code})")
+                        raise RuntimeError(f"{self.name} workers keep dying during start-up (last exit code {code})") from err
                 else:
                     self._fail_head_job(w, "error", todo, results)
                 self._replace_worker(k)

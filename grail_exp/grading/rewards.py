@@ -318,7 +318,7 @@ class MathVerifier:
         if self._pool is not None:
             self._pool.close()
 
-    def __enter__(self) -> "MathVerifier":
+    def __enter__(self) -> MathVerifier:
         return self
 
     def __exit__(self, *exc_info) -> None:

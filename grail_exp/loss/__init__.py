@@ -15,13 +15,13 @@ spec §2.2): ``ppo_clip`` with ε 0.2 / 0.28, ``dr_grpo``, β = 0.
 from __future__ import annotations
 
 from grail_exp.compute.logprobs import entropy_from_logits, linear_logprob, selective_log_softmax
+from grail_exp.loss import policies as _policies  # noqa: E402,F401  (registers the GRPO family's surrogates)
 from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext, register_aggregation
 from grail_exp.loss.correction import is_weights
 from grail_exp.loss.kl import KL_ESTIMATORS, register_kl
 from grail_exp.loss.objective import LossOutput, aggregator, compose_objective
 from grail_exp.loss.policy import POLICY_LOSSES, PolicyLossOutput, masked_mean, register_policy_loss
 from grail_exp.loss.terms import LOSS_TERMS, LossTerm, TermContext, build_terms, needs_reference, register_loss_term
-from grail_exp.loss import policies as _policies  # noqa: E402,F401  (registers the GRPO family's surrogates)
 from grail_exp.registry import import_modules
 
 __all__ = [

@@ -6,7 +6,8 @@ accumulation steps per optimiser step and R = data-parallel world size (DDP aver
     grpo                Σ_i [Σ_t ℓ m / Σ_t m] / B / K          per-sequence mean, then mean (DeepSeekMath; verl seq-mean-token-mean)
     bnpo                Σ_{i,t} ℓ m / Σ_{i,t} m / K            token mean of the micro-batch (TRL)
     dr_grpo             Σ_{i,t} ℓ m / (B · L_max) / K          constant normaliser (Dr. GRPO arXiv 2503.20783; verl seq-mean-token-sum-norm)
-    dapo                Σ_{i,t} ℓ m · R / N_tokens             token mean over the whole optimiser step, all ranks (DAPO arXiv 2503.14476; verl token-mean)
+    dapo                Σ_{i,t} ℓ m · R / N_tokens             token mean over the whole optimiser step, all ranks
+                                                               (DAPO arXiv 2503.14476; verl token-mean)
     token_sum           Σ_{i,t} ℓ m · R                        plain token sum over the whole optimiser step (verl token-sum)
     seq_mean_token_sum  Σ_i Σ_t ℓ m / B / K                    per-sequence token sum, mean over sequences (verl seq-mean-token-sum)
 
@@ -17,8 +18,8 @@ on the split by definition (TRL's behaviour). Token counts are float32 sums (exa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -11,7 +11,7 @@ With δ = logp_ref − logp (the sample comes from π_θ):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -27,8 +27,8 @@ The method spec's §2 is this composition with the GRAIL paper's defaults (ppo_c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -15,8 +15,8 @@ it is then called with the keyword arguments ``policy_mask`` and ``is_weight`` a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -42,7 +42,6 @@ every released script: which the paper's runs used is UNVERIFIED), the teacher's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -59,7 +58,7 @@ class SdpgOpdConfig:
     decay_steps: int = 0  # T_decay: linear decay of β to 0 at total_steps (scripts: 0 = off; the paper's value UNVERIFIED)
     # T: the run's length in rollout batches (official total_training_steps); needed by decay. conf/loss_term/sdpg_opd.yaml
     # derives it from trainer.max_steps.
-    total_steps: Optional[int] = None
+    total_steps: int | None = None
     positive_only: bool = False  # the A > 0 gate L_OPD⁺ (project page; beta_distill_positive_advantage_only, scripts: off)
     clamp: float = 20.0  # per-token KL clamp (SDPG code: 20)
     template: str = "sdpg"  # teacher prompt: a name in teacher.py TEMPLATES or a literal with {answer}
@@ -207,7 +206,7 @@ class SdpgRefKlTerm(LossTerm):
                              "model for terms with needs_reference)")
         per_token = ref_kl_surrogate(ctx.logp, ctx.ref_logp.to(ctx.logp.dtype), self.cfg.mode)
         m = ctx.mask.float()
-        lw_mean = float((((ctx.logp - ctx.ref_logp).detach() * m).sum() / m.sum().clamp(min=1)))
+        lw_mean = float(((ctx.logp - ctx.ref_logp).detach() * m).sum() / m.sum().clamp(min=1))
         if self.cfg.alpha == 0.0:
             return ctx.logp.new_zeros(()), {"log_ratio_mean": lw_mean}
         return self.cfg.alpha * ctx.aggregate(per_token, ctx.mask), {"log_ratio_mean": lw_mean}

@@ -13,8 +13,9 @@ step counters (optimiser steps, rollout batches). A term returns its contributio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 

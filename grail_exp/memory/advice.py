@@ -6,11 +6,18 @@ the overrides that would fit (``suggest``: each family of strategy and size chan
 from __future__ import annotations
 
 import math
-from typing import Optional
 
-from grail_exp.memory.shapes import (_world, GiB, PLAN_ERROR, PlanError, _dtype_bytes, _prompt_tokens, model_shape,
-                                     vllm_profile_bytes)
 from grail_exp.memory.plan import HOST_MARGIN, MemoryPlan, backend_of, device_capacity, plan
+from grail_exp.memory.shapes import (
+    PLAN_ERROR,
+    GiB,
+    PlanError,
+    _dtype_bytes,
+    _prompt_tokens,
+    _world,
+    model_shape,
+    vllm_profile_bytes,
+)
 
 
 # ---------------------------------------------------------------------------------------------- what would fit
@@ -107,10 +114,10 @@ def suggest(cfg, p: MemoryPlan, max_options: int = 3, margin: bool = False) -> l
     return options
 
 
-def _combined(cfg, base: list[str], fams: list, margin: bool) -> Optional[list[str]]:
+def _combined(cfg, base: list[str], fams: list, margin: bool) -> list[str] | None:
     """Each family at its strongest until the plan fits, then each relaxed back to its mildest strength (or none)
     that still fits, the costlier families (micro-batch) before the chunk size; None when even all together do not."""
-    chosen: list[Optional[list[str]]] = []
+    chosen: list[list[str] | None] = []
     flat = lambda picks: base + [o for pick in picks if pick for o in pick]  # noqa: E731
     for fam in fams:
         chosen.append(fam[-1])
@@ -159,7 +166,7 @@ def render(p: MemoryPlan) -> str:
     return "\n".join(out)
 
 
-def tight_warning(cfg, p: MemoryPlan) -> Optional[str]:
+def tight_warning(cfg, p: MemoryPlan) -> str | None:
     """For a plan that fits by less than the planner's own error: one line saying so, with the mildest changes that
     leave that margin (None for other plans)."""
     if not p.tight:
@@ -193,7 +200,7 @@ def refusal(cfg, p: MemoryPlan) -> str:
     return "memory plan: " + "; ".join(parts) + tail + ". Details: python -m grail_exp.plan <the same overrides>"
 
 
-def check(cfg) -> Optional[str]:
+def check(cfg) -> str | None:
     """For validate(): the refusal message when the plan does not fit a known device, else None. Plans that cannot
     be made (an architecture the planner does not know) and devices it cannot see are not refused."""
     try:

@@ -44,13 +44,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
-from grail_exp.memory.shapes import (GiB, _world, HEADROOM_FIXED, HEADROOM_FRACTION, PLAN_ERROR, PlanError, SCORE_BYTES,
-                                     Shape, _dtype_bytes, _positions_how, _prompt_tokens, computed_positions,
-                                     few_shot_tokens, hf_engine_kv_bytes, layer_activation_bytes, logits_bytes,
-                                     lora_layer_activation_bytes, lora_parameters,
-                                     model_shape, vllm_kv_cache_bytes, vllm_profile_bytes)
+from grail_exp.memory.shapes import (
+    HEADROOM_FIXED,
+    HEADROOM_FRACTION,
+    PLAN_ERROR,
+    SCORE_BYTES,
+    GiB,
+    PlanError,
+    Shape,
+    _dtype_bytes,
+    _positions_how,
+    _prompt_tokens,
+    _world,
+    computed_positions,
+    few_shot_tokens,
+    hf_engine_kv_bytes,
+    layer_activation_bytes,
+    logits_bytes,
+    lora_layer_activation_bytes,
+    lora_parameters,
+    model_shape,
+    vllm_kv_cache_bytes,
+    vllm_profile_bytes,
+)
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -67,7 +84,7 @@ class MemoryPlan:
     lines: list[Line]
     phases: dict[str, float]  # phase -> bytes per device (its lines + the state + vLLM's reserve)
     peak_phase: str
-    capacity: Optional[float]  # bytes usable per device; None = unknown (CPU, or no device and no device_memory_gb)
+    capacity: float | None  # bytes usable per device; None = unknown (CPU, or no device and no device_memory_gb)
     capacity_source: str
     headroom: float
     problems: list[str] = field(default_factory=list)  # impossible independently of the sum (vLLM too small, ...)
@@ -77,7 +94,7 @@ class MemoryPlan:
     host: list[Line] = field(default_factory=list)  # a GPU layout's host memory per node (host_node_lines)
 
     @property
-    def host_peak(self) -> Optional[float]:
+    def host_peak(self) -> float | None:
         """Host bytes the busiest node needs (its steady part + its largest phase), or None for a CPU run (planned in
         the device table)."""
         if not self.host:
@@ -90,7 +107,7 @@ class MemoryPlan:
         return self.phases[self.peak_phase]
 
     @property
-    def fits(self) -> Optional[bool]:
+    def fits(self) -> bool | None:
         if self.capacity is None:
             return None
         return not self.problems and self.peak <= self.capacity - self.headroom
@@ -101,7 +118,7 @@ class MemoryPlan:
         return bool(self.fits) and self.peak * (1 + PLAN_ERROR) > self.capacity - self.headroom
 
 
-def device_capacity(cfg) -> tuple[Optional[float], Optional[float], str]:
+def device_capacity(cfg) -> tuple[float | None, float | None, str]:
     """(usable bytes, total bytes, where from) of one device; (None, None, why) when there is none to plan for."""
     t = cfg.trainer
     gb = t.get("device_memory_gb")
@@ -161,11 +178,11 @@ class Sizes:
     P: int  # padded prompt tokens of a training row
     C: int  # completion tokens
     positions: int  # decoder positions one micro-batch computes
-    capacity: Optional[float]  # usable bytes of one device (None: no device to judge)
-    total: Optional[float]  # the device's bytes
+    capacity: float | None  # usable bytes of one device (None: no device to judge)
+    total: float | None  # the device's bytes
     capacity_source: str
     cpu: bool
-    lora_rank: Optional[int] = None  # peft=lora: the adapters' rank (None: full fine-tuning)
+    lora_rank: int | None = None  # peft=lora: the adapters' rank (None: full fine-tuning)
 
     adapters_fp32: bool = False  # peft.adapter_dtype=float32 (else the adapters are held in model.dtype)
 
@@ -188,7 +205,7 @@ class Sizes:
         return self.shape.params
 
 
-def sizes(cfg, prompt_tokens: Optional[int] = None) -> Sizes:
+def sizes(cfg, prompt_tokens: int | None = None) -> Sizes:
     t, m = cfg.trainer, cfg.model
     s, W = model_shape(m), _world(t)
     local_rows = max(1, t.prompts_per_step * cfg.rollout.num_generations // W)
@@ -202,7 +219,7 @@ def sizes(cfg, prompt_tokens: Optional[int] = None) -> Sizes:
                  src, str(t.accelerator) == "cpu", rank, str(peft.get("adapter_dtype") or "") == "float32")
 
 
-def plan(cfg, prompt_tokens: Optional[int] = None) -> MemoryPlan:
+def plan(cfg, prompt_tokens: int | None = None) -> MemoryPlan:
     """The per-device memory plan of the composed run config ``cfg`` (resolved lazily; nothing is loaded).
     ``prompt_tokens``: the padded prompt length of training rows (default: ``PROMPT_TOKENS`` of ``data.name``).
     The lines come phase by phase in the table's order; ``assemble`` sums them into the phases' totals."""
@@ -223,7 +240,8 @@ def model_state_lines(cfg, z: Sizes) -> list[Line]:
     """The model state held through every phase, as the strategy's backend lays it out, with what its update adds to it
     (gradients, gathered parameters, the gradient sync), and the frozen reference model when one is loaded. Under
     peft=lora the backend lays out the adapters (n_a elements in model.dtype, or fp32 with peft.adapter_dtype=float32:
-    masters where the strategy keeps them, Adam and gradients over them only) and the frozen base is held beside them in model.dtype (sharded where the strategy shards parameters); the reference is
+    masters where the strategy keeps them, Adam and gradients over them only) and the frozen base is held beside them
+    in model.dtype (sharded where the strategy shards parameters); the reference is
     the base with the adapters off: no copy."""
     B, n, b, W = z.backend, z.n, z.b, z.world
     # the adapters through the strategy's own layout, like full fine-tuning's weights, at their own element size
@@ -487,7 +505,7 @@ GRADER_WORKER = 0.15 * GiB
 HOST_HEADROOM_FIXED = 0.5 * GiB  # heap fragmentation between phases (grail_exp/compute/host.py returns what it can)
 
 
-def host_capacity() -> tuple[Optional[float], Optional[float], str]:
+def host_capacity() -> tuple[float | None, float | None, str]:
     """(available, total, where from) of this machine's memory for a CPU run (``host.memory_bytes``)."""
     from grail_exp.compute.host import memory_bytes
 
@@ -577,7 +595,7 @@ def host_node_lines(cfg, z: Sizes) -> list[Line]:
     return lines
 
 
-def planned_mem_gb(cfg) -> Optional[int]:
+def planned_mem_gb(cfg) -> int | None:
     """SLURM's ``--mem`` (GB, as SLURM counts them: GiB) for the run ``cfg``: the plan's host memory per node plus
     ``HOST_MARGIN``, rounded up. A GPU layout's is ``MemoryPlan.host_peak``; a CPU run's, its per-process peak (planned in
     host memory) times the ranks on a node. None when no plan can be made (an architecture the planner does not know)."""
@@ -628,7 +646,8 @@ def stop_lead(cfg) -> tuple[int, str]:
     """(seconds, how): how long before a SLURM job's time limit its stop signal must come for the job to finish its
     step and write its checkpoint (grail_exp/timeouts.py ``stop_lead``); an architecture the planner does not know gets
     the floor."""
-    from grail_exp.timeouts import STOP_LEAD_FLOOR_S, stop_lead as rule
+    from grail_exp.timeouts import STOP_LEAD_FLOOR_S
+    from grail_exp.timeouts import stop_lead as rule
 
     try:
         step, how = planned_step_seconds(cfg)

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from grail_exp.errors import UserError
 
@@ -55,7 +55,7 @@ def load_architecture(name_or_path: str, key: str = "model.architecture") -> dic
         raise ArchitectureError(f"{key}={name_or_path!r}: {p}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
 
 
-def _by_hub_id(hub_id: str) -> Optional[str]:
+def _by_hub_id(hub_id: str) -> str | None:
     for name in available():
         if json.loads((ARCH_DIR / f"{name}.json").read_text()).get("_hub_id") == hub_id:
             return name
@@ -80,7 +80,7 @@ def architecture_of(model_cfg) -> tuple[str, dict]:
         f"or to a config.json path (model.name_or_path={name!r} is not the hub id of a shipped one)")
 
 
-def hf_config(arch: dict, overrides: Optional[dict] = None, key: str = "model.random_init_overrides") -> dict:
+def hf_config(arch: dict, overrides: dict | None = None, key: str = "model.random_init_overrides") -> dict:
     """The ``config.json`` dict to build: our ``_`` notes removed, ``overrides`` applied.
 
     An override must name a key of the architecture or an attribute of its transformers config class,
@@ -130,12 +130,12 @@ def materialize_random_init(model_cfg, cache_dir: str | os.PathLike) -> Path:
     return d
 
 
-def read_marker(path: str | os.PathLike) -> Optional[dict]:
+def read_marker(path: str | os.PathLike) -> dict | None:
     f = Path(path) / MARKER
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def build_random_model(path: str | os.PathLike, dtype, attn_implementation: Optional[str] = None):
+def build_random_model(path: str | os.PathLike, dtype, attn_implementation: str | None = None):
     """The architecture in ``path`` with seeded random weights (transformers' own init, ``initializer_range``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -18,11 +18,16 @@ from pathlib import Path
 
 import torch
 
-from grail_exp.compute.attention import (DEFAULT_MAX_SCORES, SDPA_GQA, PrefixSuffixKV, explicit_attention,
-                                     prefix_suffix_attention)
-from grail_exp.errors import UserError
+from grail_exp.compute.attention import (
+    DEFAULT_MAX_SCORES,
+    SDPA_GQA,
+    PrefixSuffixKV,
+    explicit_attention,
+    prefix_suffix_attention,
+)
 from grail_exp.compute.forward import decoder_body
 from grail_exp.compute.leading_rows import narrow_backward
+from grail_exp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +103,8 @@ def _resolve_base(cfg) -> str:
                                      use_shipped=m.get("shipped_weights", True))
         return str(path)
     name = str(m.name_or_path)
-    from grail_exp.models.packaged import PackagedModelError, is_packaged_model, resolve as resolve_packaged_model
+    from grail_exp.models.packaged import PackagedModelError, is_packaged_model
+    from grail_exp.models.packaged import resolve as resolve_packaged_model
 
     if is_packaged_model(name):  # pkg:<name>: a model file shipped by a package, converted once into the cache
         try:

@@ -156,7 +156,7 @@ def apply(model: torch.nn.Module, cfg, adapter_dir: str | Path | None = None) ->
     stream (``seed``), so it leaves the run's random streams where they were."""
     from peft import get_peft_model
 
-    from grail_exp.compute.leading_rows import narrow_linear_layers, narrows, NARROWS
+    from grail_exp.compute.leading_rows import NARROWS, narrow_linear_layers, narrows
 
     missing = [t for t in cfg.peft.target_modules
                if not any(name.rsplit(".", 1)[-1] == t for name, _ in model.named_modules())]

@@ -40,7 +40,6 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 from grail_exp.models.tokenizers import installed_package_dir, registry_entry
 
@@ -74,7 +73,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 }
 
 
-def is_packaged_model(spec: Optional[str]) -> bool:
+def is_packaged_model(spec: str | None) -> bool:
     return isinstance(spec, str) and spec.startswith(PREFIX)
 
 
@@ -96,7 +95,7 @@ def source_file(spec: str, key: str = "model.name_or_path") -> Path:
     return f
 
 
-def check_spec(spec: Optional[str], key: str = "model.name_or_path") -> list[str]:
+def check_spec(spec: str | None, key: str = "model.name_or_path") -> list[str]:
     """Problems with a ``pkg:`` model spec (unknown name, package or converter missing) for ``validate``; []
     otherwise, and for anything that is not a ``pkg:`` spec."""
     if not is_packaged_model(spec):

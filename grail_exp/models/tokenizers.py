@@ -43,9 +43,9 @@ import importlib.util
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 from grail_exp.errors import UserError
 
@@ -86,7 +86,7 @@ class Packaged:
     package: str  # importable top-level package that holds the files
     subdir: str  # folder of the tokenizer files inside it
     pip: str  # the install command's argument(s)
-    derive: Optional[Callable[[dict, dict], tuple[dict, dict]]] = None  # (tokenizer.json, config) -> modified
+    derive: Callable[[dict, dict], tuple[dict, dict]] | None = None  # (tokenizer.json, config) -> modified
 
 
 def _drop_vision_token(tok: dict, conf: dict) -> tuple[dict, dict]:
@@ -133,7 +133,7 @@ PACKAGED: dict[str, Packaged] = {
 }
 
 
-def is_packaged(spec: Optional[str]) -> bool:
+def is_packaged(spec: str | None) -> bool:
     return isinstance(spec, str) and spec.startswith(PREFIX)
 
 
@@ -146,7 +146,7 @@ def registry_entry(registry: dict, spec: str, key: str, what: str, error: type[E
     return registry[name]
 
 
-def installed_package_dir(package: str) -> Optional[Path]:
+def installed_package_dir(package: str) -> Path | None:
     """The folder of an installed package, found without importing it (its code is never run); None if absent."""
     found = importlib.util.find_spec(package)
     if found is None or not found.submodule_search_locations:
@@ -173,7 +173,7 @@ def source_dir(spec: str, key: str = "model.tokenizer_name_or_path") -> Path:
     return d
 
 
-def check_spec(spec: Optional[str], key: str = "model.tokenizer_name_or_path") -> list[str]:
+def check_spec(spec: str | None, key: str = "model.tokenizer_name_or_path") -> list[str]:
     """Problems with a ``pkg:`` spec (unknown name, package missing) for ``validate``; [] otherwise."""
     if not is_packaged(spec):
         return []

@@ -14,8 +14,8 @@ weights are on the device: the CUDA, NCCL and engine libraries' part).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 GiB = 2**30
 
@@ -23,7 +23,7 @@ GiB = 2**30
 @dataclass
 class Result:
     check: str
-    ok: Optional[bool]  # None: not judged (no evidence for it in this layout), said in ``measured``
+    ok: bool | None  # None: not judged (no evidence for it in this layout), said in ``measured``
     measured: str
     expected: str
     key: str = ""  # the config key that fixes a failure ("" when no key does: the line says what does)
@@ -35,7 +35,7 @@ class RunOutcome:
     """One rehearsal run: its probe records, the launching process's exit code, and timing."""
 
     records: dict[int, list[dict]]  # rank -> probe records in order
-    returncode: Optional[int]  # None: killed by the preflight after its bound
+    returncode: int | None  # None: killed by the preflight after its bound
     elapsed_s: float
     checkpoints: dict[int, dict] = field(default_factory=dict)  # step -> {"bytes", "complete_at"} of new complete ones
     log_tail: str = ""
@@ -54,15 +54,15 @@ class Evidence:
     params_full: int
     steps_train: int  # optimiser steps of the training run
     train: RunOutcome
-    resume: Optional[RunOutcome]  # resumed from the training run's checkpoint, stopped by the signal
+    resume: RunOutcome | None  # resumed from the training run's checkpoint, stopped by the signal
     stop: dict  # {"rank", "step", "pid", "sent_at", "bound_s"}: the signal the preflight delivered (empty: none)
     logprob_tolerance: float
-    planned_device_bytes: Optional[float] = None
+    planned_device_bytes: float | None = None
     planned_peak_phase: str = ""
-    device_usable_bytes: Optional[float] = None  # capacity less headroom, where known
-    planned_host_node_bytes: Optional[float] = None
+    device_usable_bytes: float | None = None  # capacity less headroom, where known
+    planned_host_node_bytes: float | None = None
     planned_host_how: str = "no host row in the plan"
-    launcher_mem_gb: Optional[float] = None
+    launcher_mem_gb: float | None = None
     dist_timeout_s: float = 1800.0
     dist_timeout_key: str = "trainer.dist_timeout_s"
     dist_timeout_how: str = ""  # where the timeout comes from (the key's value, or the run's rule when it is null)
@@ -70,8 +70,8 @@ class Evidence:
     cuda: bool = False  # the run's devices are CUDA devices (device memory = the CUDA allocator's peak)
     # The process group and devices the run itself will use (None: not known, not judged): "nccl", "gloo", a device
     # map, or "none" (one process without a group); "cuda" or "cpu".
-    run_backend: Optional[str] = None
-    run_device: Optional[str] = None
+    run_backend: str | None = None
+    run_device: str | None = None
 
     @property
     def scale(self) -> float:
@@ -99,7 +99,7 @@ def check(name: str):
     return wrap
 
 
-def run_checks(ev: Evidence, names: Optional[list[str]] = None) -> list[Result]:
+def run_checks(ev: Evidence, names: list[str] | None = None) -> list[Result]:
     """Every registered check (or those named), in order; a check that raises is a failure naming its error."""
     out = []
     for name in names or list(CHECKS):
@@ -114,7 +114,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"
 
 
-def _gib(x: Optional[float]) -> str:
+def _gib(x: float | None) -> str:
     if x is None:
         return "n/a"
     return f"{x / GiB:.2f} GiB" if x >= 0.1 * GiB else f"{x / 2**20:.1f} MiB"

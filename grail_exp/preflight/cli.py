@@ -8,7 +8,6 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -30,12 +29,11 @@ def options(overrides: list[str]):
     return opts
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    from grail_exp.distributed import export_local_rank
     from grail_exp.preflight.checks import run_checks
     from grail_exp.preflight.rehearsal import Rehearsal
     from grail_exp.preflight.report import exit_code, render
-
-    from grail_exp.distributed import export_local_rank
 
     export_local_rank()  # before the rehearsal's validate() plans against a device (grail_exp/memory/nvml.py)
     run_args, mine = split_argv(list(sys.argv[1:] if argv is None else argv))

@@ -23,13 +23,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from omegaconf import OmegaConf
 
 from grail_exp.errors import ConfigError
-from grail_exp.preflight.probe import SIGNAL_FILE, STOP_RANK, STOP_STEP
 from grail_exp.preflight.checks import Evidence, RunOutcome
+from grail_exp.preflight.probe import SIGNAL_FILE, STOP_RANK, STOP_STEP
 
 PROBE = "grail_exp.preflight.probe:PreflightProbe"
 POLL_S = 0.2
@@ -46,7 +45,8 @@ def override_key(o: str) -> str:
 def compose(overrides: list[str], hydra: bool = False):
     """The run's config as ``python -m grail_exp.run <overrides>`` composes it (``hydra``: with the hydra node, for
     the launcher's settings)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     from grail_exp.conf_path import CONFIG_DIR
     from grail_exp.config import register_configs
@@ -57,11 +57,10 @@ def compose(overrides: list[str], hydra: bool = False):
                              return_hydra_config=hydra)
 
 
-def shrink_overrides(cfg, layers: Optional[int]) -> list[str]:
+def shrink_overrides(cfg, layers: int | None) -> list[str]:
     """Overrides that keep the model's architecture at ``layers`` decoder layers with random weights (none when
     ``layers`` is null or not below the model's depth)."""
     from grail_exp.memory import model_shape
-
     from grail_exp.models.architectures import ArchitectureError, architecture_of
 
     m = cfg.model
@@ -205,7 +204,7 @@ class Rehearsal:
                                  ckpt_root, stop)
         return self.evidence(train, resume, stop)
 
-    def launch(self, name: str, extra: list[str], ckpt_root: Path, stop: Optional[dict] = None) -> RunOutcome:
+    def launch(self, name: str, extra: list[str], ckpt_root: Path, stop: dict | None = None) -> RunOutcome:
         """One run as a child process group; with ``stop``, SIGTERM to that rank's pid once it reports that step."""
         from grail_exp.preemption import DIE_WITH_PID
 
@@ -267,7 +266,7 @@ class Rehearsal:
         proc.wait()
 
     # ------------------------------------------------------------------------------------------ evidence
-    def evidence(self, train: RunOutcome, resume: Optional[RunOutcome], stop: dict) -> Evidence:
+    def evidence(self, train: RunOutcome, resume: RunOutcome | None, stop: dict) -> Evidence:
         from grail_exp.memory import model_shape
 
         cuda = any("peak_cuda_bytes" in r for recs in train.records.values() for r in recs)
@@ -323,7 +322,7 @@ class Rehearsal:
             return seconds, ""
         return seconds, "null: the planned checkpoint's rule, grail_exp/timeouts.py"
 
-    def launcher_mem_gb(self) -> Optional[float]:
+    def launcher_mem_gb(self) -> float | None:
         try:
             h = compose(self.user, hydra=True).hydra.launcher
             return float(h.mem_gb) if h.get("mem_gb") else None

@@ -7,17 +7,29 @@ import logging
 import re
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from grail_exp.analysis.portable import portable_text
 from grail_exp.config import ConfigError
-from grail_exp.reporting.decisions import (apply_family, apply_primary_and_holm, pooled_section, primary_column,
-                                           primary_comparisons, spread_section)
+from grail_exp.reporting.decisions import (
+    apply_family,
+    apply_primary_and_holm,
+    pooled_section,
+    primary_column,
+    primary_comparisons,
+    spread_section,
+)
 from grail_exp.reporting.figures import report_plots
-from grail_exp.reporting.render import (endpoint_text, family_markdown, pooled_markdown, render_latex,
-                                        render_markdown, spread_markdown, to_json)
+from grail_exp.reporting.render import (
+    endpoint_text,
+    family_markdown,
+    pooled_markdown,
+    render_latex,
+    render_markdown,
+    spread_markdown,
+    to_json,
+)
 from grail_exp.reporting.runs import Notes, check_design, pairing_notes, search_runs, select_runs, select_study_arms
 from grail_exp.reporting.schema import validate_report
 from grail_exp.reporting.tables import build_tables, generation_table
@@ -110,7 +122,7 @@ def build_report(cfg: DictConfig) -> dict:
             "mlflow_run_id": run_id}
 
 
-def _log_report(cfg, client, paths, plot_paths, tables, build_tracker) -> Optional[str]:
+def _log_report(cfg, client, paths, plot_paths, tables, build_tracker) -> str | None:
     """Artifacts under ``report/`` of the parent run (log_to parent, or auto with a parent) or of a new run."""
     mode = cfg.log_to
     if mode == "auto":

@@ -5,7 +5,6 @@ comparison under a second endpoint or in other folders."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -48,7 +47,7 @@ def apply_primary_and_holm(tables: list[MetricTable], cfg: DictConfig) -> None:
             d.seed_t_p_holm, d.seed_flip_p_holm = tp, fp
 
 
-def _decide(d: stats.PairedResult, row: Row, cfg: DictConfig, holm_p: Optional[float] = None) -> dict:
+def _decide(d: stats.PairedResult, row: Row, cfg: DictConfig, holm_p: float | None = None) -> dict:
     rule = cfg.decision
     if d.n_seeds > rule.seeds:
         raise ConfigError(f"decision.seeds = {rule.seeds}: {row.model} × {row.scheme} has {d.n_seeds} paired seeds "
@@ -88,7 +87,7 @@ def _variant(cfg: DictConfig, **keys) -> DictConfig:
     return sub
 
 
-def folder_comparisons(cfg: DictConfig, arms: Optional[dict] = None) -> tuple[dict, dict]:
+def folder_comparisons(cfg: DictConfig, arms: dict | None = None) -> tuple[dict, dict]:
     """(comparisons, arms) of the study folder ``cfg.runs.dir`` (or of ``arms``) under ``cfg``: strict design check,
     tables, primary comparisons (with ``cfg``'s rule, when it declares one)."""
     notes = Notes()
@@ -212,7 +211,7 @@ def pooled_section(arms: dict, main: dict, cfg: DictConfig) -> list[dict]:
 def _folder_params(arms: dict, cfg: DictConfig) -> dict:
     """The baseline arms' values of the keys compared between pooled folders (the first arm that has each)."""
     out: dict = {}
-    for (model, scheme), seeds in arms.items():
+    for (_model, scheme), seeds in arms.items():
         if scheme != cfg.baseline:
             continue
         for rec in seeds.values():

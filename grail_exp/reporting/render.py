@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -16,7 +15,7 @@ from grail_exp.reporting.schema import has_primary
 from grail_exp.reporting.tables import AVG, DASH, ONE_SEED, Cell, MetricTable, Row, expected_seeds, pct
 
 
-def endpoint_text(steps, name: Optional[str]) -> str:
+def endpoint_text(steps, name: str | None) -> str:
     what = "the final evaluation" if steps is None else \
         "the mean of the evaluations at steps " + ", ".join(str(int(x)) for x in steps)
     return f"endpoint {name} ({what})" if name else what
@@ -66,7 +65,7 @@ def _seed_tests_text(d: stats.PairedResult) -> tuple[str, str, str]:
 
 
 def render_markdown(tables: list[MetricTable], notes: Notes, cfg: DictConfig, header: str,
-                    generation: Optional[list[dict]] = None, sections: Optional[list[str]] = None) -> str:
+                    generation: list[dict] | None = None, sections: list[str] | None = None) -> str:
     alpha = cfg.stats.alpha
     mark = lambda n: f"<sup>{n}</sup>"  # noqa: E731
     out = [header, ""]
@@ -138,7 +137,7 @@ def _decision_markdown(table: MetricTable, cfg: DictConfig, conf: int) -> list[s
 def family_markdown(family: list[dict], cfg: DictConfig) -> list[str]:
     if not family:
         return []
-    out = [f"### Multiplicity: the declared family of primary comparisons (decision.multiplicity = holm)", "",
+    out = ["### Multiplicity: the declared family of primary comparisons (decision.multiplicity = holm)", "",
            f"The {len(family)} primary comparisons below are adjusted as one family by Holm's method over their "
            f"seed-level t p-values at familywise α {cfg.stats.alpha}; a comparison the rule cannot apply to yet (fewer "
            f"paired seeds than the {cfg.decision.seeds} declared) counts as p = 1, the most conservative value it "
@@ -220,7 +219,7 @@ def pooled_markdown(pooled: list[dict], cfg: DictConfig, label: str) -> list[str
     if not pooled:
         return []
     conf, level = int(round(100 * (1 - cfg.stats.alpha))), int(round(100 * cfg.power.level))
-    out = [f"### Pooled over study folders (descriptive, no verdict)", "",
+    out = ["### Pooled over study folders (descriptive, no verdict)", "",
            f"Per paired seed, Δ = {label} of the scheme − {cfg.baseline} in points, "
            f"{endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)}, from this folder and pooled.dirs, each read "
            f"with this report's settings. t interval: {conf} %, df = n − 1; sd with its {conf} % chi-square interval; "
@@ -262,7 +261,7 @@ def _smallest_seed_counts(tables: list[MetricTable]) -> list[tuple[int, int]]:
                    for r in t.rows for c in t.columns if r.cells[c].delta is not None})
 
 
-def _legend(cfg: DictConfig, tables: Optional[list[MetricTable]] = None) -> str:
+def _legend(cfg: DictConfig, tables: list[MetricTable] | None = None) -> str:
     s = cfg.stats
     counts = _smallest_seed_counts(tables or [])
     reach = "; ".join(f"{n} seeds: {_p(stats.seed_sign_flip_min_p(m))}" if m == n else
@@ -272,7 +271,7 @@ def _legend(cfg: DictConfig, tables: Optional[list[MetricTable]] = None) -> str:
     primary = (f"the declared primary comparison is {cfg.primary_metric} on the {AVG} column (or the only "
                f"benchmark), used as it is; every other comparison of a row is Holm-adjusted over the row's "
                f"comparisons across metrics and benchmarks (t and sign-flip separately)"
-               if has_primary(cfg) else f"every comparison of a row is Holm-adjusted over the row's "
+               if has_primary(cfg) else "every comparison of a row is Holm-adjusted over the row's "
                "comparisons across metrics and benchmarks (t and sign-flip separately); no primary comparison "
                + ("declared" if cfg.primary_metric is None
                   else f"(primary_metric = {cfg.primary_metric} is not one of the metrics)"))
@@ -310,7 +309,7 @@ def latex_escape(text: str) -> str:
     return "".join(_LATEX_ESCAPES.get(ch, ch) for ch in str(text))
 
 
-def _tex_pct(x: Optional[float], signed: bool = False) -> str:
+def _tex_pct(x: float | None, signed: bool = False) -> str:
     """Like pct, with a typographic minus and --- for missing."""
     return pct(x, signed).replace("-", "$-$").replace(DASH, "---")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig
@@ -40,10 +40,10 @@ class RunRecord:
     start_time: int
     params: dict
     samples: Any = None  # pandas DataFrame of per-sample results once loaded
-    artifact: Optional[str] = None
+    artifact: str | None = None
     history: Any = None  # a study folder's training curves (DataFrame indexed by step); MLflow runs: fetched
-    weights_dir: Optional[Path] = None  # a study folder's weight tables; MLflow runs: downloaded
-    folder: Optional[Path] = None  # the study folder's arm this record was read from (nothing of it is in MLflow)
+    weights_dir: Path | None = None  # a study folder's weight tables; MLflow runs: downloaded
+    folder: Path | None = None  # the study folder's arm this record was read from (nothing of it is in MLflow)
     frames: dict = field(default_factory=dict)  # a study arm's evaluations read so far, by step (endpoint.steps)
 
 
@@ -69,7 +69,7 @@ class Notes:
         return letter(self.texts.index(text))
 
 
-def _field(run, keys: list[str]) -> Optional[str]:
+def _field(run, keys: list[str]) -> str | None:
     for k in keys:
         if k in run.data.tags:
             return run.data.tags[k]
@@ -159,7 +159,7 @@ def select_runs(client, raw_runs: list, cfg: DictConfig, notes: Notes, tmp: Path
     return arms, row_notes, ignored
 
 
-def _find_artifact(client, run_id: str, candidates: list[str]) -> Optional[str]:
+def _find_artifact(client, run_id: str, candidates: list[str]) -> str | None:
     for path in candidates:
         parent = path.rsplit("/", 1)[0] if "/" in path else None
         try:
@@ -222,8 +222,10 @@ def check_design(arms: dict, cfg: DictConfig) -> None:
         return
     within = lambda k: any(fnmatch(k, p) for p in dc.same_within_seed)  # noqa: E731
     in_scheme = lambda k: any(fnmatch(k, p) for p in dc.same_within_scheme) and not within(k)  # noqa: E731
-    everywhere = lambda k: (any(fnmatch(k, p) for p in dc.same_everywhere)  # noqa: E731
-                            and not within(k) and not in_scheme(k))
+
+    def everywhere(k):
+        return any(fnmatch(k, p) for p in dc.same_everywhere) and not within(k) and not in_scheme(k)
+
     label = lambda r: f"{r.model} × {r.scheme}, seed {r.seed} ({r.run_id})"  # noqa: E731
     problems = []
     expected = {str(s) for s in cfg.seeds} if cfg.seeds else None
@@ -391,7 +393,7 @@ def pairing_notes(arms: dict, cfg: DictConfig, notes: Notes) -> dict[tuple, list
     return out
 
 
-def first_step_rewards(rec: RunRecord, partner: RunRecord) -> Optional[tuple[float, float]]:
+def first_step_rewards(rec: RunRecord, partner: RunRecord) -> tuple[float, float] | None:
     """The step-1 mean training reward of two arms of a seed, when both recorded their curves. Step 1's rollouts come
     from the shared starting weights and the seed's stream, before any scheme acted: equal in every arm of a seed."""
     from grail_exp.analysis.study import step1_reward

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -20,14 +20,14 @@ _METRIC = re.compile(r"^(acc|maj|pass@(\d+|n))$")  # acc | maj | pass@<k> | pass
 class RunSelection:
     """Which MLflow runs the report reads (all filters are ANDed)."""
 
-    experiment_names: Optional[list[str]] = None  # experiments searched; null = [logger.experiment_name]
+    experiment_names: list[str] | None = None  # experiments searched; null = [logger.experiment_name]
     run_ids: list[str] = field(default_factory=list)  # explicit runs; when given, the filters below are ignored
-    parent_run_id: Optional[str] = None  # children of this run (tag mlflow.parentRunId): one sweep or study
+    parent_run_id: str | None = None  # children of this run (tag mlflow.parentRunId): one sweep or study
     tags: dict = field(default_factory=dict)  # tag filters, e.g. {task_name: paper_table}
-    filter: Optional[str] = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
+    filter: str | None = None  # an extra MLflow search filter, e.g. "params.loss.beta = '0.0'"
     # A study folder instead of MLflow (grail_exp/analysis/study.py: one <arm>/arm.json + samples per finished arm); when
     # set, the filters above are not used
-    dir: Optional[str] = None
+    dir: str | None = None
 
 
 @dataclass
@@ -55,7 +55,7 @@ class StatsConfig:
 class OutputConfig:
     dir: str = MISSING  # where <name>.md, <name>.tex, <name>.json and <name>_plots/ go (default results/report)
     name: str = "report"  # file stem
-    title: Optional[str] = None  # heading; null = "Paired comparison vs <baseline>"
+    title: str | None = None  # heading; null = "Paired comparison vs <baseline>"
 
 
 @dataclass
@@ -93,8 +93,8 @@ class DecisionConfig:
     paired seeds have Δ > 0 and the seed-level t interval lies above 0; "is worse" by the mirror rule; otherwise
     "not settled". Not applied until ``seeds`` seeds are paired. null = no rule declared (no line in the report)."""
 
-    seeds: Optional[int] = None  # the number of seeds the rule was declared for
-    min_same_sign: Optional[int] = None  # seeds whose Δ must share the claimed sign
+    seeds: int | None = None  # the number of seeds the rule was declared for
+    min_same_sign: int | None = None  # seeds whose Δ must share the claimed sign
     # none | holm: the rows' primary comparisons (and those of family_dirs) are one family, Holm-adjusted over their
     # seed-level t p-values; "beats" / "is worse" then also need the adjusted p below stats.alpha
     multiplicity: str = "none"
@@ -111,8 +111,8 @@ class EndpointConfig:
     ``samples_step<N>.parquet``, except an arm's last step (its ``trainer.max_steps``), which is its final
     evaluation, ``samples_final.parquet`` (an evaluation inside training skips the last step: the final one is it)."""
 
-    steps: Optional[list[int]] = None  # e.g. [40, 50, 60]
-    name: Optional[str] = None  # its name in the report, e.g. B; null: "the final evaluation" / "steps 40, 50, 60"
+    steps: list[int] | None = None  # e.g. [40, 50, 60]
+    name: str | None = None  # its name in the report, e.g. B; null: "the final evaluation" / "steps 40, 50, 60"
 
 
 @dataclass
@@ -130,9 +130,9 @@ class SpreadConfig:
     both sds with chi-square intervals, sd_B / sd_A with a seed-bootstrap interval, the seeds each endpoint needs
     (``power``). null steps: no section."""
 
-    steps: Optional[list[int]] = None  # endpoint B's evaluations, e.g. [40, 50, 60] (the endpoint.steps convention)
-    name: Optional[str] = None  # e.g. B
-    rule_ratio: Optional[float] = None  # a rule declared beforehand: "B when sd_B <= rule_ratio · sd_A" (e.g. 0.5)
+    steps: list[int] | None = None  # endpoint B's evaluations, e.g. [40, 50, 60] (the endpoint.steps convention)
+    name: str | None = None  # e.g. B
+    rule_ratio: float | None = None  # a rule declared beforehand: "B when sd_B <= rule_ratio · sd_A" (e.g. 0.5)
     n_boot: int = 10_000  # seed-bootstrap resamples of the ratio
     seed: int = 0  # its generator's seed
 
@@ -157,19 +157,19 @@ class ReportConfig:
     samples_artifacts: list[str] = field(default_factory=lambda: ["eval/final/samples.parquet",
                                                                   "eval/eval/samples.parquet"])
     baseline: str = "grpo"  # the scheme every other scheme is compared with (the paper: GRPO)
-    models: Optional[list[str]] = None  # row order / rows that must appear (missing ones read "—"); null = found
-    schemes: Optional[list[str]] = None  # likewise for schemes; null = found, baseline first
-    seeds: Optional[list[str]] = None  # the seeds every arm should have; missing ones are footnoted
+    models: list[str] | None = None  # row order / rows that must appear (missing ones read "—"); null = found
+    schemes: list[str] | None = None  # likewise for schemes; null = found, baseline first
+    seeds: list[str] | None = None  # the seeds every arm should have; missing ones are footnoted
     # The cells a study planned per model where they differ from schemes / seeds (keys: schemes, seeds; an absent
     # key = the top-level one), e.g. the CPU study's +design.tiny_llama="{schemes: [grpo, grail], seeds: [1, 2, 3]}"
     # beside tiny Qwen3 x three schemes x seeds 1-5: a cell outside its model's plan is no row and not "missing";
     # a planned cell without a finished run still is. (Untyped: OmegaConf cannot add typed values with +key=.)
     design: dict[str, Any] = field(default_factory=dict)
-    benchmarks: Optional[list[str]] = None  # columns; null = every benchmark found (paper order first)
+    benchmarks: list[str] | None = None  # columns; null = every benchmark found (paper order first)
     metrics: list[str] = field(default_factory=lambda: ["acc", "pass@n"])  # acc | pass@<k> | pass@n | maj
     # The declared primary comparison: this metric on the avg column (or the only benchmark); its seed-level p-values
     # are used as they are, every other comparison of a row is Holm-adjusted. null, or a metric not in metrics: all
-    primary_metric: Optional[str] = "acc"
+    primary_metric: str | None = "acc"
     average: str = "unweighted"  # the avg column: unweighted over benchmarks (paper) | weighted by problems
     # run params that must agree between paired runs for common random numbers (those both runs have)
     pairing_params: list[str] = field(default_factory=lambda: [
@@ -290,7 +290,7 @@ def validate_report(cfg: DictConfig) -> None:
         raise ConfigError("invalid report configuration:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
-def parse_metric(spec: str) -> tuple[str, Optional[int]]:
+def parse_metric(spec: str) -> tuple[str, int | None]:
     """``acc`` -> (acc, None); ``pass@3`` -> (pass, 3); ``pass@n`` -> (pass, None); ``maj`` -> (maj, None)."""
     m = _METRIC.match(spec)
     if not m:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 from omegaconf import DictConfig
@@ -14,7 +13,6 @@ from omegaconf import DictConfig
 from grail_exp.analysis import stats
 from grail_exp.reporting.runs import Notes, endpoint_values, metric_label, seed_key
 from grail_exp.reporting.schema import parse_metric
-
 
 AVG = "avg"
 # The paper's benchmark order; other benchmarks follow alphabetically.
@@ -25,9 +23,9 @@ ONE_SEED = "1 seed, problems only"  # a Δ of one trained pair: its tests resamp
 
 @dataclass
 class Cell:
-    value: Optional[float] = None  # arm mean over its seeds (fraction); None = missing
+    value: float | None = None  # arm mean over its seeds (fraction); None = missing
     n_seeds: int = 0
-    delta: Optional[stats.PairedResult] = None  # vs the baseline (non-baseline rows)
+    delta: stats.PairedResult | None = None  # vs the baseline (non-baseline rows)
     notes: list[str] = field(default_factory=list)
 
 
@@ -51,7 +49,7 @@ class MetricTable:
     notes: list[str] = field(default_factory=list)  # footnotes on the whole table
 
 
-def _ordered(found: list[str], wanted: Optional[list[str]], first: Optional[str] = None) -> list[str]:
+def _ordered(found: list[str], wanted: list[str] | None, first: str | None = None) -> list[str]:
     if wanted:
         return list(wanted)
     uniq = list(dict.fromkeys(found))
@@ -140,7 +138,7 @@ def _planned(model: str, schemes: list[str], cfg) -> list[str]:
     return [s for s in schemes if s in planned] + [str(s) for s in planned if s not in schemes]
 
 
-def expected_seeds(model: str, cfg) -> Optional[list]:
+def expected_seeds(model: str, cfg) -> list | None:
     planned = (cfg.design or {}).get(model, {}).get("seeds")
     return [str(s) for s in planned] if planned is not None else cfg.seeds
 
@@ -232,7 +230,7 @@ def _avg_cell(benches, mine, theirs, seeds, paired, is_base, model, scheme, cfg,
     return cell
 
 
-def _diff_matrix(b, seeds, mine, theirs, model, scheme, cell, notes) -> Optional[np.ndarray]:
+def _diff_matrix(b, seeds, mine, theirs, model, scheme, cell, notes) -> np.ndarray | None:
     """(seeds, problems) differences on the problems every paired run of ``b`` has; footnoted if that is fewer
     than some run has; None if there are none."""
     sets = [set(mine[s][b][0].tolist()) for s in seeds] + [set(theirs[s][b][0].tolist()) for s in seeds]
@@ -280,7 +278,7 @@ def generation_table(arms: dict, cfg: DictConfig) -> list[dict]:
     return out
 
 
-def pct(x: Optional[float], signed: bool = False) -> str:
+def pct(x: float | None, signed: bool = False) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return DASH
     return f"{100 * x:+.1f}" if signed else f"{100 * x:.1f}"

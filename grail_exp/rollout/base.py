@@ -16,7 +16,7 @@ backend produces that iterator from any parallel layout, gathering sharded param
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -37,7 +37,7 @@ class SamplingParams:
     # on that seed alone and not on what else the engine batched with it — evaluation's common random numbers (each
     # chunk seeded on its own) ask for this. None = the engine's default (vLLM: rollout.vllm.seeded_rollouts, off: its
     # batched sampling stream, the fast path). rollout=hf always draws from torch's RNG and ignores it.
-    per_request_seeds: Optional[bool] = None
+    per_request_seeds: bool | None = None
 
 
 @dataclass

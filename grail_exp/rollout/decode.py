@@ -35,7 +35,7 @@ class DecodeKV:
     """One layer's keys and values for decoding: the prompts' (U rows) and each row's generated ones."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, prompt_mask: torch.Tensor, capacity: int,
-                 groups: "RowGroups"):
+                 groups: RowGroups):
         U, H, P, D = keys.shape
         self.kp, self.vp = keys.float(), values.float()  # (U, H_kv, P, D), read in float32 by every step
         self.prompt_mask = prompt_mask.bool()[:, None, None, :]  # (U, 1, 1, P)

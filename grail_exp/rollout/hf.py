@@ -36,7 +36,13 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.compute.forward import can_share_prompts, decoder_body, output_layer, position_ids_from_mask, prompts_once
+from grail_exp.compute.forward import (
+    can_share_prompts,
+    decoder_body,
+    output_layer,
+    position_ids_from_mask,
+    prompts_once,
+)
 from grail_exp.models.loading import SDPA_GQA
 from grail_exp.rollout.base import Completion, SamplingParams
 from grail_exp.rollout.decode import RowGroups, decode_cache
@@ -172,8 +178,12 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
 
 def _processors(params: SamplingParams):
     """transformers' processors ``generate`` applies, in its order: (before the recorder, sampling warpers)."""
-    from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-                              TopPLogitsWarper)
+    from transformers import (
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     before = [RepetitionPenaltyLogitsProcessor(params.repetition_penalty)] if params.repetition_penalty != 1.0 else []
     warpers = []

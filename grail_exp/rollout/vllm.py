@@ -8,7 +8,8 @@ policy's weights before every rollout and evaluation (the evaluation before trai
 or not, included), ``grail_exp.evaluate`` right after building it. Each refresh is ``load_weights(chunks)``: the
 update backend streams the policy's full parameters (gathered from the ranks' shards under FSDP) in the engine's
 dtype, ``rollout.vllm.sync_chunk_mb`` at a time, and vLLM loads them as they come (one ``reload_weights`` call
-consuming a generator); then the prefix cache is reset so no KV entry of the old weights is reused. The names are the state dict's (``state_dict`` and not
+consuming a generator); then the prefix cache is reset so no KV entry of the old weights is reused. The names are the
+state dict's (``state_dict`` and not
 ``named_parameters``: a tied ``lm_head.weight`` is missing from the latter and vLLM would keep a stale output layer).
 ``sync_weights(model)`` does the same from an unsharded model (tests, ``grail_exp.evaluate``).
 
@@ -77,10 +78,10 @@ from pathlib import Path
 import torch
 
 from grail_exp.checkpoint import random_streams_kept
-from grail_exp.preemption import Reaper, own_descendants
-from grail_exp.errors import ConfigError, LayoutError, MissingDependencyError
-from grail_exp.rollout.base import Completion, SamplingParams
 from grail_exp.compute.chunks import chunked
+from grail_exp.errors import ConfigError, LayoutError, MissingDependencyError
+from grail_exp.preemption import Reaper, own_descendants
+from grail_exp.rollout.base import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -115,7 +115,7 @@ class TrainingBatch:
                 "tensors": {k: getattr(self, k).detach().cpu() for k in self._TENSORS if getattr(self, k) is not None}}
 
     @classmethod
-    def from_state(cls, st: dict, device, prepared: Any = None) -> "TrainingBatch":
+    def from_state(cls, st: dict, device, prepared: Any = None) -> TrainingBatch:
         t = {k: v.to(device) for k, v in st["tensors"].items()}
         if "cached_weights" in t and "weights_ready" not in t:
             # A buffer saved before the flag existed: weights are > 0 on valid tokens, so computed rows are non-zero.

@@ -21,7 +21,8 @@ for the shared-filesystem check (a rank that cannot see rank 0's directory) and 
 
 Host memory per rank while writing: ``torch.save``'s copy of one storage at a time of its own part (RNG, buffer; ZeRO:
 its flat fp32 partitions of 4 N / W bytes each), the shards' write buffers (torch.distributed.checkpoint copies one
-tensor at a time), and under a streamed export one full tensor (the largest: the embedding). Nothing holds the full optimiser state, nor under FSDP the
+tensor at a time), and under a streamed export one full tensor (the largest: the embedding). Nothing holds the full
+optimiser state, nor under FSDP the
 full model. Several nodes need a shared filesystem: every rank writes into the same directory.
 """
 
@@ -34,12 +35,21 @@ import os
 import shutil
 from pathlib import Path
 
-from grail_exp import faults
-from grail_exp.checkpoint import (FORMAT, SHARDED_DIR, STATE_FILE, CheckpointError, prune, rank_file, save_torch,
-                                  seal, write_dir_atomically, write_safetensors_streaming)
+from grail_exp import faults, world
+from grail_exp.checkpoint import (
+    FORMAT,
+    SHARDED_DIR,
+    STATE_FILE,
+    CheckpointError,
+    prune,
+    rank_file,
+    save_torch,
+    seal,
+    write_dir_atomically,
+    write_safetensors_streaming,
+)
 from grail_exp.models import lora
 from grail_exp.training import lora_checkpoint, probe
-from grail_exp import world
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ def write_merged(module, directory: Path | None) -> None:
     base_dtype = {lora.base_state_name(n): t.dtype for n, t in state.items() if ".lora_" not in n}
     specs = [(n, base_dtype[n], tuple(t.shape)) for n, t in lora.merged_tensors(meta, 1.0) if exported(n)]
     merged = lora.merged_tensors(module.backend.full_tensors(), lora.scaling(module.cfg.peft))
-    dtypes = dict((n, d) for n, d, _ in specs)
+    dtypes = {n: d for n, d, _ in specs}
     tensors = ((n, t.to(dtypes[n])) for n, t in merged if n in dtypes)
     if directory is not None:
         directory = Path(directory)

@@ -24,12 +24,11 @@ import time
 import lightning as L
 import torch
 
+from grail_exp import faults, world
 from grail_exp.distributed import check_launch_rank, launch_rank
-from grail_exp import faults
 from grail_exp.errors import Preempted
 from grail_exp.training import probe
 from grail_exp.training import state as run_state
-from grail_exp import world
 from grail_exp.training.backends import build_backend
 from grail_exp.training.batch import Progress, SchemeContext, TrainingBatch  # noqa: F401  (TrainingBatch: public)
 from grail_exp.training.records import StepRecords

@@ -17,8 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from grail_exp.compute.forward import (can_share_prompts, common_prefix_mode, grouped_prefix_attention, narrows,
-                               prompt_pass_positions, share_prompts_of)
+from grail_exp.compute.forward import (
+    can_share_prompts,
+    common_prefix_mode,
+    grouped_prefix_attention,
+    narrows,
+    prompt_pass_positions,
+    share_prompts_of,
+)
 from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
 
 # Aggregations whose value does not depend on how rows are split into micro-batches: rows may be reordered.

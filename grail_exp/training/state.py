@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from grail_exp.checkpoint import CheckpointError, load_torch, rank_file, rng_state, set_rng_state
 from grail_exp import world
+from grail_exp.checkpoint import CheckpointError, load_torch, rank_file, rng_state, set_rng_state
 from grail_exp.training.batch import TrainingBatch
 
 log = logging.getLogger(__name__)

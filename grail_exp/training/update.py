@@ -24,15 +24,16 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from functools import partial
 
 import torch
 
-from grail_exp.errors import UserError
-from grail_exp.compute.forward import PolicyForward
-from grail_exp.loss import AggregationContext, TermContext, aggregator, compose_objective, is_weights
 from grail_exp import world
+from grail_exp.compute.forward import PolicyForward
+from grail_exp.errors import UserError
+from grail_exp.loss import AggregationContext, TermContext, aggregator, compose_objective, is_weights
 from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, mini_batch_rows
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,8 @@ class UpdatePhase:
             out = micro_batch_loss(
                 cfg, agg_ctx, w, adv, logp, old, mask, sampler_logp=rows_of(batch.sampler_logp, s, e),
                 ref_logp=rows_of(batch.ref_logp, s, e), family=fam, terms=self.terms,
-                term_context=lambda token_adv: self.term_context(batch, s, e, logp, entropy, fwd, term_mask, token_adv,
-                                                                 old, agg_ctx, fam.top_entropy))
+                term_context=partial(self.term_context, batch, s, e, logp, entropy, fwd, term_mask,
+                                     old=old, agg_ctx=agg_ctx, top_entropy=fam.top_entropy))
             self.backend.backward(out.loss)
             self.backend.after_backward()  # this micro-batch's activations, before the next one's forward
             tally.loss += out.loss.item()
@@ -140,7 +141,7 @@ class UpdatePhase:
             tally.add(out.metrics, float(term_mask.sum()))
         return self.close_step(optimizer, scheduler, tally, timings, epoch, rows, schedule)
 
-    def close_step(self, optimizer, scheduler, tally: "StepTally", timings: dict, epoch: int,
+    def close_step(self, optimizer, scheduler, tally: StepTally, timings: dict, epoch: int,
                    rows: tuple[int, int] | None, schedule: bool) -> dict[str, float]:
         """The step's closing: the optimiser step through the backend (skipped when the loss or the gradient norm is not
         finite: counted, and an error after ``trainer.max_nonfinite_in_a_row`` such steps in a row), the lr schedule,

@@ -61,7 +61,7 @@ def test_evaluate_paper_suite_logs_table_and_resumes_after_kill(tmp_path, tiny_m
     m = s1["math500"]
     assert m["n_problems"] == 2 and m["n_samples"] == 2 and set(m["pass_at_k"]) == {"1", "2"}
     assert {"value", "lo", "hi"} <= set(m["acc"])
-    rows = [json.loads(l) for l in (tmp_path / "resumed" / "samples.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "resumed" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 6 * 2 * 2
     assert set(rows[0]) == {"benchmark", "problem_index", "sample_index", "completion", "extracted", "gold", "correct"}
     arts = {a.path for a in c.list_artifacts(resumed.info.run_id, "eval/eval")}

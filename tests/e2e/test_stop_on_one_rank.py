@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from helpers.scripted_run import run_scripted
 from grail_exp import faults
 from grail_exp.checkpoint import complete_checkpoints, load_rank_state, load_training_state
+from helpers.scripted_run import run_scripted
 
 pytestmark = pytest.mark.e2e  # every test here runs a child process (tests/test_suite_rules.py)
 

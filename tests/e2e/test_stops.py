@@ -25,11 +25,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grail_exp import faults
+from grail_exp.checkpoint import complete_checkpoints, load_training_state
 from helpers.scripted_run import run_scripted
 from helpers.stop_child import read_pid
 from helpers.tolerances import HANG_TIMEOUT_S
-from grail_exp import faults
-from grail_exp.checkpoint import complete_checkpoints, load_training_state
 
 pytestmark = pytest.mark.e2e  # every test here runs a child process (tests/test_suite_rules.py)
 

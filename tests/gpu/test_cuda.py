@@ -50,8 +50,8 @@ def _bench_yaml():
 
 def _module(cfg, model, tok):
     from grail_exp.advantages import build_scheme
-    from grail_exp.training.module import GRPOModule
     from grail_exp.tracking import NullTracker
+    from grail_exp.training.module import GRPOModule
 
     module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, NullTracker())
     module.manual_backward = lambda loss: loss.backward()
@@ -227,10 +227,9 @@ def test_probe_row_order_on_cuda():
     indices and stopped the first real GRAIL step on a GPU (results/gpu.md, 2026-11-27 second session)."""
     from dataclasses import fields, replace
 
+    from grail_exp.training.row_order import row_order, update_work
     from helpers.batches import interleaved_training_batch
     from helpers.pinned_step import build_model_and_tokenizer
-
-    from grail_exp.training.row_order import row_order, update_work
 
     _, tok = build_model_and_tokenizer()
     cpu = interleaved_training_batch(tok)

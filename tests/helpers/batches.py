@@ -45,8 +45,8 @@ def batch_of(tok, rows, seed=0):
 def problem_batch(tok, rows, step=0):
     """A SchemeBatch like the trainer's from (problem, answer, completion text, advantage) rows."""
     from grail_exp.advantages import SchemeBatch
-    from grail_exp.data.prompting import encode_prompts
     from grail_exp.compute.forward import position_ids_from_mask
+    from grail_exp.data.prompting import encode_prompts
     from grail_exp.rollout import Completion, pad_completions
 
     prompts = encode_prompts([r[0] for r in rows], tok, CHAT_MODEL_CFG)

@@ -17,9 +17,7 @@ import json
 import os
 from pathlib import Path
 
-import torch
 from helpers.probe_writer import JsonlProbe
-
 
 
 class CardProbe(JsonlProbe):

@@ -13,11 +13,10 @@ rank writes one JSON line per point to ``$GRAIL_EXP_PROBE_DIR/rank<r>.jsonl``.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from pathlib import Path
 
 import torch
+
 from helpers.load_rank import status_kib
 from helpers.probe_writer import JsonlProbe
 

@@ -43,11 +43,11 @@ def main(out: str, overrides: list[str]) -> None:
     from hydra import compose, initialize_config_dir
 
     import grail_exp.models.loading as models
+    from grail_exp import job
     from grail_exp.conf_path import CONFIG_DIR
     from grail_exp.config import register_configs
     from grail_exp.distributed import launch_rank
     from grail_exp.tracking import NullTracker
-    from grail_exp import job
     from grail_exp.training.backends import BACKENDS
 
     register_configs()

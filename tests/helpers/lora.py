@@ -35,9 +35,6 @@ def lora_one_step(overrides: list[str], share: bool, narrow: bool, attn: str = "
     """Loss, token weights and the adapters' gradients of one optimiser step on the fixed interleaved batch, with the
     tiny model under ``peft=lora`` (adapters moved off their start), each distinct prompt once (``share``) or not,
     the leading-rows backward narrowed (``narrow``) or not, in the attention ``attn`` (``eager`` | ``sdpa_gqa``)."""
-    from helpers.batches import interleaved_training_batch
-    from helpers.pinned_step import build_model_and_tokenizer, pinned_config
-
     from grail_exp.advantages import build_scheme
     from grail_exp.compute.attention import DEFAULT_MAX_SCORES
     from grail_exp.compute.forward import share_prompts_of
@@ -45,6 +42,8 @@ def lora_one_step(overrides: list[str], share: bool, narrow: bool, attn: str = "
     from grail_exp.models import lora
     from grail_exp.models.loading import narrow_if_configured, use_kernel_gqa
     from grail_exp.training.module import GRPOModule
+    from helpers.batches import interleaved_training_batch
+    from helpers.pinned_step import build_model_and_tokenizer, pinned_config
 
     cfg = pinned_config(["peft=lora", "peft.rank=8", "peft.alpha=16", *overrides,
                          f"trainer.share_prompts={str(share).lower()}", f"trainer.narrow_backward={str(narrow).lower()}"])

@@ -94,8 +94,8 @@ def pinned_module(dtype, overrides=()):
     """The training module around the pinned step's model in ``dtype`` (no rollout engine, data or verifier) and
     the pinned batch with its group advantages, for ``advantage=grpo`` plus ``overrides``."""
     from grail_exp.advantages import build_scheme
-    from grail_exp.estimators.group import group_advantages
     from grail_exp.compute.forward import position_ids_from_mask
+    from grail_exp.estimators.group import group_advantages
     from grail_exp.training.module import GRPOModule, TrainingBatch
 
     cfg = pinned_config(["advantage=grpo", *overrides])
@@ -130,8 +130,8 @@ def step_recording_gradient(module, model, batch, captured: dict) -> dict:
 def run_case_legacy(overrides):
     """The pre-refactor trainer API (commit 2d87701): used once to write the pinned file."""
     from grail_exp.advantages import build_scheme
-    from grail_exp.estimators.group import group_advantages
     from grail_exp.compute.forward import position_ids_from_mask
+    from grail_exp.estimators.group import group_advantages
     from grail_exp.training.module import GRPOModule, TrainingBatch
 
     cfg = pinned_config(overrides)

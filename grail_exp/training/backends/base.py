@@ -32,14 +32,15 @@ with a class registered under the ``trainer.strategy`` names it serves (``@regis
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
-from grail_exp.compute.forward import policy_forward, share_prompts_of
 from grail_exp.compute.chunks import chunked
+from grail_exp.compute.forward import policy_forward, share_prompts_of
 from grail_exp.models import lora
 from grail_exp.registry import Registry
 from grail_exp.training import probe
@@ -47,7 +48,7 @@ from grail_exp.training import probe
 BACKENDS: Registry = Registry("update backend for trainer.strategy")
 
 
-def register_backend(*names: str) -> Callable[[type["UpdateBackend"]], type["UpdateBackend"]]:
+def register_backend(*names: str) -> Callable[[type[UpdateBackend]], type[UpdateBackend]]:
     """Class decorator: the ``trainer.strategy`` values this backend serves."""
     return BACKENDS.register(*names)
 

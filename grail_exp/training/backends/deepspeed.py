@@ -36,9 +36,9 @@ import os
 
 import torch
 
+from grail_exp import world
 from grail_exp.models import lora
 from grail_exp.optim import build_optimizer
-from grail_exp import world
 from grail_exp.training.backends.base import PlanItem, StepResult, UpdateBackend, more_ranks, register_backend
 
 

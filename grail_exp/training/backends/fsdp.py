@@ -25,8 +25,7 @@ import torch
 from grail_exp.compute.forward import policy_forward
 from grail_exp.models import lora
 from grail_exp.optim import build_optimizer, grad_params
-from grail_exp.training.backends.base import (PlanItem, UpdateBackend, cast, more_ranks, raw_optimizer,
-                                               register_backend)
+from grail_exp.training.backends.base import PlanItem, UpdateBackend, cast, more_ranks, raw_optimizer, register_backend
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
@@ -324,11 +323,9 @@ class FSDPBackend(UpdateBackend):
 
     def load_checkpoint(self, optimizer, directory, shared, own):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         from grail_exp.checkpoint import SHARDED_DIR
-
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         state = self._sharded_state(optimizer)  # this rank's live shards: DCP reads into them, resharding as needed
         dcp.load(state, checkpoint_id=str(directory / SHARDED_DIR))

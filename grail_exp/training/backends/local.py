@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from grail_exp import world
 from grail_exp.compute.host import return_freed_memory, return_freed_memory_after_gradients
 from grail_exp.models.loading import decoder_layers
 from grail_exp.optim import GRAD_ACCUM_DTYPES, build_optimizer, grad_params
-from grail_exp import world
 from grail_exp.training.backends.base import PlanItem, UpdateBackend, more_ranks, raw_optimizer, register_backend
 
 

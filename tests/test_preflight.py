@@ -160,7 +160,8 @@ def _fault(name: str):
 
 FAULTS = ["cpu_collective_on_nccl", "no_collective", "stale_engine", "checkpoint_differs", "no_checkpoint",
           "resumed_from_scratch", "stop_hangs", "stop_on_different_steps", "uneven_evaluation",
-          "idle_rank_in_evaluation", "cuda_rehearsed_on_gloo", "ranks_disagree_on_evaluation", "device_too_small", "launcher_mem_too_small", "timeout_too_short",
+          "idle_rank_in_evaluation", "cuda_rehearsed_on_gloo", "ranks_disagree_on_evaluation",
+          "device_too_small", "launcher_mem_too_small", "timeout_too_short",
           "two_ranks_one_device"]
 
 

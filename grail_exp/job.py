@@ -482,8 +482,8 @@ def _count(n: int, noun: str) -> str:
 
 
 class TrainingHooks:
-    """What the module calls between steps (the methods of ``training.module.StepHooks``), from the job's evaluator, saver and stop
-    signals; the evaluations before and after training are collected in ``results``.
+    """What the module calls between steps (the methods of ``training.module.StepHooks``), from the job's evaluator,
+    saver and stop signals; the evaluations before and after training are collected in ``results``.
 
     The stop signals (``preemption.StopSignals``) switch from "starting" to "training" once the fit has started (the
     weights placed, the evaluation before training done): from the first optimiser step on, a signal only records a

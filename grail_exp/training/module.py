@@ -5,9 +5,10 @@
     update backend (grail_exp/training/backends/)    single process / DDP, FSDP, DeepSpeed ZeRO
 
 This class is the glue: Lightning calls ``training_step`` once per round (a "batch" of the data loader is a round
-index), the module runs the rollout phase, then each optimiser step of the update phase, and between steps logs,
-evaluates, checkpoints and honours a stop request. Manual optimisation (``automatic_optimization = False``) because one
-round yields μ optimiser steps, each over several micro-batches, exactly as TRL's GRPOTrainer with
+index), the module runs the rollout phase, then each optimiser step of the update phase, and between steps logs and
+calls what it was given at construction (``StepHooks``: evaluate, checkpoint, trajectory, the stop request; the job's
+evaluation before training and its closing at the fit's start and end). Manual optimisation (``automatic_optimization =
+False``) because one round yields μ optimiser steps, each over several micro-batches, exactly as TRL's GRPOTrainer with
 ``steps_per_generation == gradient_accumulation_steps``. ``progress.step`` counts optimiser steps (it survives resume,
 unlike Lightning's loop counters).
 

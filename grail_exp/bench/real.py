@@ -163,7 +163,7 @@ def _add_floor(records: list, gflops: float) -> None:
 
 
 def _build(overrides: list[str], scheme: str):
-    """The experiment's parts and a ``RLVRModule`` driven without Lightning (as ``bench`` does)."""
+    """The experiment's parts and an ``RLVRModule`` driven without Lightning (as ``bench`` does)."""
     import lightning as L
     import torch
     from hydra import compose, initialize_config_dir

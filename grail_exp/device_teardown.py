@@ -8,7 +8,7 @@ for Qwen3-8B under ``trainer=fsdp_zero2`` on 4 ranks about 92 GiB per node (abou
 the ~46 GB ``--mem`` the plan asks SLURM for, so the job is killed after its final checkpoint and evaluation but
 before ``metrics.json``, the plots and the study's arm record, and a stopped job dies before it hands itself back
 for requeue. Nothing of this project reads the model after the fit: the closing (final checkpoint, trajectory,
-evaluation) runs inside it (``GRPOModule.on_train_end``), and what follows (``job.finish``) reads only numbers.
+evaluation) runs inside it (``RLVRModule.on_train_end``), and what follows (``job.finish``) reads only numbers.
 
 So the teardown here keeps every tensor where it is and frees what the fit no longer needs: each optimiser's state
 (the Adam moments: 8 bytes per trained parameter, sharded or not) and the gradients, then Lightning's own accelerator

@@ -1,10 +1,10 @@
 """The whole training job behind ``python -m grail_exp.run``: validate → build the parts → train → evaluate → summary.
 
 ``train(cfg)`` reads as its steps: resume point, tracking, the parts (model, tokenizer, scheme, verifier, data, and
-how to build the rollout engine), the Lightning fit of ``GRPOModule`` — which builds the engine once the process
+how to build the rollout engine), the Lightning fit of ``RLVRModule`` — which builds the engine once the process
 group exists, evaluates before training, trains, then writes the final checkpoint and evaluates at the end, all
-inside the fit, while the policy is on its device — then plots and summary. ``run(cfg)`` adds validation and returns
-``optimized_metric`` (for sweeps and Optuna).
+inside the fit, while the policy is on its device, through the job's ``TrainingHooks`` — then plots and summary.
+``run(cfg)`` adds validation and returns ``optimized_metric`` (for sweeps and Optuna).
 
 Data parallelism: every rank runs this function (Lightning re-launches the command, or torchrun / srun did). Every
 rank samples its own prompts, holds its own engine (vLLM: one per rank, inside the job's process group) and evaluates
@@ -20,34 +20,18 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from grail_exp.errors import Preempted, RunStopped, StoppedBySignal
 from grail_exp.validate import validate
 
+if TYPE_CHECKING:
+    from grail_exp.training.module import Parts
+
 log = logging.getLogger("grail_exp")
-
-
-@dataclass
-class Parts:
-    """What a run trains and scores with (built before any process group exists; the engine is built later, by
-    ``engine_factory`` in the module's ``setup``, inside the process group)."""
-
-    model_path: str  # the starting weights (the reference model comes from here)
-    policy_path: str  # the weights the policy starts from now (a checkpoint when resuming)
-    tokenizer: Any
-    policy: Any
-    ref_model: Any
-    terms: list
-    scheme: Any
-    engine_factory: Callable[[], Any]
-    verifier: Any
-    source: Any
-    start_sha256: str | None = None  # the starting weights' identity (study.dir or trainer.eval_cache set)
 
 
 def run(cfg: DictConfig, on_eval=None) -> float | None:
@@ -100,68 +84,39 @@ def stop_signals():
 
 
 def _train(cfg: DictConfig, on_eval: Callable | None) -> dict:
-    import lightning as L
-    import torch
-
     from grail_exp.analysis import study
-    from grail_exp.distributed import export_local_rank, launch_rank
     from grail_exp.preemption import set_stage
-    from grail_exp.tracking import NullTracker, build_tracker
-    from grail_exp.training.module import GRPOModule
+    from grail_exp.training.module import RLVRModule
 
     _quiet_lightning()
     done = study.finished(cfg)  # a restarted study: this arm is already recorded with this configuration
     if done is not None:
         log.info("study: arm %s already finished (run %s); skipping it", study.arm_name(cfg), done.get("run_id"))
         return dict(done["metrics"])
-    phases: dict[str, float] = {}
-    t0 = time.perf_counter()
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    ckpt, state = _resume_point(cfg)  # cheap, first: its state names the MLflow run to continue
-    export_devices_per_node(cfg.trainer)  # before launch_rank reads it: node k's ranks start at k x devices
-    export_local_rank()  # srun: before DeepSpeed or the engine read it
-    rank = launch_rank()
-    # Tracking next: an unreachable server fails before minutes of model building.
-    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
-        if rank == 0 else NullTracker()
+    phases, t0 = {}, time.perf_counter()
+    ckpt, state, tracker = _start(cfg)
     status, parts, module = "FAILED", None, None
-    if cfg.study.dir and rank == 0:  # this segment's code, recorded before it trains (grail_exp/analysis/study.py)
-        study.record_segment(cfg, Path(cfg.paths.output_dir), int(state["step"]) if state else 0)
     try:
         _log_start(cfg, tracker, state, ckpt)
         set_stage("loading the model")
         parts = build_parts(cfg, ckpt, state, tracker, phases, t0)
-        evaluator = Evaluator(cfg, parts, tracker, phases, on_eval)
-        module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, None, parts.source,
-                            parts.verifier, tracker, parts.ref_model, evaluate_fn=evaluator.during_training,
-                            resume_state=state, terms=parts.terms, engine_factory=parts.engine_factory)
-        evaluator.module = module
-        saver = Saver(cfg, module, parts, state)
-        results: dict[str, float] = {}
-        if cfg.trainer.eval_before_training and state is None:
-            module.start_fn = lambda: results.update(
-                {k.replace("eval/", "eval_before/", 1): v for k, v in evaluator("before", 0).items()})
-        module.end_fn = lambda: results.update(closing(cfg, module, saver, evaluator, phases))
+        saver = Saver(cfg, parts, state)
+        hooks = TrainingHooks(cfg, Evaluator(cfg, parts, tracker, phases, on_eval), saver, phases, state)
+        module = RLVRModule(cfg, parts, tracker, hooks, resume_state=state)
+        saver.save_start(module)
         t = time.perf_counter()
         fit(cfg, module, state)
         # training proper: the fit less the engine's start, the evaluation before it and the closing (own phases)
         phases["train_s"] = (phases.pop("closing_started", time.perf_counter()) - t - phases.get("eval_before_s", 0.0)
                              - phases.get("engine_build_s", 0.0))
-        finish(cfg, module, tracker, phases, t0, evaluator.tables, results, parts.start_sha256)
+        finish(cfg, module, tracker, phases, t0, hooks.evaluator.tables, hooks.results, parts.start_sha256)
         status = "FINISHED"
-        return results
+        return hooks.results
     except (Preempted, RunStopped, StoppedBySignal):
         status = "KILLED"
         raise
     except BaseException:
-        import traceback
-
-        try:  # the traceback goes with the run: a failed sweep job is diagnosable from MLflow alone
-            tracker.log_text(traceback.format_exc(), "error/traceback.txt")
-        except Exception:
-            pass
+        _log_traceback(tracker)
         raise
     finally:
         try:
@@ -170,6 +125,40 @@ def _train(cfg: DictConfig, on_eval: Callable | None) -> dict:
             tracker.end(status)
         finally:
             teardown(module)
+
+
+def _start(cfg: DictConfig):
+    """Threads and seeds, the resume point, this rank's place, then tracking (an unreachable server fails before
+    minutes of model building) and a study's record of this segment: (checkpoint, its state, tracker)."""
+    import lightning as L
+    import torch
+
+    from grail_exp.analysis import study
+    from grail_exp.distributed import export_local_rank, launch_rank
+    from grail_exp.tracking import NullTracker, build_tracker
+
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    ckpt, state = _resume_point(cfg)  # cheap, first: its state names the MLflow run to continue
+    export_devices_per_node(cfg.trainer)  # before launch_rank reads it: node k's ranks start at k x devices
+    export_local_rank()  # srun: before DeepSpeed or the engine read it
+    rank = launch_rank()
+    tracker = build_tracker(cfg, default_run_name(cfg), run_id=state.get("mlflow_run_id") if state else None) \
+        if rank == 0 else NullTracker()
+    if cfg.study.dir and rank == 0:  # this segment's code, recorded before it trains (analysis/study.py)
+        study.record_segment(cfg, Path(cfg.paths.output_dir), int(state["step"]) if state else 0)
+    return ckpt, state, tracker
+
+
+def _log_traceback(tracker) -> None:
+    """The traceback goes with the run: a failed sweep job is diagnosable from MLflow alone."""
+    import traceback
+
+    try:
+        tracker.log_text(traceback.format_exc(), "error/traceback.txt")
+    except Exception:
+        pass
 
 
 def teardown(module) -> None:
@@ -209,7 +198,8 @@ def export_devices_per_node(trainer_cfg) -> None:
 
 def _quiet_lightning() -> None:
     """Lightning's INFO lines (GPU/TPU availability, tips) repeat through Hydra's root handler; keep warnings.
-    Call after importing lightning: its import sets its loggers to INFO."""
+    Lightning is imported first: its import sets its loggers to INFO."""
+    import lightning  # noqa: F401
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -257,6 +247,7 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
     from grail_exp.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
     from grail_exp.rollout import build_engine
     from grail_exp.training.backends import BACKENDS
+    from grail_exp.training.module import Parts
 
     model_path = resolve_model_path(cfg)
     phases["model_build_s"] = time.perf_counter() - t0
@@ -310,8 +301,8 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
                             verify_timeout=r.verify_timeout,
                             extraction=reward_rule(r.extraction))  # evaluation passes benchmark.extraction
     source = build_source(cfg.data, seed=cfg.seed, prompts_per_step=cfg.trainer.prompts_per_step)
-    return Parts(model_path, policy_path, tokenizer, policy, ref_model, terms, scheme, engine_factory, verifier, source,
-                 start_sha256)
+    return Parts(policy, tokenizer, scheme, source, verifier, ref_model, terms, engine_factory=engine_factory,
+                 model_path=model_path, policy_path=policy_path, start_sha256=start_sha256)
 
 
 class Evaluator:
@@ -324,9 +315,9 @@ class Evaluator:
     def __init__(self, cfg: DictConfig, parts: Parts, tracker, phases: dict, on_eval: Callable | None):
         self.cfg, self.parts, self.tracker, self.phases, self.on_eval = cfg, parts, tracker, phases, on_eval
         self.tables: dict[str, str] = {}
-        self.module = None  # the GRPOModule: its engine (built in setup) and update backend
 
-    def __call__(self, tag: str, step: int) -> dict[str, float]:
+    def __call__(self, module, tag: str, step: int) -> dict[str, float]:
+        """Evaluate ``module``'s policy (its engine, built in setup, and its update backend) at ``step``."""
         from grail_exp import world
         from grail_exp.evaluation import evaluate_benchmarks, log_eval_result
         from grail_exp.preemption import set_stage
@@ -335,7 +326,7 @@ class Evaluator:
 
         set_stage(f"the evaluation ({tag})")  # named by a stop before training: the evaluation before it
         t = time.perf_counter()
-        p, m = self.parts, self.module
+        p, m = self.parts, module
         engine, backend = m.rollout.engine, m.backend
         backend.sync_engine(engine)  # vLLM holds its own copy (and may sleep): evaluate the weights trained so far
         with backend.generation(engine):
@@ -374,8 +365,8 @@ class Evaluator:
         (out / "summary.json").write_text(json.dumps(res.summary_json(), indent=2))
         (out / "metrics.json").write_text(json.dumps(res.flat_metrics(), indent=1))  # a resumed run's "before"
 
-    def during_training(self, step: int) -> None:
-        metrics = self(f"step{step}", step)
+    def during_training(self, module, step: int) -> None:
+        metrics = self(module, f"step{step}", step)
         if self.on_eval is not None:  # every rank has the same metrics: a stop request stops all of them
             self.on_eval(step, metrics)
 
@@ -386,36 +377,39 @@ class Saver:
     of a checkpoint (``training/checkpointing.py``); a sharded policy's full weights stream to rank 0 one tensor at a
     time. A step is written once."""
 
-    def __init__(self, cfg: DictConfig, module, parts: Parts, state: dict | None):
-        from grail_exp.checkpoint import save_weights
-        from grail_exp.distributed import launch_rank
-        from grail_exp.models import lora
-
-        self.cfg, self.module, self.parts = cfg, module, parts
+    def __init__(self, cfg: DictConfig, parts: Parts, state: dict | None):
+        self.cfg, self.parts, self.fresh = cfg, parts, state is None
         self.ckpt_root = Path(cfg.paths.output_dir) / "checkpoints"
         self.traj_root = Path(cfg.paths.output_dir) / "trajectory"
         self.saved_at = {int(state["step"])} if state else set()
         self.traj_saved: set[int] = set()
-        module.checkpoint_fn = self.checkpoint
-        if cfg.trainer.save_weights_only_every:
-            module.weights_fn = self.trajectory
-            if state is None and launch_rank() == 0:  # before fit: nothing is sharded and no process group exists yet
-                self.traj_saved.add(0)
-                if lora.is_lora(parts.policy):  # the merged model (here the base: B = 0), as every later step's
-                    from grail_exp.checkpoint import write_dir_atomically
-                    from grail_exp.training.checkpointing import export_hf_weights
 
-                    write_dir_atomically(self.traj_root / "step-0", lambda tmp: (
-                        export_hf_weights(module, tmp), parts.tokenizer.save_pretrained(tmp)), what="trajectory")
-                else:
-                    save_weights(self.traj_root, 0, parts.policy, parts.tokenizer)
+    def save_start(self, module) -> None:
+        """θ_0 of the trajectory (a fresh run with ``trainer.save_weights_only_every``), rank 0, before the fit: nothing
+        is sharded and no process group exists yet."""
+        from grail_exp.checkpoint import save_weights
+        from grail_exp.distributed import launch_rank
+        from grail_exp.models import lora
 
-    def checkpoint(self, position: dict, final: bool = False) -> None:
+        if not (self.cfg.trainer.save_weights_only_every and self.fresh and launch_rank() == 0):
+            return
+        parts = self.parts
+        self.traj_saved.add(0)
+        if lora.is_lora(parts.policy):  # the merged model (here the base: B = 0), as every later step's
+            from grail_exp.checkpoint import write_dir_atomically
+            from grail_exp.training.checkpointing import export_hf_weights
+
+            write_dir_atomically(self.traj_root / "step-0", lambda tmp: (
+                export_hf_weights(module, tmp), parts.tokenizer.save_pretrained(tmp)), what="trajectory")
+        else:
+            save_weights(self.traj_root, 0, parts.policy, parts.tokenizer)
+
+    def checkpoint(self, module, position: dict, final: bool = False) -> None:
         """Every rank: the checkpoint at the module's step. ``final``: the run's last one, which always carries the
         full Hugging Face weights (what evaluation, vLLM and the study read)."""
         from grail_exp.training.checkpointing import write_checkpoint
 
-        m = self.module
+        m = module
         if m.step in self.saved_at:
             return
         self.saved_at.add(m.step)
@@ -426,13 +420,13 @@ class Saver:
         if m.rank == 0:
             log.info("checkpoint: %s", path)
 
-    def trajectory(self, step: int) -> None:
+    def trajectory(self, module, step: int) -> None:
         from grail_exp.training.checkpointing import write_trajectory
 
         if step in self.traj_saved:
             return
         self.traj_saved.add(step)
-        write_trajectory(self.traj_root, self.module, self.parts.tokenizer, step)
+        write_trajectory(self.traj_root, module, self.parts.tokenizer, step)
 
 
 def exports_hf_weights(trainer_cfg, final: bool) -> bool:
@@ -465,7 +459,7 @@ def fit(cfg: DictConfig, module, state: dict | None) -> None:
     # would skip a fit over nothing, and with it the closing. It gets one round in which the module does nothing, so
     # the closing runs inside the fit as in any run (the final evaluation from the completion cache where it got to).
     to_run = range(start_round, max(rounds, start_round + 1))
-    with stop_on_signal(module, trainer):
+    with stop_on_signal(trainer):
         trainer.fit(module, train_dataloaders=DataLoader(to_run, batch_size=None, shuffle=False))
 
 
@@ -488,15 +482,63 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('h') else 's'}"
 
 
-def closing(cfg: DictConfig, module, saver: Saver, evaluator: Evaluator, phases: dict) -> dict:
-    """The end of training, still inside the fit on every rank (``GRPOModule.on_train_end``: the policy is on its
-    device, the process group exists): final checkpoint and trajectory, then the final evaluation."""
-    phases["closing_started"] = time.perf_counter()
-    if cfg.trainer.save_final_checkpoint:
-        saver.checkpoint(module.position, final=True)
-    if cfg.trainer.save_weights_only_every:
-        saver.trajectory(module.step)
-    return evaluator("final", module.step) if cfg.trainer.eval_at_end else {}
+class TrainingHooks:
+    """What the module calls between steps (the methods of ``training.module.StepHooks``), from the job's evaluator,
+    saver and stop signals; the evaluations before and after training are collected in ``results``.
+
+    The stop signals (``preemption.StopSignals``) switch from "starting" to "training" once the fit has started (the
+    weights placed, the evaluation before training done): from the first optimiser step on, a signal only records a
+    request here, which the ranks agree on at the end of each optimiser step (``RLVRModule._after_step``): when any
+    rank got one, every rank checkpoints that step and stops. After the last step (the final checkpoint and
+    evaluation) they are "closing"."""
+
+    def __init__(self, cfg: DictConfig, evaluator: Evaluator, saver: Saver, phases: dict, state: dict | None):
+        self.cfg, self.evaluator, self.saver, self.phases = cfg, evaluator, saver, phases
+        self.eval_before = bool(cfg.trainer.eval_before_training) and state is None
+        self.results: dict[str, float] = {}
+        self.asked = 0  # the stop signal this rank received during training
+
+    def start(self, module) -> None:
+        from grail_exp.preemption import current
+
+        if self.eval_before:
+            before = self.evaluator(module, "before", 0)
+            self.results.update({k.replace("eval/", "eval_before/", 1): v for k, v in before.items()})
+        if current() is not None:
+            current().training(self.request)
+
+    def request(self, signum: int) -> None:
+        # Record, never act: a handler runs wherever this rank's main thread happens to be, and the other ranks may
+        # have got no signal at all, so anything that communicates must wait for the step's agreement point.
+        self.asked = signum
+
+    def evaluate(self, module, step: int) -> None:
+        self.evaluator.during_training(module, step)
+
+    def checkpoint(self, module, position: dict) -> None:
+        self.saver.checkpoint(module, position)
+
+    def trajectory(self, module, step: int) -> None:
+        self.saver.trajectory(module, step)
+
+    def stop_requested(self, module) -> int:
+        return self.asked
+
+    def end(self, module) -> None:
+        """The end of training, still inside the fit on every rank (``RLVRModule.on_train_end``: the policy is on its
+        device, the process group exists): final checkpoint and trajectory, then the final evaluation."""
+        from grail_exp.preemption import current
+
+        if current() is not None:
+            current().closing()
+        cfg = self.cfg
+        self.phases["closing_started"] = time.perf_counter()
+        if cfg.trainer.save_final_checkpoint:
+            self.saver.checkpoint(module, module.position, final=True)
+        if cfg.trainer.save_weights_only_every:
+            self.saver.trajectory(module, module.step)
+        if cfg.trainer.eval_at_end:
+            self.results.update(self.evaluator(module, "final", module.step))
 
 
 def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: dict, results: dict,
@@ -528,46 +570,20 @@ def finish(cfg: DictConfig, module, tracker, phases: dict, t0: float, tables: di
 
 
 @contextmanager
-def stop_on_signal(module, trainer):
-    """During ``trainer``'s fit: the job's stop signals (``preemption.StopSignals``) switch from "starting" to
-    "training" once the fit has started (the weights placed, the evaluation before training done), so that from the
-    first optimiser step on a signal only records a stop request on ``module``; at the end of each optimiser step the
-    ranks agree on it (``GRPOModule._after_step``): when any rank got one, every rank checkpoints that step and stops.
-    After the last step (the final checkpoint and evaluation) they are "closing". Lightning installs no signal
-    handlers of its own in this fit."""
+def stop_on_signal(trainer):
+    """During ``trainer``'s fit the stop is the job's (``TrainingHooks``): Lightning installs no signal handlers of its
+    own. A fit outside ``train`` (tests) gets the job's stop signals for this fit only."""
     from grail_exp.preemption import StopSignals, current
 
-    stops, own = current(), None
-    if stops is None:  # a fit outside ``train`` (tests): the signals for this fit only
-        stops = own = StopSignals().install()
-
-    def request(signum: int) -> None:
-        # Record, never act: a handler runs wherever this rank's main thread happens to be, and the other ranks may
-        # have got no signal at all, so anything that communicates must wait for the step's agreement point.
-        module.stop_signal = signum
-
-    start_fn, end_fn = module.start_fn, module.end_fn
-
-    def started() -> None:
-        if start_fn is not None:
-            start_fn()
-        stops.training(request)
-
-    def closing() -> None:
-        stops.closing()
-        if end_fn is not None:
-            end_fn()
-
-    # Lightning's handlers would each break that agreement: its SIGTERM handler broadcasts from inside the handler (a
-    # collective on the signalled rank alone, wherever it happens to be: the ranks hang) and leaves a flag that ends
-    # the fit with exit 0 and no checkpoint; under SLURM its USR1 handler saves and requeues a Lightning checkpoint
-    # that this project never resumes from; Ctrl-C's KeyboardInterrupt ends its fit with exit 1. The stop is the job's.
+    own = StopSignals().install() if current() is None else None
+    # Lightning's handlers would each break the ranks' agreement on a stop: its SIGTERM handler broadcasts from inside
+    # the handler (a collective on the signalled rank alone, wherever it happens to be: the ranks hang) and leaves a
+    # flag that ends the fit with exit 0 and no checkpoint; under SLURM its USR1 handler saves and requeues a Lightning
+    # checkpoint that this project never resumes from; Ctrl-C's KeyboardInterrupt ends its fit with exit 1.
     trainer._signal_connector.register_signal_handlers = lambda: None
-    module.start_fn, module.end_fn = started, closing
     try:
         yield
     finally:
-        module.start_fn, module.end_fn = start_fn, end_fn
         if own is not None:
             own.uninstall()
 

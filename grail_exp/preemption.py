@@ -10,7 +10,7 @@ submitit job back to submitit for its requeue (docs/reliability.md, "Every stop,
   (143 SIGTERM, 130 SIGINT). Should the main thread be stuck in native code (a collective whose peer is gone), the
   watcher thread ends the process ``STOP_GRACE_S`` after the signal;
 - *training*: the request is recorded (``on_request``); the ranks agree on it at the end of the optimiser step
-  (``GRPOModule._after_step``), every rank checkpoints that step and the job exits with the same codes;
+  (``RLVRModule._after_step``), every rank checkpoints that step and the job exits with the same codes;
 - *closing* (after the last optimiser step: the final checkpoint and evaluation): recorded; the run finishes.
 
 A second stop signal, in any phase, ends the process at once with one line (``os._exit`` from the watcher thread: the

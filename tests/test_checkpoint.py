@@ -215,7 +215,7 @@ def test_sweep_continues_past_a_failing_job(tmp_path, tiny_model_dir):
 
 
 def _one_process_module(model, step: int):
-    """The parts of a GRPOModule a checkpoint write reads, for one process under the local backend."""
+    """The parts of a RLVRModule a checkpoint write reads, for one process under the local backend."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
@@ -346,9 +346,9 @@ def test_the_hf_export_goes_into_the_final_checkpoint_unless_every_is_asked(tmp_
     module = SimpleNamespace(step=step, rank=1)
     seen = []
     monkeypatch.setattr(checkpointing, "write_checkpoint", lambda *a, export_hf, **k: seen.append(export_hf))
-    Saver(cfg, module, SimpleNamespace(tokenizer=None), None).checkpoint({"round": 1, "buffer": None})
+    Saver(cfg, SimpleNamespace(tokenizer=None), None).checkpoint(module, {"round": 1, "buffer": None})
     assert seen == [want]
     seen.clear()
     module.step += 1  # a new step
-    Saver(cfg, module, SimpleNamespace(tokenizer=None), None).checkpoint({"round": 1, "buffer": None}, final=True)
+    Saver(cfg, SimpleNamespace(tokenizer=None), None).checkpoint(module, {"round": 1, "buffer": None}, final=True)
     assert seen == [True]  # a run's final checkpoint (a stop's is not final) always carries them

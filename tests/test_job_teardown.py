@@ -39,7 +39,6 @@ def job_with_recorders(monkeypatch, tmp_path, compose_cfg):
     class Module:
         def __init__(self, *a, **k):
             self.rollout = types.SimpleNamespace(engine=None)
-            self.start_fn = self.end_fn = None
 
     verifier = types.SimpleNamespace(close=lambda: events.append("verifier closed"))
     parts = types.SimpleNamespace(policy=None, tokenizer=None, scheme=None, source=None, verifier=verifier,
@@ -47,11 +46,11 @@ def job_with_recorders(monkeypatch, tmp_path, compose_cfg):
     monkeypatch.setattr(tracking, "build_tracker", lambda *a, **k: Tracker())
     monkeypatch.setattr(job, "_resume_point", lambda cfg: (None, None))
     monkeypatch.setattr(job, "build_parts", lambda *a, **k: parts)
-    evaluator = types.SimpleNamespace(module=None, tables={}, during_training=None)
+    evaluator = types.SimpleNamespace(tables={})
     monkeypatch.setattr(job, "Evaluator", lambda *a, **k: evaluator)
-    monkeypatch.setattr(job, "Saver", lambda *a, **k: None)
+    monkeypatch.setattr(job, "Saver", lambda *a, **k: types.SimpleNamespace(save_start=lambda module: None))
     monkeypatch.setattr(job, "finish", lambda *a, **k: events.append("finished"))
-    monkeypatch.setattr(module_mod, "GRPOModule", Module)
+    monkeypatch.setattr(module_mod, "RLVRModule", Module)
 
     def make_fit(fail: bool):
         def fit(cfg, module, state):

@@ -359,10 +359,10 @@ def test_the_scheme_name_scan_catches_the_old_branches():
 
 # Function length: physical lines from the `def` line to the function's last line (ast's lineno .. end_lineno), every
 # method and nested function counted on its own. `python sweeps/function_lengths.py` lists them. Measured on today's
-# tree: the longest is 95 lines and 13 are over 60. These are ceilings that only go down, to no function over 80 lines
+# tree: the longest is 95 lines and 12 are over 60. These are ceilings that only go down, to no function over 80 lines
 # and at most 6 over 60.
 LONGEST_FUNCTION_CEILING = 95
-OVER_60_LINES_CEILING = 13
+OVER_60_LINES_CEILING = 12
 
 
 def _function_lengths(source: str) -> list[tuple[int, int, str]]:

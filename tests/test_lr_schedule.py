@@ -38,10 +38,10 @@ class _RecordingOpt(FakeOpt):
 
 
 def _schedule_of(cfg, policy, backend):
-    """The module's own scheduler (GRPOModule.configure_optimizers) for ``policy``."""
-    from grail_exp.training.module import GRPOModule
+    """The module's own scheduler (RLVRModule.configure_optimizers) for ``policy``."""
+    from grail_exp.training.module import RLVRModule
 
-    opts, scheds = GRPOModule.configure_optimizers(SimpleNamespace(cfg=cfg, policy=policy, backend=backend))
+    opts, scheds = RLVRModule.configure_optimizers(SimpleNamespace(cfg=cfg, policy=policy, backend=backend))
     return opts[0], scheds[0]["scheduler"]
 
 

@@ -23,15 +23,16 @@ def run_case(overrides, extra=()):
     from grail_exp.advantages import build_scheme
     from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.estimators.group import group_advantages
-    from grail_exp.training.module import GRPOModule, TrainingBatch
+    from grail_exp.training.module import Parts, RLVRModule, TrainingBatch
 
     cfg = pinned_config([*overrides, *extra])
     torch.manual_seed(0)
     model, tok = build_model_and_tokenizer()
     rb, texts, rewards = rollout_batch(tok)
     adv, _ = group_advantages(rewards, 4, cfg.loss.scale_rewards)
-    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, None,
-                        ref_model=build_model_and_tokenizer()[0].eval() if cfg.loss.beta > 0 else None)
+    scheme = build_scheme(cfg.advantage, tok)  # before the reference model: the order the RNG was drawn in
+    ref = build_model_and_tokenizer()[0].eval() if cfg.loss.beta > 0 else None
+    module = RLVRModule(cfg, Parts(model, tok, scheme, ref_model=ref))
     attn = rb.attention_mask
     N = len(texts)
     batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,

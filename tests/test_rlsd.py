@@ -205,13 +205,13 @@ def _module(cfg, model_dir):
     from grail_exp.models.loading import load_causal_lm, load_tokenizer
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker
-    from grail_exp.training.module import GRPOModule
+    from grail_exp.training.module import Parts, RLVRModule
 
     tok = load_tokenizer(str(model_dir), cfg)
     policy = load_causal_lm(str(model_dir), cfg, trainable=True)
     scheme = build_scheme(cfg.advantage, tok, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
-    return GRPOModule(cfg, policy, tok, scheme, build_engine("hf", policy, tok), build_source(cfg.data),
-                      AlternatingVerifier(), NullTracker(), None)
+    return RLVRModule(cfg, Parts(policy, tok, scheme, build_source(cfg.data), AlternatingVerifier(),
+                                 engine=build_engine("hf", policy, tok)), NullTracker())
 
 
 def test_lambda_zero_is_grpo_exactly(compose_cfg, tiny_model_dir):

@@ -325,7 +325,7 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
     from grail_exp.data import build_source
     from grail_exp.grading.rewards import MathVerifier
     from grail_exp.optim import build_optimizer
-    from grail_exp.training.module import GRPOModule
+    from grail_exp.training.module import Parts, RLVRModule
     from grail_exp.validate import validate
     from helpers.compose import compose
 
@@ -333,8 +333,8 @@ def test_trainer_samples_both_formats_and_feeds_span_advantages_to_the_loss(tiny
                             "trainer.micro_batch_size=8", "rollout.num_generations=8",
                             "rollout.max_completion_length=48"]))
     verifier = MathVerifier(num_workers=0)
-    module = GRPOModule(cfg, tiny_model, tiny_tokenizer, build_scheme(cfg.advantage, tiny_tokenizer),
-                        _ScriptedEngine(tiny_tokenizer), build_source(cfg.data), verifier, None)
+    module = RLVRModule(cfg, Parts(tiny_model, tiny_tokenizer, build_scheme(cfg.advantage, tiny_tokenizer),
+                                   build_source(cfg.data), verifier, engine=_ScriptedEngine(tiny_tokenizer)))
     module.manual_backward = lambda loss: loss.backward()
     batch, stats = module.rollout.make_batch(0, {})
     G, N = 8, 16

@@ -44,7 +44,7 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
     from grail_exp.loss import build_terms
     from grail_exp.models.loading import narrow_if_configured
     from grail_exp.training import row_order as row_order_mod
-    from grail_exp.training.module import GRPOModule
+    from grail_exp.training.module import Parts, RLVRModule
     from helpers.pinned_step import build_model_and_tokenizer, pinned_config
 
     cfg = pinned_config([*overrides, f"trainer.share_prompts={str(share).lower()}"])
@@ -60,8 +60,8 @@ def one_step(overrides: list[str], share: bool, attn: str = "eager", reference: 
                 p.mul_(0.9)
         set_attention(ref, attn)
     ctx = {"model": cfg.model, "seed": cfg.seed, "data": cfg.data, "share_prompts": share_prompts_of(cfg)}
-    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok, ctx), None, None, None, None, ref_model=ref,
-                        terms=build_terms(cfg.loss.get("terms"), tok, cfg.model))
+    module = RLVRModule(cfg, Parts(model, tok, build_scheme(cfg.advantage, tok, ctx), ref_model=ref,
+                                   terms=build_terms(cfg.loss.get("terms"), tok, cfg.model)))
     module.manual_backward = lambda loss: loss.backward()
     batch = interleaved_training_batch(tok, system)
     real = row_order_mod.rows_reorderable

@@ -1,6 +1,6 @@
 """A stop signal during training is one decision for all ranks: the handler only records it
-(``job.py:stop_on_signal``), and the ranks agree on it at one point of every optimiser step
-(``GRPOModule._after_step``); before training it ends the job at once (``preemption.StopSignals``). The 2-rank run
+(``job.TrainingHooks``), and the ranks agree on it at one point of every optimiser step
+(``RLVRModule._after_step``); before training it ends the job at once (``preemption.StopSignals``). The 2-rank run
 where one rank alone is signalled is tests/e2e/test_stop_on_one_rank.py; the stops that end processes,
 tests/e2e/test_stops.py."""
 
@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from grail_exp import world
 from grail_exp.errors import Preempted, StoppedBySignal
 from grail_exp.preemption import StopSignals, before_training_line, current, exit_code, set_stage
-from grail_exp.training.module import GRPOModule
+from grail_exp.training.module import RLVRModule
 from helpers.tolerances import HANG_TIMEOUT_S
 
 
@@ -24,24 +24,26 @@ def test_in_training_a_signal_is_recorded_and_lightning_installs_no_handler_of_i
     """Lightning's SIGTERM handler broadcasts from inside the handler (a collective on the signalled rank alone) and
     leaves a flag that ends the fit with exit 0 and no checkpoint; its Ctrl-C ends the fit with exit 1. Under
     ``stop_on_signal`` neither is installed (the fit's registration, called here as ``trainer.fit`` does, installs
-    nothing) and, once the fit has started (``start_fn``, as ``on_train_start`` calls it), SIGTERM and SIGINT only set
-    the module's request."""
+    nothing) and, once the fit has started (the job's hooks' ``start``, as ``on_train_start`` calls it), SIGTERM and
+    SIGINT only record the request the module reads at the end of a step."""
     import lightning as L
 
-    from grail_exp.job import stop_on_signal
+    from grail_exp.job import TrainingHooks, stop_on_signal
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     for sig in (signal.SIGINT, signal.SIGTERM):  # one fit each: a second signal would end this process at once
-        module = SimpleNamespace(stop_signal=0, start_fn=None, end_fn=None)
-        with stop_on_signal(module, trainer):
+        cfg = OmegaConf.create({"trainer": {"eval_before_training": False}})
+        hooks, module = TrainingHooks(cfg, evaluator=None, saver=None, phases={}, state=None), SimpleNamespace()
+        with stop_on_signal(trainer):
             ours = signal.getsignal(signal.SIGTERM)
             trainer._signal_connector.register_signal_handlers()  # what the fit does before its first batch
             assert signal.getsignal(signal.SIGTERM) == ours and signal.getsignal(signal.SIGINT) == ours
-            module.start_fn()  # the fit has started: the first optimiser step may begin
+            assert hooks.stop_requested(module) == 0
+            hooks.start(module)  # the fit has started: the first optimiser step may begin
             signal.raise_signal(sig)  # the handler runs before raise_signal returns
-            assert module.stop_signal == sig and trainer.received_sigterm is False
+            assert hooks.stop_requested(module) == sig and trainer.received_sigterm is False
             _counted(sig)
         assert {s: signal.getsignal(s) for s in before} == before
 
@@ -82,15 +84,17 @@ def _module(events: list, stop_signal: int):
                                         "save_weights_only_every": 0}, "advantage": {"name": "grpo"}})
     quiet = SimpleNamespace(progress_line=lambda *a: None, log_sample_table=lambda *a: None,
                             log_weight_table=lambda *a: None)
+    hooks = SimpleNamespace(stop_requested=lambda module: stop_signal,
+                            checkpoint=lambda module, position: events.append(("checkpoint", position["round"])))
     return SimpleNamespace(
-        cfg=cfg, rank=0, stop_signal=stop_signal, evaluate_fn=None, weights_fn=None, records=quiet,
+        cfg=cfg, rank=0, hooks=hooks, records=quiet,
         rollout=SimpleNamespace(verifier=SimpleNamespace(counters={}), samples=[]),
         update=SimpleNamespace(steps_per_rollout=1), tracker=SimpleNamespace(log_metrics=lambda *a, **k: None),
-        log_dict=lambda *a, **k: None, checkpoint_fn=lambda position: events.append(("checkpoint", position["round"])))
+        log_dict=lambda *a, **k: None)
 
 
 def _after_step(module, step: int = 2) -> None:
-    GRPOModule._after_step(module, step, {"loss": 0.5}, None, {"reward/mean": 0.25}, round_index=step - 1, index=0)
+    RLVRModule._after_step(module, step, {"loss": 0.5}, None, {"reward/mean": 0.25}, round_index=step - 1, index=0)
 
 
 @pytest.mark.parametrize("here, elsewhere", [(0, signal.SIGTERM), (signal.SIGINT, 0), (signal.SIGINT, signal.SIGTERM)])

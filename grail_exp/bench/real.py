@@ -163,7 +163,7 @@ def _add_floor(records: list, gflops: float) -> None:
 
 
 def _build(overrides: list[str], scheme: str):
-    """The experiment's parts and a ``GRPOModule`` driven without Lightning (as ``bench`` does)."""
+    """The experiment's parts and an ``RLVRModule`` driven without Lightning (as ``bench`` does)."""
     import lightning as L
     import torch
     from hydra import compose, initialize_config_dir
@@ -172,7 +172,7 @@ def _build(overrides: list[str], scheme: str):
     from grail_exp.config import register_configs
     from grail_exp.job import build_parts
     from grail_exp.tracking import NullTracker
-    from grail_exp.training.module import GRPOModule
+    from grail_exp.training.module import RLVRModule
     from grail_exp.validate import validate
 
     register_configs()
@@ -190,8 +190,8 @@ def _build(overrides: list[str], scheme: str):
         if parts.ref_model is not None:
             parts.ref_model.to("cuda")
     engine = parts.engine_factory()  # one process, no process group: the engine is built here, as setup() would
-    module = GRPOModule(cfg, parts.policy, parts.tokenizer, parts.scheme, engine, parts.source, parts.verifier,
-                        NullTracker(), parts.ref_model, terms=parts.terms)
+    parts.engine = engine
+    module = RLVRModule(cfg, parts, NullTracker())
     module.manual_backward = lambda loss: loss.backward()  # no Lightning trainer here
     module.backend.configure_model(parts.policy)
     (opt,), (sched,) = module.configure_optimizers()

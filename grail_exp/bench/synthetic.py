@@ -216,14 +216,14 @@ def bench_scheme(name: str, cfg: DictConfig, policy, initial_state: dict, tokeni
     from grail_exp.advantages import build_scheme
     from grail_exp.compute.forward import share_prompts_of
     from grail_exp.tracking import NullTracker
-    from grail_exp.training.module import GRPOModule
+    from grail_exp.training.module import Parts, RLVRModule
 
     with torch.no_grad():
         for k, v in policy.state_dict().items():
             v.copy_(initial_state[k])
     scheme = build_scheme(cfg.advantage, tokenizer, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data,
                                                      "share_prompts": share_prompts_of(cfg)})
-    module = GRPOModule(cfg, policy, tokenizer, scheme, None, None, None, NullTracker())
+    module = RLVRModule(cfg, Parts(policy, tokenizer, scheme), NullTracker())
     module.manual_backward = lambda loss: loss.backward()  # no Lightning trainer here
     (opt,), (sched,) = module.configure_optimizers()
     sched = sched["scheduler"]

@@ -154,7 +154,7 @@ def engine_in_process(llm) -> bool:
 
 def engine_seed(seed: int, rank: int) -> int:
     """The engine's seed on ``rank``: one per rank (TRL seeds its colocated engines with the process index), offset as
-    the trainer offsets each rank's own streams (``GRPOModule.setup``); rank 0 keeps the run's seed."""
+    the trainer offsets each rank's own streams (``RLVRModule.setup``); rank 0 keeps the run's seed."""
     return int(seed) + 1000 * int(rank)
 
 

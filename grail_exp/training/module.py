@@ -5,9 +5,10 @@
     update backend (grail_exp/training/backends/)    single process / DDP, FSDP, DeepSpeed ZeRO
 
 This class is the glue: Lightning calls ``training_step`` once per round (a "batch" of the data loader is a round
-index), the module runs the rollout phase, then each optimiser step of the update phase, and between steps logs,
-evaluates, checkpoints and honours a stop request. Manual optimisation (``automatic_optimization = False``) because one
-round yields μ optimiser steps, each over several micro-batches, exactly as TRL's GRPOTrainer with
+index), the module runs the rollout phase, then each optimiser step of the update phase, and between steps logs and
+calls what it was given at construction (``StepHooks``: evaluate, checkpoint, trajectory, the stop request; the job's
+evaluation before training and its closing at the fit's start and end). Manual optimisation (``automatic_optimization =
+False``) because one round yields μ optimiser steps, each over several micro-batches, exactly as TRL's GRPOTrainer with
 ``steps_per_generation == gradient_accumulation_steps``. ``progress.step`` counts optimiser steps (it survives resume,
 unlike Lightning's loop counters).
 
@@ -20,6 +21,9 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import lightning as L
 import torch
@@ -36,23 +40,64 @@ from grail_exp.training.rollout import RolloutPhase, SamplerMismatchError  # noq
 from grail_exp.training.update import NonFiniteLossError, UpdatePhase  # noqa: F401  (public error)
 
 
-class GRPOModule(L.LightningModule):
-    def __init__(self, cfg, policy, tokenizer, scheme, engine, source, verifier, tracker, ref_model=None,
-                 evaluate_fn=None, resume_state: dict | None = None, terms: list | None = None, engine_factory=None):
+@dataclass
+class Parts:
+    """What a run trains and scores with, built before any process group exists (``job.build_parts``)."""
+
+    policy: Any
+    tokenizer: Any
+    scheme: Any  # the token-weight scheme (advantages/)
+    source: Any = None  # the training prompts (data/)
+    verifier: Any = None  # the reward (grading/)
+    ref_model: Any = None  # the frozen reference model, when a loss term needs one
+    terms: list = field(default_factory=list)  # the loss's auxiliary terms (loss/)
+    engine: Any = None  # the rollout engine, or None: ``engine_factory`` builds it in ``setup``
+    # () -> engine, called in setup(): an engine with its own process-group membership (vLLM) must be built once
+    # Lightning's process group exists, on every rank.
+    engine_factory: Callable[[], Any] | None = None
+    model_path: str | None = None  # the starting weights (the reference model comes from here)
+    policy_path: str | None = None  # the weights the policy starts from now (a checkpoint when resuming)
+    start_sha256: str | None = None  # the starting weights' identity (study.dir or trainer.eval_cache set)
+
+
+class StepHooks:
+    """What the module calls around and between optimiser steps, each with the module first (as Lightning's callbacks
+    take theirs): the job's evaluator, saver and stop signals (``job.TrainingHooks``). This base does nothing and
+    requests no stop: a module driven without a job (tests, the bench) trains and only trains."""
+
+    def start(self, module) -> None:
+        """The fit has started (weights placed, resume state restored): the evaluation before training."""
+
+    def evaluate(self, module, step: int) -> None:
+        """Every ``trainer.eval_every`` optimiser steps but the last; may raise ``errors.RunStopped`` (Optuna)."""
+
+    def checkpoint(self, module, position: dict) -> None:
+        """Every ``trainer.checkpoint_every`` optimiser steps and on an agreed stop; ``position``: where the data
+        continues (the round and, mid-round, its rollout batch)."""
+
+    def trajectory(self, module, step: int) -> None:
+        """Every ``trainer.save_weights_only_every`` optimiser steps: the weights alone."""
+
+    def stop_requested(self, module) -> int:
+        """The stop signal this rank received during training (0: none), read once at the end of every step."""
+        return 0
+
+    def end(self, module) -> None:
+        """After the last step, still inside the fit: the final checkpoint, trajectory and evaluation."""
+
+
+class RLVRModule(L.LightningModule):
+    """Trains the policy with any token-weight scheme (GRPO, GRAIL, OAR-G/P, ...) from verifiable rewards."""
+
+    def __init__(self, cfg, parts: Parts, tracker=None, hooks: StepHooks | None = None,
+                 resume_state: dict | None = None):
         super().__init__()
         self.automatic_optimization = False
-        self.cfg, self.policy, self.ref_model, self.tokenizer = cfg, policy, ref_model, tokenizer
-        self.tracker, self.terms = tracker, terms or []
-        self.evaluate_fn = evaluate_fn  # step -> None, every trainer.eval_every optimiser steps
-        self.checkpoint_fn = None  # position -> None; set by the job
-        self.weights_fn = None  # step -> None: weights-only trajectory save; set by the job
-        self.start_fn = None  # () -> None: at the start of training (the evaluation before it); set by the job
-        self.end_fn = None  # () -> None: at the end of training, before Lightning tears down; set by the job
-        # () -> engine, called in setup() when ``engine`` is None: an engine with its own process-group membership
-        # (vLLM) must be built once Lightning's process group exists, on every rank.
-        self.engine_factory = engine_factory
+        self.cfg, self.policy, self.ref_model, self.tokenizer = cfg, parts.policy, parts.ref_model, parts.tokenizer
+        self.tracker, self.terms = tracker, parts.terms or []
+        self.hooks = hooks or StepHooks()
+        self.engine_factory = parts.engine_factory
         self._prompts_checked = False
-        self.stop_signal = 0  # the stop signal this rank received during training (set by the job's handler)
         self.progress = Progress(step=int(resume_state["step"]) if resume_state else 0)
         # Stochastic schemes (OAR-G's noise) draw from their own seeded stream: reproducible, and independent of the
         # sampling RNG. Saved and restored with checkpoints.
@@ -60,10 +105,12 @@ class GRPOModule(L.LightningModule):
         self.scheme_ctx = SchemeContext(cfg.rollout.temperature, cfg.rollout.num_generations, self.scheme_generator,
                                         self.progress)
         self.backend = build_backend(cfg, self)
-        self.rollout = RolloutPhase(cfg, policy, tokenizer, scheme, engine, source, verifier, self.backend,
-                                    self.scheme_ctx, ref_model=ref_model, terms=self.terms)
-        self.update = UpdatePhase(cfg, policy, tokenizer, scheme, self.backend, self.scheme_ctx, terms=self.terms)
-        self.records = StepRecords(cfg, tokenizer, tracker)
+        self.rollout = RolloutPhase(cfg, parts.policy, parts.tokenizer, parts.scheme, parts.engine, parts.source,
+                                    parts.verifier, self.backend, self.scheme_ctx, ref_model=parts.ref_model,
+                                    terms=self.terms)
+        self.update = UpdatePhase(cfg, parts.policy, parts.tokenizer, parts.scheme, self.backend, self.scheme_ctx,
+                                  terms=self.terms)
+        self.records = StepRecords(cfg, parts.tokenizer, tracker)
         self.update.on_weights = lambda batch, s, e, w, ent: self.records.collect_weights(
             self.progress.step + 1, batch, s, e, w, ent)
         # Resume: the checkpoint's state (loaded in on_train_start) and this rank's half-used rollout batch (μ > 1).
@@ -143,15 +190,13 @@ class GRPOModule(L.LightningModule):
             self.resume_part = None  # placed: release this rank's loaded part
             probe.emit("restored", module=self)
         probe.emit("started", module=self)
-        if self.start_fn is not None:
-            self.start_fn()
+        self.hooks.start(self)
 
     def on_train_end(self) -> None:
         # Still inside fit: the policy is on its device and the process group exists, so the final checkpoint and
         # evaluation run here, on every rank. The strategy's teardown comes next: it frees the optimiser state and
         # copies nothing to the host (grail_exp/device_teardown.py).
-        if self.end_fn is not None:
-            self.end_fn()
+        self.hooks.end(self)
         probe.emit("closed", module=self)
 
     # ------------------------------------------------------------------ the step
@@ -207,9 +252,8 @@ class GRPOModule(L.LightningModule):
                       prog_bar=True, logger=False, on_step=True, batch_size=1)
         self.records.log_sample_table(step, self.rollout.samples)
         self.records.log_weight_table(step)
-        if self.evaluate_fn and cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 \
-                and step < cfg.trainer.max_steps:
-            self.evaluate_fn(step)
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
+            self.hooks.evaluate(self, step)
         # The data position after this step: the same round (with its buffer) until its last optimiser step.
         done_round = index == self.update.steps_per_rollout - 1
         self.position = {"round": round_index + 1 if done_round else round_index,
@@ -220,18 +264,19 @@ class GRPOModule(L.LightningModule):
         # ranks at different moments, and ranks that decided apart would run different collectives and hang. All stop
         # when any asked (with the largest signal number asked: SIGTERM over SIGINT, one exit code for every rank); a
         # signal landing after this point is acted on at the next step's.
-        stop = world.max_over_ranks(self.stop_signal)
+        asked = self.hooks.stop_requested(self)
+        stop = world.max_over_ranks(asked)
         every = cfg.trainer.checkpoint_every
-        if self.checkpoint_fn and (stop or (every and step % every == 0)):
-            self.checkpoint_fn(self.position)
+        if stop or (every and step % every == 0):
+            self.hooks.checkpoint(self, self.position)
         faults.kill_after_step(step, cfg.advantage.name, self.rank)
         every = cfg.trainer.save_weights_only_every
-        if self.weights_fn and every and step % every == 0:
-            self.weights_fn(step)
+        if every and step % every == 0:
+            self.hooks.trajectory(self, step)
         if stop:
-            where = "" if self.stop_signal else " on another rank"
+            where = "" if asked else " on another rank"
             raise Preempted(f"stopped by signal{where} after step {step}; checkpoint written", signum=stop, step=step,
-                            here=bool(self.stop_signal))
+                            here=bool(asked))
 
     # ------------------------------------------------------------------ checkpoints
     def barrier(self) -> None:

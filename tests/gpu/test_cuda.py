@@ -51,9 +51,9 @@ def _bench_yaml():
 def _module(cfg, model, tok):
     from grail_exp.advantages import build_scheme
     from grail_exp.tracking import NullTracker
-    from grail_exp.training.module import GRPOModule
+    from grail_exp.training.module import Parts, RLVRModule
 
-    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, NullTracker())
+    module = RLVRModule(cfg, Parts(model, tok, build_scheme(cfg.advantage, tok)), NullTracker())
     module.manual_backward = lambda loss: loss.backward()
     return module
 

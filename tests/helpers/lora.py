@@ -41,7 +41,7 @@ def lora_one_step(overrides: list[str], share: bool, narrow: bool, attn: str = "
     from grail_exp.loss import build_terms
     from grail_exp.models import lora
     from grail_exp.models.loading import narrow_if_configured, use_kernel_gqa
-    from grail_exp.training.module import GRPOModule
+    from grail_exp.training.module import Parts, RLVRModule
     from helpers.batches import interleaved_training_batch
     from helpers.pinned_step import build_model_and_tokenizer, pinned_config
 
@@ -56,8 +56,8 @@ def lora_one_step(overrides: list[str], share: bool, narrow: bool, attn: str = "
     policy = lora.apply(model, cfg)
     move_adapters(policy)
     ctx = {"model": cfg.model, "seed": cfg.seed, "data": cfg.data, "share_prompts": share_prompts_of(cfg)}
-    module = GRPOModule(cfg, policy, tok, build_scheme(cfg.advantage, tok, ctx), None, None, None, None,
-                        terms=build_terms(cfg.loss.get("terms"), tok, cfg.model))
+    module = RLVRModule(cfg, Parts(policy, tok, build_scheme(cfg.advantage, tok, ctx),
+                                   terms=build_terms(cfg.loss.get("terms"), tok, cfg.model)))
     module.manual_backward = lambda loss: loss.backward()
     batch = interleaved_training_batch(tok)
     module.rollout.prepare(batch, {})

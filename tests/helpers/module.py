@@ -35,7 +35,7 @@ def build_module(cfg, model_dir, engine: str = "hf"):
     from grail_exp.models.loading import load_causal_lm, load_tokenizer
     from grail_exp.rollout import build_engine
     from grail_exp.tracking import NullTracker
-    from grail_exp.training.module import GRPOModule
+    from grail_exp.training.module import Parts, RLVRModule
 
     tok = load_tokenizer(str(model_dir), cfg)
     policy = load_causal_lm(str(model_dir), cfg, trainable=True)
@@ -43,8 +43,8 @@ def build_module(cfg, model_dir, engine: str = "hf"):
     ref = load_causal_lm(str(model_dir), cfg, trainable=False) \
         if needs_reference(cfg, terms) and not lora.enabled(cfg) else None
     scheme = build_scheme(cfg.advantage, tok, {"model": cfg.model, "seed": cfg.seed, "data": cfg.data})
-    return GRPOModule(cfg, policy, tok, scheme, build_engine(engine, policy, tok), build_source(cfg.data),
-                      AlternatingVerifier(), NullTracker(), ref, terms=terms)
+    return RLVRModule(cfg, Parts(policy, tok, scheme, build_source(cfg.data), AlternatingVerifier(), ref, terms,
+                                 engine=build_engine(engine, policy, tok)), NullTracker())
 
 
 class FakeOpt:

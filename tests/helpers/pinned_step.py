@@ -96,7 +96,7 @@ def pinned_module(dtype, overrides=()):
     from grail_exp.advantages import build_scheme
     from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.estimators.group import group_advantages
-    from grail_exp.training.module import GRPOModule, TrainingBatch
+    from grail_exp.training.module import Parts, RLVRModule, TrainingBatch
 
     cfg = pinned_config(["advantage=grpo", *overrides])
     torch.manual_seed(0)
@@ -104,7 +104,7 @@ def pinned_module(dtype, overrides=()):
     model = model.to(dtype)
     rb, texts, rewards = rollout_batch(tok)
     adv, _ = group_advantages(rewards, 4, "none")
-    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, None)
+    module = RLVRModule(cfg, Parts(model, tok, build_scheme(cfg.advantage, tok)))
     attn = rb.attention_mask
     batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
                           rb.completion_mask.float(), adv, rewards, texts, order=torch.arange(len(texts)))
@@ -132,15 +132,16 @@ def run_case_legacy(overrides):
     from grail_exp.advantages import build_scheme
     from grail_exp.compute.forward import position_ids_from_mask
     from grail_exp.estimators.group import group_advantages
-    from grail_exp.training.module import GRPOModule, TrainingBatch
+    from grail_exp.training.module import Parts, RLVRModule, TrainingBatch
 
     cfg = pinned_config(overrides)
     torch.manual_seed(0)
     model, tok = build_model_and_tokenizer()
     rb, texts, rewards = rollout_batch(tok)
     adv, _ = group_advantages(rewards, 4, cfg.loss.scale_rewards)
-    module = GRPOModule(cfg, model, tok, build_scheme(cfg.advantage, tok), None, None, None, None,
-                        ref_model=build_model_and_tokenizer()[0].eval() if cfg.loss.beta > 0 else None)
+    scheme = build_scheme(cfg.advantage, tok)  # before the reference model: the order the RNG was drawn in
+    ref = build_model_and_tokenizer()[0].eval() if cfg.loss.beta > 0 else None
+    module = RLVRModule(cfg, Parts(model, tok, scheme, ref_model=ref))
     attn = rb.attention_mask
     batch = TrainingBatch(rb.input_ids, attn, position_ids_from_mask(attn), rb.prompt_ids.shape[1], rb.completion_ids,
                           rb.completion_mask.float(), adv, rewards, texts)

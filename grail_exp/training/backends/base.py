@@ -366,7 +366,7 @@ class UpdateBackend:
 
     # ---- memory hygiene between the phases (the training phases call these; no-ops unless a backend needs them)
     def placed(self) -> None:
-        """The policy is on its device and sharded / wrapped (``GRPOModule.on_train_start``, before any training)."""
+        """The policy is on its device and sharded / wrapped (``RLVRModule.on_train_start``, before any training)."""
 
     def after_probe_backward(self) -> None:
         """A scheme's probe backward (an input gradient inside the policy forward) has finished."""

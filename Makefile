@@ -97,7 +97,7 @@ $(VSTAMP): $(STAMP)
 vllm-env: $(VSTAMP)
 
 test-vllm: $(VSTAMP)
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope -m vllm tests/test_vllm.py tests/test_card_layout.py tests/test_preflight.py tests/e2e/test_stops.py $(ARGS)
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope -m vllm tests/test_vllm.py tests/test_vllm_lora.py tests/test_card_layout.py tests/test_preflight.py tests/test_lora_preflight.py tests/e2e/test_stops.py $(ARGS)
 
 # The documentation site: broken links, anchors and pages missing from the nav are errors (--strict); a few seconds.
 # NO_MKDOCS_2_WARNING silences the Material theme's banner about MkDocs 2.0 (it is not a build warning).

@@ -175,3 +175,14 @@ def test_no_test_imports_another_test_file():
     assert not offenders, ("imports of a test file (tests share code through tests/helpers/, never a test file): "
                            + "; ".join(offenders))
 
+
+
+def test_every_file_with_vllm_tests_is_run_by_make_test_vllm():
+    """`make test-vllm` names its files: a file whose tests need vLLM but is not named there never runs in CI (its
+    tests skip in the main environment)."""
+    makefile = (TESTS.parent / "Makefile").read_text()
+    recipe = re.search(r"^test-vllm:.*\n\t(.*)$", makefile, re.M).group(1)
+    named = set(re.findall(r"tests/\S+\.py", recipe))
+    marked = {str(f.relative_to(TESTS.parent)) for f in TESTS.rglob("test_*.py")
+              if re.search(r"pytest\.mark\.vllm\b", f.read_text())}
+    assert marked - named == set(), f"files with vLLM tests that make test-vllm does not run: {sorted(marked - named)}"

@@ -63,6 +63,7 @@ def test_the_adapter_check_is_not_judged_where_no_adapter_travels():
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~35-65 s; make test-vllm rehearses LoRA in the card's layout (FSDP + vLLM), lora_adapter included
 def test_the_preflight_rehearses_lora_on_two_gloo_ranks_with_hf_generation(tmp_path):
     out, rows = run_preflight(tmp_path, ["trainer=ddp", "rollout=hf", "peft=lora", "peft.rank=4"])
     check_rehearsal(out, rows)  # lora_adapter n/a: the HF engine samples the live adapters

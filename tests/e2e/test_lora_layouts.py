@@ -45,7 +45,9 @@ def _probe_says_only_the_adapter_moved(probe_dir, ranks: int) -> None:
         [[x for x in probe[0] if x["point"] == "step"]] * ranks  # the ranks agree
 
 
-@pytest.mark.parametrize("trainer", ["fsdp", "deepspeed_zero2", pytest.param("ddp", marks=pytest.mark.slow),
+# fsdp in the default suite (FSDP2 with a frozen base: the layout LoRA changes most); the others ~40-120 s each
+@pytest.mark.parametrize("trainer", ["fsdp", pytest.param("deepspeed_zero2", marks=pytest.mark.slow),
+                                     pytest.param("ddp", marks=pytest.mark.slow),
                                      pytest.param("fsdp_zero2", marks=pytest.mark.slow)])
 def test_two_ranks_under_lora_equal_one_process(tmp_path, pinned_model_dir, trainer):
     one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from grail_exp.checkpoint import complete_checkpoints, load_rank_state, load_training_state
 from helpers.compose import compose
 from helpers.fakes import AlternatingVerifier
+from helpers.states import states_equal
 from helpers.tolerances import HANG_TIMEOUT_S
 
 
@@ -27,14 +28,6 @@ def _cfg(run_dir: Path, model_dir, extra=()):
                     *extra], run_dir.parent)
 
 
-def _state_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.mark.parametrize("scheme, mu, first_leg, k, extra", [
@@ -65,10 +58,10 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, formatted_model_dir
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     sa, sb = load_training_state(a), load_training_state(b)
-    assert _state_equal(sa["optimizer"], sb["optimizer"]) and _state_equal(sa["scheduler"], sb["scheduler"])
+    assert states_equal(sa["optimizer"], sb["optimizer"]) and states_equal(sa["scheduler"], sb["scheduler"])
     assert sa["step"] == sb["step"] == 4 and sa["round"] == sb["round"]
     ra, rb = load_rank_state(a, 0), load_rank_state(b, 0)
-    assert _state_equal(ra["rng"]["torch"], rb["rng"]["torch"])
+    assert states_equal(ra["rng"]["torch"], rb["rng"]["torch"])
     start = load_file(Path(formatted_model_dir) / "model.safetensors")
     assert any(not torch.equal(start[k], wa[k]) for k in wa)  # training really changed the weights
 

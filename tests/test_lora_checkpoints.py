@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from grail_exp.checkpoint import complete_checkpoints, load_rank_state, load_training_state
 from helpers.compose import compose
 from helpers.fakes import AlternatingVerifier
+from helpers.states import states_equal
 from helpers.tolerances import MODEL_REORDER
 
 
@@ -28,14 +29,6 @@ def _cfg(run_dir: Path, model_dir, extra=()):
                     "optim.lr=1e-2", *extra], run_dir.parent)
 
 
-def _state_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.fixture
@@ -66,9 +59,9 @@ def test_four_steps_equal_two_plus_resume_plus_two_under_lora(tmp_path, tiny_mod
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # diff 0
     assert any(wa[k].abs().max() > 0 for k in wa if ".lora_B." in k)  # B left zero: training moved the adapter
     sa, sb = load_training_state(a), load_training_state(b)
-    assert _state_equal(sa["optimizer"], sb["optimizer"]) and _state_equal(sa["scheduler"], sb["scheduler"])
+    assert states_equal(sa["optimizer"], sb["optimizer"]) and states_equal(sa["scheduler"], sb["scheduler"])
     assert sa["step"] == sb["step"] == 4
-    assert _state_equal(load_rank_state(a, 0)["rng"]["torch"], load_rank_state(b, 0)["rng"]["torch"])
+    assert states_equal(load_rank_state(a, 0)["rng"]["torch"], load_rank_state(b, 0)["rng"]["torch"])
     assert not (a / "model.safetensors").exists() and not (b / "model.safetensors").exists()
 
 

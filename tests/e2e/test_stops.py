@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from grail_exp import faults
 from grail_exp.checkpoint import complete_checkpoints, load_training_state
 from helpers.scripted_run import run_scripted
+from helpers.states import states_equal
 from helpers.stop_child import read_pid
 from helpers.tolerances import HANG_TIMEOUT_S
 
@@ -152,19 +153,11 @@ def test_sigint_at_step_n_checkpoints_step_n_and_resume_gives_the_uninterrupted_
     sa, sb = load_training_state(a), load_training_state(b)
     assert sa["step"] == sb["step"] == 2
     for part in ("optimizer", "scheduler"):
-        assert _equal(sa[part], sb[part]), part
+        assert states_equal(sa[part], sb[part]), part
     start = load_file(Path(pinned_model_dir) / "model.safetensors")
     assert any(not torch.equal(start[k], wa[k]) for k in wa)  # the steps really trained
 
 
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def test_sigkill_of_the_preflight_leaves_no_rank_behind(tmp_path, pinned_model_dir):

@@ -112,6 +112,8 @@ def _rotary_reload_notice(record: logging.LogRecord) -> bool:
 def _set_logit_scale(model, factor: float) -> float:
     """Runs inside the vLLM worker: scale the model's logits by ``factor`` (relative to its own scale)."""
     lp = getattr(model, "logits_processor", None)
+    # with LoRA enabled vLLM wraps it (LogitsProcessorWithLoRA), whose read-only scale is its base layer's
+    lp = getattr(lp, "base_layer", lp)
     if lp is None or not hasattr(lp, "scale"):
         raise RuntimeError(f"{type(model).__name__} has no logits_processor.scale: cannot fold the temperature in")
     if not hasattr(lp, "_grail_base_scale"):

@@ -97,7 +97,8 @@ def test_a_lora_checkpoint_holds_the_adapter_its_optimiser_and_the_training_stat
 def test_the_export_loads_in_peft_and_the_merged_folder_in_transformers(tmp_path, tiny_model_dir, alternating):
     """The final checkpoint with peft.export_merged=true: its adapter folder loads with PeftModel.from_pretrained
     onto the base (its config names it), and its merged/ folder loads as a plain model equal to PEFT's own merge of
-    that adapter; the weights-only trajectory holds the merged model too (step-0: the base)."""
+    that adapter; the weights-only trajectory holds the merged model too (step-0: the base). A checkpoint before the
+    last holds the adapter alone."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -105,8 +106,10 @@ def test_the_export_loads_in_peft_and_the_merged_folder_in_transformers(tmp_path
 
     run_dir = tmp_path / "r" / "run"
     run(_cfg(run_dir, tiny_model_dir, ["advantage=grpo", "trainer.max_steps=2", "peft.export_merged=true",
-                                       "trainer.save_weights_only_every=1"]))
+                                       "trainer.save_weights_only_every=1", "trainer.checkpoint_every=1"]))
     ckpt = run_dir / "checkpoints" / "step-2"
+    assert (run_dir / "checkpoints" / "step-1" / "adapter_config.json").is_file()
+    assert not (run_dir / "checkpoints" / "step-1" / "merged").exists()  # the merged model: the final checkpoint only
     assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ckpt).eval()
     merged = AutoModelForCausalLM.from_pretrained(ckpt / "merged").eval()

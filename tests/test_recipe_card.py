@@ -229,7 +229,9 @@ def test_hub_that_never_answers_times_out_once(tmp_path):
 
 @pytest.mark.e2e
 def test_unreachable_hub_uses_the_local_cache(tmp_path, tiny_model_dir):
-    """A repo already in the hub cache loads without the network (local_files_only), fast."""
+    """A repo already in the hub cache loads without the network (local_files_only): the hub is asked once, by the
+    probe, and both loads come from the cache (no time bound: loading the model itself takes 0.1-25 s with the
+    machine's load)."""
     snap = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
     snap.mkdir(parents=True)
     for f in Path(tiny_model_dir).iterdir():
@@ -239,4 +241,4 @@ def test_unreachable_hub_uses_the_local_cache(tmp_path, tiny_model_dir):
     (tmp_path / "hub" / "models--someone--tiny" / "refs" / "main").write_text("0" * 40)
     got = _load_offline(tmp_path, f"http://127.0.0.1:{_closed_port()}", "someone/tiny")
     assert got["tokenizer"][0] == "loaded" and got["model"][0] == "loaded", got
-    assert got["tokenizer"][1] < OFFLINE_BOUND_S and got["model"][1] < OFFLINE_BOUND_S
+    assert got["probes"] == 1, got

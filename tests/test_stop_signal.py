@@ -59,6 +59,7 @@ def _counted(sig: int) -> None:
 def test_before_training_a_stop_signal_ends_the_job_at_once():
     """Before the first optimiser step there is nothing to agree on or save: the signal raises ``StoppedBySignal``
     where the main thread is, naming what the job was doing, for the entry point's line and exit code."""
+    before = signal.getsignal(signal.SIGINT)  # Python's default_int_handler, or SIG_IGN under a background job
     stops = StopSignals().install()
     try:
         set_stage("the rendezvous (waiting for every rank)")
@@ -70,7 +71,7 @@ def test_before_training_a_stop_signal_ends_the_job_at_once():
             "save; exit 130")
     finally:
         stops.uninstall()
-    assert current() is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert current() is None and signal.getsignal(signal.SIGINT) is before
 
 
 def test_exit_codes_are_the_shells():

@@ -548,6 +548,7 @@ def _toy(tmp: Path) -> list[str]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~35-65 s (a killed toy study resumed); make test-all. The resume of one arm: test_checkpoint, e2e/test_stops
 def test_driver_survives_a_kill_skips_the_finished_arm_and_resumes_the_running_one(tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -235,6 +235,7 @@ def _assert_stores_agree(study, client, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~30-55 s; make test-all. A killed worker's trial at each crash point stays in the default suite
 def test_ci_study_prunes_survives_a_killed_worker_and_records_every_trial(tmp_path, able_model_dir, tiny_model_dir):
     """Two workers die with SIGKILL, each between the two stores' writes of a pruned trial (deterministic fault
     injection, no timer): the first after run() ended the trial's MLflow run as KILLED and before Optuna stored

@@ -229,6 +229,7 @@ def test_the_preflight_options_and_the_shrunk_command(compose_cfg):
 
 # ---------------------------------------------------------------------------------------------- end to end
 @pytest.mark.e2e
+@pytest.mark.slow  # ~50 s; CI keeps the same rehearsal on 2 gloo ranks with vLLM (make test-vllm, below)
 def test_the_preflight_rehearses_two_gloo_ranks_with_hf_generation(tmp_path):
     _check_rehearsal(*run_preflight(tmp_path, ["trainer=ddp", "rollout=hf"]))
 

@@ -19,7 +19,10 @@ from helpers.scripted_run import rank_tolerance, run_scripted, step_weights
 pytestmark = pytest.mark.e2e  # every test here runs a child process (tests/test_suite_rules.py)
 
 
-@pytest.mark.parametrize("trainer", ["fsdp", pytest.param("fsdp_zero2", marks=pytest.mark.slow)])
+# Both slow (~50 s each; CI time budget): make test keeps the same equality for FSDP on 2 gloo ranks with the prompts
+# shared (test_share_prompts.py) and under LoRA (e2e/test_lora_layouts.py).
+@pytest.mark.parametrize("trainer", [pytest.param("fsdp", marks=pytest.mark.slow),
+                                     pytest.param("fsdp_zero2", marks=pytest.mark.slow)])
 def test_fsdp_two_ranks_equal_one_process(tmp_path, pinned_model_dir, trainer):
     """trainer=fsdp (FSDP2 on gloo): sharded parameters, reduce-scattered gradients, the full checkpoint on rank 0;
     fsdp_zero2 keeps layers gathered between forward and backward (SHARD_GRAD_OP), same numbers."""

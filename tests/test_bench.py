@@ -52,13 +52,14 @@ def test_real_mode_runs_training_steps_per_scheme(tmp_path, tiny_model_dir):
     from grail_exp.bench import main
 
     out = tmp_path / "real.json"
-    payload = main(["bench.mode=real", "bench.steps=2", "bench.skip=1", "bench.schemes=[grpo,grail]", "bench.threads=1",
+    payload = main(["bench.mode=real", "bench.steps=2", "bench.skip=1", "bench.schemes=[grpo]", "bench.threads=1",
+                    "bench.variants={grail: [advantage=grail]}",  # a variant row: its profile files carry the row's name
                     f"model.name_or_path={tiny_model_dir}", "trainer.prompts_per_step=2", "rollout.num_generations=4",
                     "rollout.max_completion_length=12", "trainer.micro_batch_size=8", "reward.num_workers=1",
                     f"bench.profile={tmp_path / 'profile'}",
                     f"paths.cache_dir={tmp_path}", f"json={out}", f"markdown={tmp_path / 'real.md'}"])
     written = json.loads(out.read_text())
-    assert list(written["schemes"]) == ["grpo", "grail"]
+    assert list(written["schemes"]) == ["grpo", "grpo+grail"]
     for name, s in written["schemes"].items():
         steps = written["steps"][name]["records"]
         assert len(steps) == 2 and len(s["rewards"]) == 2
@@ -75,7 +76,7 @@ def test_real_mode_runs_training_steps_per_scheme(tmp_path, tiny_model_dir):
             assert "aten::mm" in (tmp_path / "profile" / f"{name}_{phase}_matmuls.txt").read_text()
             assert "Self CPU" in (tmp_path / "profile" / f"{name}_{phase}_ops.txt").read_text()
     md = (tmp_path / "real.md").read_text()
-    assert "| grail | hf |" in md and "- grail, update (profiled step): ops" in md
+    assert "| grpo+grail | hf |" in md and "- grpo+grail, update (profiled step): ops" in md
     assert payload["schemes"]["grpo"]["engine"] == "hf"
 
 

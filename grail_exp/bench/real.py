@@ -25,8 +25,8 @@ probe (one input-gradient backward over the completions) and OAR-G's noisy pass 
 backward); attention scores counted for the positions each token attends to. ``floor_ratio`` = step time / floor.
 
 ``bench.profile=<dir>``: after the timed steps, one more step per scheme under the torch profiler, the generation and
-the update apart (its overhead slows it, so it is not a timed step): ``<scheme>_<phase>_ops.txt`` (ops by self time)
-and ``<scheme>_<phase>_matmuls.txt`` (each matrix-product shape: calls, time, achieved GFLOP/s), and under the table
+the update apart (its overhead slows it, so it is not a timed step): ``<row>_<phase>_ops.txt`` (ops by self time)
+and ``<row>_<phase>_matmuls.txt`` (each matrix-product shape: calls, time, achieved GFLOP/s), and under the table
 the share of each phase's op time spent in matrix products and their throughput — what separates "the products are
 slow at these shapes" from "the time is outside the products".
 
@@ -63,9 +63,11 @@ def rows_of(schemes: list[str], variants: dict | None) -> dict[str, tuple[str, l
     return rows
 
 
-def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | None, profile: str | None = None) -> dict:
+def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | None, profile: str | None = None,
+               row: str | None = None) -> dict:
     """``steps`` real training steps of ``scheme`` (in this process): per-step records, the floor and the peak; with
-    ``profile`` (a directory), one more step under the torch profiler, phase by phase (``profile_step``)."""
+    ``profile`` (a directory), one more step under the torch profiler, phase by phase (``profile_step``), its files
+    named after the table's ``row`` (``grpo+lora``; default the scheme)."""
     _set_threads(threads)
     cfg, module, parts, (opt, sched) = _build(overrides, scheme)
     shape = _shape(parts.policy)
@@ -79,7 +81,7 @@ def run_scheme(overrides: list[str], scheme: str, steps: int, threads: int | Non
         # the machine's rate is what it can do: on a shared host one measurement can land in another tenant's burst
         # (2x lower seen here), so the best of one before and one after the steps
         gflops = max(gflops, matmul_gflops(parts.policy))
-        profiled = profile_step(module, opt, sched, steps, shape, scheme, Path(profile)) if profile else None
+        profiled = profile_step(module, opt, sched, steps, shape, scheme, Path(profile), row) if profile else None
     finally:
         parts.verifier.close()
         shutil.rmtree(cfg.paths.output_dir, ignore_errors=True)  # the run's folder: nothing in it is kept
@@ -258,11 +260,13 @@ def matmul_flops(op: str, shapes: list) -> float:
     return 2.0 * batch * a[-2] * a[-1] * b[-1]
 
 
-def profile_step(module, opt, sched, round_index: int, shape: dict, scheme: str, out_dir: Path) -> dict:
+def profile_step(module, opt, sched, round_index: int, shape: dict, scheme: str, out_dir: Path,
+                 row: str | None = None) -> dict:
     """One more step under the torch profiler (CPU op times; its own overhead makes it slower, so it is not one of the
-    timed steps), generation and update profiled apart. Writes ``<scheme>_<phase>_ops.txt`` (ops by self time) and
-    ``<scheme>_<phase>_matmuls.txt`` (each product shape: calls, time, achieved GFLOP/s) into ``out_dir``; returns per
-    phase the ops' self time, the products' time and share, and their achieved throughput."""
+    timed steps), generation and update profiled apart. Writes ``<row>_<phase>_ops.txt`` (ops by self time) and
+    ``<row>_<phase>_matmuls.txt`` (each product shape: calls, time, achieved GFLOP/s) into ``out_dir`` (``row``: the
+    table's row, ``grpo+lora``; default the scheme); returns per phase the ops' self time, the products' time and share,
+    and their achieved throughput."""
     from torch.profiler import ProfilerActivity, profile
 
     profilers = {}
@@ -285,12 +289,12 @@ def profile_step(module, opt, sched, round_index: int, shape: dict, scheme: str,
         mm_s, mm_flops = sum(r[3] for r in rows), sum(r[4] for r in rows)
         summary[name] = {"ops_s": total, "matmul_s": mm_s, "matmul_share": mm_s / total if total else 0.0,
                          "matmul_gflops": mm_flops / mm_s / 1e9 if mm_s else 0.0}
-        (out_dir / f"{scheme}_{name}_ops.txt").write_text(
+        (out_dir / f"{row or scheme}_{name}_ops.txt").write_text(
             p.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
-        (out_dir / f"{scheme}_{name}_matmuls.txt").write_text("\n".join(
+        (out_dir / f"{row or scheme}_{name}_matmuls.txt").write_text("\n".join(
             ["| op | input shapes | calls | self s | GFLOP/s |", "|---|---|--:|--:|--:|"]
             + [f"| {k} | {s} | {n} | {t:.3f} | {f / t / 1e9 if t else 0:.0f} |" for k, s, n, t, f in rows[:40]]) + "\n")
-        log.info("bench real %s profile, %s: ops %.2f s, matrix products %.2f s (%.0f %%) at %.0f GFLOP/s", scheme,
+        log.info("bench real %s profile, %s: ops %.2f s, matrix products %.2f s (%.0f %%) at %.0f GFLOP/s", row or scheme,
                  name, total, mm_s, 100 * summary[name]["matmul_share"], summary[name]["matmul_gflops"])
     return summary
 
@@ -436,7 +440,7 @@ def main(bench, overrides: list[str], argv: list[str]) -> dict:
         for name, (scheme, extra) in rows.items():
             try:
                 results[name] = in_own_process(_run_scheme_logged, [*overrides, *extra], scheme, int(bench.steps),
-                                               bench.get("threads"), bench.get("profile"))
+                                               bench.get("threads"), bench.get("profile"), name)
                 summaries[name] = summarize(results[name], int(bench.skip))
             except Exception as exc:  # one scheme's failure is a row of the table, not the end of the run
                 log.exception("bench real: scheme %s failed", name)
@@ -494,10 +498,10 @@ def in_own_process(fn, *args):
     return value
 
 
-def _run_scheme_logged(overrides, name, steps, threads, profile=None):
+def _run_scheme_logged(overrides, name, steps, threads, profile=None, row=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine (its own process is this one)
-    return run_scheme(list(overrides), name, steps, threads, profile)
+    return run_scheme(list(overrides), name, steps, threads, profile, row)
 
 
 def _run_paired_logged(overrides, rows, steps, threads):

@@ -543,8 +543,9 @@ class PeftConfig:
     # every linear layer of attention and MLP (the embeddings and the output layer stay frozen: the probes' leaf)
     target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                           "up_proj", "down_proj"])
-    # How an engine with its own weights (vLLM) follows the policy: adapter (the adapter each sync under a new name,
-    # the base pushed once) | merged (W + alpha/r BA computed in fp32 from the unchanged base, pushed in chunks)
+    # How the engine follows the policy: adapter (vLLM: the adapter each sync under a new name, the base pushed once;
+    # HF: samples the live adapters) | merged (W + alpha/r BA computed in fp32 from the unchanged base, pushed in
+    # chunks; HF: a merged copy of the adapted layers swapped in to generate, as fast as full fine-tuning's decoding)
     sync: str = "adapter"
     # null: the adapters are held and computed in model.dtype with fp32 master weights in the optimiser, as full
     # fine-tuning trains its weights (FSDP: its fp32 shards) | float32: PEFT's default, fp32 adapters and branch (a cast

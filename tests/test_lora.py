@@ -314,45 +314,128 @@ def test_the_cpu_fast_paths_under_peft_equal_the_straightforward_step(name, attn
 
 
 # ---------------------------------------------------------------------------------------------- the HF engine
-@pytest.mark.parametrize("sync", ["adapter", "merged"])
-def test_the_hf_engine_samples_the_live_adapters_with_no_sync_of_its_own(compose_cfg, tiny_model_dir, sync):
-    """rollout=hf samples from the policy object itself: after each AdamW step and the backend's sync (a no-op
-    handover, whatever peft.sync says) its log-probs are the trainer's forward of the same tokens (the preflight's
-    float32 tolerance, 1e-3 x (1 + |log p|)), and the base never moves."""
+def _hf_engine_setup(compose_cfg, tiny_model_dir, sync):
     import types
 
-    from grail_exp.compute.forward import policy_forward, position_ids_from_mask
-    from grail_exp.models.lora import adapter_parameters
-    from grail_exp.rollout import SamplingParams, build_engine, pad_completions
+    from grail_exp.models.loading import load_tokenizer
+    from grail_exp.rollout import build_engine
     from grail_exp.training.backends.local import LocalBackend
 
     cfg, policy, _ = _load(compose_cfg, tiny_model_dir, [f"peft.sync={sync}"])
-    from grail_exp.models.loading import load_tokenizer
-
     tok = load_tokenizer(str(tiny_model_dir), cfg)
-    engine = build_engine("hf", policy, tok, cfg=cfg)
+    engine = build_engine("hf", policy, tok, cfg=cfg, push_policy=False)  # as the training job builds it
     backend = LocalBackend(cfg, types.SimpleNamespace(policy=policy, cfg=cfg))
-    base = base_snapshot(policy)
     batch = _rows_batch(tok)
     prompts = [batch.input_ids[i][batch.attention_mask[i][:batch.prompt_length].bool().nonzero().min():
                                   batch.prompt_length].tolist() for i in (0, 1, 3)]
+    return cfg, policy, tok, engine, backend, batch, prompts
+
+
+def _engine_logps_against_the_trainer(engine, policy, tok, prompts, seed):
+    """|engine log-prob − trainer log-prob| of freshly sampled tokens, and the trainer's |log p| (both per token)."""
+    from grail_exp.compute.forward import policy_forward, position_ids_from_mask
+    from grail_exp.rollout import SamplingParams, pad_completions
+
+    torch.manual_seed(seed)
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, logprobs=True))
+    rb = pad_completions(out, tok.pad_token_id)
+    mask = rb.attention_mask
+    with torch.no_grad():
+        lp = policy_forward(policy, rb.input_ids, mask, position_ids_from_mask(mask), rb.completion_ids, 1.0)[0]
+    m = rb.completion_mask.bool()
+    return (rb.sampling_logprobs[m] - lp[m]).abs(), lp[m].abs()
+
+
+def test_the_hf_engine_samples_the_live_adapters_under_adapter_sync(compose_cfg, tiny_model_dir):
+    """rollout=hf with peft.sync=adapter samples from the policy object itself: after each AdamW step and the
+    backend's sync (a no-op handover) its log-probs are the trainer's forward of the same tokens (the preflight's
+    float32 tolerance, 1e-3 x (1 + |log p|)), and the base never moves."""
+    from grail_exp.models.lora import adapter_parameters
+
+    cfg, policy, tok, engine, backend, batch, prompts = _hf_engine_setup(compose_cfg, tiny_model_dir, "adapter")
+    assert engine.model is policy and not hasattr(engine, "load_weights")
+    base = base_snapshot(policy)
     opt = torch.optim.AdamW([p for _, p in adapter_parameters(policy)], lr=2e-2)
     for step in range(2):
         opt.zero_grad()
         (-_logps_grad(policy, batch).sum()).backward()
         opt.step()
         backend.sync_engine(engine)
-        torch.manual_seed(step)
-        out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, logprobs=True))
-        rb = pad_completions(out, tok.pad_token_id)
-        mask = rb.attention_mask
-        with torch.no_grad():
-            lp = policy_forward(policy, rb.input_ids, mask, position_ids_from_mask(mask), rb.completion_ids, 1.0)[0]
-        m = rb.completion_mask.bool()
-        d = (rb.sampling_logprobs[m] - lp[m]).abs()
-        assert bool((d <= 1e-3 * (1 + lp[m].abs())).all())
+        d, size = _engine_logps_against_the_trainer(engine, policy, tok, prompts, step)
+        assert bool((d <= 1e-3 * (1 + size)).all())
     after = policy.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items())
+
+
+def test_the_hf_engine_under_merged_sync_samples_its_own_merged_copy(compose_cfg, tiny_model_dir):
+    """rollout=hf with peft.sync=merged samples from its own copy of the adapted layers, W + (alpha/r) B A computed in
+    fp32 from the unchanged base (here written out from the policy's named tensors, not through the code's merge):
+    it refuses to generate before its first sync; after each AdamW step and sync its log-probs are the trainer's
+    forward of the same tokens (the preflight's tolerance) and no adapter product runs while it decodes; between a
+    step and the next sync it still samples the previous policy; the trainer's base is bit-identical throughout."""
+    from grail_exp.models.lora import adapter_parameters
+
+    cfg, policy, tok, engine, backend, batch, prompts = _hf_engine_setup(compose_cfg, tiny_model_dir, "merged")
+    assert type(engine).__name__ == "HFMergedLoraEngine"
+    with pytest.raises(RuntimeError, match="no merged weights yet"):
+        engine.generate(prompts, __import__("grail_exp.rollout", fromlist=["SamplingParams"]).SamplingParams(n=1))
+    base = base_snapshot(policy)
+    calls = []
+    hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for n, m in policy.named_modules()
+             if n.endswith(".lora_A.default")]
+    during_generation, generate = [], engine.generate
+
+    def counted(*args, **kwargs):
+        calls.clear()
+        out = generate(*args, **kwargs)
+        during_generation.append(len(calls))
+        return out
+
+    engine.generate = counted
+    opt = torch.optim.AdamW([p for _, p in adapter_parameters(policy)], lr=2e-2)
+    scale = cfg.peft.alpha / cfg.peft.rank
+    for step in range(2):
+        opt.zero_grad()
+        (-_logps_grad(policy, batch).sum()).backward()
+        opt.step()
+        backend.sync_engine(engine)
+        named = dict(policy.named_parameters())
+        for hf_name, merged in engine.merged.items():
+            prefix = "base_model.model." + hf_name[: -len(".weight")]
+            W, A, B = (named[f"{prefix}.base_layer.weight"], named[f"{prefix}.lora_A.default.weight"],
+                       named[f"{prefix}.lora_B.default.weight"])
+            expected = (W.double() + scale * (B.double() @ A.double())).float()
+            assert merged.dtype == W.dtype and (merged - expected).abs().max() <= 1e-6 * (1 + expected.abs().max())
+        calls.clear()
+        d, size = _engine_logps_against_the_trainer(engine, policy, tok, prompts, step)
+        assert during_generation == [0], "an adapter ran inside the merged engine's decoding"
+        assert calls, "the hooks see the adapters (the trainer's forward after the generation ran them)"
+        during_generation.clear()
+        assert bool((d <= 1e-3 * (1 + size)).all())
+        assert all(p.data_ptr() != m.data_ptr() for p, m in zip(engine.targets.values(), engine.merged.values()))
+    for h in hooks:
+        h.remove()
+    # one more step without a sync: the engine still samples the synced policy, not the live one
+    synced = _logps(policy, batch)
+    opt.zero_grad()
+    (-_logps_grad(policy, batch).sum()).backward()
+    opt.step()
+    assert (_logps(policy, batch) - synced).abs().max() > 1e-3  # the step moved the live policy
+    from grail_exp.models.lora import adapters_disabled
+
+    with adapters_disabled(policy), engine._merged_in():
+        assert (_logps(policy, batch) - synced).abs().max() <= 1e-4 * (1 + synced.abs().max())
+    after = policy.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())
+
+
+@pytest.mark.parametrize("strategy, refused", [("fsdp", True), ("ddp", False), ("deepspeed", False)])
+def test_the_hf_engines_merged_copy_is_refused_beside_sharded_parameters(compose_cfg, strategy, refused):
+    from grail_exp.models.lora import check_config
+
+    cfg = compose_cfg(["peft=lora", "peft.sync=merged", f"trainer.strategy={strategy}"])
+    lines = [x for x in check_config(cfg) if x.startswith("peft.sync")]
+    assert bool(lines) == refused and (not refused or "trainer.strategy = fsdp" in lines[0])
 
 
 def _logps_grad(model, batch):
@@ -360,3 +443,26 @@ def _logps_grad(model, batch):
 
     return (policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids,
                            1.0)[0] * batch.loss_mask)
+
+
+def test_a_run_with_the_hf_engine_under_merged_sync_trains_and_evaluates(tmp_path, tiny_model_dir, monkeypatch):
+    """`python -m grail_exp.run peft=lora peft.sync=merged` (HF generation from the merged copy) end to end: two steps
+    (rewards alternating within each group and the random model's truncated completions kept in the loss, so every
+    step has a gradient), the evaluation after them, the adapter moved."""
+    from safetensors.torch import load_file
+
+    import grail_exp.grading.rewards
+    from grail_exp.run import run
+    from helpers.compose import compose
+    from helpers.fakes import AlternatingVerifier
+
+    monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
+    run_dir = tmp_path / "run"
+    run(compose([f"model.name_or_path={tiny_model_dir}", f"paths.output_dir={run_dir}", "logger=none", "peft=lora",
+                 "peft.sync=merged", "peft.rank=4", "loss.mask_truncated_completions=false", "trainer.prompts_per_step=2", "trainer.micro_batch_size=8",
+                 "rollout.num_generations=4", "rollout.max_completion_length=16", "trainer.max_steps=2",
+                 "trainer.eval_before_training=false", "trainer.eval_at_end=true", "benchmark.limit=4", "eval.n=2",
+                 "trainer.sample_table_every=0", "optim.lr=1e-2"], tmp_path))
+    adapter = load_file(run_dir / "checkpoints" / "step-2" / "adapter_model.safetensors")
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if ".lora_B." in k)
+    assert any(run_dir.rglob("*eval*")), "no evaluation was written"

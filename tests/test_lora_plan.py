@@ -69,6 +69,24 @@ def test_the_lora_recipes_plan_by_hand_fits_one_80_gb_card():
     assert not p.problems
 
 
+def test_the_hf_engines_merged_copy_adds_every_adapted_weight_in_model_dtype_to_the_state():
+    """rollout=hf with peft.sync=merged holds W + (alpha/r) B A of every adapted linear layer in bf16 through every
+    phase: the state grows by 2 B x sum(in x out) over q, k, v, o, gate, up, down of the 36 layers; with
+    peft.sync=adapter (the live adapters) by nothing."""
+    from grail_exp.memory import plan
+
+    c = architecture("qwen3_8b")
+    h, i = c["hidden_size"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    per_layer = h * q + h * kv + h * kv + q * h + h * i + h * i + i * h
+    assert per_layer == 192_937_984
+    common = ("experiment=paper/qwen3_8b_grail_lora", "trainer.device_memory_gb=80", "rollout=hf")
+    live, merged = plan(_cfg(*common, "peft.sync=adapter")), plan(_cfg(*common, "peft.sync=merged"))
+    assert merged.phases["state"] - live.phases["state"] == pytest.approx(2 * 36 * per_layer, rel=1e-12)
+    assert {x.what: x.bytes for x in merged.lines}["merged copy (HF engine)"] == 2 * 36 * per_layer
+    assert "merged copy (HF engine)" not in {x.what for x in live.lines}
+
+
 def test_lora_recipes_validate_on_one_card_and_full_fine_tuning_is_refused():
     for scheme in ("grail", "grpo"):
         cfg = validate(_cfg(f"experiment=paper/qwen3_8b_{scheme}_lora", "trainer.device_memory_gb=80"))

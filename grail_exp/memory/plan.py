@@ -59,6 +59,7 @@ from grail_exp.memory.shapes import (
     _world,
     computed_positions,
     few_shot_tokens,
+    adapted_linear_parameters,
     hf_engine_kv_bytes,
     layer_activation_bytes,
     logits_bytes,
@@ -251,6 +252,10 @@ def model_state_lines(cfg, z: Sizes) -> list[Line]:
         shards = B.shards_parameters
         lines.append(Line("state", "frozen base", n * b / (W if shards else 1),
                           f"N {n:,} x {b} B" + (f" / W {W} (sharded)" if shards else "") + ", no masters, no Adam"))
+        if str(cfg.rollout.engine) == "hf" and str(cfg.peft.get("sync", "adapter")) == "merged":
+            m = adapted_linear_parameters(z.shape)
+            lines.append(Line("state", "merged copy (HF engine)", m * b, f"peft.sync=merged: W + (alpha/r) B A of every "
+                              f"adapted linear layer, {m:,} x {b} B"))
     lines += [Line("state", tag + item.what, item.bytes, item.how) for item in B.planned_state(cfg, trained, tb, W)]
     lines += [Line("update", tag + item.what, item.bytes, item.how)
               for item in B.planned_gradients(cfg, trained, tb, W)]

@@ -180,6 +180,13 @@ def lora_parameters(s: Shape, rank: int) -> int:
     return int(rank) * s.layers * per_rank
 
 
+def adapted_linear_parameters(s: Shape) -> int:
+    """Weight elements of every linear layer of attention and MLP (what ``lora_parameters`` adapts): the merged copy the
+    HF engine holds under ``peft.sync=merged`` (Qwen3-8B: 36 x 192,937,984 = 6,945,767,424)."""
+    qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return s.layers * (2 * s.hidden * qd + 2 * s.hidden * kd + 3 * s.hidden * s.intermediate)
+
+
 def frozen_layer_activation_bytes(s: Shape, b: int) -> float:
     """Bytes autograd saves per token in one decoder layer whose weights are all frozen (peft=lora's base), counted with
     saved-tensor hooks on the real HF layers (tests/test_plan.py): a frozen weight's input is not kept for its

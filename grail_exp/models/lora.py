@@ -107,8 +107,14 @@ def check_config(cfg) -> list[str]:
 
 
 def _engine_problems(cfg, p) -> list[str]:
-    """What the run's rollout engine cannot serve: a rank above vLLM's, a sync mode a plug-in engine lacks."""
+    """What the run's rollout engine cannot serve: a rank above vLLM's, a sync mode a plug-in engine lacks, the HF
+    engine's merged copy beside sharded parameters."""
     engine = str(cfg.rollout.engine)
+    strategy = str((cfg.get("trainer") or {}).get("strategy", "auto"))
+    if engine == "hf" and p.sync == "merged" and strategy == "fsdp":
+        return [f"peft.sync = merged: rollout=hf swaps a merged copy into the policy's own layers, which "
+                f"trainer.strategy = {strategy} holds as shards; use peft.sync=adapter (the HF engine then samples the "
+                "live adapters) or rollout=vllm"]
     if engine == "vllm":
         kw = (cfg.rollout.get("vllm") or {}).get("kwargs") or {}
         cap = kw.get("max_lora_rank")
@@ -208,6 +214,12 @@ def count_adapter_parameters(model) -> int:
 def scaling(peft_cfg) -> float:
     """α / r, the factor on B A (PEFT's ``scaling`` without rsLoRA; vLLM reads the same from the adapter's config)."""
     return float(peft_cfg.alpha) / float(peft_cfg.rank)
+
+
+def policy_scaling(model) -> float:
+    """α / r of a LoRA policy's adapter, read from the policy (PEFT's ``LoraConfig``) rather than the run config."""
+    c = model.peft_config[ADAPTER]
+    return float(c.lora_alpha) / float(c.r)
 
 
 class AdapterSnapshot:

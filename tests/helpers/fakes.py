@@ -143,7 +143,7 @@ class AlternatingVerifier:
     def __init__(self, *args, **kwargs):
         self.counters = {"timeout": 0}
 
-    def score(self, completions, golds):
+    def score(self, completions, golds, extraction=None):  # the evaluation passes the benchmark's extraction rule
         from grail_exp.grading.rewards import GradeResult
 
         return [GradeResult(i % 3 == 0, "x", "ok") for i in range(len(completions))]

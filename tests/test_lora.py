@@ -459,8 +459,9 @@ def test_a_run_with_the_hf_engine_under_merged_sync_trains_and_evaluates(tmp_pat
     monkeypatch.setattr(grail_exp.grading.rewards, "MathVerifier", AlternatingVerifier)
     run_dir = tmp_path / "run"
     run(compose([f"model.name_or_path={tiny_model_dir}", f"paths.output_dir={run_dir}", "logger=none", "peft=lora",
-                 "peft.sync=merged", "peft.rank=4", "loss.mask_truncated_completions=false", "trainer.prompts_per_step=2", "trainer.micro_batch_size=8",
-                 "rollout.num_generations=4", "rollout.max_completion_length=16", "trainer.max_steps=2",
+                 "peft.sync=merged", "peft.rank=4", "loss.mask_truncated_completions=false",
+                 "trainer.prompts_per_step=2", "trainer.micro_batch_size=8", "rollout.num_generations=4",
+                 "rollout.max_completion_length=16", "trainer.max_steps=2",
                  "trainer.eval_before_training=false", "trainer.eval_at_end=true", "benchmark.limit=4", "eval.n=2",
                  "trainer.sample_table_every=0", "optim.lr=1e-2"], tmp_path))
     adapter = load_file(run_dir / "checkpoints" / "step-2" / "adapter_model.safetensors")

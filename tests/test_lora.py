@@ -377,6 +377,7 @@ def test_the_hf_engine_under_merged_sync_samples_its_own_merged_copy(compose_cfg
 
     cfg, policy, tok, engine, backend, batch, prompts = _hf_engine_setup(compose_cfg, tiny_model_dir, "merged")
     assert type(engine).__name__ == "HFMergedLoraEngine"
+    assert len(engine.wrappers) == len(engine.targets) == 7 * policy.config.num_hidden_layers
     with pytest.raises(RuntimeError, match="no merged weights yet"):
         engine.generate(prompts, __import__("grail_exp.rollout", fromlist=["SamplingParams"]).SamplingParams(n=1))
     base = base_snapshot(policy)

@@ -304,7 +304,7 @@ def merged_tensors(pairs, factor: float):
         if len(parts) == 3:
             del waiting[prefix]
             W, A, B = parts["base"], parts["A"], parts["B"]
-            merged = W.float() + factor * (B.float() @ A.float())
+            merged = torch.addmm(W.float(), B.float(), A.float(), alpha=factor)  # W + factor · B A, one fp32 pass
             yield base_state_name(prefix + ".base_layer.weight"), merged
     if waiting:
         raise RuntimeError(f"merging LoRA: layers without their three tensors: {sorted(waiting)[:3]}")

@@ -176,8 +176,8 @@ class HFMergedLoraEngine(HFRolloutEngine):
     The engine holds its own copy of the adapted layers' merged weights only (embeddings, norms and the output layer
     are the policy's own, shared). The trainer streams W + (α/r)·B A at each sync, computed in fp32 from the unchanged
     base (``training/backends/base.py``'s ``sync_lora``, the stream vLLM's merged mode gets) and cast to the base's
-    dtype; to generate, the policy runs with its adapters off and those base layers' storage swapped for the merged
-    copy, restored after. The trainer's own weights are never written (no merge / unmerge drift: TRL #6688), and the
+    dtype; to generate, each adapted layer of the policy is replaced by its base layer (no adapter wrapper on the
+    path) with its storage swapped for the merged copy, all restored after. The trainer's own weights are never written (no merge / unmerge drift: TRL #6688), and the
     engine samples the policy of its last sync, as an engine with its own weights does. Every rank holds the whole
     policy (one process, DDP, DeepSpeed ZeRO-2); validate.py refuses it under FSDP, whose parameters are shards."""
 
@@ -190,6 +190,10 @@ class HFMergedLoraEngine(HFRolloutEngine):
         self.targets = {lora.base_state_name(n): p for n, p in model.named_parameters() if ".base_layer.weight" in n}
         if not self.targets:
             raise ValueError(f"{type(model).__name__} has no LoRA layers to merge (HFMergedLoraEngine needs peft=lora)")
+        # (parent, attribute, the adapted layer) of every module that wraps a base layer: replaced while generating
+        modules = dict(model.named_modules())
+        self.wrappers = [(modules[n.rpartition(".")[0]], n.rpartition(".")[2], m) for n, m in modules.items()
+                         if isinstance(getattr(m, "base_layer", None), torch.nn.Linear) and "." in n]
         self.dtype = next(iter(self.targets.values())).dtype  # the frozen base's: what the merged copy is held in
         self.merged: dict[str, torch.Tensor] = {}
 
@@ -232,15 +236,20 @@ class HFMergedLoraEngine(HFRolloutEngine):
 
     @contextlib.contextmanager
     def _merged_in(self):
-        """The adapted base layers hold the merged copy inside the block (their storage swapped, never written)."""
+        """Inside the block every adapted layer is its bare base layer holding the merged copy (the storage swapped,
+        never written; PEFT's wrapper, even with its adapters off, costs a call and its checks per layer and token)."""
         kept = {name: p.data for name, p in self.targets.items()}
         try:
+            for parent, attr, wrapper in self.wrappers:
+                setattr(parent, attr, wrapper.base_layer)
             for name, p in self.targets.items():
                 p.data = self.merged[name]
             yield
         finally:
             for name, p in self.targets.items():
                 p.data = kept[name]
+            for parent, attr, wrapper in self.wrappers:
+                setattr(parent, attr, wrapper)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -139,27 +139,17 @@ class GradSyncDDPStrategy(DeviceResidentTeardown, DDPStrategy):
             _sync_module_states(self.model)
 
 
-def dist_timeout(cfg) -> timedelta:
-    """The timeout of every process group the run creates: ``trainer.dist_timeout_s``, or (null) what the planned
-    checkpoint write needs (``memory.needed_dist_timeout``, the rule of grail_exp/timeouts.py)."""
-    seconds = cfg.trainer.get("dist_timeout_s")
-    if seconds is None:
-        from grail_exp.memory import needed_dist_timeout
-
-        seconds, _ = needed_dist_timeout(cfg)
-    return timedelta(seconds=int(seconds))
-
-
-def build_strategy(cfg):
+def build_strategy(cfg, timeout: timedelta):
     """The Lightning strategy for ``trainer.strategy``: ``auto`` (one process) as Lightning's own single-device
     strategy on the device it would pick; every other update backend's name launches its ranks as DDP does (the backend
-    then shards, wraps or reduces by itself), its process group created with ``dist_timeout``. Neither copies the model
+    then shards, wraps or reduces by itself), its process group created with ``timeout`` (the caller's
+    ``memory.dist_timeout``: the key, or what the planned checkpoint needs). Neither copies the model
     or the optimiser state to the host at the end of the fit (grail_exp/device_teardown.py)."""
     t = cfg.trainer
     name = str(t.strategy)
     if name == "auto":
         return DeviceResidentSingleDeviceStrategy(device=single_device(t.accelerator, t.devices))
-    return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"), timeout=dist_timeout(cfg),
+    return GradSyncDDPStrategy(process_group_backend=t.get("process_group_backend"), timeout=timeout,
                                rendezvous_timeout_s=t.get("rendezvous_timeout_s", 600))
 
 

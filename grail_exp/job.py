@@ -258,7 +258,7 @@ def build_parts(cfg: DictConfig, ckpt, state: dict | None, tracker, phases: dict
                             "warm_start.seconds": round(ws["seconds"], 1), "model.path": model_path})
     start_sha256 = None
     if cfg.study.dir or cfg.trainer.eval_cache:
-        from grail_exp.analysis.study import weights_sha256
+        from grail_exp.models.architectures import weights_sha256
 
         start_sha256 = weights_sha256(model_path)
         if state is None:
@@ -444,13 +444,14 @@ def fit(cfg: DictConfig, module, state: dict | None) -> None:
     from torch.utils.data import DataLoader
 
     from grail_exp.distributed import build_strategy
+    from grail_exp.memory import dist_timeout
 
     rounds = -(-cfg.trainer.max_steps // module.update.steps_per_rollout)  # ceil
     start_round = int(state["round"]) if state else 0
     log_length(cfg, rounds, module.update.steps_per_rollout, start_round)
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
-        strategy=build_strategy(cfg), precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
+        strategy=build_strategy(cfg, dist_timeout(cfg)), precision=cfg.trainer.precision, max_steps=-1, max_epochs=1, logger=False,
         enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
         deterministic=cfg.trainer.deterministic, default_root_dir=cfg.paths.output_dir,
         use_distributed_sampler=False,  # every rank walks the same rounds; the module splits the prompts

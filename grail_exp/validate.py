@@ -309,8 +309,16 @@ def peft(cfg) -> list[str]:
     """LoRA (``peft.*``): rank, alpha, dropout, target modules and sync mode, and what the rollout engine can serve
     (grail_exp/models/lora.py ``check_config``)."""
     from grail_exp.models import lora
+    from grail_exp.training.backends import BACKENDS
 
-    return lora.check_config(cfg)
+    e = lora.check_config(cfg)
+    backend = BACKENDS.get(str((cfg.get("trainer") or {}).get("strategy", "auto")))
+    if lora.enabled(cfg) and str(cfg.rollout.engine) == "hf" and str(cfg.peft.sync) == "merged" \
+            and backend is not None and backend.shards_parameters:
+        e.append(f"peft.sync = merged: rollout=hf swaps a merged copy into the policy's own layers, which "
+                 f"trainer.strategy = {cfg.trainer.strategy} holds as shards; use peft.sync=adapter (the HF engine then "
+                 "samples the live adapters) or rollout=vllm")
+    return e
 
 
 def is_hub_model(model_cfg) -> bool:

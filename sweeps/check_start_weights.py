@@ -18,9 +18,9 @@ def start_weights(overrides: list[str]) -> tuple[str, str]:
     """(directory, sha256) of the weights a run with ``overrides`` starts from."""
     from hydra import compose, initialize_config_dir
 
-    from grail_exp.analysis.study import weights_sha256
     from grail_exp.conf_path import CONFIG_DIR
     from grail_exp.config import register_configs
+    from grail_exp.models.architectures import weights_sha256
     from grail_exp.models.loading import resolve_model_path
 
     register_configs()

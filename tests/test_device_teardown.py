@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -54,7 +55,7 @@ def test_every_trainers_strategy_tears_down_on_the_device(option, compose_cfg, m
 
     cfg = compose_cfg([f"trainer={option}", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.num_nodes=1"])
     monkeypatch.setenv("WORLD_SIZE", "1")  # the cluster environment's teardown removes it
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=build_strategy(cfg), logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=build_strategy(cfg, timedelta(seconds=1800)), logger=False,
                         enable_checkpointing=False, enable_model_summary=False)
     strategy = trainer.strategy
     module = _MetaModule()

@@ -51,10 +51,11 @@ def test_lightnings_process_group_is_created_with_the_timeout(compose_cfg, monke
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     from grail_exp.distributed import build_strategy
+    from grail_exp.memory import dist_timeout
 
     cfg = compose_cfg(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=1", *overrides])
     calls = _record_init(monkeypatch)
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(cfg, dist_timeout(cfg))
     strategy.cluster_environment = LightningEnvironment()
     strategy.parallel_devices = [torch.device("cpu")]
     strategy.setup_distributed()

@@ -430,12 +430,13 @@ def test_the_hf_engine_under_merged_sync_samples_its_own_merged_copy(compose_cfg
     assert all(torch.equal(after[k], v) for k, v in base.items())
 
 
-@pytest.mark.parametrize("strategy, refused", [("fsdp", True), ("ddp", False), ("deepspeed", False)])
-def test_the_hf_engines_merged_copy_is_refused_beside_sharded_parameters(compose_cfg, strategy, refused):
-    from grail_exp.models.lora import check_config
+@pytest.mark.parametrize("trainer, refused", [("fsdp", True), ("fsdp_zero2", True), ("ddp", False),
+                                             ("deepspeed_zero2", False)])
+def test_the_hf_engines_merged_copy_is_refused_beside_sharded_parameters(compose_cfg, trainer, refused):
+    from grail_exp.validate import peft
 
-    cfg = compose_cfg(["peft=lora", "peft.sync=merged", f"trainer.strategy={strategy}"])
-    lines = [x for x in check_config(cfg) if x.startswith("peft.sync")]
+    cfg = compose_cfg(["peft=lora", "peft.sync=merged", f"trainer={trainer}", "trainer.accelerator=cpu"])
+    lines = [x for x in peft(cfg) if x.startswith("peft.sync")]
     assert bool(lines) == refused and (not refused or "trainer.strategy = fsdp" in lines[0])
 
 

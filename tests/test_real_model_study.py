@@ -752,7 +752,7 @@ def test_cold_start_trains_on_the_training_prompts_and_the_generators_solutions(
 def test_cold_start_is_built_once_cached_recorded_and_shared_by_every_seed(tmp_path):
     import hashlib as h
 
-    from grail_exp.analysis.study import weights_sha256
+    from grail_exp.models.architectures import weights_sha256
     from grail_exp.models.cold_start import MANIFEST
     from grail_exp.models.loading import resolve_model_path
 

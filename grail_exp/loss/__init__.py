@@ -17,7 +17,7 @@ from __future__ import annotations
 from grail_exp.compute.logprobs import entropy_from_logits, linear_logprob, selective_log_softmax
 from grail_exp.loss import policies as _policies  # noqa: E402,F401  (registers the GRPO family's surrogates)
 from grail_exp.loss.aggregation import AGGREGATIONS, AggregationContext, register_aggregation
-from grail_exp.loss.correction import is_weights
+from grail_exp.loss.correction import is_weights, needs_old_logprobs
 from grail_exp.loss.kl import KL_ESTIMATORS, register_kl
 from grail_exp.loss.objective import LossOutput, aggregator, compose_objective
 from grail_exp.loss.policy import POLICY_LOSSES, PolicyLossOutput, masked_mean, register_policy_loss
@@ -27,8 +27,8 @@ from grail_exp.registry import import_modules
 __all__ = [
     "AGGREGATIONS", "AggregationContext", "KL_ESTIMATORS", "LOSS_TERMS", "LossOutput", "LossTerm", "POLICY_LOSSES",
     "PolicyLossOutput", "TermContext", "aggregator", "build_terms", "compose_objective", "entropy_from_logits",
-    "is_weights", "linear_logprob", "masked_mean", "needs_reference", "register_aggregation", "register_kl", "register_loss_term",
-    "register_policy_loss", "selective_log_softmax",
+    "is_weights", "linear_logprob", "masked_mean", "needs_old_logprobs", "needs_reference", "register_aggregation",
+    "register_kl", "register_loss_term", "register_policy_loss", "selective_log_softmax",
 ]
 
 # Every module here registers what it defines (the terms: after the names above exist, they import this package's pieces).

@@ -64,3 +64,13 @@ def is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.T
                "is/ratio_max": valid_ratio.max().item(), "is/masked_frac": (dropped.sum() / n).item(),
                "is/weight_mean": (w[m].mean().item() if m.any() else 1.0)}
     return w.detach(), metrics
+
+
+def needs_old_logprobs(cfg) -> bool:
+    """Whether the update needs the rollout-time log-probs π_old (a no-grad forward at the rollout parameters) instead
+    of sg(log π_θ) of the live forward. verl's rule (``dp_actor.update_policy``: on-policy only with one mini-batch and
+    one epoch) and TRL's (``_generate_and_score_completions``: old log-probs whenever a generation batch feeds more than
+    one optimiser step): with k mini-batches × μ epochs > 1 every step after the first sees moved parameters, so the
+    PPO ratio, its clip and the off-policy mask need π_old. An IS correction needs them too (π_old vs the sampler)."""
+    steps = cfg.loss.num_iterations * cfg.trainer.get("mini_batches_per_rollout", 1)
+    return steps > 1 or cfg.rollout.is_correction.mode != "none"

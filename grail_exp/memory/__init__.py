@@ -6,6 +6,7 @@ from grail_exp.memory.advice import check, refusal, render, replan, suggest, tig
 from grail_exp.memory.plan import (
                                   Line,
                                   MemoryPlan,
+                                  dist_timeout,
                                   needed_dist_timeout,
                                   plan,
                                   planned_mem_gb,
@@ -24,7 +25,7 @@ from grail_exp.memory.shapes import (
                                   vllm_kv_cache_bytes,
 )
 
-__all__ = ["GiB", "Line", "MemoryPlan", "PLAN_ERROR", "PlanError", "Shape", "VLLM_CPU_PAGE_FACTOR", "check",
+__all__ = ["GiB", "Line", "MemoryPlan", "PLAN_ERROR", "PlanError", "Shape", "VLLM_CPU_PAGE_FACTOR", "check", "dist_timeout",
            "layer_activation_bytes", "logits_bytes", "model_shape", "needed_dist_timeout", "plan", "planned_mem_gb",
            "planned_step_seconds",
            "refusal", "render", "replan", "stop_lead", "suggest", "tight_warning", "vllm_kv_cache_bytes"]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from grail_exp.memory.shapes import (
     HEADROOM_FIXED,
@@ -311,8 +312,7 @@ def update_lines(cfg, z: Sizes) -> list[Line]:
 
 def logp_lines(cfg, z: Sizes) -> list[Line]:
     """The no-grad forward of old / reference log-probs, when k x mu > 1, an IS correction or a reference needs them."""
-    from grail_exp.loss import needs_reference
-    from grail_exp.training.batch import needs_old_logprobs
+    from grail_exp.loss import needs_old_logprobs, needs_reference
 
     if not (needs_old_logprobs(cfg) or needs_reference(cfg)):
         return []
@@ -625,6 +625,15 @@ def needed_dist_timeout(cfg) -> tuple[int, str]:
     except PlanError:
         params = None
     return rule(params)
+
+
+def dist_timeout(cfg) -> timedelta:
+    """The timeout of every process group the run creates: ``trainer.dist_timeout_s``, or (null) what the planned
+    checkpoint write needs (``needed_dist_timeout``); handed to ``distributed.build_strategy`` by the job."""
+    seconds = cfg.trainer.get("dist_timeout_s")
+    if seconds is None:
+        seconds, _ = needed_dist_timeout(cfg)
+    return timedelta(seconds=int(seconds))
 
 
 def planned_step_seconds(cfg) -> tuple[float, str]:

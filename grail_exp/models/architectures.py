@@ -290,3 +290,19 @@ def main() -> None:  # pragma: no cover - a printout
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+def weights_sha256(model_dir) -> str:
+    """sha256 over a model directory's weight files (names and bytes, in name order): the starting weights' identity.
+    A hub id without a local directory hashes its name."""
+    p = Path(model_dir)
+    files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in p.glob(pattern)) if p.is_dir() else []
+    h = hashlib.sha256()
+    if not files:
+        h.update(f"name:{model_dir}".encode())
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()

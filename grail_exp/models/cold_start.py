@@ -100,7 +100,7 @@ def ensure_cold_start(base_dir: str, cfg, load_tokenizer, load_causal_lm) -> str
     (the one caller), so that this module stays below models.py instead of importing it back."""
     from filelock import FileLock
 
-    from grail_exp.analysis.study import weights_sha256
+    from grail_exp.models.architectures import weights_sha256
 
     tokenizer = load_tokenizer(base_dir, cfg)
     s = spec(cfg, weights_sha256(base_dir), tokenizer)

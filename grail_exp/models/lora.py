@@ -107,14 +107,9 @@ def check_config(cfg) -> list[str]:
 
 
 def _engine_problems(cfg, p) -> list[str]:
-    """What the run's rollout engine cannot serve: a rank above vLLM's, a sync mode a plug-in engine lacks, the HF
-    engine's merged copy beside sharded parameters."""
+    """What the run's rollout engine cannot serve: a rank above vLLM's, a sync mode a plug-in engine lacks (the HF
+    engine's merged copy beside sharded parameters: validate.py, which asks the strategy's backend)."""
     engine = str(cfg.rollout.engine)
-    strategy = str((cfg.get("trainer") or {}).get("strategy", "auto"))
-    if engine == "hf" and p.sync == "merged" and strategy == "fsdp":
-        return [f"peft.sync = merged: rollout=hf swaps a merged copy into the policy's own layers, which "
-                f"trainer.strategy = {strategy} holds as shards; use peft.sync=adapter (the HF engine then samples the "
-                "live adapters) or rollout=vllm"]
     if engine == "vllm":
         kw = (cfg.rollout.get("vllm") or {}).get("kwargs") or {}
         cap = kw.get("max_lora_rank")

@@ -9,7 +9,7 @@
 
 Both run as ``python -m grail_exp.run`` does on this node (Lightning starts the node's ranks); the preflight reads the
 probe files, the checkpoints and the exit codes into ``checks.Evidence``, with what the run itself would use: its
-process-group backend and device type, its process-group timeout (``distributed.dist_timeout``: the key, or the
+process-group backend and device type, its process-group timeout (``memory.dist_timeout``: the key, or the
 planned checkpoint's rule when it is null). A config of several nodes is refused: the rehearsal runs one node.
 """
 
@@ -112,9 +112,10 @@ def run_layout(cfg) -> tuple[str, str]:
 
     from grail_exp.device_teardown import device_type
     from grail_exp.distributed import build_strategy
+    from grail_exp.memory import dist_timeout
 
     device = device_type(cfg.trainer.accelerator)
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(cfg, dist_timeout(cfg))
     if not isinstance(strategy, ParallelStrategy):
         return "none", device
     return str(strategy.process_group_backend or ("nccl" if device == "cuda" else "gloo")), device
@@ -313,9 +314,9 @@ class Rehearsal:
 
     def dist_timeout(self) -> tuple[float, str]:
         """(seconds, where from) of the run's process-group timeout, by the run's own rule
-        (``distributed.dist_timeout``): ``trainer.dist_timeout_s``, or when null what the full-depth model's planned
+        (``memory.dist_timeout``): ``trainer.dist_timeout_s``, or when null what the full-depth model's planned
         checkpoint needs (grail_exp/timeouts.py)."""
-        from grail_exp.distributed import dist_timeout
+        from grail_exp.memory import dist_timeout
 
         seconds = dist_timeout(self.full).total_seconds()
         if self.full.trainer.get("dist_timeout_s") is not None:

@@ -177,9 +177,10 @@ class HFMergedLoraEngine(HFRolloutEngine):
     are the policy's own, shared). The trainer streams W + (α/r)·B A at each sync, computed in fp32 from the unchanged
     base (``training/backends/base.py``'s ``sync_lora``, the stream vLLM's merged mode gets) and cast to the base's
     dtype; to generate, each adapted layer of the policy is replaced by its base layer (no adapter wrapper on the
-    path) with its storage swapped for the merged copy, all restored after. The trainer's own weights are never written (no merge / unmerge drift: TRL #6688), and the
-    engine samples the policy of its last sync, as an engine with its own weights does. Every rank holds the whole
-    policy (one process, DDP, DeepSpeed ZeRO-2); validate.py refuses it under FSDP, whose parameters are shards."""
+    path) with its storage swapped for the merged copy, all restored after. The trainer's own weights are never
+    written (no merge / unmerge drift: TRL #6688), and the engine samples the policy of its last sync, as an engine
+    with its own weights does. Every rank holds the whole policy (one process, DDP, DeepSpeed ZeRO-2); validate.py
+    refuses it where the strategy's backend shards the parameters (FSDP)."""
 
     sync_chunk_bytes = 256 << 20  # how the trainer batches the stream (all of it stays in this process)
 

@@ -24,11 +24,11 @@ from grail_exp.compute.logprobs import kept_log_mass
 from grail_exp.data.prompting import encode_prompts
 from grail_exp.estimators import ESTIMATORS, EstimatorInput, estimate
 from grail_exp.grading.extraction import strip_think
-from grail_exp.loss import needs_reference
+from grail_exp.loss import needs_old_logprobs, needs_reference
 from grail_exp.rollout import SamplingParams, pad_completions
 from grail_exp.rollout.base import release
 from grail_exp.rollout.variants import sample_variants
-from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows, needs_old_logprobs
+from grail_exp.training.batch import SchemeContext, TrainingBatch, micro_batch_rows
 from grail_exp.training.row_order import update_order
 from grail_exp.training.timing import timed
 

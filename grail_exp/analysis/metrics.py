@@ -397,14 +397,7 @@ def summarize_benchmark(
 
     paper = protocol == "paper"
     k_list = sorted({int(k) for k in ks}) if ks is not None else list(range(1, (n_max if paper else n_min) + 1))
-    if paper:
-        c = np.array([int(r.sum()) for r in rows], dtype=np.int64)
-        acc_pp = np.where(n > 0, c / np.maximum(n, 1), 0.0)
-        pass_pp = {k: np.array([pass_at_k(n_i, c_i, min(k, n_i)) if n_i else 0.0 for n_i, c_i in zip(n, c)])
-                   for k in k_list}
-    else:
-        acc_pp = acc_at_n(rows)
-        pass_pp = {k: pass_at_k_per_problem(rows, k) for k in k_list}
+    acc_pp, pass_pp = _accuracy_per_problem(rows, n, k_list, paper)
     maj_pp = maj_at_n(answers, rows) if answers is not None else None
 
     def ci(values: np.ndarray) -> MetricWithCI:
@@ -427,6 +420,16 @@ def summarize_benchmark(
         "protocol": protocol,
         "_per_problem": {"acc": acc_pp, "pass_at_k": pass_pp, "maj": maj_pp},
     }
+
+
+def _accuracy_per_problem(rows: list[np.ndarray], n: np.ndarray, k_list: list[int], paper: bool):
+    """(Acc@n per problem, {k: pass@k per problem}); ``paper``: the GRAIL reference's rules (``summarize_benchmark``)."""
+    if not paper:
+        return acc_at_n(rows), {k: pass_at_k_per_problem(rows, k) for k in k_list}
+    c = np.array([int(r.sum()) for r in rows], dtype=np.int64)
+    acc_pp = np.where(n > 0, c / np.maximum(n, 1), 0.0)
+    return acc_pp, {k: np.array([pass_at_k(n_i, c_i, min(k, n_i)) if n_i else 0.0 for n_i, c_i in zip(n, c)])
+                    for k in k_list}
 
 
 def _sample_counts(n: np.ndarray, answers, truncated, n_tokens, extracted_none, paper: bool):
@@ -485,6 +488,47 @@ def _benchmark_seed(seed: int, name: str) -> np.random.SeedSequence:
     return np.random.SeedSequence([int(seed), zlib.crc32(name.encode("utf-8"))])
 
 
+def _per_problem_arrays(summaries: Mapping[str, Mapping[str, Any]]) -> list[dict]:
+    """Each summary's ``_per_problem`` arrays, in order; a summary without them (read back from JSON) is an error."""
+    if not summaries:
+        raise ValueError("average_over_benchmarks needs at least one benchmark summary")
+    for name, s in summaries.items():
+        if "_per_problem" not in s:
+            raise ValueError(
+                f"summary {name!r} has no '_per_problem' arrays (was it loaded from JSON?); "
+                "pass the dicts returned by summarize_benchmark"
+            )
+    return [s["_per_problem"] for s in summaries.values()]
+
+
+def _sample_means(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[float | None, float | None]]:
+    """``truncation_rate`` and ``mean_tokens`` over benchmarks: (unweighted mean, mean weighted by sample counts), or
+    (None, None) unless every benchmark has the value."""
+    n_total_samples = np.array([s.get("n_samples_total", 0) for s in summaries.values()], dtype=np.float64)
+    out = {}
+    for key in ("truncation_rate", "mean_tokens"):
+        vals = [s.get(key) for s in summaries.values()]
+        if all(v is not None for v in vals) and n_total_samples.sum() > 0:
+            arr = np.array(vals, dtype=np.float64)
+            out[key] = (float(arr.mean()), float(n_total_samples @ arr / n_total_samples.sum()))
+        else:
+            out[key] = (None, None)
+    return out
+
+
+def _average_counts(summaries: Mapping[str, Mapping[str, Any]], n_problems: int) -> dict[str, Any]:
+    """The counts an average row carries: benchmarks, problems, the largest and smallest n, nulls (None unless every
+    benchmark has them)."""
+    nulls = [s.get("nulls") for s in summaries.values()]
+    return {
+        "n_benchmarks": len(summaries),
+        "n_problems": n_problems,
+        "n_samples": max(int(s["n_samples"]) for s in summaries.values()),
+        "n_samples_min": min(int(s.get("n_samples_min", s["n_samples"])) for s in summaries.values()),
+        "nulls": int(sum(nulls)) if all(v is not None for v in nulls) else None,
+    }
+
+
 def average_over_benchmarks(
     summaries: Mapping[str, Mapping[str, Any]],
     n_boot: int = 1000,
@@ -514,17 +558,9 @@ def average_over_benchmarks(
     Every summary must carry ``_per_problem`` (i.e. come straight from
     :func:`summarize_benchmark`, not from JSON).
     """
-    if not summaries:
-        raise ValueError("average_over_benchmarks needs at least one benchmark summary")
     _check_boot_args(n_boot, alpha)
     names = list(summaries)
-    for name in names:
-        if "_per_problem" not in summaries[name]:
-            raise ValueError(
-                f"summary {name!r} has no '_per_problem' arrays (was it loaded from JSON?); "
-                "pass the dicts returned by summarize_benchmark"
-            )
-    pp = [summaries[name]["_per_problem"] for name in names]
+    pp = _per_problem_arrays(summaries)
     n_prob = np.array([len(p["acc"]) for p in pp], dtype=np.float64)
     weights = n_prob / n_prob.sum()
 
@@ -551,26 +587,9 @@ def average_over_benchmarks(
     else:
         unweighted["maj"] = weighted["maj"] = None
 
-    n_total_samples = np.array([summaries[nm].get("n_samples_total", 0) for nm in names], dtype=np.float64)
-    for key in ("truncation_rate", "mean_tokens"):
-        vals = [summaries[nm].get(key) for nm in names]
-        if all(v is not None for v in vals) and n_total_samples.sum() > 0:
-            arr = np.array(vals, dtype=np.float64)
-            unweighted[key] = float(arr.mean())
-            weighted[key] = float(n_total_samples @ arr / n_total_samples.sum())
-        else:
-            unweighted[key] = weighted[key] = None
-
-    nulls = [summaries[nm].get("nulls") for nm in names]
-    total_nulls = int(sum(nulls)) if all(v is not None for v in nulls) else None
-    common = {
-        "n_benchmarks": len(names),
-        "n_problems": int(n_prob.sum()),
-        "n_samples": max(int(summaries[nm]["n_samples"]) for nm in names),
-        "n_samples_min": min(int(summaries[nm].get("n_samples_min", summaries[nm]["n_samples"]))
-                             for nm in names),
-        "nulls": total_nulls,
-    }
+    for key, (u, w) in _sample_means(summaries).items():
+        unweighted[key], weighted[key] = u, w
+    common = _average_counts(summaries, int(n_prob.sum()))
     unweighted.update(common)
     weighted.update(common)
     return {

@@ -501,6 +501,23 @@ def _per_problem_arrays(summaries: Mapping[str, Mapping[str, Any]]) -> list[dict
     return [s["_per_problem"] for s in summaries.values()]
 
 
+def _combined_metrics(pp: list[dict], combine) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(unweighted, weighted) rows of acc, pass@k for the ks every benchmark has, and maj (None unless every benchmark
+    has it), each from ``combine`` over the benchmarks' per-problem arrays."""
+    unweighted: dict[str, Any] = {}
+    weighted: dict[str, Any] = {}
+    unweighted["acc"], weighted["acc"] = combine([p["acc"] for p in pp])
+    common_ks = sorted(set.intersection(*(set(p["pass_at_k"]) for p in pp)))
+    unweighted["pass_at_k"], weighted["pass_at_k"] = {}, {}
+    for k in common_ks:
+        unweighted["pass_at_k"][k], weighted["pass_at_k"][k] = combine([p["pass_at_k"][k] for p in pp])
+    if all(p["maj"] is not None for p in pp):
+        unweighted["maj"], weighted["maj"] = combine([p["maj"] for p in pp])
+    else:
+        unweighted["maj"] = weighted["maj"] = None
+    return unweighted, weighted
+
+
 def _sample_means(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[float | None, float | None]]:
     """``truncation_rate`` and ``mean_tokens`` over benchmarks: (unweighted mean, mean weighted by sample counts), or
     (None, None) unless every benchmark has the value."""
@@ -570,22 +587,8 @@ def average_over_benchmarks(
         for name, m in zip(names, n_prob)
     ]
 
-    def combine(per_bench: list[np.ndarray]) -> tuple[MetricWithCI, MetricWithCI]:
-        return _combine_benchmarks(per_bench, boot_idx, weights, alpha)
-
-    unweighted: dict[str, Any] = {}
-    weighted: dict[str, Any] = {}
-    unweighted["acc"], weighted["acc"] = combine([p["acc"] for p in pp])
-
-    common_ks = sorted(set.intersection(*(set(p["pass_at_k"]) for p in pp)))
-    unweighted["pass_at_k"], weighted["pass_at_k"] = {}, {}
-    for k in common_ks:
-        unweighted["pass_at_k"][k], weighted["pass_at_k"][k] = combine([p["pass_at_k"][k] for p in pp])
-
-    if all(p["maj"] is not None for p in pp):
-        unweighted["maj"], weighted["maj"] = combine([p["maj"] for p in pp])
-    else:
-        unweighted["maj"] = weighted["maj"] = None
+    unweighted, weighted = _combined_metrics(pp, lambda per_bench: _combine_benchmarks(per_bench, boot_idx, weights,
+                                                                                         alpha))
 
     for key, (u, w) in _sample_means(summaries).items():
         unweighted[key], weighted[key] = u, w

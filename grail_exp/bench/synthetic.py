@@ -305,6 +305,24 @@ def describe(cfg: DictConfig, policy, bench: DictConfig, device) -> dict:
             **{f"bench.{k}": v for k, v in OmegaConf.to_container(bench).items() if k not in ("json", "markdown")}}
 
 
+def _attention(bench, overrides: list[str], argv: list[str]) -> dict:
+    """``bench.mode=attention``: one attention layer per shape; with run overrides also the run's policy forward and
+    backward on the synthetic batch."""
+    from grail_exp.bench.attention import main as attention_main
+
+    if not overrides:
+        return attention_main(bench, argv)
+    from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose_run_config(overrides, bench.baseline, bench, tmp)
+        path = resolve_model_path(cfg)
+        tokenizer = load_tokenizer(path, cfg)
+        policy = load_causal_lm(path, cfg, trainable=True)
+        batch = synthetic_batch(tokenizer, bench, cfg, torch.device("cpu"))
+        return attention_main(bench, argv, policy=(cfg, policy, batch))
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):  # the other entry points get Hydra's help; this one composes by hand
@@ -317,19 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         return real_main(bench, overrides, argv)
     if bench.mode == "attention":  # the fused CPU attention kernel against the explicit one (bench/attention.py)
-        from grail_exp.bench.attention import main as attention_main
-
-        if not overrides:  # one attention layer per shape only
-            return attention_main(bench, argv)
-        from grail_exp.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
-
-        with tempfile.TemporaryDirectory() as tmp:  # and the run's policy forward + backward on the synthetic batch
-            cfg = compose_run_config(overrides, bench.baseline, bench, tmp)
-            path = resolve_model_path(cfg)
-            tokenizer = load_tokenizer(path, cfg)
-            policy = load_causal_lm(path, cfg, trainable=True)
-            batch = synthetic_batch(tokenizer, bench, cfg, torch.device("cpu"))
-            return attention_main(bench, argv, policy=(cfg, policy, batch))
+        return _attention(bench, overrides, argv)
     device = torch.device("cuda" if bench.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if bench.device == "auto" else bench.device))
     torch.manual_seed(int(bench.seed))

@@ -117,71 +117,80 @@ def _with_curriculum(problems, warm: dict | None) -> list:
 def build_tokenizer(style: str, task: ArithmeticTask, vocab_size: int = 320, warm: dict | None = None):
     """Train the local tokenizer and wrap it as a ``PreTrainedTokenizerFast`` with a chat template.
     ``warm`` with a ``curriculum_fraction`` > 0 (SCRL) adds curriculum transcripts to the corpus."""
+    builders = {"qwen": _qwen_style_tokenizer, "llama": _llama_style_tokenizer}
+    if style not in builders:
+        raise ConfigError(f"model.build.tokenizer must be 'qwen' or 'llama', got {style!r}")
+    fast = builders[style](_transcripts(task, 2000, {}, warm), vocab_size)
+    fast.padding_side = "left"
+    return fast
+
+
+def _qwen_style_tokenizer(corpus: list[str], vocab_size: int):
+    """Byte-level BPE with single digits and Qwen's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=QWEN_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any byte string stays encodable
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=QWEN_SPECIAL[1:2] + QWEN_SPECIAL[3:],
+        chat_template=QWEN_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _llama_style_tokenizer(corpus: list[str], vocab_size: int):
+    """Metaspace BPE with single digits, byte fallback, and Llama's special tokens and chat template."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = _transcripts(task, 2000, {}, warm)
-    if style == "qwen":
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-        )
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=QWEN_SPECIAL,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any byte string stays encodable
-            show_progress=False,
-        )
-        tok.train_from_iterator(corpus, trainer)
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            eos_token="<|im_end|>",
-            pad_token="<|endoftext|>",
-            additional_special_tokens=QWEN_SPECIAL[1:2] + QWEN_SPECIAL[3:],
-            chat_template=QWEN_CHAT_TEMPLATE,
-            clean_up_tokenization_spaces=False,
-        )
-    elif style == "llama":
-        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-        tok.normalizer = normalizers.Replace(" ", "▁")
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True),
-            ]
-        )
-        tok.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-        )
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=LLAMA_SPECIAL, show_progress=False)
-        tok.train_from_iterator(corpus, trainer)
-        # Byte fallback: every byte gets a <0xXX> token so unseen characters stay encodable (Llama-2 style).
-        vocab = tok.get_vocab()
-        merges = json.loads(tok.to_str())["model"]["merges"]
-        for b in range(256):
-            vocab.setdefault(f"<0x{b:02X}>", len(vocab))
-        model = models.BPE(
-            vocab=vocab,
-            merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in merges],
-            unk_token="<unk>",
-            byte_fallback=True,
-        )
-        tok.model = model
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token="<s>",
-            eos_token="<|eot_id|>",
-            unk_token="<unk>",
-            pad_token="<pad>",
-            additional_special_tokens=["</s>", "<|start_header_id|>", "<|end_header_id|>"],
-            chat_template=LLAMA_CHAT_TEMPLATE,
-            clean_up_tokenization_spaces=False,
-        )
-    else:
-        raise ConfigError(f"model.build.tokenizer must be 'qwen' or 'llama', got {style!r}")
-    fast.padding_side = "left"
-    return fast
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True),
+        ]
+    )
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=LLAMA_SPECIAL, show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    # Byte fallback: every byte gets a <0xXX> token so unseen characters stay encodable (Llama-2 style).
+    vocab = tok.get_vocab()
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    tok.model = models.BPE(
+        vocab=vocab,
+        merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in merges],
+        unk_token="<unk>",
+        byte_fallback=True,
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|eot_id|>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=["</s>", "<|start_header_id|>", "<|end_header_id|>"],
+        chat_template=LLAMA_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- model

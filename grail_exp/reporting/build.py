@@ -50,12 +50,7 @@ def build_report(cfg: DictConfig) -> dict:
     client = MlflowClient(tracking_uri=uri)
     notes = Notes()
     with tempfile.TemporaryDirectory() as tmp:
-        if cfg.runs.dir:  # a study folder: the files stand in for MLflow
-            arms, row_notes, ignored = select_study_arms(cfg, notes)
-            raw, where = [r for seeds in arms.values() for r in seeds.values()], f"the study folder {cfg.runs.dir}"
-        else:
-            raw, where = search_runs(client, cfg), uri
-            arms, row_notes, ignored = select_runs(client, raw, cfg, notes, Path(tmp))
+        arms, row_notes, ignored, raw, where = _select(cfg, client, uri, notes, Path(tmp))
         check_design(arms, cfg)
         for arm, letters in pairing_notes(arms, cfg, notes).items():
             row_notes[arm].extend(letters)
@@ -72,37 +67,19 @@ def build_report(cfg: DictConfig) -> dict:
 
         title = cfg.output.title or f"Paired comparison vs {cfg.baseline}"
         root = cfg.paths.root_dir  # the pages get committed: paths relative to the project (grail_exp/analysis/portable.py)
-        used = {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed,
-                             "artifact": portable_text(rec.artifact, root) if rec.artifact else rec.artifact}
-                for seeds in arms.values() for rec in seeds.values()}
-        header = (f"## {title}\n\n{len(used)} runs from {portable_text(where, root)}"
-                  + (f", children of run {cfg.runs.parent_run_id}" if cfg.runs.parent_run_id else "")
-                  + (f", tags {dict(cfg.runs.tags)}" if cfg.runs.tags else "")
-                  + (f" ({len(ignored)} other runs ignored: no model/scheme)" if ignored else "") + ".")
-        if cfg.endpoint.steps is not None:
-            header += (f"\n\nEvery per-problem value is {endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)} "
-                       f"(endpoint.steps; an arm's last step, trainer.max_steps, is its final evaluation). The table "
-                       f"of what the arms generated is the final evaluation's.")
+        used = _used_runs(arms, root)
+        header = _header(cfg, title, len(used), portable_text(where, root), ignored)
         label = next((f"{t.label} ({primary_column(t)} column)" for t in tables if t.spec == str(cfg.primary_metric)),
-                     str(cfg.primary_metric))
+                     str(cfg.primary_metric))  # the primary metric as the sections name it
         sections = (family_markdown(family, cfg) + spread_markdown(spread, cfg, label)
                     + pooled_markdown(pooled, cfg, label))
         md = render_markdown(tables, notes, cfg, header, generation, sections)
         tex = render_latex(tables, notes, cfg, title)
-        payload = to_json(tables, notes, used, cfg)
-        payload["generation"] = generation
-        payload["ignored"] = ignored
-        payload.update({k: v for k, v in (("endpoint", OmegaConf.to_container(cfg.endpoint, resolve=True)
-                                            if cfg.endpoint.steps is not None else None),
-                                           ("family", family), ("spread", spread), ("pooled", pooled)) if v})
+        payload = _payload(cfg, to_json(tables, notes, used, cfg), generation, ignored,
+                           {"family": family, "spread": spread, "pooled": pooled})
 
         out = Path(cfg.output.dir).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
-        paths = {"markdown": out / f"{cfg.output.name}.md", "latex": out / f"{cfg.output.name}.tex",
-                 "json": out / f"{cfg.output.name}.json"}
-        paths["markdown"].write_text(md)
-        paths["latex"].write_text(tex)
-        paths["json"].write_text(json.dumps(payload, indent=2, default=float))
+        paths = _write_pages(out, cfg.output.name, md, tex, payload)
         plot_paths: list[Path] = []
         if cfg.plots.enabled:
             try:
@@ -115,11 +92,67 @@ def build_report(cfg: DictConfig) -> dict:
     print(f"written: {', '.join(str(p) for p in paths.values())}"
           + (f" and {len(plot_paths)} plots in {out / (cfg.output.name + '_plots')}" if plot_paths else ""))
     if run_id:
-        exp_id = client.get_run(run_id).info.experiment_id
-        print(f"MLflow run {run_id}: {training_view_url(uri, exp_id, run_id)}"
-              + ("" if uri.startswith("http") else f" (after: mlflow ui --backend-store-uri {uri})"))
+        print(_mlflow_line(client, uri, run_id, training_view_url))
     return {"paths": paths, "plots": plot_paths, "payload": payload, "markdown": md, "latex": tex,
             "mlflow_run_id": run_id}
+
+
+def _select(cfg: DictConfig, client, uri: str, notes: Notes, tmp: Path):
+    """(arms, row notes, ignored runs, the runs read, where from): a study folder's files (``runs.dir``, standing in
+    for MLflow), else the MLflow runs the filters select."""
+    if cfg.runs.dir:
+        arms, row_notes, ignored = select_study_arms(cfg, notes)
+        return (arms, row_notes, ignored, [r for seeds in arms.values() for r in seeds.values()],
+                f"the study folder {cfg.runs.dir}")
+    raw = search_runs(client, cfg)
+    return (*select_runs(client, raw, cfg, notes, tmp), raw, uri)
+
+
+def _used_runs(arms: dict, root) -> dict[str, dict]:
+    """run id -> model, scheme, seed and artifact (relative to the project) of every run a table uses."""
+    return {rec.run_id: {"model": rec.model, "scheme": rec.scheme, "seed": rec.seed,
+                         "artifact": portable_text(rec.artifact, root) if rec.artifact else rec.artifact}
+            for seeds in arms.values() for rec in seeds.values()}
+
+
+def _mlflow_line(client, uri: str, run_id: str, training_view_url) -> str:
+    """Where the report's MLflow run is shown (and how to open the UI on a local store)."""
+    exp_id = client.get_run(run_id).info.experiment_id
+    return (f"MLflow run {run_id}: {training_view_url(uri, exp_id, run_id)}"
+            + ("" if uri.startswith("http") else f" (after: mlflow ui --backend-store-uri {uri})"))
+
+
+def _payload(cfg: DictConfig, payload: dict, generation, ignored: list, sections: dict) -> dict:
+    """The JSON page: the tables' JSON with what the arms generated, the ignored runs, the declared endpoint and the
+    sections that have content (family, spread, pooled)."""
+    payload["generation"] = generation
+    payload["ignored"] = ignored
+    endpoint = OmegaConf.to_container(cfg.endpoint, resolve=True) if cfg.endpoint.steps is not None else None
+    payload.update({k: v for k, v in (("endpoint", endpoint), *sections.items()) if v})
+    return payload
+
+
+def _header(cfg: DictConfig, title: str, runs: int, where: str, ignored: list) -> str:
+    """The page's opening: its title, how many runs from where (and by which filters), the endpoint when declared."""
+    header = (f"## {title}\n\n{runs} runs from {where}"
+              + (f", children of run {cfg.runs.parent_run_id}" if cfg.runs.parent_run_id else "")
+              + (f", tags {dict(cfg.runs.tags)}" if cfg.runs.tags else "")
+              + (f" ({len(ignored)} other runs ignored: no model/scheme)" if ignored else "") + ".")
+    if cfg.endpoint.steps is not None:
+        header += (f"\n\nEvery per-problem value is {endpoint_text(cfg.endpoint.steps, cfg.endpoint.name)} "
+                   f"(endpoint.steps; an arm's last step, trainer.max_steps, is its final evaluation). The table "
+                   f"of what the arms generated is the final evaluation's.")
+    return header
+
+
+def _write_pages(out: Path, name: str, md: str, tex: str, payload: dict) -> dict[str, Path]:
+    """``<name>.md``, ``.tex`` and ``.json`` under ``out``; their paths by kind."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out / f"{name}.md", "latex": out / f"{name}.tex", "json": out / f"{name}.json"}
+    paths["markdown"].write_text(md)
+    paths["latex"].write_text(tex)
+    paths["json"].write_text(json.dumps(payload, indent=2, default=float))
+    return paths
 
 
 def _log_report(cfg, client, paths, plot_paths, tables, build_tracker) -> str | None:

@@ -117,25 +117,7 @@ class RolloutPhase:
         batch.advantages = seq_adv.to(dev)
         batch.rewards = rewards.to(dev)
         batch.token_advantages = est.advantages.to(dev) if est.advantages.dim() == 2 else None
-        lengths = rb.completion_mask.sum(1).float()
-        term = lengths[~rb.is_truncated]
-        stats = {
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-            "accuracy": sum(g.correct for g in graded) / len(graded),
-            "frac_reward_zero_std": est.zero_std.float().mean().item(),
-            "reward/no_answer_rate": sum(g.status == "no_answer" for g in graded) / len(graded),
-            "reward/timeouts": float(sum(g.status == "timeout" for g in graded)),
-            "reward/errors": float(sum(g.status == "error" for g in graded)),
-            "advantage/abs_mean": seq_adv.abs().mean().item(),
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
-            "completions/truncated_rate": rb.is_truncated.float().mean().item(),
-            **{f"estimator/{k}": v for k, v in est.metrics.items()},
-            **family_stats,
-        }
+        stats = round_stats(rewards, graded, est, rb, family_stats)
         self.samples = [(problems[i // r.num_generations], texts[i], graded[i], rewards[i].item(), seq_adv[i].item())
                         for i in range(len(texts))]
         return batch, stats
@@ -370,3 +352,27 @@ def informative_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
     0 < #correct < G)."""
     r = rewards.view(-1, G)
     return (r.max(1).values - r.min(1).values) > 1e-6
+
+
+def round_stats(rewards: torch.Tensor, graded: list, est, rb, family_stats: dict) -> dict:
+    """The round's logged statistics: rewards, grading outcomes, advantages, completion lengths, the estimator's and the
+    loss family's own metrics."""
+    lengths = rb.completion_mask.sum(1).float()
+    term = lengths[~rb.is_truncated]
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "accuracy": sum(g.correct for g in graded) / len(graded),
+        "frac_reward_zero_std": est.zero_std.float().mean().item(),
+        "reward/no_answer_rate": sum(g.status == "no_answer" for g in graded) / len(graded),
+        "reward/timeouts": float(sum(g.status == "timeout" for g in graded)),
+        "reward/errors": float(sum(g.status == "error" for g in graded)),
+        "advantage/abs_mean": est.sequence_advantages.abs().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
+        "completions/truncated_rate": rb.is_truncated.float().mean().item(),
+        **{f"estimator/{k}": v for k, v in est.metrics.items()},
+        **family_stats,
+    }

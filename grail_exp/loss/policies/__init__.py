@@ -38,7 +38,15 @@ def check_family_config(cfg) -> list[str]:
     for key, valid, default in (("family_mask_normaliser", NORMALISERS, "unmasked"),
                                 ("top_entropy_population", POPULATIONS, "all"), ("gmpo_is_mean", IS_MEANS, "geometric")):
         check(L.get(key, default) in valid, key, f"must be one of {', '.join(valid)}")
-    kir = L.get("kl_in_reward")
+    e += _reward_shaping_problems(cfg) + _dynamic_sampling_problems(cfg) + _term_problems(L)
+    if L.policy_loss == "cispo":
+        check(L.epsilon <= 1.0, "epsilon", "cispo clips the weight to [1 - epsilon, 1 + epsilon_high]: must be <= 1")
+    return e
+
+
+def _reward_shaping_problems(cfg) -> list[str]:
+    """``loss.kl_in_reward`` and ``reward.overlong_buffer`` when enabled."""
+    e, kir = [], cfg.loss.get("kl_in_reward")
     if kir is not None and kir.enabled:
         from grail_exp.loss.kl import KL_ESTIMATORS
 
@@ -56,7 +64,12 @@ def check_family_config(cfg) -> list[str]:
             e.append(f"reward.overlong_buffer.length = {ob.length!r}: must be in (0, rollout.max_completion_length = {L_max}]")
         if ob.penalty_factor < 0:
             e.append(f"reward.overlong_buffer.penalty_factor = {ob.penalty_factor!r}: must be >= 0")
-    ds = cfg.get("rollout", {}).get("dynamic_sampling") if hasattr(cfg, "get") else None
+    return e
+
+
+def _dynamic_sampling_problems(cfg) -> list[str]:
+    """``rollout.dynamic_sampling`` when enabled: one process only."""
+    e, ds = [], cfg.get("rollout", {}).get("dynamic_sampling") if hasattr(cfg, "get") else None
     if ds is not None and ds.enabled:
         t = cfg.trainer
         from grail_exp.world import configured_world_size
@@ -67,11 +80,17 @@ def check_family_config(cfg) -> list[str]:
         if world != 1:
             e.append("rollout.dynamic_sampling.enabled = true: only implemented for one process (world size "
                      f"{world}); every rank would need to agree on the kept groups")
+    return e
+
+
+def _term_problems(L) -> list[str]:
+    """Each ``loss.terms`` entry's own checks (e.g. entropy_bonus's bounds), on its typed config."""
     from omegaconf import OmegaConf
 
     from grail_exp.loss.terms import LOSS_TERMS
 
-    for name, node in (L.get("terms") or {}).items():  # the terms' own checks (e.g. entropy_bonus's bounds)
+    e = []
+    for name, node in (L.get("terms") or {}).items():
         if name in LOSS_TERMS and node is not None:
             try:
                 typed = OmegaConf.merge(OmegaConf.structured(LOSS_TERMS[name].config_class), node)
@@ -79,6 +98,4 @@ def check_family_config(cfg) -> list[str]:
                 e.append(f"loss.terms.{name}: {exc}".split("\n")[0])
                 continue
             e.extend(f"loss.terms.{name}.{msg}" for msg in LOSS_TERMS[name].check_config(typed))
-    if L.policy_loss == "cispo":
-        check(L.epsilon <= 1.0, "epsilon", "cispo clips the weight to [1 - epsilon, 1 + epsilon_high]: must be <= 1")
     return e

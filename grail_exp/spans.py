@@ -251,7 +251,7 @@ def _reference_spans(rows, texts, char_spans, valid, tokenizer, B, C, device) ->
 
 
 # -------------------------------------------------------------------------------------- exact mode
-class _RowOffsets:
+class RowOffsets:
     """Lazily computed char intervals ``[floor(j), ceil(j))`` of the token boundaries of one row.
 
     Boundary ``j`` sits between tokens ``j-1`` and ``j``; token ``i`` covers chars
@@ -327,7 +327,7 @@ class _RowOffsets:
         return self._ceil[j]
 
 
-def _lower_bound(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
+def lower_bound(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
     """Smallest ``i`` in ``[lo, hi)`` with ``pred(i)`` for a monotone ``pred``; ``hi`` if none."""
     while lo < hi:
         mid = (lo + hi) // 2
@@ -349,9 +349,9 @@ def _exact_spans(rows, texts, char_spans, valid, tokenizer, B, C) -> AnswerSpans
             continue
         s, e = char_spans[b]
         m, c = s + BOX_LEN, e - 1  # marker chars [s, m), content [m, c), closing char c
-        off = _RowOffsets(tokenizer, rows[b], texts[b])
-        first = _lower_bound(0, C, lambda i, off=off, s=s: off.ceil(i + 1) > s)  # first token reaching into the box
-        after = _lower_bound(first, C, lambda i, off=off, e=e: off.floor(i) >= e)  # first token starting after it
+        off = RowOffsets(tokenizer, rows[b], texts[b])
+        first = lower_bound(0, C, lambda i, off=off, s=s: off.ceil(i + 1) > s)  # first token reaching into the box
+        after = lower_bound(first, C, lambda i, off=off, e=e: off.floor(i) >= e)  # first token starting after it
         for i in range(first, after):
             lo, hi = off.floor(i), off.ceil(i + 1)
             if lo == hi:  # decodes to nothing (a skipped special token): no part of the answer

@@ -96,7 +96,7 @@ class MlflowTracker(NullTracker):
 
         self._mlflow = mlflow
         self.tracking_uri = tracking_uri
-        with _sqlite_init_lock(tracking_uri):
+        with sqlite_init_lock(tracking_uri):
             self._start(MlflowClient, tracking_uri, experiment_name, run_name, artifact_location, tags, run_id)
 
     def _start(self, MlflowClient, tracking_uri, experiment_name, run_name, artifact_location, tags, run_id):
@@ -165,7 +165,7 @@ def mark_training_experiment(client, experiment_id: str, tags: dict | None = Non
     client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
 
 
-def _sqlite_init_lock(uri: str):
+def sqlite_init_lock(uri: str):
     """Serialise the first use of a sqlite store: parallel sweep jobs creating it at once race on its schema
     migration (seen in testing). A no-op for servers."""
     from contextlib import nullcontext

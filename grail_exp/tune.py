@@ -209,10 +209,10 @@ def _storage(settings, cfg: DictConfig):
              if settings.retry_stale_trials > 0 else None)
     on_stale = _OnStaleTrial(retry)
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # several local workers
-    from grail_exp.tracking import _sqlite_init_lock
+    from grail_exp.tracking import sqlite_init_lock
 
     try:
-        with _sqlite_init_lock(url):  # workers creating a fresh sqlite study at once race on its schema
+        with sqlite_init_lock(url):  # workers creating a fresh sqlite study at once race on its schema
             storage = RDBStorage(url, engine_kwargs=engine, heartbeat_interval=settings.heartbeat_interval_s,
                                  grace_period=settings.grace_period_s, heartbeat_stale_trial_callback=on_stale)
     except Exception as exc:  # a malformed URL, a missing driver, an unreachable or locked database

@@ -327,9 +327,9 @@ def is_hub_model(model_cfg) -> bool:
     name = model_cfg.get("name_or_path")
     if name is None or model_cfg.get("random_init"):
         return False
-    from grail_exp.models.loading import _looks_local
+    from grail_exp.models.loading import looks_local
 
-    return ":" not in str(name) and not _looks_local(str(name))
+    return ":" not in str(name) and not looks_local(str(name))
 
 
 def reward_and_data(cfg) -> list[str]:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 from pathlib import Path
 
 import numpy as np
 from omegaconf import OmegaConf
+
+from grail_exp.compute.host import peak_resident_bytes
 
 # name -> (data overrides, solution style of the worked examples, number of worked examples)
 CANDIDATES: dict[str, tuple[list[str], str, int]] = {
@@ -219,7 +220,7 @@ def main() -> None:
                 del tuned
             else:
                 row = measure(name, cfg, model, tokenizer, engine, verifier)
-            row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+            row["peak_rss_gb"] = peak_resident_bytes() / 1e9
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(table([row]).splitlines()[-1], flush=True)

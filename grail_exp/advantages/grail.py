@@ -42,7 +42,7 @@ from grail_exp.advantages.base import (
     check_common,
     register_scheme,
 )
-from grail_exp.advantages.probe import detached_head_logits, masked_mean_std
+from grail_exp.advantages.probe import detached_head_logits, detached_projection, masked_mean_std
 from grail_exp.compute.forward import body_forward
 from grail_exp.compute.logprobs import selective_log_softmax
 
@@ -251,7 +251,4 @@ def hidden_leaf(hidden_states: tuple, leaf_source: str) -> torch.Tensor:
 
 def _head(forward: PolicyForward, h: torch.Tensor) -> torch.Tensor:
     """Logits of hidden states through the output layer with detached weight and bias (the probe's lm_head)."""
-    logits = h @ forward.head_weight.detach().T
-    if forward.head_bias is not None and forward.head_bias.numel():
-        logits = logits + forward.head_bias.detach()
-    return logits
+    return detached_projection(h, forward.head_weight, forward.head_bias)

@@ -21,8 +21,12 @@ from grail_exp.compute.forward import predicting_window  # noqa: F401  (the prob
 def detached_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """Logits from the lm_head with detached weight (and bias): gradients reach the hidden states only."""
     head = model.get_output_embeddings()
-    logits = hidden @ head.weight.detach().T
-    bias = getattr(head, "bias", None)
+    return detached_projection(hidden, head.weight, getattr(head, "bias", None))
+
+
+def detached_projection(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """hidden @ sg(W)^T + sg(b): the output layer as the probes use it, its parameters outside the graph."""
+    logits = hidden @ weight.detach().T
     if bias is not None and bias.numel():
         logits = logits + bias.detach()
     return logits

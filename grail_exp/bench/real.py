@@ -358,13 +358,13 @@ def matmul_gflops(policy, n: int = 2048, repeats: int = 5) -> float:
 
 
 def _peak_bytes() -> float:
-    import resource
-
     import torch
+
+    from grail_exp.compute.host import peak_resident_bytes
 
     if torch.cuda.is_available():
         return float(torch.cuda.max_memory_allocated())
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return float(peak_resident_bytes())
 
 
 # ------------------------------------------------------------------------------------------------ the table

@@ -1,4 +1,4 @@
-"""The host's memory: how much this machine can give a run, and handing freed heap back to it.
+"""The host's memory: this process's resident set (now and its peak), and handing freed heap back to the machine.
 
 A CPU run's tensors live in the process heap. glibc keeps freed blocks for reuse instead of returning them, so after
 a phase that allocated a lot (generation's caches and scores, the update's activations) the resident set stays at that
@@ -10,8 +10,24 @@ phase's high-water mark and the next phase's peak is added on top of what fragme
 from __future__ import annotations
 
 import ctypes
+import os
+import resource
+from pathlib import Path
 
 _LIBC = None
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set so far, in bytes (``getrusage``'s ``ru_maxrss``: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (Linux ``/proc/self/statm``; 0 where there is none)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def return_freed_memory() -> None:

@@ -139,14 +139,14 @@ def position_advantages(R: torch.Tensor, normalize_std: bool = True) -> torch.Te
 
 def token_positions(tokenizer, ids: list[int], text: str, char_spans: list[tuple[int, int]], C: int) -> list[list[int]]:
     """Token indices overlapping each char span ``[s, e)`` of ``text = decode(ids, skip_special_tokens=True)``."""
-    from grail_exp.spans import _lower_bound, _RowOffsets
+    from grail_exp.spans import RowOffsets, lower_bound
 
-    off = _RowOffsets(tokenizer, ids, text)
+    off = RowOffsets(tokenizer, ids, text)
     n = min(len(ids), C)
     out = []
     for s, e in char_spans:
-        first = _lower_bound(0, n, lambda i, s=s: off.ceil(i + 1) > s)
-        after = _lower_bound(first, n, lambda i, e=e: off.floor(i) >= e)
+        first = lower_bound(0, n, lambda i, s=s: off.ceil(i + 1) > s)
+        after = lower_bound(first, n, lambda i, e=e: off.floor(i) >= e)
         out.append([i for i in range(first, after) if off.floor(i) < off.ceil(i + 1)])
     return out
 

@@ -12,9 +12,9 @@ from grail_exp.memory.shapes import (
     PLAN_ERROR,
     GiB,
     PlanError,
-    _dtype_bytes,
-    _prompt_tokens,
-    _world,
+    benchmark_prompt_tokens,
+    configured_world_size,
+    dtype_bytes,
     model_shape,
     vllm_profile_bytes,
 )
@@ -25,8 +25,8 @@ def _vllm_need(cfg, rows: int) -> float:
     """gpu_memory_utilization that holds the engine's weights, its profile and the KV cache of ``rows`` sequences."""
     s, m, r = model_shape(cfg.model), cfg.model, cfg.rollout
     _, total, _ = device_capacity(cfg)
-    vb = _dtype_bytes(r.vllm.get("dtype") or m.dtype) if r.get("vllm") else _dtype_bytes(m.dtype)
-    T = _prompt_tokens([cfg.data.name]) + int(r.max_completion_length)
+    vb = dtype_bytes(r.vllm.get("dtype") or m.dtype) if r.get("vllm") else dtype_bytes(m.dtype)
+    T = benchmark_prompt_tokens([cfg.data.name]) + int(r.max_completion_length)
     need = s.params * vb + vllm_profile_bytes(cfg, s)[0] + s.kv_bytes_per_token * vb * T * rows
     return math.ceil(need / total * 100) / 100 if total else 1.0
 
@@ -54,7 +54,7 @@ def _families(cfg) -> tuple[list[list[list[str]]], list[list[str]]]:
                                             f"{_vllm_need(cfg, VLLM_SUGGESTED_SEQUENCES)}"])
     else:
         engines.append(["rollout=hf"])
-    fam += backend_of(cfg).shard_options(cfg, _world(t))  # the strategy's own: shard more, or over more ranks
+    fam += backend_of(cfg).shard_options(cfg, configured_world_size(t))  # the strategy's own: shard more, or over more ranks
     if str((cfg.get("peft") or {}).get("name", "none")) != "lora" and str(t.accelerator) != "cpu":
         engines.append(["peft=lora"])  # train adapters on the frozen base: another method, said as a last switch
     return [f for f in fam if f], engines

@@ -54,12 +54,11 @@ from grail_exp.memory.shapes import (
     GiB,
     PlanError,
     Shape,
-    _dtype_bytes,
-    _positions_how,
-    _prompt_tokens,
-    _world,
     adapted_linear_parameters,
+    benchmark_prompt_tokens,
     computed_positions,
+    configured_world_size,
+    dtype_bytes,
     few_shot_tokens,
     hf_engine_kv_bytes,
     layer_activation_bytes,
@@ -67,6 +66,7 @@ from grail_exp.memory.shapes import (
     lora_layer_activation_bytes,
     lora_parameters,
     model_shape,
+    positions_how,
     vllm_kv_cache_bytes,
     vllm_profile_bytes,
 )
@@ -209,15 +209,15 @@ class Sizes:
 
 def sizes(cfg, prompt_tokens: int | None = None) -> Sizes:
     t, m = cfg.trainer, cfg.model
-    s, W = model_shape(m), _world(t)
+    s, W = model_shape(m), configured_world_size(t)
     local_rows = max(1, t.prompts_per_step * cfg.rollout.num_generations // W)
     mb = min(int(t.micro_batch_size), local_rows)
     C = int(cfg.rollout.max_completion_length)
-    P = int(prompt_tokens) if prompt_tokens else _prompt_tokens([cfg.data.name]) + few_shot_tokens(m)
+    P = int(prompt_tokens) if prompt_tokens else benchmark_prompt_tokens([cfg.data.name]) + few_shot_tokens(m)
     cap, total, src = device_capacity(cfg)
     peft = cfg.get("peft") or {}
     rank = int(peft.get("rank")) if str(peft.get("name", "none")) == "lora" else None
-    return Sizes(s, _dtype_bytes(m.dtype), W, backend_of(cfg), mb, P, C, computed_positions(cfg, mb, P, C), cap, total,
+    return Sizes(s, dtype_bytes(m.dtype), W, backend_of(cfg), mb, P, C, computed_positions(cfg, mb, P, C), cap, total,
                  src, str(t.accelerator) == "cpu", rank, str(peft.get("adapter_dtype") or "") == "float32")
 
 
@@ -291,7 +291,7 @@ def _saved_activations(cfg, z: Sizes) -> tuple[float, float, Line]:
                                       f"{z.T} tokens x h {s.hidden} x {b} B + final norm, window copy, mask")
     saved = s.layers * tok * layer + final + mask
     return saved, 0.0, Line("update", "activations", saved, f"{s.layers} layers x {tok:,} positions "
-                            f"({_positions_how(cfg, mb, z.P, z.C)}) x {layer:,.0f} B + final norm, mask")
+                            f"({positions_how(cfg, mb, z.P, z.C)}) x {layer:,.0f} B + final norm, mask")
 
 
 def update_lines(cfg, z: Sizes) -> list[Line]:
@@ -340,7 +340,7 @@ def vllm_share(cfg, z: Sizes) -> tuple[float, list[Line], list[str], list[str]]:
             f"vLLM's share (rollout.vllm.gpu_memory_utilization {util:g} of each device) is not in the totals: no "
             "device is named; set trainer.device_memory_gb to count it"]
     reserve, total = util * z.total, z.total
-    vb = _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
+    vb = dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
     kv = z.shape.kv_bytes_per_token * vb * z.T
     profile, how = vllm_profile_bytes(cfg, z.shape)
     slots, slots_how = vllm_lora_slot_bytes(cfg, z, vb)
@@ -416,7 +416,7 @@ def eval_lines(cfg, z: Sizes) -> list[Line]:
     ev = cfg.eval
     per_call = max(1, int(ev.batch_size) // int(ev.n))
     rows = per_call * int(ev.n)
-    Pe = _prompt_tokens(cfg.benchmark.names)
+    Pe = benchmark_prompt_tokens(cfg.benchmark.names)
     kv, how = hf_engine_kv_bytes(s, b, per_call, int(ev.n), Pe, int(ev.max_tokens), z.cpu)
     lines = [Line("eval", "KV cache (HF engine)", kv, how + "; every rank (its share of the chunks)"),
              Line("eval", "scores and prefill", rows * s.vocab * SCORE_BYTES + s.kv_bytes_per_token * b * rows
@@ -495,7 +495,7 @@ def _sync_chunk_bytes(cfg, z: Sizes) -> float:
     if not z.backend.shards_parameters and str(vdtype) == str(m.dtype):
         return 0.0
     chunk = float(r.vllm.get("sync_chunk_mb", 256) or 256) * 2**20
-    return max(chunk, z.shape.vocab * z.shape.hidden * _dtype_bytes(vdtype))
+    return max(chunk, z.shape.vocab * z.shape.hidden * dtype_bytes(vdtype))
 
 
 # Host memory of a CPU run beyond its tensors, measured on this project's machines (docs/memory-planner.md): the
@@ -530,8 +530,8 @@ def host_lines(cfg) -> list[Line]:
                   f"reward.num_workers {cfg.reward.num_workers} x {GRADER_WORKER / GiB:.2f} GiB (processes of their own)")]
     if str(cfg.rollout.engine) == "vllm":
         s = model_shape(cfg.model)
-        vb = _dtype_bytes(cfg.rollout.vllm.get("dtype") or cfg.model.dtype)
-        T = _prompt_tokens([cfg.data.name]) + few_shot_tokens(cfg.model) + int(cfg.rollout.max_completion_length)
+        vb = dtype_bytes(cfg.rollout.vllm.get("dtype") or cfg.model.dtype)
+        T = benchmark_prompt_tokens([cfg.data.name]) + few_shot_tokens(cfg.model) + int(cfg.rollout.max_completion_length)
         length = int(cfg.rollout.vllm.max_model_len or T)
         lines.append(Line("state", "vLLM engine (host)", s.params * vb + vllm_kv_cache_bytes(cfg, length),
                           f"its weights N x {vb} B + the KV cache of one rollout batch at {length} tokens"))
@@ -555,7 +555,7 @@ def host_node_lines(cfg, z: Sizes) -> list[Line]:
 
     B, n, b, W, s = z.backend, z.n, z.b, z.world, z.shape
     R = min(devices_per_node(cfg.trainer.devices), W)
-    L = _dtype_bytes((B.policy_overrides(cfg).get("model") or {}).get("dtype", cfg.model.dtype))
+    L = dtype_bytes((B.policy_overrides(cfg).get("model") or {}).get("dtype", cfg.model.dtype))
     tensor = s.vocab * s.hidden
     ref = needs_reference(cfg) and not z.lora_rank  # under peft=lora the reference is the policy's base
     workers = int(cfg.reward.num_workers)

@@ -100,7 +100,7 @@ def model_shape(model_cfg) -> Shape:
     """The policy's shape: a shipped architecture (``model.architecture`` or the one whose hub id is
     ``model.name_or_path``, with ``model.random_init_overrides``), a local directory's config.json, or the embedded
     ``model.build``."""
-    from grail_exp.models.architectures import _by_hub_id, hf_config, load_architecture, parameter_counts
+    from grail_exp.models.architectures import by_hub_id, hf_config, load_architecture, parameter_counts
 
     name_or_path = model_cfg.get("name_or_path")
     arch = model_cfg.get("architecture")
@@ -112,7 +112,7 @@ def model_shape(model_cfg) -> Shape:
              "num_hidden_layers": b.num_layers, "head_dim": b.head_dim, "tie_word_embeddings": b.tie_word_embeddings}
         return _shape(str(model_cfg.get("name", "embedded")), c, parameter_counts(c)["total"])
     if not arch and name_or_path:
-        arch = _by_hub_id(str(name_or_path))
+        arch = by_hub_id(str(name_or_path))
         if arch is None and os.path.isfile(os.path.join(os.path.expanduser(str(name_or_path)), "config.json")):
             arch = str(name_or_path)
     if not arch:
@@ -133,13 +133,15 @@ def _shape(name: str, c: dict, params: int) -> Shape:
                  vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings")), qk_norm=c.get("model_type") == "qwen3")
 
 
-def _world(t) -> int:
-    from grail_exp.world import configured_world_size
+def configured_world_size(t) -> int:
+    """``world.configured_world_size`` of a trainer config, imported when asked (the planner's import stays light)."""
+    from grail_exp.world import configured_world_size as world_size
 
-    return configured_world_size(t)
+    return world_size(t)
 
 
-def _dtype_bytes(dtype) -> int:
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of a config's dtype name: 4 for float32, else 2 (bfloat16, float16)."""
     return 4 if str(dtype) == "float32" else 2
 
 
@@ -151,7 +153,8 @@ def few_shot_tokens(model_cfg) -> int:
                for ex in (model_cfg.get("few_shot") or []))
 
 
-def _prompt_tokens(names) -> int:
+def benchmark_prompt_tokens(names) -> int:
+    """The longest typical prompt (tokens) among benchmarks ``names`` (``PROMPT_TOKENS``, else the default)."""
     return max((PROMPT_TOKENS.get(str(n), DEFAULT_PROMPT_TOKENS) for n in names), default=DEFAULT_PROMPT_TOKENS)
 
 
@@ -231,7 +234,7 @@ def vllm_profile_bytes(cfg, s: Shape) -> tuple[float, str]:
     ``rollout.vllm.max_num_batched_tokens`` tokens and its sampler over min(``max_num_seqs``, tokens) rows of the
     vocabulary, plus the non-torch memory (see ``VLLM_SAMPLER_BYTES``)."""
     v = cfg.rollout.vllm
-    vb = _dtype_bytes(v.get("dtype") or cfg.model.dtype)
+    vb = dtype_bytes(v.get("dtype") or cfg.model.dtype)
     tokens = int(v.get("max_num_batched_tokens") or 4096)
     rows = min(int(v.get("max_num_seqs") or 256), tokens)
     forward = tokens * (3 * s.intermediate + 4 * s.hidden) * vb
@@ -248,9 +251,9 @@ def vllm_kv_cache_bytes(cfg, max_model_len: int, block: int = 16) -> int:
     x ``VLLM_CPU_PAGE_FACTOR`` (vLLM's CPU pages hold fewer tokens than the bare keys and values: SmolLM2 at 118 MB,
     3,200 tokens instead of 5,120). With prefix caching the G rows of a prompt share its pages: room to spare."""
     s, r, t = model_shape(cfg.model), cfg.rollout, cfg.trainer
-    rows = max(1, min(int(r.generation_batch_size), t.prompts_per_step // _world(t) * int(r.num_generations)))
+    rows = max(1, min(int(r.generation_batch_size), t.prompts_per_step // configured_world_size(t) * int(r.num_generations)))
     pages = -(-int(max_model_len) // block)
-    dtype = _dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
+    dtype = dtype_bytes(r.vllm.get("dtype") or cfg.model.dtype)
     return int(VLLM_CPU_PAGE_FACTOR * rows * pages * block * s.kv_bytes_per_token * dtype)
 
 
@@ -271,7 +274,7 @@ def computed_positions(cfg, rows: int, P: int, C: int) -> int:
     return groups * (P - 1) + rows * (C + 1)
 
 
-def _positions_how(cfg, rows: int, P: int, C: int) -> str:
+def positions_how(cfg, rows: int, P: int, C: int) -> str:
     from grail_exp.compute.forward import share_prompts_of
 
     if not share_prompts_of(cfg) or P < 2:

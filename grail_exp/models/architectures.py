@@ -55,7 +55,7 @@ def load_architecture(name_or_path: str, key: str = "model.architecture") -> dic
         raise ArchitectureError(f"{key}={name_or_path!r}: {p}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
 
 
-def _by_hub_id(hub_id: str) -> str | None:
+def by_hub_id(hub_id: str) -> str | None:
     for name in available():
         if json.loads((ARCH_DIR / f"{name}.json").read_text()).get("_hub_id") == hub_id:
             return name
@@ -70,7 +70,7 @@ def architecture_of(model_cfg) -> tuple[str, dict]:
         return str(arch), load_architecture(str(arch))
     name = model_cfg.get("name_or_path")
     if name:
-        shipped = _by_hub_id(str(name))
+        shipped = by_hub_id(str(name))
         if shipped:
             return shipped, load_architecture(shipped)
         if Path(str(name)).expanduser().is_dir():

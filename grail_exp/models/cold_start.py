@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -98,21 +97,14 @@ def ensure_cold_start(base_dir: str, cfg, load_tokenizer, load_causal_lm) -> str
 
     ``load_tokenizer`` / ``load_causal_lm``: ``grail_exp.models.loading``' loaders, handed in by ``models.resolve_model_path``
     (the one caller), so that this module stays below models.py instead of importing it back."""
-    from filelock import FileLock
-
     from grail_exp.models.architectures import weights_sha256
+    from grail_exp.models.build_cache import build_once
 
     tokenizer = load_tokenizer(base_dir, cfg)
     s = spec(cfg, weights_sha256(base_dir), tokenizer)
     out = Path(cfg.paths.cache_dir).expanduser() / "cold_start" / f"{Path(base_dir).name}-{cache_key(s)}"
-    if (out / MANIFEST).is_file():
-        return str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if (out / MANIFEST).is_file():  # built by a concurrent job while we waited
-            return str(out)
-        tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def build_into(tmp: Path) -> None:
         log.info("cold start: no cached build of this configuration, so this run first builds it: %s on the task's "
                  "solutions from %s (once; cached afterwards at %s)", estimate(base_dir, cfg.model.cold_start),
                  base_dir, out)
@@ -120,9 +112,10 @@ def ensure_cold_start(base_dir: str, cfg, load_tokenizer, load_causal_lm) -> str
         files = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"key": cache_key(s), **s, "base_dir": str(base_dir),
                                                 "files": files, "build": build}, indent=1))
-        os.replace(tmp, out)
         log.info("cold start built in %.0f s (loss %.3f -> %.3f): %s", build["seconds"], build["losses"][0],
                  build["losses"][-1], out)
+
+    build_once(out, MANIFEST, build_into)
     return str(out)
 
 

@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -55,6 +54,7 @@ log = logging.getLogger(__name__)
 
 # Bump when the build procedure changes so that stale cached models are not reused.
 BUILD_VERSION = 1
+BUILD_MARKER = "grail_exp_build.json"  # a build directory is complete once it holds this (written last)
 
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 LLAMA_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -379,7 +379,7 @@ def warm_start_estimate(n_params: int, warm: dict, shipped_dir: str | os.PathLik
     steps, batch = int(warm["max_steps"]), int(warm["batch_size"])
     what = f"a warm start of up to {steps} SFT steps of {batch} problems (until greedy validation accuracy " \
            f"{warm['target_accuracy']})"
-    refs = sorted(Path(shipped_dir or SHIPPED_DIR).glob("*/grail_exp_build.json"))
+    refs = sorted(Path(shipped_dir or SHIPPED_DIR).glob(f"*/{BUILD_MARKER}"))
     if not refs:
         return f"{what}; no shipped build to estimate its duration from"
     ref = json.loads(refs[0].read_text())
@@ -400,7 +400,7 @@ def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_te
                           instruction: str, cache_dir: str | os.PathLike, use_shipped: bool = True) -> Path:
     """Return the directory of the warm-started embedded model: the shipped artifact when it was built for exactly
     this spec (and ``use_shipped``), else the cached build, building and caching it if needed."""
-    from filelock import FileLock
+    from grail_exp.models.build_cache import build_once
 
     spec = embedded_spec(build, warm, task, chat_template_kwargs, instruction)
     warm = spec["warm_start"]
@@ -411,16 +411,8 @@ def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_te
                  "accuracy %.1f %%); no build needed", shipped, key, manifest["git_commit"][:12],
                  100 * manifest["warm_start"]["greedy_val_accuracy"])
         return shipped
-    root = Path(cache_dir).expanduser() / "embedded"
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"{build['architecture']}-{key}"
-    if (target / "grail_exp_build.json").exists():
-        log.info("embedded model: the cached build %s", target)
-        return target
-    with FileLock(str(target) + ".lock"):
-        if (target / "grail_exp_build.json").exists():  # built by a concurrent job while we waited
-            log.info("embedded model: the cached build %s", target)
-            return target
+    target = Path(cache_dir).expanduser() / "embedded" / f"{build['architecture']}-{key}"
+    def build_into(tmp: Path) -> None:
         t0 = time.time()
         tokenizer = build_tokenizer(build["tokenizer"], task, build["vocab_size"], warm)
         seed = build.get("seed", 0)
@@ -432,19 +424,19 @@ def ensure_embedded_model(build: dict, warm: dict, task: ArithmeticTask, chat_te
                      warm_start_estimate(n_params, warm) if warm["enabled"] else "no warm start, seconds", target)
             report = warm_start(model, tokenizer, task, warm, chat_template_kwargs, instruction, seed) \
                 if warm["enabled"] else {}
-        tmp = root / f".tmp-{target.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         meta = {"spec": spec, "parameters": n_params, "build_seconds": time.time() - t0, "warm_start": report}
-        (tmp / "grail_exp_build.json").write_text(json.dumps(meta, indent=2, default=str))
-        os.replace(tmp, target)  # atomic: a crash never leaves a half-written model that looks complete
+        (tmp / BUILD_MARKER).write_text(json.dumps(meta, indent=2, default=str))
         acc = report.get("greedy_val_accuracy", math.nan)
         log.info("embedded model: %d parameters, warm start %.1f s, greedy validation accuracy %.1f %%",
                  n_params, meta["build_seconds"], 100 * acc)
+
+    if not build_once(target, BUILD_MARKER, build_into):
+        log.info("embedded model: the cached build %s", target)
     return target
 
 
 def read_build_report(path: str | os.PathLike) -> dict[str, Any] | None:
-    f = Path(path) / "grail_exp_build.json"
+    f = Path(path) / BUILD_MARKER
     return json.loads(f.read_text()) if f.exists() else None

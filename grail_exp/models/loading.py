@@ -38,7 +38,7 @@ class ModelLoadError(UserError, RuntimeError):
     """A model or tokenizer that cannot be loaded; the message says what to fix."""
 
 
-def _looks_local(name: str) -> bool:
+def looks_local(name: str) -> bool:
     """A filesystem path (existing, or written like one) rather than a hub id such as ``Qwen/Qwen3-4B``."""
     return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
 
@@ -55,7 +55,7 @@ def check_local_files(model_cfg) -> list[str]:
     e: list[str] = []
     name, tok = model_cfg.get("name_or_path"), model_cfg.get("tokenizer_name_or_path")
     arch = model_cfg.get("architecture")
-    if name is not None and not model_cfg.get("random_init") and ":" not in str(name) and _looks_local(str(name)):
+    if name is not None and not model_cfg.get("random_init") and ":" not in str(name) and looks_local(str(name)):
         config = Path(str(name)).expanduser() / "config.json"
         if not config.is_file():
             e.append(f"model.name_or_path = {str(name)!r}: no Hugging Face model there (expected {config}); point "
@@ -65,7 +65,7 @@ def check_local_files(model_cfg) -> list[str]:
                 json.loads(config.read_text())
             except json.JSONDecodeError as exc:
                 e.append(f"model.name_or_path = {str(name)!r}: {config}:{exc.lineno}: invalid JSON: {exc.msg}")
-    if tok is not None and ":" not in str(tok) and _looks_local(str(tok)) and not Path(str(tok)).expanduser().is_dir():
+    if tok is not None and ":" not in str(tok) and looks_local(str(tok)) and not Path(str(tok)).expanduser().is_dir():
         e.append(f"model.tokenizer_name_or_path = {str(tok)!r}: no such directory")
     if arch and not model_cfg.get("random_init"):
         try:
@@ -111,7 +111,7 @@ def _resolve_base(cfg) -> str:
             return resolve_packaged_model(name, _cache_dir(cfg))
         except PackagedModelError as exc:
             raise ModelLoadError(str(exc)) from exc
-    if _looks_local(name):
+    if looks_local(name):
         p = Path(name).expanduser()
         if not (p / "config.json").is_file():
             raise ModelLoadError(
@@ -170,7 +170,7 @@ def _hub_offline_kwargs(name: str, revision, probe_file: str) -> dict:
     ModelLoadError now, instead of a minute of retries."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if constants.HF_HUB_OFFLINE or _looks_local(name):
+    if constants.HF_HUB_OFFLINE or looks_local(name):
         return {}
     ok, why = hub_reachable()
     if ok:

@@ -36,7 +36,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -135,31 +134,25 @@ def cache_path(spec: str, cache_dir: str | os.PathLike, key: str = "model.name_o
 def resolve(spec: str, cache_dir: str | os.PathLike, key: str = "model.name_or_path") -> str:
     """A local Hugging Face directory (safetensors + tokenizer) holding ``spec``'s model, converted on first use.
 
-    Concurrent processes (DDP ranks, parallel tests, sweep jobs) convert once: a file lock serialises them, and the
-    directory is written under a private name and renamed into place, so no reader ever sees a half copy."""
-    from filelock import FileLock
+    Concurrent processes (DDP ranks, parallel tests, sweep jobs) convert once (``build_cache.build_once``)."""
+    from grail_exp.models.build_cache import build_once
 
     out, source = cache_path(spec, cache_dir, key)
-    if (out / MARKER).is_file():
-        return str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if (out / MARKER).is_file():  # converted by a concurrent process while we waited
-            return str(out)
+
+    def convert(tmp: Path) -> None:
         problems = check_spec(spec, key)
         if problems:
             raise PackagedModelError(problems[0])
         t0 = time.time()
         log.info("de-quantising %s (%s) into %s (once; cached afterwards)", source["file"], spec, out)
-        tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         n_params = convert_gguf(Path(source["file"]), tmp)
         meta = {**source, "parameters": n_params, "stored_dtype": "float32", "seconds": round(time.time() - t0, 1),
                 "transformers": importlib.metadata.version("transformers"),
                 "gguf": importlib.metadata.version("gguf")}
         (tmp / MARKER).write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, out)  # atomic: a crash never leaves a half-written directory that looks complete
         log.info("%s: %d parameters de-quantised in %.1f s", spec, n_params, meta["seconds"])
+
+    build_once(out, MARKER, convert)
     return str(out)
 
 

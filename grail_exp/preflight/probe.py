@@ -26,12 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
 import socket
 import time
 from pathlib import Path
 
 import torch
+
+from grail_exp.compute.host import peak_resident_bytes, resident_bytes
 
 QUESTION = "Compute 12+7."  # the fixed prompt whose continuation the engine and the trainer both score
 SIGNAL_FILE = "signal_sent"
@@ -66,8 +67,8 @@ class PreflightProbe:
         from grail_exp import world
 
         rec = {"point": point, "rank": world.rank(), "time": time.time(),
-               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-               "rss_bytes": resident_bytes(), "collectives": world.collective_devices(), **data}
+               "peak_rss_bytes": peak_resident_bytes(), "rss_bytes": resident_bytes(),
+               "collectives": world.collective_devices(), **data}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rec["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
         with open(self.dir / f"rank{world.rank()}.jsonl", "a") as f:
@@ -144,14 +145,6 @@ def problems_by_rank(samples: list[dict], generated_by: dict[str, int], per_call
         r = str(generated_by.get(key, "?"))
         out[r] = out.get(r, 0) + n
     return out
-
-
-def resident_bytes() -> int:
-    """This process's resident set now (Linux ``/proc/self/statm``; 0 where there is none)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def engine_and_trainer_logprobs(backend, engine, temperature: float = 1.0, max_new_tokens: int = 12):

@@ -19,7 +19,6 @@ and writes checkpoints.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import lightning as L
 import torch
 
 from grail_exp import faults, world
+from grail_exp.compute.host import peak_resident_bytes
 from grail_exp.distributed import check_launch_rank, launch_rank
 from grail_exp.errors import Preempted
 from grail_exp.training import probe
@@ -238,7 +238,7 @@ class RLVRModule(L.LightningModule):
                     index: int) -> None:
         """Between optimiser steps: metrics, tables, evaluation, checkpoint, stop request."""
         cfg = self.cfg
-        metrics["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        metrics["memory/peak_rss_gb"] = peak_resident_bytes() / 1e9
         if torch.cuda.is_available():
             metrics["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
         metrics["grading/timeouts_total"] = float(self.rollout.verifier.counters.get("timeout", 0))

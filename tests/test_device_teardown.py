@@ -40,7 +40,7 @@ def _meta_adamw(module) -> torch.optim.Optimizer:
 
 
 def _trainer_options() -> list[str]:
-    from grail_exp.recompose import group_options
+    from grail_exp.memory.recompose import group_options
 
     return sorted(group_options("trainer"))
 

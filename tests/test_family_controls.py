@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grail_exp.loss.masks import off_policy_sequence_mask, top_entropy_mask
-from grail_exp.reward_shaping import KLInRewardController, overlong_penalty
+from grail_exp.training.reward_shaping import KLInRewardController, overlong_penalty
 from grail_exp.training.rollout import informative_groups
 
 

@@ -1,4 +1,4 @@
-"""Overrides applied to a composed config (``grail_exp/recompose.py``, the memory planner's ``replan``) against Hydra
+"""Overrides applied to a composed config (``grail_exp/memory/recompose.py``, the memory planner's ``replan``) against Hydra
 itself: the run's command line with the overrides appended, composed from scratch. The planner plans each suggestion
 this way before naming it, so a suggestion's plan is the plan of the run the user would start with it."""
 
@@ -31,7 +31,7 @@ CASES = [
 @pytest.mark.parametrize("run, suggestion, ambiguous", CASES)
 def test_a_suggestion_is_the_run_hydra_would_compose(run, suggestion, ambiguous):
     from grail_exp.memory import plan, render, replan
-    from grail_exp.recompose import _leaves
+    from grail_exp.memory.recompose import _leaves
 
     planned = replan(compose(run, Path("/nonexistent")), suggestion)
     replaced = {o.split("=", 1)[0] for o in suggestion}  # the command line the user would run: the suggestion wins
@@ -45,7 +45,7 @@ def test_a_suggestion_is_the_run_hydra_would_compose(run, suggestion, ambiguous)
 def test_the_current_option_is_the_one_that_explains_the_run():
     """The composed config does not record a group's option; the one leaving the fewest values set on top is taken,
     also when an experiment or the command line changed several of them."""
-    from grail_exp.recompose import _leaves, _schema_defaults, _set_on_top, group_options, option_file
+    from grail_exp.memory.recompose import _leaves, _schema_defaults, _set_on_top, group_options, option_file
 
     cfg = compose(["model=qwen3_8b", "advantage=grail", "trainer.devices=2", "trainer.max_steps=7"], Path("/nonexistent"))
     schema, mine = _schema_defaults(cfg.trainer), _leaves(cfg.trainer)

@@ -7,7 +7,7 @@ objective, ``grail_exp/loss/``), built by the update phase (``grail_exp/training
                               ``loss.off_policy_mask_threshold``)
     family_token_masks        f = E · O, as TRL's GRPOTrainer builds it, and the mask the auxiliary terms use
 
-The family's other controls live where they act: the reward transforms in ``grail_exp/reward_shaping.py``, dynamic
+The family's other controls live where they act: the reward transforms in ``grail_exp/training/reward_shaping.py``, dynamic
 sampling's filter in ``grail_exp/training/rollout.py``, the losses in ``grail_exp/loss/policies/``.
 """
 

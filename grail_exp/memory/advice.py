@@ -64,8 +64,8 @@ def replan(cfg, overrides: list[str]):
     """``cfg`` with ``key=value`` and group overrides applied as on the run's command line, as a new config: where
     Hydra composed this process's config, the run's recorded overrides and these composed by Hydra from scratch;
     elsewhere, a group switch offered by ``suggest`` (``trainer=fsdp_zero2``, ``rollout=hf``) is the option's file as
-    Hydra composes it, under what the run set on top of its group (``grail_exp/recompose.py``)."""
-    from grail_exp.recompose import apply_overrides, recompose, recorded_overrides
+    Hydra composes it, under what the run set on top of its group (``grail_exp/memory/recompose.py``)."""
+    from grail_exp.memory.recompose import apply_overrides, recompose, recorded_overrides
 
     recorded = recorded_overrides()
     if recorded is not None:

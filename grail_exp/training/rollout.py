@@ -85,7 +85,7 @@ class RolloutPhase:
         rewards = torch.tensor([float(g.correct) for g in graded])
         ob = cfg.reward.get("overlong_buffer")
         if ob is not None and ob.enabled:  # DAPO soft overlong punishment (a reward transform)
-            from grail_exp.reward_shaping import overlong_penalty
+            from grail_exp.training.reward_shaping import overlong_penalty
 
             penalty = overlong_penalty(rb.completion_mask.sum(1), r.max_completion_length, ob.length, ob.penalty_factor)
             rewards = rewards + penalty
@@ -319,7 +319,7 @@ class RolloutPhase:
         kir = cfg.loss.get("kl_in_reward")
         if kir is not None and kir.enabled:  # r_i <- r_i - β Σ_t KL_t (needs the reference before the advantages)
             from grail_exp.loss import KL_ESTIMATORS
-            from grail_exp.reward_shaping import KLInRewardController
+            from grail_exp.training.reward_shaping import KLInRewardController
 
             if self.kl_controller is None:
                 self.kl_controller = KLInRewardController(kir)
@@ -341,7 +341,7 @@ class RolloutPhase:
         self.prompt_cursor = int(st.get("prompt_cursor", 0))
         self.logp_diff_history = list(st.get("logp_diff_history", []))
         if st.get("kl_controller") is not None:
-            from grail_exp.reward_shaping import KLInRewardController
+            from grail_exp.training.reward_shaping import KLInRewardController
 
             self.kl_controller = KLInRewardController(self.cfg.loss.kl_in_reward)
             self.kl_controller.load_state_dict(st["kl_controller"])

@@ -4,8 +4,8 @@ kills the process where it means to instead of racing a timer (docs/developer.md
 Every function here is a no-op unless the environment variable ``GRAIL_EXP_FAULT`` names its fault (the grader's
 hooks: unless ``MathVerifier(_allow_debug=True)``); the production code calls them at the marked points:
 
-    GRAIL_EXP_FAULT=stall_checkpoint:<N>               training/checkpointing.py: hang mid-write of step N's checkpoint
-    GRAIL_EXP_FAULT=raise_in_checkpoint:<N>[:rank<R>]  training/checkpointing.py: a RuntimeError in a rank's own
+    GRAIL_EXP_FAULT=stall_checkpoint:<N>               training/checkpoint_writer.py: hang mid-write of step N's checkpoint
+    GRAIL_EXP_FAULT=raise_in_checkpoint:<N>[:rank<R>]  training/checkpoint_writer.py: a RuntimeError in a rank's own
                                                        part of step N's checkpoint
     GRAIL_EXP_FAULT=kill_eval_after_chunks:<N>         evaluate: SIGKILL right after the N-th cached chunk
     GRAIL_EXP_FAULT=term_at_step:<N>[:<scheme>]        training/module.py: SIGTERM at the end of optimiser step N

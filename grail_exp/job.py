@@ -322,7 +322,7 @@ class Evaluator:
         from grail_exp.evaluation import evaluate_benchmarks, log_eval_result
         from grail_exp.preemption import set_stage
         from grail_exp.rollout.base import release
-        from grail_exp.training import probe
+        from grail_exp.training import probe_points
 
         set_stage(f"the evaluation ({tag})")  # named by a stop before training: the evaluation before it
         t = time.perf_counter()
@@ -333,7 +333,7 @@ class Evaluator:
             res = evaluate_benchmarks(p.policy, p.tokenizer, engine, p.verifier, self.cfg, desc=f"eval ({tag})",
                                       **self._cache(tag, step))
         release(engine)  # sleep mode: the engine's memory goes back to training until the next sync
-        probe.emit("evaluated", module=m, tag=tag, result=res)
+        probe_points.emit("evaluated", module=m, tag=tag, result=res)
         self.phases[f"eval_{tag}_s"] = self.phases.get(f"eval_{tag}_s", 0.0) + time.perf_counter() - t
         self.tables[tag] = res.table()
         if world.rank() == 0:
@@ -374,7 +374,7 @@ class Evaluator:
 class Saver:
     """Checkpoints (``<run dir>/checkpoints``, exact resume) and the weights-only trajectory (``<run dir>/trajectory``:
     θ_0, every ``trainer.save_weights_only_every`` steps and the last; RELEX's input). Every rank writes its own part
-    of a checkpoint (``training/checkpointing.py``); a sharded policy's full weights stream to rank 0 one tensor at a
+    of a checkpoint (``training/checkpoint_writer.py``); a sharded policy's full weights stream to rank 0 one tensor at a
     time. A step is written once."""
 
     def __init__(self, cfg: DictConfig, parts: Parts, state: dict | None):
@@ -397,7 +397,7 @@ class Saver:
         self.traj_saved.add(0)
         if lora.is_lora(parts.policy):  # the merged model (here the base: B = 0), as every later step's
             from grail_exp.checkpoint import write_dir_atomically
-            from grail_exp.training.checkpointing import export_hf_weights
+            from grail_exp.training.checkpoint_writer import export_hf_weights
 
             write_dir_atomically(self.traj_root / "step-0", lambda tmp: (
                 export_hf_weights(module, tmp), parts.tokenizer.save_pretrained(tmp)), what="trajectory")
@@ -407,7 +407,7 @@ class Saver:
     def checkpoint(self, module, position: dict, final: bool = False) -> None:
         """Every rank: the checkpoint at the module's step. ``final``: the run's last one, which always carries the
         full Hugging Face weights (what evaluation, vLLM and the study read)."""
-        from grail_exp.training.checkpointing import write_checkpoint
+        from grail_exp.training.checkpoint_writer import write_checkpoint
 
         m = module
         if m.step in self.saved_at:
@@ -421,7 +421,7 @@ class Saver:
             log.info("checkpoint: %s", path)
 
     def trajectory(self, module, step: int) -> None:
-        from grail_exp.training.checkpointing import write_trajectory
+        from grail_exp.training.checkpoint_writer import write_trajectory
 
         if step in self.traj_saved:
             return
@@ -433,7 +433,7 @@ def exports_hf_weights(trainer_cfg, final: bool) -> bool:
     """Whether a checkpoint carries the full Hugging Face weights where resume does not need them (FSDP: the model is
     in the shards): the final one always (what evaluation, vLLM and the study read), the others only with
     ``trainer.export_hf_weights=every``. Strategies whose checkpoint holds the weights as these files write them
-    always (``training/checkpointing.py``)."""
+    always (``training/checkpoint_writer.py``)."""
     return final or trainer_cfg.get("export_hf_weights", "final") == "every"
 
 

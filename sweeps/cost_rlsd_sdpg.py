@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 def main(rows: int = 64, completion_len: int = 48, reps: int = 5) -> None:
     sys.path.insert(0, "tests")
     from grail_exp.advantages import SchemeBatch
-    from grail_exp.advantages.probe import predicting_window
+    from grail_exp.advantages.gradient_probe import predicting_window
     from grail_exp.advantages.rlsd import RlsdConfig, RlsdScheme
     from grail_exp.compute.forward import policy_forward, position_ids_from_mask
     from grail_exp.config import LossConfig

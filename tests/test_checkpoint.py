@@ -229,7 +229,7 @@ def test_disk_full_on_checkpoint_is_one_clear_error_and_leaves_no_partial_checkp
     import errno
 
     from grail_exp.checkpoint import CheckpointError
-    from grail_exp.training.checkpointing import write_checkpoint
+    from grail_exp.training.checkpoint_writer import write_checkpoint
 
     root = tmp_path / "checkpoints"
     position = {"round": 1, "buffer": None}
@@ -329,7 +329,7 @@ def test_the_hf_export_goes_into_the_final_checkpoint_unless_every_is_asked(tmp_
 
     from omegaconf import OmegaConf
 
-    import grail_exp.training.checkpointing as checkpointing
+    import grail_exp.training.checkpoint_writer as checkpoint_writer
     from grail_exp.job import Saver
 
     trainer = {"max_steps": 3, "keep_last_checkpoints": 3, "save_weights_only_every": 0}
@@ -338,7 +338,7 @@ def test_the_hf_export_goes_into_the_final_checkpoint_unless_every_is_asked(tmp_
     cfg = OmegaConf.create({"trainer": trainer, "paths": {"output_dir": str(tmp_path)}})
     module = SimpleNamespace(step=step, rank=1)
     seen = []
-    monkeypatch.setattr(checkpointing, "write_checkpoint", lambda *a, export_hf, **k: seen.append(export_hf))
+    monkeypatch.setattr(checkpoint_writer, "write_checkpoint", lambda *a, export_hf, **k: seen.append(export_hf))
     Saver(cfg, SimpleNamespace(tokenizer=None), None).checkpoint(module, {"round": 1, "buffer": None})
     assert seen == [want]
     seen.clear()

@@ -76,7 +76,7 @@ def broadcast_into_skeletons(rank: int, tmp: Path, model_dir: str) -> dict:
 
 
 def unseen_checkpoint_dir(rank: int, tmp: Path, model_dir: str) -> dict:
-    from grail_exp.training.checkpointing import _temporary_dir
+    from grail_exp.training.checkpoint_writer import _temporary_dir
 
     root = tmp / "unseen" / "checkpoints"
     real = Path.is_dir
@@ -93,7 +93,7 @@ def unseen_checkpoint_dir(rank: int, tmp: Path, model_dir: str) -> dict:
 def fsdp_export_and_trajectory(rank: int, tmp: Path, model_dir: str) -> dict:
     from safetensors.torch import load_file
 
-    from grail_exp.training.checkpointing import export_hf_weights, write_trajectory
+    from grail_exp.training.checkpoint_writer import export_hf_weights, write_trajectory
 
     cfg = _cfg("fsdp", 2, "model.dtype=bfloat16")
     module = _backend(cfg, tiny_model(seed=0))  # fp32 master shards (FSDP's policy_overrides)

@@ -132,7 +132,7 @@ def _ctx(model, tok, batch, *, hidden=None, W=None, logp=None, mask=None, ref_lo
 
 
 def _forward(model, batch):
-    from grail_exp.advantages.probe import predicting_window
+    from grail_exp.advantages.gradient_probe import predicting_window
     from grail_exp.compute.forward import policy_forward
 
     logp, ent, fwd = policy_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids,

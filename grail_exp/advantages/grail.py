@@ -42,7 +42,7 @@ from grail_exp.advantages.base import (
     check_common,
     register_scheme,
 )
-from grail_exp.advantages.probe import detached_head_logits, detached_projection, masked_mean_std
+from grail_exp.advantages.gradient_probe import detached_head_logits, detached_projection, masked_mean_std
 from grail_exp.compute.forward import body_forward
 from grail_exp.compute.logprobs import selective_log_softmax
 

@@ -45,7 +45,7 @@ from grail_exp.advantages.base import (
     check_common,
     register_scheme,
 )
-from grail_exp.advantages.probe import detached_head_logits, masked_mean_std
+from grail_exp.advantages.gradient_probe import detached_head_logits, masked_mean_std
 from grail_exp.compute.forward import body_forward, continue_forward, frozen_parameters, output_layer
 from grail_exp.compute.logprobs import linear_logprob
 

@@ -44,7 +44,7 @@ from grail_exp.advantages.base import (
     check_common,
     register_scheme,
 )
-from grail_exp.advantages.probe import masked_mean_std
+from grail_exp.advantages.gradient_probe import masked_mean_std
 from grail_exp.teacher import build_teacher_batch, check_template, teacher_logprobs
 
 

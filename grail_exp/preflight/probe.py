@@ -1,5 +1,5 @@
 """The preflight's probe (``GRAIL_EXP_PROBE=grail_exp.preflight.probe:PreflightProbe``): every rank of a rehearsal
-run writes what it did, one JSON line per probe point (grail_exp/training/probe.py), to
+run writes what it did, one JSON line per probe point (grail_exp/training/probe_points.py), to
 ``$GRAIL_EXP_PROBE_DIR/rank<r>.jsonl``; the preflight's checks judge the run by these files.
 
 Every record carries the rank, the time, the peak memory so far (this device's CUDA allocator; the process's

@@ -9,7 +9,7 @@ trajectory (RELEX) is always the merged model. The merged weights are W + (alpha
 unchanged base (``lora.merged_tensors``), written in the model's dtype one tensor at a time.
 
 Both writers are collectives where the policy is sharded (every rank calls them; rank 0 passes the directory, the
-others None), as ``checkpointing.export_hf_weights`` is.
+others None), as ``checkpoint_writer.export_hf_weights`` is.
 """
 
 from __future__ import annotations

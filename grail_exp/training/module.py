@@ -31,7 +31,7 @@ from grail_exp import faults, world
 from grail_exp.compute.host import peak_resident_bytes
 from grail_exp.distributed import check_launch_rank, launch_rank
 from grail_exp.errors import Preempted
-from grail_exp.training import probe
+from grail_exp.training import probe_points
 from grail_exp.training import state as run_state
 from grail_exp.training.backends import build_backend
 from grail_exp.training.batch import Progress, SchemeContext, TrainingBatch  # noqa: F401  (TrainingBatch: public)
@@ -156,7 +156,7 @@ class RLVRModule(L.LightningModule):
                 self.tracker.log_params(where)
             else:  # params are immutable in MLflow: a resumed run records its world as tags
                 self.tracker.set_tags({f"resumed_{k}": v for k, v in where.items()})
-        probe.emit("setup", module=self)
+        probe_points.emit("setup", module=self)
         if world.world_size() > 1:
             # Different sampling / noise streams per rank (rank 0 keeps the single-process streams).
             self.scheme_generator.manual_seed(int(self.cfg.seed) + 7919 + 1000 * world.rank())
@@ -188,8 +188,8 @@ class RLVRModule(L.LightningModule):
         if self.resume_state is not None:
             run_state.restore(self, self.resume_state, self.resume_part)
             self.resume_part = None  # placed: release this rank's loaded part
-            probe.emit("restored", module=self)
-        probe.emit("started", module=self)
+            probe_points.emit("restored", module=self)
+        probe_points.emit("started", module=self)
         self.hooks.start(self)
 
     def on_train_end(self) -> None:
@@ -197,7 +197,7 @@ class RLVRModule(L.LightningModule):
         # evaluation run here, on every rank. The strategy's teardown comes next: it frees the optimiser state and
         # copies nothing to the host (grail_exp/device_teardown.py).
         self.hooks.end(self)
-        probe.emit("closed", module=self)
+        probe_points.emit("closed", module=self)
 
     # ------------------------------------------------------------------ the step
     def training_step(self, round_index, batch_idx):
@@ -218,7 +218,7 @@ class RLVRModule(L.LightningModule):
             if not self._prompts_checked:  # the first rollout of this process: ranks drew disjoint prompts
                 world.check_disjoint_prompts(self.rollout.last_prompt_indices)
                 self._prompts_checked = True
-            probe.emit("rollout", module=self, round_index=round_index)
+            probe_points.emit("rollout", module=self, round_index=round_index)
 
         left = cfg.trainer.max_steps - self.progress.step
         steps = self.update.optimizer_steps(batch, self.optimizers(), self.lr_schedulers(), start, timings, limit=left)
@@ -244,7 +244,7 @@ class RLVRModule(L.LightningModule):
         metrics["grading/timeouts_total"] = float(self.rollout.verifier.counters.get("timeout", 0))
         metrics = world.average_metrics(metrics)
         self.last_metrics = metrics
-        probe.emit("step", module=self, step=step)
+        probe_points.emit("step", module=self, step=step)
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
             self.tracker.log_metrics(metrics, step=step)
         self.records.progress_line(step, metrics)

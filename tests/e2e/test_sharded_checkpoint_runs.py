@@ -1,4 +1,4 @@
-"""Checkpoints written and read per rank (grail_exp/training/checkpointing.py), on 2 gloo ranks.
+"""Checkpoints written and read per rank (grail_exp/training/checkpoint_writer.py), on 2 gloo ranks.
 
 - Host memory: an FSDP rank's checkpoint write adds less host memory than its own parameter shard, never the full
   model (before, rank 0 gathered the full model and optimiser state into its host memory).

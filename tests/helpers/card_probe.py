@@ -1,6 +1,6 @@
 """The probe of the card's dress rehearsal (``GRAIL_EXP_PROBE=helpers.card_probe:CardProbe``, ``PYTHONPATH=tests``):
 every rank writes what it did, one JSON line per probe point, to ``$GRAIL_EXP_PROBE_DIR/rank<r>.jsonl``
-(grail_exp/training/probe.py lists the points). The tests judge the run by these files, not by its log or exit code.
+(grail_exp/training/probe_points.py lists the points). The tests judge the run by these files, not by its log or exit code.
 
 - ``setup``: the world this rank runs in (torch.distributed's size, rank, backend) and its engine;
 - ``rollout``: the data indices and questions of the prompts this rank sampled;

@@ -1,4 +1,4 @@
-"""The base of the tests' probes (``GRAIL_EXP_PROBE``, grail_exp/training/probe.py): each rank appends one JSON line
+"""The base of the tests' probes (``GRAIL_EXP_PROBE``, grail_exp/training/probe_points.py): each rank appends one JSON line
 per probe point to ``$GRAIL_EXP_PROBE_DIR/rank<r>.jsonl``."""
 
 from __future__ import annotations

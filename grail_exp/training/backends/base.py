@@ -14,7 +14,7 @@ probe gradient inside the policy forward), so the operations that differ between
 - ``backward``: one micro-batch's backward; ``step``: gradient sync, global norm, clipping, the optimiser step (or its
   skip when the loss or the norm is not finite).
 - ``shared_checkpoint`` / ``rank_checkpoint`` / ``save_shards`` / ``load_checkpoint``: what a checkpoint stores and
-  restores, each rank its own part (``grail_exp/training/checkpointing.py``); ``load_optimizer_state``
+  restores, each rank its own part (``grail_exp/training/checkpoint_writer.py``); ``load_optimizer_state``
   reads the older layout, where rank 0 held every rank's optimiser state.
 - ``placed`` and the ``after_*`` hooks: memory hygiene at the phases' boundaries (after a probe backward, a backward,
   an optimiser step, a generation), no-ops here; the local backend hands freed host heap back to the OS when the
@@ -43,7 +43,7 @@ from grail_exp.compute.chunks import chunked
 from grail_exp.compute.forward import policy_forward, share_prompts_of
 from grail_exp.models import lora
 from grail_exp.registry import Registry
-from grail_exp.training import probe
+from grail_exp.training import probe_points
 
 BACKENDS: Registry = Registry("update backend for trainer.strategy")
 
@@ -202,7 +202,7 @@ class UpdateBackend:
     @classmethod
     def planned_checkpoint_shard(cls, cfg, n: int, b: int, world: int, rank: int, tensor: int) -> PlanItem:
         """The host bytes rank ``rank`` holds at once while writing (and reading back) its part of a checkpoint
-        (``grail_exp/training/checkpointing.py``): the host planner's checkpoint and resume rows
+        (``grail_exp/training/checkpoint_writer.py``): the host planner's checkpoint and resume rows
         (``memory.host_node_lines``). ``tensor``: elements of the largest tensor (V x h). A replicated layout: rank 0
         writes the weights with ``save_pretrained`` (one safetensors shard of up to 50 GB, so the b-byte weights at
         once) and the optimiser with ``torch.save``, which copies one storage at a time; the other ranks nothing."""
@@ -309,7 +309,7 @@ class UpdateBackend:
         else:
             with self.full_parameters():
                 engine.sync_weights(self.module.policy)
-        probe.emit("synced", backend=self, engine=engine)
+        probe_points.emit("synced", backend=self, engine=engine)
 
     def sync_lora(self, engine) -> None:
         """``peft=lora``, an engine with its own weights (grail_exp/models/lora.py, docs/lora.md). ``peft.sync=adapter``:
@@ -380,7 +380,7 @@ class UpdateBackend:
     def after_generation(self) -> None:
         """Every generation of a round has finished (the engine's caches are free)."""
 
-    # ---- checkpoints: each rank writes and reads its own part (grail_exp/training/checkpointing.py)
+    # ---- checkpoints: each rank writes and reads its own part (grail_exp/training/checkpoint_writer.py)
     # True where the model's weights are in the checkpoint's shards (FSDP): the full Hugging Face weights are then an
     # export (``trainer.export_hf_weights``), not what resume reads.
     model_in_shards: ClassVar[bool] = False

@@ -49,7 +49,7 @@ from grail_exp.checkpoint import (
     write_safetensors_streaming,
 )
 from grail_exp.models import lora
-from grail_exp.training import lora_checkpoint, probe
+from grail_exp.training import lora_checkpoint, probe_points
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def write_checkpoint(root: Path, module, tokenizer, position: dict, keep_last: i
         if sealed is None:
             prune(root, keep_last)
     agree(sealed, "checkpoint", target, cleanup=tmp)  # every rank leaves here, with the checkpoint in place or an error
-    probe.emit("checkpointed", module=module, path=target)
+    probe_points.emit("checkpointed", module=module, path=target)
     return target
 
 

@@ -53,6 +53,11 @@ def _check(errors: list[str], ok: bool, key: str, value: Any, why: str) -> None:
         errors.append(f"{key} = {value!r}: {why}")
 
 
+def _one_of(errors: list[str], key: str, value: Any, choices) -> None:
+    """The choice check: ``key = value`` must be one of ``choices`` (listed in their order)."""
+    _check(errors, value in choices, key, value, f"must be one of: {', '.join(choices)}")
+
+
 # ---------------------------------------------------------------------------------------------- the groups
 def rollout(cfg) -> list[str]:
     """Sampling (``rollout.*``), the sampler/trainer importance-sampling correction and the stale-sampler check."""
@@ -71,7 +76,7 @@ def rollout(cfg) -> list[str]:
     from grail_exp.loss.correction import MODES as IS_MODES
 
     ic = r.is_correction
-    _check(e, ic.mode in IS_MODES, "rollout.is_correction.mode", ic.mode, f"must be one of: {', '.join(IS_MODES)}")
+    _one_of(e, "rollout.is_correction.mode", ic.mode, IS_MODES)
     _check(e, ic.clip_max > 0, "rollout.is_correction.clip_max", ic.clip_max, "must be > 0")
     _check(e, ic.clip_min is None or 0 <= ic.clip_min < ic.clip_max, "rollout.is_correction.clip_min", ic.clip_min,
            "must be null or in [0, clip_max)")
@@ -94,8 +99,7 @@ def vllm(cfg) -> list[str]:
            "must be > 0 or null")
     _check(e, v.dtype in (None, "float32", "bfloat16", "float16"), "rollout.vllm.dtype", v.dtype,
            "must be null (= model.dtype), float32, bfloat16 or float16")
-    _check(e, v.logprobs_mode in VLLM_LOGPROBS_MODES, "rollout.vllm.logprobs_mode", v.logprobs_mode,
-           f"must be one of: {', '.join(VLLM_LOGPROBS_MODES)}")
+    _one_of(e, "rollout.vllm.logprobs_mode", v.logprobs_mode, VLLM_LOGPROBS_MODES)
     _check(e, v.get("sync_chunk_mb", 256) >= 1, "rollout.vllm.sync_chunk_mb", v.get("sync_chunk_mb"), "must be >= 1")
     kw = v.get("kwargs") or {}
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -183,18 +187,14 @@ def loss(cfg) -> list[str]:
     from grail_exp.loss.policies import check_family_config
 
     L, e = cfg.loss, []
-    _check(e, L.scale_rewards in ("group", "batch", "none"), "loss.scale_rewards", L.scale_rewards,
-           "must be one of: group, batch, none")
-    _check(e, L.policy_loss in POLICY_LOSSES, "loss.policy_loss", L.policy_loss,
-           f"must be one of: {', '.join(sorted(POLICY_LOSSES))}")
-    _check(e, L.kl_estimator in KL_ESTIMATORS, "loss.kl_estimator", L.kl_estimator,
-           f"must be one of: {', '.join(sorted(KL_ESTIMATORS))}")
+    _one_of(e, "loss.scale_rewards", L.scale_rewards, ("group", "batch", "none"))
+    _one_of(e, "loss.policy_loss", L.policy_loss, sorted(POLICY_LOSSES))
+    _one_of(e, "loss.kl_estimator", L.kl_estimator, sorted(KL_ESTIMATORS))
     e += loss_terms(cfg)
     _check(e, L.epsilon >= 0, "loss.epsilon", L.epsilon, "must be >= 0")
     _check(e, L.epsilon_high is None or L.epsilon_high >= 0, "loss.epsilon_high", L.epsilon_high,
            "must be >= 0 or null")
-    _check(e, L.loss_type in AGGREGATIONS, "loss.loss_type", L.loss_type,
-           f"must be one of: {', '.join(sorted(AGGREGATIONS))}")
+    _one_of(e, "loss.loss_type", L.loss_type, sorted(AGGREGATIONS))
     _check(e, L.beta >= 0, "loss.beta", L.beta, "must be >= 0")
     _check(e, L.num_iterations >= 1, "loss.num_iterations", L.num_iterations, "must be >= 1")
     return e + check_family_config(cfg)  # also reward.overlong_buffer and rollout.dynamic_sampling
@@ -238,8 +238,7 @@ def precision(cfg) -> list[str]:
                  "optim.master_weights=true (fp32 masters) or null, or use trainer=fsdp / fsdp_zero2 / deepspeed_zero2")
     _check(e, m.dtype != "float16", "model.dtype", m.dtype,
            "float16 training needs loss scaling, which is not implemented; use bfloat16 (evaluation may use float16)")
-    _check(e, t.logprob_dtype in LOGPROB_DTYPES, "trainer.logprob_dtype", t.logprob_dtype,
-           f"must be one of: {', '.join(LOGPROB_DTYPES)}")
+    _one_of(e, "trainer.logprob_dtype", t.logprob_dtype, LOGPROB_DTYPES)
     return e
 
 
@@ -341,10 +340,10 @@ def reward_and_data(cfg) -> list[str]:
     _check(e, rw.hard_timeout_s > 0, "reward.hard_timeout_s", rw.hard_timeout_s, "must be > 0")
     e += extraction(rw, "reward.extraction")
     order = d.get("order", "shuffled")
-    _check(e, order in ("shuffled", "reference"), "data.order", order, "must be one of: shuffled, reference")
+    _one_of(e, "data.order", order, ("shuffled", "reference"))
     _check(e, order == "shuffled" or d.name != "arithmetic", "data.order", order,
            "reference is the order of a hub dataset (data=deepmath); the arithmetic stream is generated")
-    _check(e, d.name in DATASETS, "data.name", d.name, f"must be one of: {', '.join(sorted(DATASETS))}")
+    _one_of(e, "data.name", d.name, sorted(DATASETS))
     if d.name == "arithmetic":  # the knobs must allow the fixed splits: say so before any model is built
         from grail_exp.data.sources import arithmetic_task
 
@@ -367,7 +366,7 @@ def extraction(node, key: str) -> list[str]:
     from grail_exp.grading.extraction import MODES
 
     mode, e = node.get("extraction", "last_balanced"), []
-    _check(e, mode in MODES, key, mode, f"must be one of: {', '.join(MODES)}")
+    _one_of(e, key, mode, MODES)
     return e
 
 
@@ -387,12 +386,11 @@ def model_and_evaluation(cfg) -> list[str]:
            f"must be a positive multiple of eval.n = {ev.n}: one generate() call (a chunk, the unit the ranks share "
            "and the cache keeps) holds whole problems, eval.batch_size / eval.n of them")
     _check(e, b.limit is None or b.limit >= 1, "benchmark.limit", b.limit, "must be >= 1 or null")
-    _check(e, m.dtype in ("float32", "bfloat16", "float16"), "model.dtype", m.dtype,
-           "must be one of: float32, bfloat16, float16")
-    _check(e, m.prompt_style in ("chat", "plain"), "model.prompt_style", m.prompt_style, "must be one of: chat, plain")
+    _one_of(e, "model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    _one_of(e, "model.prompt_style", m.prompt_style, ("chat", "plain"))
     _check(e, m.cpu_explicit_attention_max_scores >= 0, "model.cpu_explicit_attention_max_scores",
            m.cpu_explicit_attention_max_scores, "must be >= 0 (0 = always the fused attention kernel)")
-    _check(e, cfg.logger.name in ("mlflow", "none"), "logger.name", cfg.logger.name, "must be one of: mlflow, none")
+    _one_of(e, "logger.name", cfg.logger.name, ("mlflow", "none"))
     e += check_model_config(m) + check_packaged_model(m.name_or_path)  # random_init / tokenizer keys; pkg:<name>
     for i, ex in enumerate(m.get("few_shot") or []):
         _check(e, hasattr(ex, "keys") and {"question", "answer"} <= set(ex.keys()), f"model.few_shot[{i}]", ex,
@@ -565,7 +563,7 @@ def memory_plan(cfg) -> list[str]:
 def validate_eval(cfg: DictConfig) -> DictConfig:
     """Validation for ``python -m grail_exp.evaluate`` (before any model is loaded)."""
     e: list[str] = []
-    _check(e, cfg.rollout.engine in ("hf", "vllm"), "rollout.engine", cfg.rollout.engine, "must be one of: hf, vllm")
+    _one_of(e, "rollout.engine", cfg.rollout.engine, ("hf", "vllm"))
     _check(e, cfg.reward.hard_timeout_s > 0, "reward.hard_timeout_s", cfg.reward.hard_timeout_s, "must be > 0")
     _raise([*e, *vllm(cfg), *model_and_evaluation(cfg), *model_and_benchmark_files(cfg)])
     return cfg

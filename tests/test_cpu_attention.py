@@ -176,7 +176,7 @@ def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
     reduction per stage; the explicit path ran in the training pass and not under no_grad."""
     from grail_exp.compute import attention as cpu_attention
     from grail_exp.compute.forward import policy_forward
-    from grail_exp.models.loading import use_kernel_gqa
+    from grail_exp.compute.model_attention import use_kernel_gqa
     from helpers.batches import interleaved_training_batch
     from helpers.pinned_step import build_model_and_tokenizer
 
@@ -203,7 +203,8 @@ def test_model_forward_and_gradients_equal_the_fused_kernel(share, monkeypatch):
 
 
 def test_config_key_reaches_every_attention_module(compose_cfg):
-    from grail_exp.models.loading import EXPLICIT_ATTENTION_ATTR, load_causal_lm, resolve_model_path
+    from grail_exp.compute.model_attention import EXPLICIT_ATTENTION_ATTR
+    from grail_exp.models.loading import load_causal_lm, resolve_model_path
     from grail_exp.validate import validate
 
     tiny = "model.random_init_overrides={num_hidden_layers: 2, hidden_size: 72, intermediate_size: 96}"

@@ -266,7 +266,10 @@ def test_grouped_decode_attention_is_each_rows_softmax_attention():
     """One decode step of the grouped attention against a brute-force loop: row r's query against the concatenation of
     its prompt's keys (padding masked) and its own generated keys, softmax in float64. Rows of unequal groups (a
     prompt with no row left, one with one), grouped-query heads (4 query heads per key head)."""
-    from grail_exp.rollout.decode import DecodeKV, RowGroups, grouped_decode_attention
+    from types import SimpleNamespace
+
+    from grail_exp.compute.attention import RowGroups
+    from grail_exp.compute.model_attention import DECODE_PROMPTS, DecodeKV, grouped_decode_attention
 
     g = torch.Generator().manual_seed(0)
     U, Hkv, Hq, P, D, T = 3, 2, 8, 5, 4, 6
@@ -277,7 +280,9 @@ def test_grouped_decode_attention_is_each_rows_softmax_attention():
     for _ in range(3):  # three generated positions per row
         kv.write(torch.randn(4, Hkv, 1, D, generator=g), torch.randn(4, Hkv, 1, D, generator=g))
     q = torch.randn(4, Hq, 1, D, generator=g)
-    out, _ = grouped_decode_attention(None, q, kv, None, scaling=0.5)
+    # the layer's own generated keys and values as key / value, its prompts' part through the keyword (layer 1 of 2)
+    out, _ = grouped_decode_attention(SimpleNamespace(layer_idx=1), q, kv.kg[:, :, :3], kv.vg[:, :, :3], scaling=0.5,
+                                      **{DECODE_PROMPTS: [None, kv]})
     for r, u in enumerate([0, 0, 0, 2]):
         for h in range(Hq):
             kh = h // (Hq // Hkv)

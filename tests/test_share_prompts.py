@@ -24,10 +24,10 @@ from helpers.tolerances import MODEL_REORDER
 
 def set_attention(model, attn: str) -> None:
     """``eager`` | ``sdpa`` (transformers' own) | ``sdpa_gqa``: the CPU attention real models load with
-    (``grail_exp.models.loading.use_kernel_gqa``), whose suffix pass over shared prompts runs the prompt / suffix attention on
+    (``grail_exp.compute.model_attention.use_kernel_gqa``), whose suffix pass over shared prompts runs the prompt / suffix attention on
     the suffixes' real positions only (``grail_exp.compute.attention.SuffixPacking``)."""
     from grail_exp.compute.attention import DEFAULT_MAX_SCORES
-    from grail_exp.models.loading import use_kernel_gqa
+    from grail_exp.compute.model_attention import use_kernel_gqa
 
     model.config._attn_implementation = "sdpa" if attn == "sdpa_gqa" else attn
     if attn == "sdpa_gqa":

@@ -80,7 +80,7 @@ def time_shape(a: DictConfig, lq: int, lk: int, warmup: int, repeats: int, seed:
 def time_policy(cfg: DictConfig, policy, batch, bench: DictConfig) -> dict:
     """The policy's forward + backward over the batch, fused kernel vs the run's setting, alternating per batch."""
     from grail_exp.compute.forward import policy_forward, share_prompts_of
-    from grail_exp.models.loading import use_kernel_gqa
+    from grail_exp.compute.model_attention import use_kernel_gqa
 
     setting = int(cfg.model.cpu_explicit_attention_max_scores)
     share, micro, rows = share_prompts_of(cfg), int(bench.micro_batch_size), batch.input_ids.shape[0]

@@ -25,7 +25,8 @@ import torch
 
 from grail_exp.compute.leading_rows import live_rows, pad_rows, will_run
 
-SDPA_GQA = "sdpa_gqa"  # transformers' SDPA attention, grouped-query heads left to the kernel on CPU (models.use_kernel_gqa)
+SDPA_GQA = "sdpa_gqa"  # transformers' SDPA attention, grouped-query heads left to the kernel on CPU (model_attention.py)
+SHARED_PROMPTS = "shared_prompts"  # the keyword carrying a suffix pass's prompts (one PrefixLayer per decoder layer)
 
 # The default of model.cpu_explicit_attention_max_scores (query x key positions per head): where the explicit path
 # stops being the faster one on a 2-core x86 machine (bench.mode=attention, explicit / fused at 2 threads: 0.87 at
@@ -204,7 +205,7 @@ class PrefixSuffixAttention(torch.autograd.Function):
         P = softmax([S_p, S_s])      O = P_p V_p[g(r)] + P_s V_s
 
     with the rows of one prompt stacked into one product against that prompt's keys and values (as the decode step
-    does, ``grail_exp/rollout/decode.py``): (G · heads · S) × L products per prompt instead of a copy of the prompt per
+    does, ``grail_exp/compute/model_attention.py``): (G · heads · S) × L products per prompt instead of a copy of the prompt per
     row and G small products; the prompt's gradients dK_p = scale · dS_pᵀ Q and dV_p = P_pᵀ dO come out summed over its
     rows by the same products. Float32 for half-precision inputs, the backward recomputes P from the saved
     log-sum-exp (``ExplicitAttention``'s scheme)."""

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grail_exp.compute.attention import SDPA_GQA, PrefixSuffixKV, RowGroups, SuffixPacking
+from grail_exp.compute.attention import SDPA_GQA, SHARED_PROMPTS, RowGroups, SuffixPacking
 from grail_exp.compute.leading_rows import LeadingRows, leading_rows, narrows
 from grail_exp.compute.logprobs import linear_logprob
 
@@ -109,7 +109,7 @@ class SharedPrefix:
               packing: SuffixPacking | None = None):
         """A transformers ``DynamicCache`` holding each row's prompt (rows of the micro-batch; default all): a copy of
         the prompt's keys and values per row, or (``grouped``) layers whose ``update`` hands the attention the prompts
-        and the suffix apart (``PrefixSuffixKV``: only the model's ``sdpa_gqa`` attention reads it; ``packing``: the
+        and the suffix apart (the prompts as the keyword ``SHARED_PROMPTS``: only the model's ``sdpa_gqa`` attention reads it; ``packing``: the
         suffix pass runs on its real positions only)."""
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -139,7 +139,8 @@ def _prefix_layer_class():
     from transformers.cache_utils import DynamicLayer
 
     class PrefixLayer(DynamicLayer):
-        """A cache layer holding the distinct prompts' keys and values: ``update`` returns them with the suffix's, apart."""
+        """A cache layer holding the distinct prompts' keys and values, which the attention reads through the keyword
+        ``SHARED_PROMPTS`` (``compute/model_attention.py``); ``update`` returns the suffix pass's own."""
 
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, groups: RowGroups, packing=None):
             super().__init__()
@@ -147,7 +148,7 @@ def _prefix_layer_class():
             self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
 
         def update(self, keys, values, *args, **kwargs):
-            return PrefixSuffixKV(self.prefix_keys, self.prefix_values, keys, values, self.groups, self.packing), None
+            return keys, values  # the pass's own; the prompts reach the attention as the SHARED_PROMPTS keyword
 
         def get_seq_length(self) -> int:
             return self.prefix_keys.shape[2]
@@ -157,7 +158,7 @@ def _prefix_layer_class():
 
 def grouped_prefix_attention(model) -> bool:
     """Whether the suffix pass hands the attention the prompts apart (``SharedPrefix.cache(grouped=True)``): the
-    model's attention is ``sdpa_gqa`` (``grail_exp.models.loading.use_kernel_gqa``) on CPU, which reads that form where its
+    model's attention is ``sdpa_gqa`` (``grail_exp.compute.model_attention.use_kernel_gqa``) on CPU, which reads that form where its
     explicit attention applies (under autograd, short sequences) and concatenates the parts elsewhere."""
     cfg = getattr(model, "config", None)
     return (getattr(cfg, "_attn_implementation", None) == SDPA_GQA
@@ -389,16 +390,22 @@ def suffix_pass(model, prefix: SharedPrefix, embeds: torch.Tensor, suffix_mask: 
     mask = prefix.attention_mask(suffix_mask, rows)
     real = suffix_mask.bool()
     if not grouped or hidden_states or bool(real[:, -1].all()):  # no row ends before the last column: nothing to drop
-        out = body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                   past_key_values=prefix.cache(rows, detach=detach, grouped=grouped), use_cache=True,
-                   output_hidden_states=hidden_states)
+        cache = prefix.cache(rows, detach=detach, grouped=grouped)
+        out = body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                   use_cache=True, output_hidden_states=hidden_states, **_shared(cache, grouped))
         return out.last_hidden_state, out.hidden_states if hidden_states else None, real.numel(), None
     prompt_columns = mask.shape[1] - real.shape[1]
     packing = SuffixPacking(suffix_mask, mask[:, :prompt_columns])
+    cache = prefix.cache(rows, detach=detach, grouped=True, packing=packing)
     out = body(inputs_embeds=packing.pack(embeds), position_ids=packing.pack(position_ids),
                attention_mask=mask.new_ones(1, prompt_columns + packing.index.numel()),  # the attention uses packing.mask
-               past_key_values=prefix.cache(rows, detach=detach, grouped=True, packing=packing), use_cache=True)
+               past_key_values=cache, use_cache=True, **_shared(cache, True))
     return packing.unpack(out.last_hidden_state), None, packing.index.numel(), packing.row_offsets
+
+
+def _shared(cache, grouped: bool) -> dict:
+    """The keyword that hands a grouped suffix pass's prompts to the attention (none for a plain cache)."""
+    return {SHARED_PROMPTS: cache.layers} if grouped else {}
 
 
 class _Anchor(torch.autograd.Function):

@@ -18,15 +18,10 @@ from pathlib import Path
 
 import torch
 
-from grail_exp.compute.attention import (
-    DEFAULT_MAX_SCORES,
-    SDPA_GQA,
-    PrefixSuffixKV,
-    explicit_attention,
-    prefix_suffix_attention,
-)
+from grail_exp.compute.attention import DEFAULT_MAX_SCORES
 from grail_exp.compute.forward import decoder_body
 from grail_exp.compute.leading_rows import narrow_backward
+from grail_exp.compute.model_attention import use_kernel_gqa
 from grail_exp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -309,73 +304,6 @@ def model_skeleton(path: str, cfg):
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=DTYPES[m.dtype], trust_remote_code=m.trust_remote_code,
                                                 **extra)
-
-
-def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-                       **kwargs):
-    """transformers' SDPA attention, except on CPU with a mask:
-
-    - grouped-query heads: transformers repeats each key/value head for its query heads (``repeat_kv``; it lets the
-      kernel group them only without a mask, for CUDA kernels' sake), and autograd keeps the repeated copies — for
-      SmolLM2 (9 query heads, 3 key/value heads) 3x the keys and values of every layer. The CPU kernel groups them
-      itself (``enable_gqa``), with the same numbers (tests/test_share_prompts.py compares).
-    - short sequences under autograd: two products and a float32 softmax (``grail_exp/compute/attention.py``) instead of
-      the fused kernel, up to ``model.cpu_explicit_attention_max_scores`` query × key positions (the attribute
-      ``use_kernel_gqa`` sets on each attention module; 0 = never)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(key, PrefixSuffixKV):  # a suffix pass over shared prompts (grail_exp/compute/forward.py)
-        kv = key
-        if kv.packing is not None:  # a pass on its real positions only: this attention in the padded layout, repacked
-            padded = PrefixSuffixKV(kv.kp, kv.vp, kv.ks, kv.vs, kv.groups)
-            out, _ = sdpa_gqa_attention(module, kv.packing.unpack_heads(query), padded, None, kv.packing.mask, dropout,
-                                        scaling, is_causal, **kwargs)
-            return kv.packing.pack(out), None
-        if (_explicit_applies(module, query, kv.kp.shape[2] + kv.ks.shape[2], attention_mask, dropout,
-                              (query, kv.kp, kv.vp, kv.ks, kv.vs)) and attention_mask.dtype == torch.bool):
-            return prefix_suffix_attention(query, kv, attention_mask, scale).transpose(1, 2).contiguous(), None
-        key, value = kv.expanded()
-    if query.device.type != "cpu" or attention_mask is None or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    if _explicit_applies(module, query, key.shape[2], attention_mask, dropout, (query, key, value)):
-        out = explicit_attention(query, key, value, attention_mask, scale)
-    elif getattr(module, "num_key_value_groups", 1) == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                               dropout_p=dropout, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
-
-
-EXPLICIT_ATTENTION_ATTR = "cpu_explicit_attention_max_scores"
-
-
-def _explicit_applies(module, query, keys: int, mask, dropout: float, inputs) -> bool:
-    """The explicit CPU attention's regime: CPU, a (B, 1, Lq, Lk) mask, no dropout, under autograd with an input that
-    needs a gradient, and at most the module's ``cpu_explicit_attention_max_scores`` query × key positions."""
-    return (query.device.type == "cpu" and mask is not None and dropout == 0.0 and torch.is_grad_enabled()
-            and mask.dim() == 4 and mask.shape[1] == 1
-            and query.shape[2] * keys <= getattr(module, EXPLICIT_ATTENTION_ATTR, 0)
-            and any(t.requires_grad for t in inputs))
-
-
-def use_kernel_gqa(model, explicit_max_scores: int = 0) -> None:
-    """A model loaded with ``attn_implementation=sdpa`` runs ``sdpa_gqa_attention`` (registered with transformers under
-    ``SDPA_GQA``, with SDPA's own mask construction); its attention modules take the explicit float32 attention on
-    CPU under autograd up to ``explicit_max_scores`` query × key positions."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)
-    if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        model.config._attn_implementation = SDPA_GQA
-    for mod in model.modules():
-        if hasattr(mod, "num_key_value_groups"):
-            setattr(mod, EXPLICIT_ATTENTION_ATTR, int(explicit_max_scores))
 
 
 def narrows_backward(cfg) -> bool:

@@ -39,6 +39,7 @@ import contextlib
 
 import torch
 
+from grail_exp.compute.attention import SDPA_GQA, RowGroups
 from grail_exp.compute.forward import (
     can_share_prompts,
     decoder_body,
@@ -46,10 +47,8 @@ from grail_exp.compute.forward import (
     position_ids_from_mask,
     prompts_once,
 )
-from grail_exp.models.loading import SDPA_GQA
+from grail_exp.compute.model_attention import DECODE_PROMPTS, decode_cache, register_decode_attention
 from grail_exp.rollout.base import Completion, SamplingParams
-from grail_exp.rollout.decode import RowGroups, decode_cache
-from grail_exp.rollout.decode import register as register_grouped_attention
 
 DECODERS = ("lean", "transformers")
 DRAWS = ("multinomial", "inverse_cdf")  # the lean decoder's draw (module docstring)
@@ -327,7 +326,7 @@ def sample(model, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams,
     live = torch.ones(B, dtype=torch.bool, device=dev)  # unfinished, per computed row
     impl = model.config._attn_implementation
     try:
-        model.config._attn_implementation = register_grouped_attention()
+        model.config._attn_implementation = register_decode_attention()
         for t in range(T):
             scores = logits
             for proc in before:
@@ -349,7 +348,8 @@ def sample(model, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams,
                 for layer in cache.layers:
                     layer.kv.keep(keep)
                     layer.kv.groups = groups
-            out = body(input_ids=nxt[:, None], position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+            out = body(input_ids=nxt[:, None], position_ids=next_pos[:, None], past_key_values=cache, use_cache=True,
+                       **{DECODE_PROMPTS: [layer.kv for layer in cache.layers]})
             next_pos = next_pos + 1
             logits = _head(out.last_hidden_state[:, -1], weight, bias)
     finally:

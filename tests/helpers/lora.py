@@ -38,9 +38,10 @@ def lora_one_step(overrides: list[str], share: bool, narrow: bool, attn: str = "
     from grail_exp.advantages import build_scheme
     from grail_exp.compute.attention import DEFAULT_MAX_SCORES
     from grail_exp.compute.forward import share_prompts_of
+    from grail_exp.compute.model_attention import use_kernel_gqa
     from grail_exp.loss import build_terms
     from grail_exp.models import lora
-    from grail_exp.models.loading import narrow_if_configured, use_kernel_gqa
+    from grail_exp.models.loading import narrow_if_configured
     from grail_exp.training.module import Parts, RLVRModule
     from helpers.batches import interleaved_training_batch
     from helpers.pinned_step import build_model_and_tokenizer, pinned_config

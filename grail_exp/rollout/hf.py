@@ -226,12 +226,10 @@ class HFMergedLoraEngine(HFRolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        from grail_exp.models.lora import adapters_disabled
-
         if not self.merged:
             raise RuntimeError("the HF engine under peft.sync=merged has no merged weights yet: sync it first "
                                "(the trainer's sync_engine, or sync_weights(policy))")
-        with adapters_disabled(self.model), self._merged_in():
+        with self._merged_in():  # no adapter wrapper on the path: nothing to switch off
             return super().generate(prompts, params)
 
     @contextlib.contextmanager
